@@ -1,0 +1,48 @@
+# Every target sets itself up first (idempotent), so a fresh clone needs only `make demo` / `make test`.
+PY := .venv/bin/python
+SETUP := bash scripts/setup.sh
+
+.PHONY: setup gen gates test test-fast demo bench fuzz reliability baseline clean
+
+setup:
+	@$(SETUP)
+
+## Regenerate pdproto/v1 from protos/ (commit the result).
+gen: setup
+	@sh scripts/gen_protos.sh
+
+## Schema and type gates: buf lint/format/breaking, regen diff, mypy --strict.
+gates: setup
+	@bash scripts/gates.sh
+
+## Every gate, then every test.
+test: setup
+	@bash scripts/gates.sh
+	@bash scripts/run_tests.sh
+
+## Tests only (no gates), for quick iteration.
+test-fast: setup
+	@bash scripts/run_tests.sh
+
+## The end-to-end demo: real processes, real engines, every byte checked.
+demo: setup
+	@$(PY) -m pdproto_server.cli demo
+
+## Benchmarks, reported as ratios against a baseline measured in the same run.
+bench: setup
+	@$(PY) -m bench
+
+## Long fuzz run (100,000+ inputs per target).
+fuzz: setup
+	@$(PY) -m tests.fuzz.run --runs 100000
+
+## Fault injection, version skew, limits and load; prints one table.
+reliability: setup
+	@$(PY) -m tests.reliability.run
+
+## Rebuild the buf breaking baseline (only on a deliberate compatibility decision).
+baseline: setup
+	@.venv/bin/buf build --exclude-source-info -o '-#format=json' | $(PY) -m json.tool --indent 1 > compat/pdproto.v1.baseline.json
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .hypothesis

@@ -1,0 +1,1 @@
+"""pdproto_server: the prefill-side gRPC handshake service, CLI and demo."""
