@@ -1,12 +1,50 @@
-"""The ``pdproto`` command line (placeholder until subcommands land)."""
+"""The ``pdproto`` command line: one subcommand per module, imported only when used."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
+
+# name -> (module under pdproto_server, one-line help). Each module defines
+#   add_arguments(parser: argparse.ArgumentParser) -> None
+#   run(args: argparse.Namespace) -> int
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pdproto_server.cmd_serve", "run the prefill-side handshake service"),
+    "demo": ("pdproto_server.cmd_demo", "end-to-end transfer demo with real engines and processes"),
+    "plan": ("pdproto_server.cmd_plan", "show a DCP relayout plan: runs, descriptors, bytes per rank"),
+    "check": ("pdproto_server.cmd_check", "topology verdict and deployment findings for a P/D pair"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="pdproto", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            sp.set_defaults(_missing=module_name)
+            continue
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the pdproto CLI."""
-    del argv
-    print("pdproto: no subcommands yet", file=sys.stderr)
-    return 2
+    """Run the pdproto CLI and return its exit status."""
+    args = build_parser().parse_args(argv)
+    missing = getattr(args, "_missing", None)
+    if missing is not None:
+        print(f"pdproto {args.command}: not available in this build ({missing} missing)", file=sys.stderr)
+        return 2
+    rc: int = args._run(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

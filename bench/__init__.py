@@ -1,0 +1,1 @@
+"""Benchmarks run by ``make bench``; each bench_*.py module has a ``main() -> int``."""
