@@ -1,0 +1,1 @@
+"""pdproto tests."""

@@ -1,0 +1,1 @@
+"""Fuzz harnesses (atheris + hypothesis)."""

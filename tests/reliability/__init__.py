@@ -1,0 +1,1 @@
+"""Fault injection, version skew, limits and load scenarios."""
