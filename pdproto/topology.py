@@ -1,0 +1,484 @@
+"""Topology negotiation: (PrefillServerInfo, KvRegistration) -> Decision or Rejection.
+
+One pure function decides, per decode peer, how the prefill lays rows out for it, so
+the prefill (``negotiate``) and the decode (``check_pair``) compute the same answer
+from the same pair. SGLang 0.5.23 ran two different rule sets on two threads and
+raised in a listener that served every peer; here an unsupported pair is a value.
+
+Rules, checked in this order (the first failing rule is the one reported):
+
+1. protocol major versions equal (and spoken by this package) ..... UNSUPPORTED_VERSION
+2. the decode's transport is a backend the prefill serves ........ TOPOLOGY_BACKEND_UNSUPPORTED
+3. model ids equal when both are set ............................ TOPOLOGY_MODEL_MISMATCH
+4. every rank inside its group (DCP, PP; prefill attention TP/CP)  TOPOLOGY_RANK_OUT_OF_RANGE
+5. attention kinds equal when both are set ...................... TOPOLOGY_ATTENTION_KIND_MISMATCH
+6. KV dtypes equal when both are set ............................ TOPOLOGY_KV_DTYPE_MISMATCH
+7. DCP > 1 on either side needs MLA or hybrid MLA on both ........ TOPOLOGY_DCP_REQUIRES_MLA
+8. no prefill KV cache sharding with DCP on either side .......... TOPOLOGY_KV_SHARDING_WITH_DCP
+9. no prefill attention CP > 1 with DCP on either side ........... TOPOLOGY_PREFILL_CP_UNSUPPORTED
+10. decode PP equals prefill PP or is 1 ......................... TOPOLOGY_PP_MISMATCH
+11. layout: equal DCP sizes need equal ranks (SAME_LAYOUT); other
+    sizes need ranks that share tokens (s = d mod gcd) .......... TOPOLOGY_DCP_RANK_MISMATCH
+12. SAME_LAYOUT needs equal page sizes (relayout does not) ....... TOPOLOGY_PAGE_SIZE_MISMATCH
+13. entries resolve by layer id or position (pdproto.dcp.layers)  LAYER_METADATA_ONE_SIDED,
+    LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
+14. per-entry bytes per token equal, with no remainder .......... TOPOLOGY_ROW_SIZE_MISMATCH
+15. relayout destinations all in one memory kind ................ TOPOLOGY_MEMORY_KIND_MIXED
+
+Bytes per token of an entry = item_len / rows per page, where a target entry's page
+holds ``page_size`` rows and a draft entry's page holds ``page_size * dcp_size`` rows
+(the draft pool is never DCP-sharded, so it uses virtual pages).
+
+Malformed input raises ``InvalidFieldError`` (reason INVALID_FIELD, ``field`` names the
+path) instead of returning a rejection: a page size of 0, an entry list that is empty,
+an item_len of 0 that no legacy scalar can stand in for, or a legacy ``kv_item_len``
+that contradicts entry 0. Optional data that legacy peers never sent (dtype, model id,
+attention kind, version) is compared only when present; an absent version is read as
+the version this package speaks.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import types
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
+from pdproto._topology_examples import example_registration, example_server_info
+from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
+from pdproto.errors import InvalidFieldError, Reason, TopologyError
+
+_MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
+
+
+class Mode(enum.IntEnum):
+    """How rows are laid out for a peer; values equal ``pdproto.v1.NegotiationMode``."""
+
+    SAME_LAYOUT = 1
+    DENSE_TO_DCP = 2
+    DCP_TO_DCP = 3
+    DCP_TO_DENSE = 4
+
+    @property
+    def requires_relayout(self) -> bool:
+        """True unless pages copy as pages."""
+        return self is not Mode.SAME_LAYOUT
+
+
+@dataclass(frozen=True)
+class Group:
+    """A parallel group as negotiation reads it: size (0 on the wire reads as 1) and rank."""
+
+    size: int
+    """Number of ranks, at least 1."""
+    rank: int
+    """This rank's index."""
+
+    @classmethod
+    def from_proto(cls, group: v1.ParallelGroup) -> Group:
+        """Read a ``ParallelGroup``; an unset size means 1."""
+        return cls(size=group.size or 1, rank=group.rank)
+
+    def to_proto(self) -> v1.ParallelGroup:
+        """The ``ParallelGroup`` message."""
+        return v1.ParallelGroup(size=self.size, rank=self.rank)
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """One prefill entry paired with one decode entry, with each side's bytes per token."""
+
+    src_entry: int
+    """Index into ``PrefillServerInfo.kv_entries``."""
+    dst_entry: int
+    """Index into ``KvRegistration.kv_buffers``."""
+    src_token_bytes: int
+    """Bytes of one token row on the prefill."""
+    dst_token_bytes: int
+    """Bytes of one token row on the decode (equal to the source today)."""
+    role: EntryRole
+    """Target or draft."""
+
+    def to_proto(self) -> v1.EntryPairing:
+        """The ``EntryPairing`` message."""
+        return v1.EntryPairing(
+            src_entry=self.src_entry, dst_entry=self.dst_entry,
+            src_token_bytes=self.src_token_bytes, dst_token_bytes=self.dst_token_bytes,
+            role=int(self.role),  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An accepted pair: the layout mode and everything the planner and executor need."""
+
+    mode: Mode
+    """Layout mode."""
+    pairings: tuple[Pairing, ...]
+    """One pairing per prefill entry, in prefill entry order."""
+    src_dcp: Group
+    """Prefill DCP group."""
+    dst_dcp: Group
+    """Decode DCP group."""
+    src_page_size: int
+    """Prefill physical page size in tokens."""
+    dst_page_size: int
+    """Decode physical page size in tokens."""
+    backend: int
+    """``pdproto.v1.Backend`` value that moves the bytes."""
+    version: tuple[int, int]
+    """Agreed (major, minor): the common major and the smaller minor."""
+
+    @property
+    def requires_relayout(self) -> bool:
+        """True when rows are replanned per request instead of copied page by page."""
+        return self.mode.requires_relayout
+
+    def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
+        """The ``NegotiationResult`` message for this peer."""
+        return v1.NegotiationResult(
+            peer_id=peer_id,
+            mode=int(self.mode),  # type: ignore[arg-type]
+            entries=[p.to_proto() for p in self.pairings],
+            src_dcp=self.src_dcp.to_proto(),
+            dst_dcp=self.dst_dcp.to_proto(),
+            backend=self.backend,  # type: ignore[arg-type]
+            version=v1.ProtocolVersion(major=self.version[0], minor=self.version[1]),
+            src_page_size=self.src_page_size,
+            dst_page_size=self.dst_page_size,
+        )
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A pair that cannot be served: the reason, a message, and the offending values."""
+
+    reason: Reason
+    """Machine-readable reason."""
+    message: str
+    """Human explanation naming the values."""
+    metadata: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Offending values, keys in lowerCamelCase (they become ErrorInfo metadata)."""
+
+    def __post_init__(self) -> None:
+        # Freeze the mapping too, so a Rejection is a value all the way down.
+        frozen = types.MappingProxyType({str(k): str(v) for k, v in self.metadata.items()})
+        object.__setattr__(self, "metadata", frozen)
+
+    def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
+        """A ``NegotiationResult`` with only ``rejection`` (and ``peer_id``) set."""
+        return v1.NegotiationResult(
+            peer_id=peer_id,
+            rejection=v1.Rejection(
+                reason=self.reason.code, message=self.message, metadata=dict(self.metadata)
+            ),
+        )
+
+    def to_error(self) -> TopologyError:
+        """The same verdict as a raisable ``TopologyError``."""
+        return TopologyError(self.message, reason=self.reason, metadata=self.metadata)
+
+
+def backend_of(registration: v1.KvRegistration) -> int:
+    """The ``Backend`` a registration's transport oneof names (UNSPECIFIED when unset)."""
+    kind = registration.WhichOneof("transport")
+    return {
+        "mooncake": v1.BACKEND_MOONCAKE,
+        "nixl": v1.BACKEND_NIXL,
+        "local": v1.BACKEND_LOCAL,
+    }.get(kind or "", v1.BACKEND_UNSPECIFIED)
+
+
+def _reject(reason: Reason, message: str, **metadata: object) -> TopologyError:
+    """An internal short-circuit carrying a rejection; ``negotiate`` turns it into a value."""
+    return TopologyError(message, reason=reason, metadata=metadata)
+
+
+def _enum_name(enum_type: object, value: int) -> str:
+    """Name of a proto enum value, or the number when unknown (newer peer)."""
+    try:
+        return str(enum_type.Name(value))  # type: ignore[attr-defined]
+    except ValueError:
+        return str(value)
+
+
+def _validate(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> None:
+    """Raise ``InvalidFieldError`` for input that cannot be interpreted at all."""
+    if info.page_size == 0:
+        raise InvalidFieldError("info.page_size", "prefill page_size must be > 0")
+    if reg.page_size == 0:
+        raise InvalidFieldError("registration.page_size", "decode page_size must be > 0")
+    if not info.kv_entries:
+        raise InvalidFieldError("info.kv_entries", "prefill publishes no KV entries")
+    if not reg.kv_buffers:
+        raise InvalidFieldError("registration.kv_buffers", "decode registers no KV buffers")
+    for i, e in enumerate(info.kv_entries):
+        if e.item_len == 0:
+            raise InvalidFieldError(f"info.kv_entries[{i}].item_len", "item_len must be > 0")
+    first = reg.kv_buffers[0].item_len
+    if reg.kv_item_len and first and reg.kv_item_len != first:
+        raise InvalidFieldError(
+            "registration.kv_item_len",
+            f"legacy kv_item_len {reg.kv_item_len} contradicts kv_buffers[0].item_len {first}",
+            metadata={"kvItemLen": reg.kv_item_len, "firstItemLen": first},
+        )
+    for i, b in enumerate(reg.kv_buffers):
+        role = EntryRole.from_proto(b.role)
+        if b.item_len == 0 and (role is EntryRole.DRAFT or reg.kv_item_len == 0):
+            raise InvalidFieldError(
+                f"registration.kv_buffers[{i}].item_len",
+                "item_len must be > 0 (a target entry may fall back to kv_item_len)",
+            )
+
+
+def _version(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> tuple[int, int]:
+    """Agreed protocol version, or a rejection when the majors differ."""
+    ours = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    p = (info.version.major, info.version.minor) if info.HasField("version") else ours
+    d = (reg.version.major, reg.version.minor) if reg.HasField("version") else ours
+    if p[0] != d[0] or p[0] != PROTOCOL_MAJOR:
+        raise _reject(
+            Reason.UNSUPPORTED_VERSION,
+            f"protocol major versions differ or are unsupported: prefill {p[0]}, decode {d[0]},"
+            f" supported {PROTOCOL_MAJOR}",
+            prefillMajor=p[0], decodeMajor=d[0], supportedMajor=PROTOCOL_MAJOR,
+        )
+    return p[0], min(p[1], d[1])
+
+
+def _check_ranks(**groups: Group) -> None:
+    """Reject the first group (in keyword order) whose rank is outside its size."""
+    for name, g in groups.items():
+        if g.rank >= g.size:
+            raise _reject(
+                Reason.TOPOLOGY_RANK_OUT_OF_RANGE,
+                f"{name} rank {g.rank} is outside 0..{g.size - 1}",
+                group=name, rank=g.rank, size=g.size,
+            )
+
+
+def _mode(src: Group, dst: Group) -> Mode:
+    """The layout mode of a DCP pair, or a rejection when the two ranks share no tokens."""
+    if src.size == dst.size:
+        if src.rank != dst.rank:
+            raise _reject(
+                Reason.TOPOLOGY_DCP_RANK_MISMATCH,
+                f"equal DCP sizes ({src.size}) copy pages rank to rank, but prefill DCP rank"
+                f" {src.rank} != decode DCP rank {dst.rank}",
+                prefillDcpSize=src.size, prefillDcpRank=src.rank,
+                decodeDcpSize=dst.size, decodeDcpRank=dst.rank,
+            )
+        return Mode.SAME_LAYOUT
+    g = math.gcd(src.size, dst.size)
+    # Token p lives on source rank p % Ns and destination rank p % Nd: both hold some p
+    # iff the ranks agree modulo gcd(Ns, Nd). A pair sharing nothing is a wiring error.
+    if src.rank % g != dst.rank % g:
+        raise _reject(
+            Reason.TOPOLOGY_DCP_RANK_MISMATCH,
+            f"prefill DCP rank {src.rank}/{src.size} and decode DCP rank {dst.rank}/{dst.size}"
+            f" share no tokens (ranks must agree modulo {g})",
+            prefillDcpSize=src.size, prefillDcpRank=src.rank,
+            decodeDcpSize=dst.size, decodeDcpRank=dst.rank, gcd=g,
+        )
+    if src.size == 1:
+        return Mode.DENSE_TO_DCP
+    if dst.size == 1:
+        return Mode.DCP_TO_DENSE
+    return Mode.DCP_TO_DCP
+
+
+def _token_bytes(item_len: int, page_size: int, dcp_size: int, role: EntryRole,
+                 side: str, entry: int) -> int:
+    """Bytes per token row of an entry; a remainder is a rejection, not a floor."""
+    rows = page_size * (dcp_size if role is EntryRole.DRAFT else 1)
+    if item_len % rows:
+        raise _reject(
+            Reason.TOPOLOGY_ROW_SIZE_MISMATCH,
+            f"{side} entry {entry} ({role.name.lower()}): item_len {item_len} is not a multiple"
+            f" of its {rows} rows per page",
+            side=side, entry=entry, role=role.name, itemLen=item_len, rowsPerPage=rows,
+        )
+    return item_len // rows
+
+
+def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
+            backends: Collection[int] | None) -> Decision:
+    """Apply the rules in the module docstring; raise ``TopologyError`` on the first failure."""
+    version = _version(info, reg)
+
+    backend = backend_of(reg)
+    served = list(info.backends) if backends is None else list(backends)
+    # An empty list means the prefill did not publish one (legacy): any real backend goes.
+    if backend == v1.BACKEND_UNSPECIFIED or (served and backend not in served):
+        raise _reject(
+            Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
+            "decode registration names no transport (mooncake, nixl or local)"
+            if backend == v1.BACKEND_UNSPECIFIED else
+            f"decode backend {_enum_name(v1.Backend, backend)} is not served by this prefill",
+            decodeBackend=_enum_name(v1.Backend, backend),
+            servedBackends=",".join(_enum_name(v1.Backend, b) for b in served),
+        )
+
+    if info.model_id and reg.model_id and info.model_id != reg.model_id:
+        raise _reject(Reason.TOPOLOGY_MODEL_MISMATCH,
+                      f"model {info.model_id!r} on prefill, {reg.model_id!r} on decode",
+                      prefillModelId=info.model_id, decodeModelId=reg.model_id)
+
+    src_dcp, dst_dcp = Group.from_proto(info.dcp), Group.from_proto(reg.dcp)
+    src_pp, dst_pp = Group.from_proto(info.pp), Group.from_proto(reg.pp)
+    src_cp = Group.from_proto(info.attn_cp)
+    # The decode's attn_tp rank is not checked: SGLang sends its global TP rank there
+    # (dst_tp_rank), which exceeds the attention TP size under DP attention.
+    _check_ranks(decodeDcp=dst_dcp, decodePp=dst_pp,
+                 prefillDcp=src_dcp, prefillPp=src_pp, prefillAttnTp=Group.from_proto(info.attn_tp),
+                 prefillAttnCp=src_cp)
+
+    pk, dk = info.attention_kind, reg.attention_kind
+    if pk and dk and pk != dk:
+        raise _reject(Reason.TOPOLOGY_ATTENTION_KIND_MISMATCH,
+                      f"prefill KV pool is {_enum_name(v1.AttentionKind, pk)},"
+                      f" decode is {_enum_name(v1.AttentionKind, dk)}",
+                      prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
+                      decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
+
+    if info.kv_cache_dtype and reg.kv_cache_dtype and info.kv_cache_dtype != reg.kv_cache_dtype:
+        raise _reject(Reason.TOPOLOGY_KV_DTYPE_MISMATCH,
+                      f"KV dtype {info.kv_cache_dtype!r} on prefill, {reg.kv_cache_dtype!r} on decode",
+                      prefillKvCacheDtype=info.kv_cache_dtype, decodeKvCacheDtype=reg.kv_cache_dtype)
+
+    dcp_used = src_dcp.size > 1 or dst_dcp.size > 1
+    if dcp_used and not (pk in _MLA_KINDS and dk in _MLA_KINDS):
+        raise _reject(Reason.TOPOLOGY_DCP_REQUIRES_MLA,
+                      "DCP needs an MLA or hybrid-MLA KV pool on both sides",
+                      prefillDcpSize=src_dcp.size, decodeDcpSize=dst_dcp.size,
+                      prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
+                      decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
+    if dcp_used and info.enable_kv_cache_sharding:
+        raise _reject(Reason.TOPOLOGY_KV_SHARDING_WITH_DCP,
+                      "prefill KV cache sharding cannot be combined with DCP",
+                      prefillDcpSize=src_dcp.size, decodeDcpSize=dst_dcp.size)
+    if dcp_used and src_cp.size > 1:
+        raise _reject(Reason.TOPOLOGY_PREFILL_CP_UNSUPPORTED,
+                      f"prefill attention CP {src_cp.size} cannot feed a DCP layout",
+                      prefillAttnCpSize=src_cp.size, prefillDcpSize=src_dcp.size,
+                      decodeDcpSize=dst_dcp.size)
+    if dst_pp.size not in (src_pp.size, 1):
+        raise _reject(Reason.TOPOLOGY_PP_MISMATCH,
+                      f"decode PP {dst_pp.size} must equal prefill PP {src_pp.size} or be 1",
+                      prefillPpSize=src_pp.size, decodePpSize=dst_pp.size)
+
+    mode = _mode(src_dcp, dst_dcp)
+    if mode is Mode.SAME_LAYOUT and info.page_size != reg.page_size:
+        raise _reject(Reason.TOPOLOGY_PAGE_SIZE_MISMATCH,
+                      f"same layout copies pages: page sizes must match (prefill {info.page_size},"
+                      f" decode {reg.page_size})",
+                      prefillPageSize=info.page_size, decodePageSize=reg.page_size)
+
+    src_refs = [EntryRef(e.layer_id if e.HasField("layer_id") else None,
+                         EntryRole.from_proto(e.role)) for e in info.kv_entries]
+    dst_refs = [EntryRef(b.layer_id if b.HasField("layer_id") else None,
+                         EntryRole.from_proto(b.role)) for b in reg.kv_buffers]
+    mapping = resolve_entries(src_refs, dst_refs, src_pp_size=src_pp.size,
+                              dst_pp_size=dst_pp.size, src_start_layer=info.start_layer)
+
+    pairings = []
+    for i, (ref, j) in enumerate(zip(src_refs, mapping.dst_indices, strict=True)):
+        if dst_refs[j].role is not ref.role:  # resolve_entries pairs within a role
+            raise AssertionError("role changed across a pairing")
+        dst_item = reg.kv_buffers[j].item_len or reg.kv_item_len
+        sb = _token_bytes(info.kv_entries[i].item_len, info.page_size, src_dcp.size,
+                          ref.role, "prefill", i)
+        db = _token_bytes(dst_item, reg.page_size, dst_dcp.size, ref.role, "decode", j)
+        if sb != db:
+            raise _reject(Reason.TOPOLOGY_ROW_SIZE_MISMATCH,
+                          f"{ref.role.name.lower()} entry {i} -> {j}: {sb} bytes per token on"
+                          f" prefill, {db} on decode",
+                          prefillEntry=i, decodeEntry=j, role=ref.role.name,
+                          prefillTokenBytes=sb, decodeTokenBytes=db)
+        pairings.append(Pairing(i, j, sb, db, ref.role))
+
+    if mode.requires_relayout:
+        kinds = {reg.kv_buffers[p.dst_entry].memory_kind or v1.MEMORY_KIND_VRAM for p in pairings}
+        if len(kinds) > 1:
+            raise _reject(Reason.TOPOLOGY_MEMORY_KIND_MIXED,
+                          "relayout destinations must all live in one memory kind",
+                          decodeMemoryKinds=",".join(
+                              sorted(_enum_name(v1.MemoryKind, k) for k in kinds)))
+
+    return Decision(mode=mode, pairings=tuple(pairings), src_dcp=src_dcp, dst_dcp=dst_dcp,
+                    src_page_size=info.page_size, dst_page_size=reg.page_size,
+                    backend=backend, version=version)
+
+
+def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
+              backends: Collection[int] | None = None) -> Decision | Rejection:
+    """Decide how the prefill serves this decode peer (rules in the module docstring).
+
+    ``backends`` overrides ``info.backends`` as the set of ``Backend`` values served.
+    Returns a ``Rejection`` for a well-formed pair that cannot be served; raises
+    ``InvalidFieldError`` only for malformed input.
+    """
+    _validate(info, registration)
+    try:
+        return _decide(info, registration, backends)
+    except TopologyError as exc:
+        return Rejection(exc.reason, exc.message, exc.metadata)
+
+
+def from_result(result: v1.NegotiationResult) -> Decision | Rejection:
+    """Read a ``NegotiationResult`` back into a ``Decision`` or ``Rejection`` (decode side).
+
+    A rejection reason this package does not know (a newer peer) reads as INTERNAL, with
+    the original string kept in ``metadata["reason"]``; an accepted result without a
+    known mode raises ``InvalidFieldError``.
+    """
+    if result.HasField("rejection"):
+        rej = result.rejection
+        meta = dict(rej.metadata)
+        reason = Reason.__members__.get(rej.reason)
+        if reason is None:
+            reason, meta["reason"] = Reason.INTERNAL, rej.reason
+        return Rejection(reason, rej.message, meta)
+    if result.mode not in {m.value for m in Mode}:
+        raise InvalidFieldError("result.mode", f"accepted result has no known mode ({result.mode})")
+    return Decision(
+        mode=Mode(result.mode),
+        pairings=tuple(Pairing(p.src_entry, p.dst_entry, p.src_token_bytes, p.dst_token_bytes,
+                               EntryRole.from_proto(p.role)) for p in result.entries),
+        src_dcp=Group.from_proto(result.src_dcp),
+        dst_dcp=Group.from_proto(result.dst_dcp),
+        src_page_size=result.src_page_size,
+        dst_page_size=result.dst_page_size,
+        backend=result.backend,
+        version=(result.version.major, result.version.minor),
+    )
+
+
+def check_pair(registration: v1.KvRegistration, info: v1.PrefillServerInfo, *,
+               backends: Collection[int] | None = None) -> Decision:
+    """Decode-side check of a prefill before registering: the Decision, or raise.
+
+    Raises ``TopologyError`` carrying the rejection's reason and metadata, and
+    ``InvalidFieldError`` for malformed input; the verdict is ``negotiate``'s.
+    """
+    result = negotiate(info, registration, backends=backends)
+    if isinstance(result, Rejection):
+        raise result.to_error()
+    return result
+
+
+__all__ = [
+    "Decision",
+    "Group",
+    "Mode",
+    "Pairing",
+    "Rejection",
+    "backend_of",
+    "check_pair",
+    "example_registration",
+    "example_server_info",
+    "from_result",
+    "negotiate",
+]
