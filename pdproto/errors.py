@@ -17,6 +17,8 @@ class Reason(enum.IntEnum):
     WIRE_TRUNCATED = 2
     WIRE_EMPTY_BODY = 3
     UNSUPPORTED_VERSION = 4
+    WIRE_UNKNOWN_BODY = 5
+    WIRE_UNEXPECTED_BODY = 6
     LEGACY_FRAME_COUNT = 10
     LEGACY_BAD_INTEGER = 11
     LEGACY_BAD_TEXT = 12
@@ -24,6 +26,8 @@ class Reason(enum.IntEnum):
     LEGACY_MISSING_GUARD = 14
     LEGACY_BAD_VALUE = 15
     LEGACY_UNREPRESENTABLE = 16
+    LEGACY_LIST_LENGTH_MISMATCH = 17
+    LEGACY_UNKNOWN_KIND = 18
     PLAN_PREFIX_NOT_ALIGNED = 20
     PLAN_RANK_OUT_OF_RANGE = 21
     PLAN_NOT_ENOUGH_DST_PAGES = 22
@@ -31,6 +35,7 @@ class Reason(enum.IntEnum):
     PLAN_BAD_OFFSET = 24
     PLAN_EMPTY_INPUT = 25
     PLAN_BAD_SIZE = 26
+    PLAN_BAD_PAGE_INDEX = 27
     TOPOLOGY_DCP_REQUIRES_MLA = 30
     TOPOLOGY_PREFILL_CP_UNSUPPORTED = 31
     TOPOLOGY_KV_DTYPE_MISMATCH = 32
@@ -46,6 +51,8 @@ class Reason(enum.IntEnum):
     TOPOLOGY_BACKEND_UNSUPPORTED = 42
     TOPOLOGY_MODEL_MISMATCH = 43
     TOPOLOGY_MEMORY_KIND_MIXED = 44
+    TOPOLOGY_LAYER_METADATA_PARTIAL = 45
+    TOPOLOGY_ATTENTION_KIND_MISMATCH = 46
     PEER_NOT_FOUND = 50
     REQUEST_NOT_FOUND = 51
     STALE_GENERATION = 52
@@ -62,6 +69,8 @@ class Reason(enum.IntEnum):
     UNAUTHENTICATED = 63
     SHUTTING_DOWN = 64
     ENGINE_UNAVAILABLE = 65
+    UNAVAILABLE = 66
+    MATCH_TIMEOUT = 67
     CONFIG_INVALID = 70
     INTERNAL = 99
 
@@ -194,3 +203,58 @@ __all__ = [
     "TransferError",
     "WireError",
 ]
+
+
+# --- gRPC status code per reason (names, not grpc objects: this module never imports grpc).
+# Families by name prefix, then exact entries; a reason matched by neither is absent
+# from GRPC_CODE_NAMES, and tests/test_errors_table.py names it.
+_GRPC_CODE_FAMILIES: tuple[tuple[str, str], ...] = (
+    ("WIRE_", "INVALID_ARGUMENT"),
+    ("LEGACY_", "INVALID_ARGUMENT"),
+    ("PLAN_", "INVALID_ARGUMENT"),
+    ("TOPOLOGY_", "FAILED_PRECONDITION"),
+    ("TOO_MANY_", "RESOURCE_EXHAUSTED"),
+)
+_GRPC_CODE_EXACT: dict[str, str] = {
+    "INVALID_FIELD": "INVALID_ARGUMENT",
+    "CONFIG_INVALID": "FAILED_PRECONDITION",
+    "UNSUPPORTED_VERSION": "FAILED_PRECONDITION",
+    "PEER_NOT_FOUND": "NOT_FOUND",
+    "REQUEST_NOT_FOUND": "NOT_FOUND",
+    # A sequencer check failed (gRPC's own example of ABORTED): retry the whole
+    # request with the current generation, not this call.
+    "STALE_GENERATION": "ABORTED",
+    # The entity (room, generation) the caller tried to create exists already.
+    "DUPLICATE_REQUEST": "ALREADY_EXISTS",
+    "MESSAGE_TOO_LARGE": "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED": "UNAUTHENTICATED",
+    "SHUTTING_DOWN": "UNAVAILABLE",
+    "ENGINE_UNAVAILABLE": "UNAVAILABLE",
+    "UNAVAILABLE": "UNAVAILABLE",
+    "DEADLINE_EXCEEDED": "DEADLINE_EXCEEDED",
+    "MATCH_TIMEOUT": "DEADLINE_EXCEEDED",
+    "ABORTED": "ABORTED",
+    "PEER_GONE": "ABORTED",
+    "TRANSFER_FAILED": "ABORTED",
+    "DESTINATION_OUT_OF_BOUNDS": "OUT_OF_RANGE",
+    "INTERNAL": "INTERNAL",
+}
+
+
+def _grpc_code_name(reason: Reason) -> str | None:
+    """The gRPC code name for ``reason`` by exact entry, then by family prefix."""
+    exact = _GRPC_CODE_EXACT.get(reason.name)
+    if exact is not None:
+        return exact
+    for prefix, code in _GRPC_CODE_FAMILIES:
+        if reason.name.startswith(prefix):
+            return code
+    return None
+
+
+GRPC_CODE_NAMES: dict[Reason, str] = {
+    reason: code for reason in Reason if (code := _grpc_code_name(reason)) is not None
+}
+"""Reason -> gRPC status code name (e.g. "INVALID_ARGUMENT"); shared by server, docs and tests."""
+
+__all__ += ["GRPC_CODE_NAMES"]

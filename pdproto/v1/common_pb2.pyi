@@ -247,23 +247,51 @@ class LegacyFraming(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ListLengthsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     FRAME_COUNT_FIELD_NUMBER: _builtins.int
     EMPTY_SLOTS_FIELD_NUMBER: _builtins.int
+    LIST_LENGTHS_FIELD_NUMBER: _builtins.int
     frame_count: _builtins.int
     """Number of frames received (without the NIXL guard); 0 means "the full current layout"."""
     @_builtins.property
     def empty_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Slot indexes (parser numbering) that carried an empty frame instead of a value."""
 
+    @_builtins.property
+    def list_lengths(self) -> _containers.ScalarMap[_builtins.int, _builtins.int]:
+        """Outer length of a list-of-lists slot (parser numbering, e.g. the state lists)
+        when it is shorter than the number of entries built from all such slots.
+        """
+
     def __init__(
         self,
         *,
         frame_count: _builtins.int = ...,
         empty_slots: _abc.Iterable[_builtins.int] | None = ...,
+        list_lengths: _abc.Mapping[_builtins.int, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["empty_slots", b"empty_slots", "frame_count", b"frame_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["empty_slots", b"empty_slots", "frame_count", b"frame_count", "list_lengths", b"list_lengths"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

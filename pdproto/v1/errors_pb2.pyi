@@ -32,6 +32,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """An Envelope carries no body."""
     ERROR_REASON_UNSUPPORTED_VERSION: _ErrorReason.ValueType  # 4
     """The sender's protocol major version is not supported."""
+    ERROR_REASON_WIRE_UNKNOWN_BODY: _ErrorReason.ValueType  # 5
+    """An Envelope's body is a kind this reader does not know (sent by a newer minor version)."""
+    ERROR_REASON_WIRE_UNEXPECTED_BODY: _ErrorReason.ValueType  # 6
+    """An Envelope's body is a different kind from the one the caller expected."""
     ERROR_REASON_LEGACY_FRAME_COUNT: _ErrorReason.ValueType  # 10
     """A legacy frame list has the wrong number of frames."""
     ERROR_REASON_LEGACY_BAD_INTEGER: _ErrorReason.ValueType  # 11
@@ -46,6 +50,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A legacy field holds a value outside its domain (memory kind, status, ...)."""
     ERROR_REASON_LEGACY_UNREPRESENTABLE: _ErrorReason.ValueType  # 16
     """A message cannot be expressed in the legacy layout."""
+    ERROR_REASON_LEGACY_LIST_LENGTH_MISMATCH: _ErrorReason.ValueType  # 17
+    """Parallel legacy lists that describe the same entries (kv ptrs, item lens, layer ids, memory kinds) differ in length (legacy range 17-19)."""
+    ERROR_REASON_LEGACY_UNKNOWN_KIND: _ErrorReason.ValueType  # 18
+    """A frame list is not any known SGLang 0.5.23 message (unknown tag or frame count)."""
     ERROR_REASON_PLAN_PREFIX_NOT_ALIGNED: _ErrorReason.ValueType  # 20
     """The decode prefix is not a multiple of the virtual DCP page."""
     ERROR_REASON_PLAN_RANK_OUT_OF_RANGE: _ErrorReason.ValueType  # 21
@@ -60,6 +68,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """An input list is empty where it must not be."""
     ERROR_REASON_PLAN_BAD_SIZE: _ErrorReason.ValueType  # 26
     """A size (page size, DCP size) is zero or negative."""
+    ERROR_REASON_PLAN_BAD_PAGE_INDEX: _ErrorReason.ValueType  # 27
+    """A page index is negative, not an integer, or too large to address rows."""
     ERROR_REASON_TOPOLOGY_DCP_REQUIRES_MLA: _ErrorReason.ValueType  # 30
     """DCP on the decode needs an MLA or hybrid-MLA KV pool."""
     ERROR_REASON_TOPOLOGY_PREFILL_CP_UNSUPPORTED: _ErrorReason.ValueType  # 31
@@ -90,6 +100,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The model identity differs between prefill and decode."""
     ERROR_REASON_TOPOLOGY_MEMORY_KIND_MIXED: _ErrorReason.ValueType  # 44
     """Destination memory kinds are mixed where one kind is required."""
+    ERROR_REASON_TOPOLOGY_LAYER_METADATA_PARTIAL: _ErrorReason.ValueType  # 45
+    """Within one entry role, some entries carry layer ids and others do not (topology range 45-49)."""
+    ERROR_REASON_TOPOLOGY_ATTENTION_KIND_MISMATCH: _ErrorReason.ValueType  # 46
+    """Prefill and decode KV pools are different layout families (e.g. MLA vs MHA)."""
     ERROR_REASON_PEER_NOT_FOUND: _ErrorReason.ValueType  # 50
     """A request names a peer that is not registered."""
     ERROR_REASON_REQUEST_NOT_FOUND: _ErrorReason.ValueType  # 51
@@ -122,6 +136,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The server is shutting down and takes no new work."""
     ERROR_REASON_ENGINE_UNAVAILABLE: _ErrorReason.ValueType  # 65
     """A transfer engine package is not installed."""
+    ERROR_REASON_UNAVAILABLE: _ErrorReason.ValueType  # 66
+    """The server could not be reached or dropped the connection (client side; retried with backoff)."""
+    ERROR_REASON_MATCH_TIMEOUT: _ErrorReason.ValueType  # 67
+    """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
     ERROR_REASON_CONFIG_INVALID: _ErrorReason.ValueType  # 70
     """A deployment setting violates a PD rule."""
     ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 99
@@ -142,6 +160,10 @@ ERROR_REASON_WIRE_EMPTY_BODY: ErrorReason.ValueType  # 3
 """An Envelope carries no body."""
 ERROR_REASON_UNSUPPORTED_VERSION: ErrorReason.ValueType  # 4
 """The sender's protocol major version is not supported."""
+ERROR_REASON_WIRE_UNKNOWN_BODY: ErrorReason.ValueType  # 5
+"""An Envelope's body is a kind this reader does not know (sent by a newer minor version)."""
+ERROR_REASON_WIRE_UNEXPECTED_BODY: ErrorReason.ValueType  # 6
+"""An Envelope's body is a different kind from the one the caller expected."""
 ERROR_REASON_LEGACY_FRAME_COUNT: ErrorReason.ValueType  # 10
 """A legacy frame list has the wrong number of frames."""
 ERROR_REASON_LEGACY_BAD_INTEGER: ErrorReason.ValueType  # 11
@@ -156,6 +178,10 @@ ERROR_REASON_LEGACY_BAD_VALUE: ErrorReason.ValueType  # 15
 """A legacy field holds a value outside its domain (memory kind, status, ...)."""
 ERROR_REASON_LEGACY_UNREPRESENTABLE: ErrorReason.ValueType  # 16
 """A message cannot be expressed in the legacy layout."""
+ERROR_REASON_LEGACY_LIST_LENGTH_MISMATCH: ErrorReason.ValueType  # 17
+"""Parallel legacy lists that describe the same entries (kv ptrs, item lens, layer ids, memory kinds) differ in length (legacy range 17-19)."""
+ERROR_REASON_LEGACY_UNKNOWN_KIND: ErrorReason.ValueType  # 18
+"""A frame list is not any known SGLang 0.5.23 message (unknown tag or frame count)."""
 ERROR_REASON_PLAN_PREFIX_NOT_ALIGNED: ErrorReason.ValueType  # 20
 """The decode prefix is not a multiple of the virtual DCP page."""
 ERROR_REASON_PLAN_RANK_OUT_OF_RANGE: ErrorReason.ValueType  # 21
@@ -170,6 +196,8 @@ ERROR_REASON_PLAN_EMPTY_INPUT: ErrorReason.ValueType  # 25
 """An input list is empty where it must not be."""
 ERROR_REASON_PLAN_BAD_SIZE: ErrorReason.ValueType  # 26
 """A size (page size, DCP size) is zero or negative."""
+ERROR_REASON_PLAN_BAD_PAGE_INDEX: ErrorReason.ValueType  # 27
+"""A page index is negative, not an integer, or too large to address rows."""
 ERROR_REASON_TOPOLOGY_DCP_REQUIRES_MLA: ErrorReason.ValueType  # 30
 """DCP on the decode needs an MLA or hybrid-MLA KV pool."""
 ERROR_REASON_TOPOLOGY_PREFILL_CP_UNSUPPORTED: ErrorReason.ValueType  # 31
@@ -200,6 +228,10 @@ ERROR_REASON_TOPOLOGY_MODEL_MISMATCH: ErrorReason.ValueType  # 43
 """The model identity differs between prefill and decode."""
 ERROR_REASON_TOPOLOGY_MEMORY_KIND_MIXED: ErrorReason.ValueType  # 44
 """Destination memory kinds are mixed where one kind is required."""
+ERROR_REASON_TOPOLOGY_LAYER_METADATA_PARTIAL: ErrorReason.ValueType  # 45
+"""Within one entry role, some entries carry layer ids and others do not (topology range 45-49)."""
+ERROR_REASON_TOPOLOGY_ATTENTION_KIND_MISMATCH: ErrorReason.ValueType  # 46
+"""Prefill and decode KV pools are different layout families (e.g. MLA vs MHA)."""
 ERROR_REASON_PEER_NOT_FOUND: ErrorReason.ValueType  # 50
 """A request names a peer that is not registered."""
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason.ValueType  # 51
@@ -232,6 +264,10 @@ ERROR_REASON_SHUTTING_DOWN: ErrorReason.ValueType  # 64
 """The server is shutting down and takes no new work."""
 ERROR_REASON_ENGINE_UNAVAILABLE: ErrorReason.ValueType  # 65
 """A transfer engine package is not installed."""
+ERROR_REASON_UNAVAILABLE: ErrorReason.ValueType  # 66
+"""The server could not be reached or dropped the connection (client side; retried with backoff)."""
+ERROR_REASON_MATCH_TIMEOUT: ErrorReason.ValueType  # 67
+"""The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
 ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
 """A deployment setting violates a PD rule."""
 ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 99

@@ -68,6 +68,36 @@ class NixlEndpoint(_message.Message):
 Global___NixlEndpoint: _TypeAlias = NixlEndpoint  # noqa: Y015
 
 @_typing.final
+class LocalEndpoint(_message.Message):
+    """LocalEndpoint identifies a decode's shared-memory arena for the single-host local backend."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    shm_name: _builtins.str
+    """Name of the arena file under /dev/shm; KvBuffer.ptr values are offsets inside it."""
+    size: _builtins.int
+    """Size of the arena in bytes."""
+    pid: _builtins.int
+    """Process id of the decode that owns the arena, so the prefill can tell it is gone."""
+    def __init__(
+        self,
+        *,
+        shm_name: _builtins.str = ...,
+        size: _builtins.int = ...,
+        pid: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocalEndpoint: _TypeAlias = LocalEndpoint  # noqa: Y015
+
+@_typing.final
 class KvBuffer(_message.Message):
     """KvBuffer is one registered KV pool entry (one layer of the target or draft model)."""
 
@@ -204,6 +234,7 @@ class KvRegistration(_message.Message):
     NOTIFY_ENDPOINT_FIELD_NUMBER: _builtins.int
     MOONCAKE_FIELD_NUMBER: _builtins.int
     NIXL_FIELD_NUMBER: _builtins.int
+    LOCAL_FIELD_NUMBER: _builtins.int
     ATTN_TP_FIELD_NUMBER: _builtins.int
     DCP_FIELD_NUMBER: _builtins.int
     PP_FIELD_NUMBER: _builtins.int
@@ -254,6 +285,10 @@ class KvRegistration(_message.Message):
         """NIXL agent."""
 
     @_builtins.property
+    def local(self) -> Global___LocalEndpoint:
+        """Shared-memory arena on the same host (local backend)."""
+
+    @_builtins.property
     def attn_tp(self) -> _common_pb2.ParallelGroup:
         """Decode attention tensor parallelism (size and this rank; SGLang dst_attn_tp_size / dst_tp_rank)."""
 
@@ -293,6 +328,7 @@ class KvRegistration(_message.Message):
         notify_endpoint: _common_pb2.Endpoint | None = ...,
         mooncake: Global___MooncakeEndpoint | None = ...,
         nixl: Global___NixlEndpoint | None = ...,
+        local: Global___LocalEndpoint | None = ...,
         attn_tp: _common_pb2.ParallelGroup | None = ...,
         dcp: _common_pb2.ParallelGroup | None = ...,
         pp: _common_pb2.ParallelGroup | None = ...,
@@ -309,13 +345,13 @@ class KvRegistration(_message.Message):
         num_slots: _builtins.int | None = ...,
         legacy: _common_pb2.LegacyFraming | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attn_tp", b"attn_tp", "dcp", b"dcp", "legacy", b"legacy", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "pp", b"pp", "staging", b"staging", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attn_tp", b"attn_tp", "dcp", b"dcp", "legacy", b"legacy", "local", b"local", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "pp", b"pp", "staging", b"staging", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attention_kind", b"attention_kind", "attn_tp", b"attn_tp", "aux_ptrs", b"aux_ptrs", "capabilities", b"capabilities", "dcp", b"dcp", "gpu_id", b"gpu_id", "kv_buffers", b"kv_buffers", "kv_cache_dtype", b"kv_cache_dtype", "kv_item_len", b"kv_item_len", "legacy", b"legacy", "model_id", b"model_id", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "page_size", b"page_size", "pp", b"pp", "staging", b"staging", "state_buffers", b"state_buffers", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attention_kind", b"attention_kind", "attn_tp", b"attn_tp", "aux_ptrs", b"aux_ptrs", "capabilities", b"capabilities", "dcp", b"dcp", "gpu_id", b"gpu_id", "kv_buffers", b"kv_buffers", "kv_cache_dtype", b"kv_cache_dtype", "kv_item_len", b"kv_item_len", "legacy", b"legacy", "local", b"local", "model_id", b"model_id", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "page_size", b"page_size", "pp", b"pp", "staging", b"staging", "state_buffers", b"state_buffers", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_slots: _TypeAlias = _typing.Literal["num_slots"]  # noqa: Y015
     _WhichOneofArgType__num_slots: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots"]  # noqa: Y015
-    _WhichOneofReturnType_transport: _TypeAlias = _typing.Literal["mooncake", "nixl"]  # noqa: Y015
+    _WhichOneofReturnType_transport: _TypeAlias = _typing.Literal["mooncake", "nixl", "local"]  # noqa: Y015
     _WhichOneofArgType_transport: _TypeAlias = _typing.Literal["transport", b"transport"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_slots) -> _WhichOneofReturnType__num_slots | None: ...

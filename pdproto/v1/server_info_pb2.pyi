@@ -433,12 +433,21 @@ class RelayoutPlan(_message.Message):
     DST_PAGE_SIZE_FIELD_NUMBER: _builtins.int
     SRC_DCP_FIELD_NUMBER: _builtins.int
     DST_DCP_FIELD_NUMBER: _builtins.int
+    SRC_PAGE_OFFSET_FIELD_NUMBER: _builtins.int
+    DECODE_PREFIX_LEN_FIELD_NUMBER: _builtins.int
+    INCLUDE_DRAFT_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
     """Tokens in the chunk."""
     src_page_size: _builtins.int
     """Source page size in tokens."""
     dst_page_size: _builtins.int
     """Destination page size in tokens."""
+    src_page_offset: _builtins.int
+    """Chunk start in source pages after the prefix (SGLang index_slice.start)."""
+    decode_prefix_len: _builtins.int
+    """Decode prefix length in global tokens (a multiple of both virtual pages)."""
+    include_draft: _builtins.bool
+    """Whether draft_runs were planned (false: draft_runs is empty by request, not by arithmetic)."""
     @_builtins.property
     def target_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___RelayoutRun]:
         """Target-entry runs."""
@@ -465,10 +474,13 @@ class RelayoutPlan(_message.Message):
         dst_page_size: _builtins.int = ...,
         src_dcp: _common_pb2.ParallelGroup | None = ...,
         dst_dcp: _common_pb2.ParallelGroup | None = ...,
+        src_page_offset: _builtins.int = ...,
+        decode_prefix_len: _builtins.int = ...,
+        include_draft: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dst_dcp", b"dst_dcp", "src_dcp", b"src_dcp"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_runs", b"draft_runs", "dst_dcp", b"dst_dcp", "dst_page_size", b"dst_page_size", "num_tokens", b"num_tokens", "src_dcp", b"src_dcp", "src_page_size", b"src_page_size", "target_runs", b"target_runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_prefix_len", b"decode_prefix_len", "draft_runs", b"draft_runs", "dst_dcp", b"dst_dcp", "dst_page_size", b"dst_page_size", "include_draft", b"include_draft", "num_tokens", b"num_tokens", "src_dcp", b"src_dcp", "src_page_offset", b"src_page_offset", "src_page_size", b"src_page_size", "target_runs", b"target_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

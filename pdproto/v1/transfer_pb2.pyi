@@ -194,6 +194,7 @@ class TransferStatus(_message.Message):
     BYTES_TRANSFERRED_FIELD_NUMBER: _builtins.int
     CHUNKS_DONE_FIELD_NUMBER: _builtins.int
     DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    LEGACY_FIELD_NUMBER: _builtins.int
     room: _builtins.int
     """Request id."""
     generation: _builtins.int
@@ -212,6 +213,10 @@ class TransferStatus(_message.Message):
     """Chunks completed so far."""
     descriptors: _builtins.int
     """Transfer descriptors issued so far."""
+    @_builtins.property
+    def legacy(self) -> _common_pb2.LegacyFraming:
+        """How the message looked as legacy frames (NIXL status without a reason frame); set only by the SGLang bridge."""
+
     def __init__(
         self,
         *,
@@ -224,10 +229,11 @@ class TransferStatus(_message.Message):
         bytes_transferred: _builtins.int = ...,
         chunks_done: _builtins.int = ...,
         descriptors: _builtins.int = ...,
+        legacy: _common_pb2.LegacyFraming | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["legacy", b"legacy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "chunks_done", b"chunks_done", "descriptors", b"descriptors", "failure_code", b"failure_code", "failure_reason", b"failure_reason", "generation", b"generation", "prefill_rank", b"prefill_rank", "room", b"room", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "chunks_done", b"chunks_done", "descriptors", b"descriptors", "failure_code", b"failure_code", "failure_reason", b"failure_reason", "generation", b"generation", "legacy", b"legacy", "prefill_rank", b"prefill_rank", "room", b"room", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -429,22 +435,28 @@ class StagingWatermark(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     TAIL_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    LEGACY_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """Ring-buffer round."""
     tail: _builtins.int
     """Consumed tail offset."""
     session_id: _builtins.str
     """Session id; empty when the sender gave none."""
+    @_builtins.property
+    def legacy(self) -> _common_pb2.LegacyFraming:
+        """How the message looked as legacy frames (older senders omit the session frame); set only by the SGLang bridge."""
+
     def __init__(
         self,
         *,
         round: _builtins.int = ...,
         tail: _builtins.int = ...,
         session_id: _builtins.str = ...,
+        legacy: _common_pb2.LegacyFraming | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["legacy", b"legacy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["round", b"round", "session_id", b"session_id", "tail", b"tail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["legacy", b"legacy", "round", b"round", "session_id", b"session_id", "tail", b"tail"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
