@@ -13,7 +13,8 @@ Rules, checked in this order (the first failing rule is the one reported):
 4. every rank inside its group (DCP, PP; prefill attention TP/CP)  TOPOLOGY_RANK_OUT_OF_RANGE
 5. attention kinds equal when both are set ...................... TOPOLOGY_ATTENTION_KIND_MISMATCH
 6. KV dtypes equal when both are set ............................ TOPOLOGY_KV_DTYPE_MISMATCH
-7. DCP > 1 on either side needs MLA or hybrid MLA on both ........ TOPOLOGY_DCP_REQUIRES_MLA
+7. DCP > 1 on either side needs MLA or hybrid MLA on both (an unset
+   decode kind, as from SGLang frames, is judged by the prefill's) TOPOLOGY_DCP_REQUIRES_MLA
 8. no prefill KV cache sharding with DCP on either side .......... TOPOLOGY_KV_SHARDING_WITH_DCP
 9. no prefill attention CP > 1 with DCP on either side ........... TOPOLOGY_PREFILL_CP_UNSUPPORTED
 10. decode PP equals prefill PP or is 1 ......................... TOPOLOGY_PP_MISMATCH
@@ -349,7 +350,10 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                       prefillKvCacheDtype=info.kv_cache_dtype, decodeKvCacheDtype=reg.kv_cache_dtype)
 
     dcp_used = src_dcp.size > 1 or dst_dcp.size > 1
-    if dcp_used and not (pk in _MLA_KINDS and dk in _MLA_KINDS):
+    # SGLang 0.5.23 frames never carry the decode's pool kind (a bridged registration
+    # leaves it unset) and its decode refuses DCP without MLA itself, so an unset decode
+    # kind is judged by the prefill's; a decode that does send a kind must match it.
+    if dcp_used and not (pk in _MLA_KINDS and (dk in _MLA_KINDS or not dk)):
         raise _reject(Reason.TOPOLOGY_DCP_REQUIRES_MLA,
                       "DCP needs an MLA or hybrid-MLA KV pool on both sides",
                       prefillDcpSize=src_dcp.size, decodeDcpSize=dst_dcp.size,
@@ -412,6 +416,22 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                     backend=backend, version=version)
 
 
+def _with_legacy_defaults(info: v1.PrefillServerInfo,
+                          reg: v1.KvRegistration) -> v1.KvRegistration:
+    """Read an unset decode page size as the prefill's, as SGLang 0.5.23 peers mean it.
+
+    Their frames never carry it (the bridge leaves it 0): the decode compared its
+    physical page size with the prefill's ``/route`` answer before registering.
+    Nothing else is assumed (an unset pool kind is handled by rule 7).
+    """
+    if reg.page_size:
+        return reg
+    filled = v1.KvRegistration()
+    filled.CopyFrom(reg)
+    filled.page_size = info.page_size
+    return filled
+
+
 def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
               backends: Collection[int] | None = None) -> Decision | Rejection:
     """Decide how the prefill serves this decode peer (rules in the module docstring).
@@ -420,6 +440,7 @@ def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
     Returns a ``Rejection`` for a well-formed pair that cannot be served; raises
     ``InvalidFieldError`` only for malformed input.
     """
+    registration = _with_legacy_defaults(info, registration)
     _validate(info, registration)
     try:
         return _decide(info, registration, backends)

@@ -57,6 +57,6 @@ def test_error_finding_fails_an_accepted_topology() -> None:
 
 
 def test_malformed_input_exits_2() -> None:
-    r = check("--decode-page-size", "0")
+    r = check("--prefill-page-size", "0")
     assert r.returncode == 2
-    assert "registration.page_size" in r.stderr and not r.stdout
+    assert "page_size" in r.stderr and not r.stdout

@@ -280,7 +280,6 @@ def _zero_decode_item(reg: Reg) -> None:
 
 MALFORMED: dict[str, tuple[Mutation, str]] = {
     "prefill page size": (lambda i, r: setattr(i, "page_size", 0), "info.page_size"),
-    "decode page size": (lambda i, r: setattr(r, "page_size", 0), "registration.page_size"),
     "no prefill entries": (lambda i, r: i.ClearField("kv_entries"), "info.kv_entries"),
     "no decode buffers": (lambda i, r: r.ClearField("kv_buffers"), "registration.kv_buffers"),
     "zero prefill item": (lambda i, r: setattr(i.kv_entries[1], "item_len", 0),
@@ -319,3 +318,26 @@ def test_from_result_keeps_unknown_reasons() -> None:
     assert dict(r.metadata) == {"a": "1", "reason": "TOPOLOGY_FROM_THE_FUTURE"}
     with pytest.raises(InvalidFieldError):
         from_result(v1.NegotiationResult(peer_id="p"))
+
+
+def test_bridged_sglang_dcp_registration_is_judged_by_the_prefill_pool() -> None:
+    """SGLang frames carry no pool kind: a real DCP 4 registration parsed from them negotiates."""
+    from pdproto.legacy import mooncake
+
+    reg = example_registration(dcp_size=4, dcp_rank=1, backend=v1.BACKEND_MOONCAKE)
+    parsed = mooncake.parse_registration(mooncake.build_registration(reg)).message
+    assert parsed.attention_kind == v1.ATTENTION_KIND_UNSPECIFIED
+    decision = negotiate(example_server_info(), parsed)
+    assert isinstance(decision, Decision) and decision.mode == Mode.DENSE_TO_DCP
+    rejected = negotiate(example_server_info(attention=v1.ATTENTION_KIND_MHA), parsed)
+    assert isinstance(rejected, Rejection)
+    assert rejected.reason == Reason.TOPOLOGY_DCP_REQUIRES_MLA
+
+
+def test_unset_decode_page_size_reads_as_the_prefills() -> None:
+    """Page size 0 is "not sent" (SGLang frames never carry it), not malformed."""
+    reg = example_registration(dcp_size=4)
+    reg.page_size = 0
+    decision = negotiate(example_server_info(), reg)
+    assert isinstance(decision, Decision)
+    assert decision.dst_page_size == example_server_info().page_size
