@@ -1,0 +1,115 @@
+"""Assemble and run the gRPC server: servicer, health, reflection, auth, TLS, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as _health_aio
+from grpc_reflection.v1alpha import reflection
+
+from pdproto.client import SERVICE_NAME, ChannelConfig
+from pdproto.v1 import handshake_service_pb2, handshake_service_pb2_grpc
+
+from .auth import BearerTokenInterceptor, require_token_policy
+from .core import HandshakeCore
+from .service import HandshakeServicer
+
+log = logging.getLogger("pdproto_server.app")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the gRPC server listens and stops."""
+
+    listen: str = "127.0.0.1:0"
+    """host:port; port 0 picks a free one."""
+    token: str | None = None
+    """Bearer token; required when ``listen`` is not loopback (unless allow_unauthenticated)."""
+    allow_unauthenticated: bool = False
+    """Serve without a token on a non-loopback address (trusted networks only)."""
+    tls_cert: bytes | None = None
+    """PEM server certificate chain; with tls_key enables TLS."""
+    tls_key: bytes | None = None
+    """PEM private key."""
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
+    """Keepalive and message-size options (the client uses the same)."""
+    grace: float = 10.0
+    """Seconds in-flight work may take to finish after SIGTERM."""
+
+
+@dataclass
+class RunningServer:
+    """A started server and the pieces shutdown needs."""
+
+    server: grpc.aio.Server
+    health: _health_aio.HealthServicer
+    core: HandshakeCore
+    port: int
+    config: ServerConfig
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING, drain in-flight requests, stop the server, release everything."""
+        await self.health.enter_graceful_shutdown()
+        await self.core.drain(self.config.grace)
+        await self.server.stop(self.config.grace)
+        await self.core.close()
+
+
+async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServer:
+    """Build and start the server; returns once it accepts calls."""
+    require_token_policy(config.listen, config.token, allow_insecure=config.allow_unauthenticated)
+    interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+    server = grpc.aio.server(interceptors=interceptors, options=config.channel.server_options())
+    handshake_service_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(core), server)
+    health = _health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (
+        handshake_service_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    if config.tls_cert is not None and config.tls_key is not None:
+        creds = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
+        port = server.add_secure_port(config.listen, creds)
+    else:
+        port = server.add_insecure_port(config.listen)
+    await core.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server=server, health=health, core=core, port=port, config=config)
+
+
+async def serve(core: HandshakeCore, config: ServerConfig, *,
+                ready: Callable[[RunningServer], None] | None = None,
+                stop: asyncio.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or ``stop``), then shut down gracefully; returns the exit status."""
+    running = await start_server(core, config)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if ready is not None:
+            ready(running)
+        await stop.wait()
+        log.info("shutting down: draining for up to %.1fs", config.grace)
+    finally:
+        # Handlers stay installed while draining: a repeated SIGTERM must not kill the drain.
+        try:
+            await running.shutdown()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+    return 0
+
+
+__all__ = ["RunningServer", "ServerConfig", "serve", "start_server"]

@@ -1,0 +1,85 @@
+"""Bearer-token authentication as a grpc.aio server interceptor (health and reflection exempt)."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from pdproto.errors import ConfigError, Reason
+
+from ._status import build_status
+
+# Probes and debugging tools must work without credentials (load balancers, grpcurl).
+EXEMPT_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
+
+
+def _deny_handler(message: str) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler that answers UNAUTHENTICATED with an ErrorInfo, for any request shape."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort_with_status(build_status(Reason.UNAUTHENTICATED, message))
+
+    # The request body is never parsed: an unauthenticated caller gets no parser time.
+    return grpc.unary_unary_rpc_method_handler(deny, request_deserializer=lambda b: b)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ConfigError("empty bearer token", metadata={"setting": "token"})
+        self._expected = f"Bearer {token}".encode()
+        self._missing = _deny_handler("missing bearer token")
+        self._wrong = _deny_handler("invalid bearer token")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        """Pass authenticated or exempt calls on; deny the rest before any handler runs."""
+        method = handler_call_details.method or ""
+        if method.startswith(EXEMPT_PREFIXES):
+            return await continuation(handler_call_details)
+        presented: str | None = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                presented = value if isinstance(value, str) else value.decode("latin-1")
+                break
+        if presented is None:
+            return self._missing
+        # Constant-time compare so the token cannot be guessed byte by byte.
+        if not hmac.compare_digest(presented.encode(), self._expected):
+            return self._wrong
+        return await continuation(handler_call_details)
+
+
+def is_loopback(address: str) -> bool:
+    """True when a listen address ("host:port") binds only to the loopback interface."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_policy(address: str, token: str | None, *, allow_insecure: bool = False) -> None:
+    """Refuse to serve a non-loopback address without a token (unless explicitly allowed)."""
+    if token or allow_insecure or is_loopback(address):
+        return
+    raise ConfigError(
+        f"refusing to listen on {address} without a bearer token; pass --token-file "
+        "(or --allow-unauthenticated on a trusted network)",
+        metadata={"listen": address},
+    )
+
+
+__all__ = ["EXEMPT_PREFIXES", "BearerTokenInterceptor", "is_loopback", "require_token_policy"]

@@ -1,0 +1,120 @@
+"""``pdproto serve``: the prefill-side handshake service over a synthetic KV pool.
+
+Prints one JSON line ``{"event": "listening", "port": ..., "metrics_port": ...}`` on
+stdout once it accepts calls (tests and scripts read the bound port from it), and
+exits 0 after a graceful SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pdproto.client import ChannelConfig
+from pdproto.errors import PdprotoError
+from pdproto.transfer import BACKENDS, create_executor
+
+from .app import RunningServer, ServerConfig, serve
+from .core import HandshakeCore
+from .engine import PrefillEngine
+from .metrics import ServiceMetrics, serve_metrics
+from .registry import Limits
+from .synthetic import SyntheticProducer, SyntheticSpec, build_source
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``serve`` flags."""
+    net = parser.add_argument_group("network")
+    net.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0 picks one)")
+    net.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    net.add_argument("--allow-unauthenticated", action="store_true",
+                     help="serve a non-loopback address without a token (trusted networks only)")
+    net.add_argument("--tls-cert", type=Path, help="PEM server certificate chain")
+    net.add_argument("--tls-key", type=Path, help="PEM server private key")
+    net.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 picks one)")
+    net.add_argument("--grace", type=float, default=10.0, help="drain seconds after SIGTERM")
+    net.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    net.add_argument("--keepalive-ms", type=int, default=30_000)
+    lim = parser.add_argument_group("limits")
+    lim.add_argument("--max-peers", type=int, default=256)
+    lim.add_argument("--max-inflight", type=int, default=1024, help="open requests per peer")
+    lim.add_argument("--match-timeout", type=float, default=30.0,
+                     help="seconds a request waits for the next chunk")
+    kv = parser.add_argument_group("synthetic KV source")
+    kv.add_argument("--backend", choices=BACKENDS, default="local")
+    kv.add_argument("--staging-bytes", type=int, default=64 << 20,
+                    help="packing region of mooncake/nixl executors (0 disables packing)")
+    kv.add_argument("--layers", type=int, default=4)
+    kv.add_argument("--row-bytes", type=int, default=1152, help="bytes per token per layer")
+    kv.add_argument("--pages", type=int, default=256)
+    kv.add_argument("--page-size", type=int, default=16)
+    kv.add_argument("--attention", choices=("mla", "mha", "hybrid-mla"), default="mla")
+    kv.add_argument("--kv-dtype", default="bfloat16")
+    kv.add_argument("--model-id", default="synthetic")
+    kv.add_argument("--prompt-tokens", type=int, default=200, help="tokens every room produces")
+    kv.add_argument("--chunk-tokens", type=int, default=64)
+    kv.add_argument("--chunk-delay-ms", type=float, default=0.0, help="delay between chunks")
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def _config(args: argparse.Namespace) -> ServerConfig:
+    token = args.token_file.read_text().strip() if args.token_file else None
+    return ServerConfig(
+        listen=args.listen, token=token, allow_unauthenticated=args.allow_unauthenticated,
+        tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
+        tls_key=args.tls_key.read_bytes() if args.tls_key else None,
+        channel=ChannelConfig(max_message_bytes=args.max_message_bytes, keepalive_time_ms=args.keepalive_ms,
+                              min_ping_interval_ms=min(10_000, args.keepalive_ms)),
+        grace=args.grace)
+
+
+def _spec(args: argparse.Namespace) -> SyntheticSpec:
+    return SyntheticSpec(layers=args.layers, row_bytes=args.row_bytes, pages=args.pages,
+                         page_size=args.page_size, prompt_tokens=args.prompt_tokens,
+                         chunk_tokens=args.chunk_tokens, chunk_delay=args.chunk_delay_ms / 1000.0,
+                         backend=args.backend, attention=args.attention, kv_cache_dtype=args.kv_dtype,
+                         model_id=args.model_id)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    config = _config(args)
+    spec = _spec(args)
+    # The local backend's arena holds only what this process advertises as a destination (nothing).
+    executor = create_executor(args.backend, arena_bytes=1 << 20, staging_bytes=args.staging_bytes)
+    try:
+        engine = PrefillEngine(build_source(spec, executor), executor)
+        metrics = ServiceMetrics()
+        metrics_port = serve_metrics(metrics, args.metrics_port) if args.metrics_port is not None else None
+        core = HandshakeCore(engine, metrics=metrics, limits=Limits(
+            max_peers=args.max_peers, max_inflight_per_peer=args.max_inflight,
+            match_timeout=args.match_timeout, drain_timeout=args.grace))
+        producer = SyntheticProducer(engine, spec)
+
+        def ready(running: RunningServer) -> None:
+            print(json.dumps({"event": "listening", "port": running.port, "metrics_port": metrics_port}),
+                  flush=True)
+
+        try:
+            return await serve(core, config, ready=ready)
+        finally:
+            await producer.close()
+    finally:
+        executor.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the service until SIGTERM; 0 on a clean shutdown, 2 on a configuration error."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_main(args))
+    except PdprotoError as exc:
+        print(f"pdproto serve: {exc}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["add_arguments", "run"]

@@ -1,0 +1,173 @@
+"""A synthetic prefill for ``pdproto serve``: deterministic KV rows and chunks on demand.
+
+Every source row's bytes are a function of (entry, source row), and every room's pages
+are a function of the room, so a decode can verify each received byte from first
+principles (``expected_rows``) without trusting the sender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from pdproto.transfer import TransferExecutor, allocate
+from pdproto.v1 import common_pb2, server_info_pb2
+
+from .engine import KvSource, PrefillEngine
+
+log = logging.getLogger("pdproto_server.synthetic")
+
+U8 = npt.NDArray[np.uint8]
+I64 = npt.NDArray[np.int64]
+
+_ATTENTION = {"mla": common_pb2.ATTENTION_KIND_MLA, "mha": common_pb2.ATTENTION_KIND_MHA,
+              "hybrid-mla": common_pb2.ATTENTION_KIND_HYBRID_MLA}
+_BACKENDS = {"local": common_pb2.BACKEND_LOCAL, "mooncake": common_pb2.BACKEND_MOONCAKE,
+             "nixl": common_pb2.BACKEND_NIXL}
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Shape of the synthetic KV pool and of the requests it produces."""
+
+    layers: int = 4
+    """Target KV entries (one per layer)."""
+    row_bytes: int = 1152
+    """Bytes per token per layer (576 bf16: an MLA latent row)."""
+    pages: int = 256
+    """Pages per entry."""
+    page_size: int = 16
+    """Tokens per page."""
+    prompt_tokens: int = 200
+    """Tokens every room's prefill produces."""
+    chunk_tokens: int = 64
+    """Tokens per chunk (rounded down to whole pages; the last chunk takes the rest)."""
+    chunk_delay: float = 0.0
+    """Seconds between chunks (models compute time; lets tests catch requests in flight)."""
+    backend: str = "local"
+    """Transfer backend served."""
+    attention: str = "mla"
+    """KV pool family: mla, mha or hybrid-mla."""
+    kv_cache_dtype: str = "bfloat16"
+    """KV dtype string."""
+    model_id: str = "synthetic"
+    """Model identity published to decodes."""
+
+    @property
+    def pages_per_room(self) -> int:
+        """Pages one room's prompt occupies."""
+        return -(-self.prompt_tokens // self.page_size)
+
+
+def row_pattern(entry: int, rows: I64, row_bytes: int) -> U8:
+    """Bytes of source rows ``rows`` of ``entry`` (len(rows) x row_bytes), a hash of both."""
+    r = np.asarray(rows, dtype=np.uint64)[:, None]
+    j = np.arange(row_bytes, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        x = r * np.uint64(0x9E3779B97F4A7C15) + j * np.uint64(0xBF58476D1CE4E5B9)
+        x = x + np.uint64((entry + 1) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF)
+        x = x ^ (x >> np.uint64(29))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+    out: U8 = ((x >> np.uint64(32)) & np.uint64(0xFF)).astype(np.uint8)
+    return out
+
+
+def room_pages(room: int, spec: SyntheticSpec) -> I64:
+    """Source pages of a room's prompt, in token order (distinct within a room)."""
+    n = spec.pages_per_room
+    start = (room * 7919) % spec.pages
+    return (start + np.arange(n, dtype=np.int64)) % spec.pages
+
+
+def expected_rows(entry: int, room: int, tokens: I64, spec: SyntheticSpec) -> U8:
+    """What a decode must hold for ``tokens`` (positions within the room's prompt) of an entry."""
+    t = np.asarray(tokens, dtype=np.int64)
+    pages = room_pages(room, spec)
+    src_rows = pages[t // spec.page_size] * spec.page_size + t % spec.page_size
+    return row_pattern(entry, src_rows, spec.row_bytes)
+
+
+def server_info(spec: SyntheticSpec, *, host: str = "127.0.0.1", port: int = 0) -> server_info_pb2.PrefillServerInfo:
+    """The PrefillServerInfo of a dense (TP 1, DCP 1) synthetic prefill."""
+    one = common_pb2.ParallelGroup(size=1, rank=0)
+    return server_info_pb2.PrefillServerInfo(
+        version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
+        capabilities=["dcp-relayout"],
+        attn_tp=one, attn_cp=one, attn_dp=one, system_dp=one, pp=one, dcp=one,
+        rank_endpoint=common_pb2.Endpoint(host=host, port=port),
+        page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
+        attention_kind=_ATTENTION[spec.attention],
+        num_layers=spec.layers, start_layer=0, model_id=spec.model_id,
+        kv_entries=[server_info_pb2.KvEntryInfo(item_len=spec.row_bytes * spec.page_size,
+                                                role=common_pb2.KV_ENTRY_ROLE_TARGET)
+                    for _ in range(spec.layers)],
+        backends=[_BACKENDS[spec.backend]],
+    )
+
+
+def build_source(spec: SyntheticSpec, executor: TransferExecutor) -> KvSource:
+    """Allocate, fill and register the synthetic KV pool."""
+    rows_per_entry = spec.pages * spec.page_size
+    buffers = []
+    for entry in range(spec.layers):
+        buf = allocate(rows_per_entry * spec.row_bytes)
+        view = buf.array.reshape(rows_per_entry, spec.row_bytes)
+        step = max(1, (4 << 20) // (spec.row_bytes * 8))  # bound the uint64 temporaries
+        for lo in range(0, rows_per_entry, step):
+            hi = min(lo + step, rows_per_entry)
+            view[lo:hi] = row_pattern(entry, np.arange(lo, hi, dtype=np.int64), spec.row_bytes)
+        buffers.append(buf)
+    executor.register_memory(buffers)
+    return KvSource(buffers=tuple(buffers), info=server_info(spec))
+
+
+class SyntheticProducer:
+    """Plays the prefill scheduler: when a decode claims a room, emit its chunks."""
+
+    def __init__(self, engine: PrefillEngine, spec: SyntheticSpec) -> None:
+        self.engine = engine
+        self.spec = spec
+        self._tasks: set[asyncio.Task[None]] = set()
+        engine.on_claim = self._claimed
+
+    def _claimed(self, room: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._produce(room), name=f"synthetic-{room}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("synthetic producer failed", exc_info=task.exception())
+
+    async def _produce(self, room: int) -> None:
+        spec = self.spec
+        pages = room_pages(room, spec)
+        per_chunk = max(spec.page_size, spec.chunk_tokens // spec.page_size * spec.page_size)
+        done = 0
+        while done < spec.prompt_tokens:
+            if spec.chunk_delay:
+                await asyncio.sleep(spec.chunk_delay)
+            n = min(per_chunk, spec.prompt_tokens - done)
+            first = done // spec.page_size
+            chunk_pages = pages[first:first + -(-n // spec.page_size)]
+            done += n
+            self.engine.submit_chunk(room, chunk_pages, n, last_chunk=done >= spec.prompt_tokens)
+
+    async def close(self) -> None:
+        """Cancel chunk production."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+__all__ = ["SyntheticProducer", "SyntheticSpec", "build_source", "expected_rows", "room_pages",
+           "row_pattern", "server_info"]

@@ -1,0 +1,130 @@
+"""Start a real ``pdproto serve`` in a subprocess on 127.0.0.1 port 0, and stop it for sure.
+
+Usage::
+
+    with running_server("--prompt-tokens", "200", token="s3cret") as srv:
+        HandshakeClient(srv.target, token=srv.token) ...
+        rc = srv.terminate()          # SIGTERM, wait, exit status
+
+The server prints ``{"event": "listening", "port": N, "metrics_port": M}`` on stdout once
+it accepts calls; stderr goes to a file whose tail is shown when startup fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServerProcess:
+    """A running server subprocess."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    metrics_port: int | None
+    token: str | None
+    stderr_path: Path
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        """gRPC target string."""
+        return f"127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        """What the server logged so far."""
+        try:
+            return self.stderr_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait up to ``timeout`` (then SIGKILL), return the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL if still running."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+def _read_ready(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, object] | None:
+    """The first JSON line on stdout, or None on timeout/exit."""
+    result: dict[str, object] | None = None
+
+    def reader() -> None:
+        nonlocal result
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line:
+            try:
+                result = json.loads(line)
+            except ValueError:
+                result = None
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout)
+    return result
+
+
+@contextlib.contextmanager
+def running_server(*args: str, token: str | None = None, timeout: float = 30.0,
+                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """Run ``pdproto serve --listen 127.0.0.1:0 <args>``; always stopped on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="pdproto-srv-"))
+    cmd = [sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", *args]
+    if token is not None:
+        token_file = tmp / "token"
+        token_file.write_text(token)
+        token_file.chmod(0o600)
+        cmd += ["--token-file", str(token_file)]
+    stderr_path = tmp / "stderr.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(stderr_path, "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, env=full_env)
+    try:
+        ready = _read_ready(proc, timeout)
+        if ready is None or ready.get("event") != "listening":
+            proc.kill()
+            proc.wait(timeout=5)
+            raise RuntimeError(f"server did not start: rc={proc.returncode}\n"
+                               f"{stderr_path.read_text(errors='replace')[-3000:]}")
+        metrics = ready.get("metrics_port")
+        srv = ServerProcess(proc=proc, port=int(str(ready["port"])),
+                            metrics_port=int(str(metrics)) if metrics is not None else None,
+                            token=token, stderr_path=stderr_path)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+__all__ = ["REPO", "ServerProcess", "running_server"]

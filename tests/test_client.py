@@ -1,0 +1,105 @@
+"""HandshakeClient / AsyncHandshakeClient against a real server: deadlines, retries, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from pdproto import errors as E
+from pdproto.client import AsyncHandshakeClient, HandshakeClient, RetryConfig, UnavailableError
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2
+
+from ._decode_peer import DecodePeer
+from ._server_harness import ServerProcess, running_server
+from .test_server import SERVE_ARGS, SPEC
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with running_server(*SERVE_ARGS) as srv:
+        yield srv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unavailable_is_retried_then_raised_typed() -> None:
+    target = f"127.0.0.1:{_free_port()}"
+    with HandshakeClient(target, timeout=1.0, retry=RetryConfig(attempts=3, initial_backoff=0.01)) as client:
+        with pytest.raises(UnavailableError) as info:
+            client.get_server_info()
+    assert info.value.reason is Reason.UNAVAILABLE
+    assert info.value.metadata["grpcCode"] == "UNAVAILABLE"
+    assert isinstance(info.value, ConnectionError)
+
+
+def test_not_found_is_not_retried_and_carries_metadata(server: ServerProcess) -> None:
+    with HandshakeClient(server.target) as client:
+        with pytest.raises(E.NotFoundError) as info:
+            client.abort("p-missing", 1)
+        assert info.value.reason is Reason.PEER_NOT_FOUND
+        assert info.value.metadata["peerId"] == "p-missing"
+        assert info.value.__cause__ is not None
+
+
+def test_watch_deadline_becomes_typed_error(server: ServerProcess) -> None:
+    peer = DecodePeer(SPEC, pages=16)
+    try:
+        with HandshakeClient(server.target) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            with pytest.raises(E.RequestFailedError) as info:
+                list(client.watch_status(peer_id, [123456], timeout=0.3))
+            assert info.value.reason is Reason.DEADLINE_EXCEEDED
+            client.deregister(peer_id)
+    finally:
+        peer.close()
+
+
+def test_async_client_end_to_end(server: ServerProcess) -> None:
+    peer = DecodePeer(SPEC, dcp_size=2, dcp_rank=1, pages=16)
+
+    async def run() -> None:
+        async with AsyncHandshakeClient(server.target, timeout=10) as client:
+            info = await client.get_server_info()
+            assert info.page_size == SPEC.page_size
+            result = await client.register(peer.registration())
+            assert result.mode == 2  # NEGOTIATION_MODE_DENSE_TO_DCP
+            pages = peer.pages_for(SPEC.prompt_tokens)
+            first = await client.submit_transfer(result.peer_id, peer.transfer(77, pages))
+            assert first.state == common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
+            async for status in client.watch_status(result.peer_id, [77], timeout=20):
+                if status.state in (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED):
+                    assert status.state == common_pb2.TRANSFER_STATE_SUCCESS, status
+                    break
+            with pytest.raises(E.RequestFailedError) as dup:
+                await client.submit_transfer(result.peer_id, peer.transfer(77, pages))
+            assert dup.value.reason is Reason.DUPLICATE_REQUEST
+            assert await client.deregister(result.peer_id) == 0
+        peer.verify({77: pages})
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        peer.close()
+
+
+def test_oversized_message_is_refused_typed(server: ServerProcess) -> None:
+    peer = DecodePeer(SPEC, pages=16)
+    try:
+        reg = peer.registration()
+        reg.capabilities.append("x" * (5 << 20))  # over the symmetric 4 MiB limit
+        with HandshakeClient(server.target) as client:
+            with pytest.raises(E.ResourceLimitError) as info:
+                client.register(reg)
+            assert info.value.reason is Reason.MESSAGE_TOO_LARGE
+            assert info.value.metadata["grpcCode"] == "RESOURCE_EXHAUSTED"
+            assert client.get_server_info().page_size == SPEC.page_size
+    finally:
+        peer.close()

@@ -1,0 +1,312 @@
+"""The handshake service end to end: a real server subprocess, real clients, real shared memory."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdproto import errors as E
+from pdproto.client import SERVICE_NAME, HandshakeClient
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
+from pdproto_server.synthetic import SyntheticSpec
+
+from ._decode_peer import DecodePeer
+from ._server_harness import REPO, ServerProcess, running_server
+
+SPEC = SyntheticSpec(layers=2, row_bytes=256, pages=128, page_size=16, prompt_tokens=200,
+                     chunk_tokens=64, chunk_delay=0.05)
+SERVE_ARGS = ("--layers", str(SPEC.layers), "--row-bytes", str(SPEC.row_bytes), "--pages", str(SPEC.pages),
+              "--page-size", str(SPEC.page_size), "--prompt-tokens", str(SPEC.prompt_tokens),
+              "--chunk-tokens", str(SPEC.chunk_tokens), "--chunk-delay-ms", "50", "--match-timeout", "10")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with running_server(*SERVE_ARGS, "--max-peers", "16", "--metrics-port", "0") as srv:
+        yield srv
+        assert srv.proc.poll() is None, srv.stderr()
+
+
+def _transfer(client: HandshakeClient, peer: DecodePeer, rooms: list[int]) -> dict[int, list[int]]:
+    """Register, submit rooms, wait for SUCCESS; returns room -> destination pages."""
+    result = client.register(peer.registration())
+    placed: dict[int, list[int]] = {}
+    for i, room in enumerate(rooms):
+        pages = peer.pages_for(SPEC.prompt_tokens, first_page=i * 8)
+        placed[room] = pages
+        client.submit_transfer(result.peer_id, peer.transfer(room, pages))
+    done = client.wait_for(result.peer_id, rooms, timeout=20)
+    for room, status in done.items():
+        assert status.state == common_pb2.TRANSFER_STATE_SUCCESS, (room, status)
+        assert status.bytes_transferred > 0
+    client.deregister(result.peer_id)
+    return placed
+
+
+def test_health_and_reflection(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", SERVICE_NAME):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert SERVICE_NAME in names and "grpc.health.v1.Health" in names
+
+
+def test_rejection_is_per_peer_while_dcp_and_tp_peers_transfer(server: ServerProcess) -> None:
+    dcp = [DecodePeer(SPEC, dcp_size=4, dcp_rank=r, pages=32) for r in range(4)]
+    tp = DecodePeer(SPEC, pages=64)
+    bad = DecodePeer(SPEC, dcp_size=2, dcp_rank=0, pages=32, kv_dtype="fp8_e4m3")
+    try:
+        with HandshakeClient(server.target, timeout=10) as client:
+            started = threading.Event()
+
+            def good(peer: DecodePeer, rooms: list[int]) -> dict[int, list[int]]:
+                started.set()
+                return _transfer(client, peer, rooms)
+
+            with concurrent.futures.ThreadPoolExecutor(5) as pool:
+                futures = {pool.submit(good, p, [100, 101]): p for p in (*dcp, tp)}
+                started.wait(10)
+                # The unsupported peer is rejected while the others are mid-transfer.
+                with pytest.raises(E.TopologyError) as info:
+                    client.register(bad.registration())
+                assert info.value.reason is Reason.TOPOLOGY_KV_DTYPE_MISMATCH
+                assert info.value.metadata["grpcCode"] == "FAILED_PRECONDITION"
+                checked = 0
+                for fut, peer in futures.items():
+                    checked += peer.verify(fut.result(timeout=30))
+            assert checked > 0
+            assert client.get_server_info().page_size == SPEC.page_size
+    finally:
+        for p in (*dcp, tp, bad):
+            p.close()
+
+
+def test_malformed_and_unknown_peer_keep_server_serving(server: ServerProcess) -> None:
+    with HandshakeClient(server.target) as client:
+        bad = registration_pb2.KvRegistration(page_size=0)
+        with pytest.raises(E.InvalidFieldError) as info:
+            client.register(bad)
+        assert info.value.reason is Reason.INVALID_FIELD
+        assert info.value.metadata["grpcCode"] == "INVALID_ARGUMENT"
+        assert info.value.field.startswith("registration.")
+        peer = DecodePeer(SPEC, pages=16)
+        try:
+            with pytest.raises(E.NotFoundError) as nf:
+                client.submit_transfer("p-unknown", peer.transfer(7, [0]))
+            assert nf.value.reason is Reason.PEER_NOT_FOUND
+            assert nf.value.metadata["grpcCode"] == "NOT_FOUND"
+            # Still serving: a good peer transfers and every byte matches.
+            peer.verify(_transfer(client, peer, [5]))
+        finally:
+            peer.close()
+
+
+def test_abort_generation_reregister_and_deregister(server: ServerProcess) -> None:
+    peer = DecodePeer(SPEC, pages=32)
+    try:
+        with HandshakeClient(server.target) as client:
+            first = client.register(peer.registration())
+            pages = peer.pages_for(SPEC.prompt_tokens)
+            client.submit_transfer(first.peer_id, peer.transfer(300, pages, generation=2))
+            with pytest.raises(E.RequestFailedError) as dup:
+                client.submit_transfer(first.peer_id, peer.transfer(300, pages, generation=2))
+            assert dup.value.reason is Reason.DUPLICATE_REQUEST
+            with pytest.raises(E.RequestFailedError) as stale:
+                client.abort(first.peer_id, 300, generation=1)
+            assert stale.value.reason is Reason.STALE_GENERATION
+            ack = client.abort(first.peer_id, 300, generation=2)
+            assert ack.room == 300 and ack.generation == 2
+            status = client.wait_for(first.peer_id, [300], timeout=10)[300]
+            assert status.state == common_pb2.TRANSFER_STATE_FAILED and status.failure_code == "ABORTED"
+            # An open request, then the decode "restarts": same identity re-registers.
+            client.submit_transfer(first.peer_id, peer.transfer(301, pages))
+            seen: list[tuple[int, str]] = []
+            watcher = threading.Thread(target=lambda: seen.extend(
+                (s.state, s.failure_code) for s in client.watch_status(first.peer_id, [301], timeout=15)))
+            watcher.start()
+            while not seen:  # the stream's first item is the current status
+                watcher.join(0.05)
+                assert watcher.is_alive() or seen
+            second = client.register(peer.registration())
+            watcher.join(15)
+            assert not watcher.is_alive()
+            assert seen[-1] == (common_pb2.TRANSFER_STATE_FAILED, "PEER_GONE"), seen
+            assert second.peer_id != first.peer_id
+            with pytest.raises(E.NotFoundError):
+                client.submit_transfer(first.peer_id, peer.transfer(302, pages))
+            client.submit_transfer(second.peer_id, peer.transfer(303, pages))
+            assert client.deregister(second.peer_id) == 1
+            with pytest.raises(E.NotFoundError):
+                client.deregister(second.peer_id)
+    finally:
+        peer.close()
+
+
+def test_auth_required_and_limits() -> None:
+    with running_server(*SERVE_ARGS, "--max-peers", "1", token="s3cret-token") as srv:
+        with grpc.insecure_channel(srv.target) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        for token in (None, "wrong"):
+            with HandshakeClient(srv.target, token=token) as anon, pytest.raises(E.AuthError) as info:
+                anon.get_server_info()
+            assert info.value.metadata["grpcCode"] == "UNAUTHENTICATED"
+        a, b = DecodePeer(SPEC, pages=16), DecodePeer(SPEC, pages=16)
+        try:
+            with HandshakeClient(srv.target, token="s3cret-token") as client:
+                client.register(a.registration())
+                with pytest.raises(E.ResourceLimitError) as lim:
+                    client.register(b.registration())
+                assert lim.value.reason is Reason.TOO_MANY_PEERS
+                assert lim.value.metadata["grpcCode"] == "RESOURCE_EXHAUSTED"
+        finally:
+            a.close()
+            b.close()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
+    peer = DecodePeer(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "150", "--match-timeout", "10") as srv:
+            with HandshakeClient(srv.target, timeout=10) as client:
+                peer_id = client.register(peer.registration()).peer_id
+                placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 8)
+                          for i, room in enumerate((1, 2, 3))}
+                for room, pages in placed.items():
+                    client.submit_transfer(peer_id, peer.transfer(room, pages))
+                seen: dict[int, int] = {}
+                stream = client.watch_status(peer_id, placed, timeout=20)
+                for status in stream:
+                    if status.state == common_pb2.TRANSFER_STATE_TRANSFERRING:
+                        break
+                srv.proc.send_signal(signal.SIGTERM)
+                for status in stream:
+                    seen[status.room] = status.state
+                assert all(seen.get(r) == common_pb2.TRANSFER_STATE_SUCCESS for r in placed), seen
+                peer.verify(placed)
+            # The drain ended the stream; the process exits by itself, with status 0.
+            assert srv.proc.wait(timeout=20) == 0, srv.stderr()
+    finally:
+        peer.close()
+
+
+def test_inflight_limit_per_peer() -> None:
+    peer = DecodePeer(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, "--max-inflight", "1") as srv, HandshakeClient(srv.target) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            client.submit_transfer(peer_id, peer.transfer(1, peer.pages_for(SPEC.prompt_tokens)))
+            with pytest.raises(E.ResourceLimitError) as lim:
+                client.submit_transfer(peer_id, peer.transfer(2, peer.pages_for(SPEC.prompt_tokens, 8)))
+            assert lim.value.reason is Reason.TOO_MANY_REQUESTS
+            assert lim.value.metadata["grpcCode"] == "RESOURCE_EXHAUSTED"
+            # Out-of-bounds destination pages are refused before anything moves.
+            with pytest.raises(E.PdprotoError) as oob:
+                client.submit_transfer(peer_id, peer.transfer(3, [10_000]))
+            assert oob.value.reason is Reason.DESTINATION_OUT_OF_BOUNDS
+            assert oob.value.metadata["grpcCode"] == "OUT_OF_RANGE"
+    finally:
+        peer.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    with running_server(*SERVE_ARGS, "--tls-cert", str(cert), "--tls-key", str(key)) as srv:
+        with HandshakeClient(srv.target, root_cert=cert) as client:
+            assert client.get_server_info().page_size == SPEC.page_size
+        with HandshakeClient(srv.target, timeout=1.0) as plain, pytest.raises(E.PdprotoError) as info:
+            plain.get_server_info()
+        assert info.value.reason is Reason.UNAVAILABLE
+
+
+def test_metrics_count_registrations_requests_and_bytes(server: ServerProcess) -> None:
+    peer = DecodePeer(SPEC, pages=32)
+    try:
+        with HandshakeClient(server.target) as client:
+            peer.verify(_transfer(client, peer, [900]))
+    finally:
+        peer.close()
+    assert server.metrics_port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['pdproto_registrations_total{outcome="ACCEPTED"}'] >= 1
+    assert values['pdproto_requests_total{outcome="SUCCESS"}'] >= 1
+    assert values["pdproto_kv_bytes_total"] >= SPEC.prompt_tokens * SPEC.row_bytes * SPEC.layers
+    assert values["pdproto_transfer_descriptors_total"] >= 1
+    assert values["pdproto_negotiation_seconds_count"] >= 1
+
+
+_DYING_DECODE = """
+import os, sys
+from pdproto.client import HandshakeClient
+from tests._decode_peer import DecodePeer
+from tests.test_server import SPEC
+peer = DecodePeer(SPEC, pages=32)
+with HandshakeClient(sys.argv[1]) as client:
+    peer_id = client.register(peer.registration()).peer_id
+    client.submit_transfer(peer_id, peer.transfer(1, peer.pages_for(SPEC.prompt_tokens)))
+    print(peer_id, flush=True)
+os._exit(0)  # dies mid-transfer: no Deregister, arena left behind
+"""
+
+
+def test_dead_decode_is_detected_and_freed(server: ServerProcess) -> None:
+    proc = subprocess.run([sys.executable, "-c", _DYING_DECODE, server.target], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    peer_id = proc.stdout.split()[-1]
+    with HandshakeClient(server.target) as client:
+        final = None
+        for status in client.watch_status(peer_id, [1], timeout=15):
+            final = status  # the stream ends once the dead peer's requests are failed
+        assert final is not None
+        assert (final.state, final.failure_code) == (common_pb2.TRANSFER_STATE_FAILED, "PEER_GONE"), final
+        # The record stays (for inspection) but admits no new work until the decode re-registers.
+        with pytest.raises(E.RequestFailedError) as gone:
+            client.submit_transfer(peer_id, transfer_pb2.TransferInfo(room=2, dst_kv_pages=[0]))
+        assert gone.value.reason is Reason.PEER_GONE
+        assert client.get_server_info().page_size == SPEC.page_size
+
+
+def _has_mooncake() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_mooncake(), reason="mooncake-transfer-engine not installed")
+def test_mooncake_backend_dense_to_dcp() -> None:
+    peer = DecodePeer(SPEC, dcp_size=2, dcp_rank=1, pages=32, backend="mooncake")
+    try:
+        with running_server(*SERVE_ARGS, "--backend", "mooncake") as srv, \
+                HandshakeClient(srv.target, timeout=10) as client:
+            peer.verify(_transfer(client, peer, [21, 22]))
+    finally:
+        peer.close()

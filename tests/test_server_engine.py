@@ -1,0 +1,113 @@
+"""The in-process engine API: a real server in this process, chunks reported from another thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from pdproto import errors as E
+from pdproto.client import AsyncHandshakeClient
+from pdproto.errors import Reason
+from pdproto.transfer import create_executor
+from pdproto.v1 import common_pb2, transfer_pb2
+from pdproto_server.app import RunningServer, ServerConfig, start_server
+from pdproto_server.core import HandshakeCore
+from pdproto_server.engine import PrefillEngine
+from pdproto_server.registry import Limits
+from pdproto_server.synthetic import build_source, room_pages
+
+from ._decode_peer import DecodePeer
+from .test_server import SPEC
+
+Scenario = Callable[[PrefillEngine, AsyncHandshakeClient, DecodePeer], Awaitable[None]]
+
+
+def _run(scenario: Scenario, limits: Limits | None = None) -> None:
+    executor = create_executor("local", arena_bytes=1 << 20)
+    peer = DecodePeer(SPEC, dcp_size=2, dcp_rank=0, pages=32)
+
+    async def main() -> None:
+        engine = PrefillEngine(build_source(SPEC, executor), executor)
+        running: RunningServer = await start_server(HandshakeCore(engine, limits=limits), ServerConfig())
+        try:
+            async with AsyncHandshakeClient(f"127.0.0.1:{running.port}", timeout=10) as client:
+                await scenario(engine, client, peer)
+        finally:
+            await running.shutdown()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 40))
+    finally:
+        peer.close()
+        executor.close()
+
+
+def _engine_thread(engine: PrefillEngine, room: int, chunk_tokens: int = 32) -> threading.Thread:
+    """The prefill scheduler: reports a room's chunks from its own thread."""
+
+    def produce() -> None:
+        pages = room_pages(room, SPEC)
+        done = 0
+        while done < SPEC.prompt_tokens:
+            n = min(chunk_tokens, SPEC.prompt_tokens - done)
+            first = done // SPEC.page_size
+            engine.submit_chunk(room, pages[first:first + -(-n // SPEC.page_size)], n,
+                                last_chunk=done + n >= SPEC.prompt_tokens)
+            done += n
+
+    return threading.Thread(target=produce)
+
+
+async def _final(client: AsyncHandshakeClient, peer_id: str, room: int) -> transfer_pb2.TransferStatus:
+    async for status in client.watch_status(peer_id, [room], timeout=20):
+        if status.state in (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED):
+            return status
+    raise AssertionError("stream ended without a terminal status")
+
+
+def test_decode_first_then_engine_chunks_from_a_thread() -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodePeer) -> None:
+        peer_id = (await client.register(peer.registration())).peer_id
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        await client.submit_transfer(peer_id, peer.transfer(11, pages))
+        producer = _engine_thread(engine, 11)
+        producer.start()
+        status = await _final(client, peer_id, 11)
+        producer.join(10)
+        assert status.state == common_pb2.TRANSFER_STATE_SUCCESS, status
+        assert status.chunks_done == -(-SPEC.prompt_tokens // 32)
+        peer.verify({11: pages})
+
+    _run(scenario)
+
+
+def test_engine_first_then_decode() -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodePeer) -> None:
+        producer = _engine_thread(engine, 12, chunk_tokens=48)
+        producer.start()
+        producer.join(10)
+        peer_id = (await client.register(peer.registration())).peer_id
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        await client.submit_transfer(peer_id, peer.transfer(12, pages))
+        assert (await _final(client, peer_id, 12)).state == common_pb2.TRANSFER_STATE_SUCCESS
+        peer.verify({12: pages})
+
+    _run(scenario)
+
+
+def test_unmatched_request_fails_with_match_timeout_and_bad_chunks_are_refused() -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodePeer) -> None:
+        peer_id = (await client.register(peer.registration())).peer_id
+        await client.submit_transfer(peer_id, peer.transfer(13, peer.pages_for(SPEC.prompt_tokens)))
+        status = await _final(client, peer_id, 13)
+        assert (status.state, status.failure_code) == (common_pb2.TRANSFER_STATE_FAILED, "MATCH_TIMEOUT")
+        with pytest.raises(E.PlanError) as info:
+            engine.submit_chunk(14, [SPEC.pages + 5], 16, last_chunk=True)
+        assert info.value.reason is Reason.PLAN_BAD_OFFSET
+        with pytest.raises(E.PlanError):
+            engine.submit_chunk(14, [0, 1], 20, last_chunk=False)  # a non-last chunk must fill its pages
+
+    _run(scenario, Limits(match_timeout=0.5))

@@ -1,0 +1,93 @@
+"""Server pieces checked without a network: RPC coverage, the status table, auth policy."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import grpc.aio
+import pytest
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+
+from pdproto.client import AsyncHandshakeClient, error_class
+from pdproto.errors import ConfigError, PdprotoError, Reason
+from pdproto.v1 import handshake_service_pb2, handshake_service_pb2_grpc
+from pdproto_server import _status
+from pdproto_server.auth import is_loopback, require_token_policy
+from pdproto_server.service import HandshakeServicer
+
+from ._server_harness import REPO
+
+
+def test_every_rpc_in_the_proto_is_implemented() -> None:
+    service = handshake_service_pb2.DESCRIPTOR.services_by_name["HandshakeService"]
+    assert service.full_name == "pdproto.v1.HandshakeService"
+    missing = [m.name for m in service.methods if m.name not in HandshakeServicer.__dict__]
+    assert not missing, f"RPCs without an implementation: {missing}"
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_every_reason_has_a_code_and_one_error_info(reason: Reason) -> None:
+    code = _status.grpc_code(reason)
+    assert code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN)
+    assert _status.GRPC_CODE_NAMES[reason] == code.name
+    status = _status.build_status(reason, "msg", {"some_key": 1}, field_violations=[("a.b", "bad")])
+    proto = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"])
+    infos = [d for d in proto.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
+    bads = [d for d in proto.details if d.Is(error_details_pb2.BadRequest.DESCRIPTOR)]
+    assert len(infos) == 1 and len(bads) == 1
+    info = error_details_pb2.ErrorInfo()
+    infos[0].Unpack(info)
+    assert (info.reason, info.domain, dict(info.metadata)) == (reason.name, "pdproto", {"someKey": "1"})
+    assert issubclass(error_class(reason), PdprotoError)
+
+
+def test_token_policy() -> None:
+    assert is_loopback("127.0.0.1:0") and is_loopback("[::1]:5") and is_loopback("localhost:1")
+    assert not is_loopback("0.0.0.0:50051") and not is_loopback("[::]:1")
+    require_token_policy("127.0.0.1:0", None)
+    require_token_policy("0.0.0.0:1", "t")
+    require_token_policy("0.0.0.0:1", None, allow_insecure=True)
+    with pytest.raises(ConfigError):
+        require_token_policy("0.0.0.0:1", None)
+
+
+def test_serve_refuses_public_address_without_token() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "0.0.0.0:0",
+                           "--pages", "4", "--layers", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "without a bearer token" in proc.stderr
+
+
+class _Exploding(HandshakeServicer):
+    """A servicer whose handler hits a bug, to prove the wrapper maps it."""
+
+    def __init__(self) -> None:
+        pass
+
+    @_status.unary
+    async def GetServerInfo(self, request: object, context: object) -> object:  # type: ignore[override]
+        raise RuntimeError("secret internal detail")
+
+
+def test_unexpected_exception_becomes_internal_not_unknown() -> None:
+    async def run() -> None:
+        server = grpc.aio.server()
+        handshake_service_pb2_grpc.add_HandshakeServiceServicer_to_server(_Exploding(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            client = AsyncHandshakeClient(f"127.0.0.1:{port}")
+            with pytest.raises(PdprotoError) as info:
+                await client.get_server_info()
+            await client.close()
+        finally:
+            await server.stop(0)
+        assert info.value.reason is Reason.INTERNAL
+        assert info.value.metadata["grpcCode"] == "INTERNAL"
+        assert "secret" not in info.value.message
+
+    asyncio.run(asyncio.wait_for(run(), 20))
