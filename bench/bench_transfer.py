@@ -1,0 +1,151 @@
+"""Transfer bench: dense vs packed DCP relayout vs per-row descriptors, same bytes, same run.
+
+For each engine (Mooncake TCP, NIXL UCX), a decode peer runs in its own process
+with 8 layers × 8192 rows × 1152 bytes (one DCP-4 rank's share of 32,768
+tokens, 75.5 MB). The prefill, in this process, writes the same bytes three ways:
+  dense    one contiguous descriptor per layer (rows 0..n-1 -> 0..n-1): the ceiling
+  packed   DCP relayout rows, gathered into staging, one descriptor per destination run
+  per_row  the same rows without packing: one descriptor per row per layer
+Targets: packed/dense >= 0.8 and packed/per_row >= 10.
+
+Environment: PDPROTO_BENCH_DEVICE=cuda puts both sides in VRAM;
+PDPROTO_BENCH_BACKENDS=mooncake,nixl picks the engines; PDPROTO_BENCH_LAYERS and
+PDPROTO_BENCH_ROWS shrink the payload for a quick run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from pdproto.dcp import plan_relayout
+from pdproto.errors import EngineUnavailableError
+from pdproto.transfer import DRAM, VRAM, LayerSpan, TransferJob, TransferResult, create_executor
+from pdproto.transfer.peer import PeerProcess
+
+ROW = 1152
+PAGE = 64
+DCP = 4
+RANK = 1
+ROUNDS = 5
+
+
+def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[str, float]:
+    """Measure the three modes for one engine; returns seconds and GB/s per mode."""
+    src_total = rows * DCP
+    # Staging holds every layer, as SGLang sizes its DCP pack buffer: no layer waits for a slot.
+    ex = create_executor(backend, staging_bytes=layers * rows * ROW, device=device,
+                         transfer_timeout_s=120)
+    peer = PeerProcess(backend, layers=layers, rows=rows, row_bytes=ROW, device=device,
+                       timeout_s=120)
+    try:
+        vram = device.startswith("cuda")
+        srcs = [ex.allocate(src_total * ROW, kind=VRAM if vram else DRAM) for _ in range(layers)]
+        rng = np.random.default_rng(0)
+        fill = rng.integers(0, 256, src_total * ROW, dtype=np.uint8)
+        for b in srcs:
+            if vram:
+                import torch
+
+                b.array.copy_(torch.from_numpy(fill))
+            else:
+                b.array[:] = fill
+        ex.register_memory(srcs)
+        ex.connect("bench", peer.registration)
+        spans = tuple(LayerSpan(s.addr, d.ptr, ROW) for s, d in zip(srcs, peer.registration.kv_buffers))
+
+        # Prefill pages are scattered; decode pages are a fresh consecutive allocation.
+        plan = plan_relayout(rng.permutation(src_total // PAGE), np.arange(rows // PAGE),
+                             page_size=PAGE, dcp_size=DCP, dcp_rank=RANK)
+        src_rows, dst_rows = plan.expand()
+        dense = np.arange(rows, dtype=np.int64)
+        jobs = {
+            "dense": TransferJob(spans, dense, dense, pack=False),
+            "packed": TransferJob(spans, src_rows, dst_rows, pack=True),
+            "per_row": TransferJob(spans, src_rows, dst_rows, pack=False),
+        }
+        for job in jobs.values():
+            ex.execute("bench", job)  # warm-up: connections, registrations, page faults
+        # Rounds interleave the modes, so load from other processes hits all of them alike.
+        secs: dict[str, list[float]] = {mode: [] for mode in jobs}
+        packs: list[float] = []
+        last: dict[str, TransferResult] = {}
+        slow_rows = backend == "mooncake"  # about 18k descriptors/s: seconds per per-row run
+        for rnd in range(ROUNDS):
+            for mode, job in jobs.items():
+                if mode == "per_row" and slow_rows and rnd >= 2:
+                    continue
+                last[mode] = ex.execute("bench", job)
+                secs[mode].append(last[mode].seconds)
+                if mode == "packed":
+                    packs.append(last[mode].pack_seconds)
+        out: dict[str, float] = {}
+        for mode, res in last.items():
+            med = statistics.median(secs[mode])
+            out[f"{mode}_s"] = med
+            out[f"{mode}_gbps"] = res.bytes / med / 1e9
+            out[f"{mode}_desc"] = res.descriptors
+        out["pack_s"] = statistics.median(packs)
+        # The last run was per-row over the relayout rows; check that every byte landed.
+        _verify(peer, fill.reshape(-1, ROW), src_rows, dst_rows, layers, rows)
+        return out
+    except Exception as exc:
+        # Say whether the decode peer died (and how) or the engine failed with it alive.
+        raise RuntimeError(f"{exc!r}; decode peer exit status: {peer.proc.poll()}") from exc
+    finally:
+        peer.close()
+        ex.close()
+
+
+def _verify(peer: PeerProcess, src: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray,
+            layers: int, rows: int) -> None:
+    """Every destination row holds its source row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "dump.bin")
+        peer.dump(path)
+        got = np.fromfile(path, dtype=np.uint8).reshape(layers, rows, ROW)
+    for i in range(layers):
+        if not np.array_equal(got[i][dst_rows], src[src_rows]):
+            raise AssertionError(f"layer {i}: destination bytes differ from the source rows")
+
+
+def main() -> int:
+    """Run the bench for each engine and print GB/s and ratios; non-zero if a run failed."""
+    layers = int(os.environ.get("PDPROTO_BENCH_LAYERS", "8"))
+    rows = int(os.environ.get("PDPROTO_BENCH_ROWS", "8192"))
+    device = os.environ.get("PDPROTO_BENCH_DEVICE", "cpu")
+    backends = os.environ.get("PDPROTO_BENCH_BACKENDS", "mooncake,nixl").split(",")
+    mb = layers * rows * ROW / 1e6
+    print(f"payload: {layers} layers x {rows} rows x {ROW} B = {mb:.1f} MB per mode; "
+          f"DCP {DCP} rank {RANK}, page {PAGE}; device {device}", flush=True)
+    print(f"{'engine':<9} {'mode':<8} {'ms':>8} {'GB/s':>7} {'desc':>7}")
+    rc = 0
+    for backend in backends:
+        t0 = time.perf_counter()
+        try:
+            r = bench_backend(backend, layers=layers, rows=rows, device=device)
+        except EngineUnavailableError as exc:
+            print(f"{backend:<9} skipped: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - report and carry on with the next engine
+            print(f"{backend:<9} FAILED: {exc!r}")
+            rc = 1
+            continue
+        for mode in ("dense", "packed", "per_row"):
+            print(f"{backend:<9} {mode:<8} {r[mode + '_s'] * 1e3:8.1f} {r[mode + '_gbps']:7.2f} "
+                  f"{int(r[mode + '_desc']):7d}")
+        bound = max(r["pack_s"], r["dense_s"])
+        pd, pr = r["packed_gbps"] / r["dense_gbps"], r["packed_gbps"] / r["per_row_gbps"]
+        print(f"{backend:<9} packed/dense {pd:.2f} (target >= 0.8)  packed/per_row {pr:.1f} "
+              f"(target >= 10)  pack {r['pack_s'] * 1e3:.1f} ms, bound max(pack, dense) "
+              f"{bound * 1e3:.1f} ms = {bound / r['packed_s']:.2f} of packed  "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

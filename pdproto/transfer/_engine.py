@@ -1,0 +1,355 @@
+"""Shared machinery of the engine executors: registration bookkeeping, staging and the pipeline.
+
+Subclasses supply the engine calls (``_submit``, ``_wait``, ``_send_notification``
+and the registration hooks); this class turns a ``TransferJob`` into per-layer
+descriptor batches, packing through staging where it can.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdproto.errors import Reason, TransferError
+from pdproto.v1 import registration_pb2
+
+from .base import (
+    DRAM,
+    VRAM,
+    Buffer,
+    MemoryKind,
+    Notification,
+    TransferJob,
+    TransferResult,
+    TransferStats,
+    check_bounds,
+    encode_notification,
+    remote_regions,
+    validate_job,
+)
+from .memory import allocate, host_view
+from .packing import Descs, Gatherer, pack_fits, packed_descriptors, row_descriptors
+
+
+def rdma_present() -> bool:
+    """True when the kernel lists an RDMA device (Mooncake "rdma", UCX's ib transports)."""
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+@dataclass
+class PeerState:
+    """What an engine executor keeps per connected peer."""
+
+    peer_id: str
+    remote: str
+    """Engine handle of the peer: Mooncake session id or NIXL agent name."""
+    regions: list[tuple[int, int]]
+    device: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineExecutor:
+    """Base class of the Mooncake and NIXL executors (not a backend on its own)."""
+
+    backend = "engine"
+    max_batch = 1 << 20
+    """Most descriptors one ``_submit`` call may carry."""
+    submit_blocks = False
+    """True when ``_submit`` itself moves the bytes (NIXL over UCX shared memory)."""
+
+    def __init__(self, *, staging_bytes: int = 0, device: str = "cpu") -> None:
+        """Set up bookkeeping; subclasses start their engine, then call ``_init_staging``."""
+        self.stats = TransferStats()
+        self._device = device
+        self._buffers: list[Buffer] = []
+        self._peers: dict[str, PeerState] = {}
+        self._lock = threading.Lock()
+        self._staging_lock = threading.Lock()
+        self._staging: Buffer | None = None
+        self._staging_bytes = staging_bytes
+        self._gatherer = Gatherer()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ---- hooks for subclasses ----------------------------------------------------------
+    def _register(self, buffer: Buffer) -> None:
+        raise NotImplementedError
+
+    def _deregister(self, buffer: Buffer) -> None:
+        raise NotImplementedError
+
+    def _connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> PeerState:
+        raise NotImplementedError
+
+    def _disconnect(self, peer: PeerState) -> None:
+        raise NotImplementedError
+
+    def _submit(self, peer: PeerState, descs: Descs, kind: MemoryKind, device: int) -> Any:
+        raise NotImplementedError
+
+    def _wait(self, peer: PeerState, handle: Any) -> None:
+        raise NotImplementedError
+
+    def _send_notification(self, peer: PeerState, data: bytes) -> bool:
+        return False
+
+    def _close_engine(self) -> None:
+        raise NotImplementedError
+
+    # ---- memory -----------------------------------------------------------------------
+    def _init_staging(self) -> None:
+        if self._staging_bytes > 0:
+            kind = VRAM if self._device.startswith("cuda") else DRAM
+            dev = int(self._device.split(":")[1]) if ":" in self._device else 0
+            self._staging = allocate(self._staging_bytes, kind=kind, device=dev)
+            self.register_memory([self._staging])
+
+    def allocate(self, nbytes: int, *, kind: MemoryKind = DRAM, device: int = 0) -> Buffer:
+        """Allocate zeroed page-aligned memory (not yet registered; pass it to ``register_memory``)."""
+        return allocate(nbytes, kind=kind, device=device)
+
+    def register_memory(self, buffers: Sequence[Buffer]) -> None:
+        """Register buffers with the engine; TRANSFER_FAILED if the engine refuses."""
+        for b in buffers:
+            self._register(b)
+            with self._lock:
+                self._buffers.append(b)
+
+    def _local_regions(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return [(b.addr, b.length) for b in self._buffers]
+
+    def _view(self, addr: int, nbytes: int) -> Any:
+        """A uint8 view (numpy or torch) of registered memory at ``addr``."""
+        with self._lock:
+            owner = next((b for b in self._buffers
+                          if b.addr <= addr and addr + nbytes <= b.addr + b.length), None)
+        if owner is None or owner.array is None:
+            return host_view(addr, nbytes)
+        off = addr - owner.addr
+        return owner.array[off:off + nbytes]
+
+    def _kind_of(self, addr: int) -> tuple[MemoryKind, int]:
+        """Memory kind and device of the registered buffer holding ``addr``."""
+        with self._lock:
+            for b in self._buffers:
+                if b.addr <= addr < b.addr + max(b.length, 1):
+                    return b.kind, b.device
+        return DRAM, 0
+
+    # ---- peers ------------------------------------------------------------------------
+    def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
+        """Load the peer's transport from its registration; replaces an earlier connection."""
+        state = self._connect(peer_id, registration)
+        state.regions = remote_regions(registration)
+        with self._lock:
+            old = self._peers.pop(peer_id, None)
+            self._peers[peer_id] = state
+        if old is not None and old.remote != state.remote:
+            self._disconnect(old)
+
+    def _peer(self, peer_id: str) -> PeerState:
+        with self._lock:
+            peer = self._peers.get(peer_id)
+        if peer is None:
+            raise TransferError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
+                                metadata={"peer": peer_id})
+        return peer
+
+    def disconnect(self, peer_id: str) -> None:
+        """Forget the peer and drop its engine connection; unknown peers are ignored."""
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+        if peer is not None:
+            with peer.lock:
+                self._disconnect(peer)
+
+    def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
+        """Send a standalone notification (NIXL); False where the backend has none."""
+        peer = self._peer(peer_id)
+        with peer.lock:
+            return self._send_notification(peer, encode_notification(room, payload))
+
+    def notifications(self) -> list[Notification]:
+        """Notifications received since the last call; empty unless the engine has them."""
+        return []
+
+    # ---- execution --------------------------------------------------------------------
+    def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
+        """Run the job layer by layer (pack i+1 while i is in flight); raises ``TransferError``."""
+        t0 = time.perf_counter()
+        src, dst = validate_job(job)
+        peer = self._peer(peer_id)
+        with peer.lock:
+            try:
+                check_bounds(job, src, dst, local=self._local_regions(), remote=peer.regions)
+                staging = self._staging
+                want = job.pack and src.size > 0 and len(job.layers) > 0
+                # Packing needs staging on the same side (host or device) as every source layer.
+                fits = staging is not None and pack_fits(
+                    src.size, tuple(layer.row_bytes for layer in job.layers), staging.length
+                ) and all(self._kind_of(layer.src_ptr)[0] == staging.kind for layer in job.layers)
+                if want and fits:
+                    with self._staging_lock:
+                        ndesc, pack_s = self._run_packed(peer, job, src, dst)
+                else:
+                    ndesc, pack_s = self._run_rows(peer, job, src, dst), 0.0
+                notified = False
+                if job.notification is not None:
+                    notified = self._send_notification(peer, job.notification)
+            except TransferError:
+                with self._lock:
+                    self.stats.failures += 1
+                raise
+        nbytes = int(src.size) * sum(layer.row_bytes for layer in job.layers)
+        fallback = want and not fits
+        with self._lock:  # jobs for different peers finish concurrently
+            self.stats.jobs += 1
+            self.stats.bytes += nbytes
+            self.stats.descriptors += ndesc
+            self.stats.packed_jobs += int(want and fits)
+            self.stats.pack_fallbacks += int(fallback)
+        return TransferResult(bytes=nbytes, descriptors=ndesc, seconds=time.perf_counter() - t0,
+                              packed=bool(want and fits), fallback=bool(fallback),
+                              pack_seconds=pack_s, notified=notified)
+
+    def _max_inflight_descs(self) -> int:
+        """Most descriptors queued at once per job; engines with a bounded queue lower it."""
+        return 1 << 40
+
+    def _push(self, peer: PeerState, inflight: collections.deque[tuple[Any, int, int, int]],
+              descs: Descs, mem: tuple[MemoryKind, int], lo: int = 0, hi: int = 0) -> None:
+        """Submit ``descs`` in engine-sized batches, first waiting out what would overflow the queue."""
+        cap = self._max_inflight_descs()
+        for i in range(0, len(descs), self.max_batch):
+            chunk = descs[i:i + self.max_batch]
+            while inflight and sum(e[3] for e in inflight) + len(chunk) > cap:
+                self._wait(peer, inflight.popleft()[0])
+            inflight.append((self._submit(peer, chunk, mem[0], mem[1]), lo, hi, len(chunk)))
+
+    def _run_rows(self, peer: PeerState, job: TransferJob, src: np.ndarray, dst: np.ndarray) -> int:
+        """Per-row (run-merged) descriptors straight from the source buffers."""
+        total = 0
+        inflight: collections.deque[tuple[Any, int, int, int]] = collections.deque()
+        try:
+            for layer in job.layers:
+                descs = row_descriptors(layer.src_ptr, layer.dst_ptr, layer.row_bytes, src, dst)
+                self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
+                total += len(descs)
+            while inflight:
+                self._wait(peer, inflight.popleft()[0])
+        finally:
+            self._drain(peer, [e[0] for e in inflight])
+        return total
+
+    def _run_packed(self, peer: PeerState, job: TransferJob, src: np.ndarray,
+                    dst: np.ndarray) -> tuple[int, float]:
+        """Pack layer i+1 on the pack thread while layer i is transferred from the other slot.
+
+        Staging is cut into K equal slots (K = how many layers fit, at most the
+        layer count); layer i uses slot i % K, and a slot is packed again only
+        after the transfer that read it completed. With K = 1 there is no overlap.
+        """
+        staging = self._staging
+        assert staging is not None  # checked by the caller
+        n = int(src.size)
+        smax = int(src.max())
+        slot_bytes = n * max(layer.row_bytes for layer in job.layers)
+        nslots = max(1, min(len(job.layers), staging.length // slot_bytes))
+        runs = self._gatherer.plan(src) if staging.kind != VRAM else None
+
+        def pack(i: int) -> float:
+            """Gather layer i into its slot (runs on the pack thread); returns seconds."""
+            layer = job.layers[i]
+            rb = layer.row_bytes
+            lo = (i % nslots) * slot_bytes
+            tp = time.perf_counter()
+            src2d = self._view(layer.src_ptr, (smax + 1) * rb).reshape(smax + 1, rb)
+            self._gatherer.gather(src2d, src, staging.array[lo:lo + n * rb].reshape(n, rb), runs)
+            return time.perf_counter() - tp
+
+        total = 0
+        pack_s = 0.0
+        inflight: collections.deque[tuple[Any, int, int, int]] = collections.deque()
+        pending: Future[float] | None = None
+        try:
+            pending = self._pack_pool().submit(pack, 0)
+            for i, layer in enumerate(job.layers):
+                current, pending = pending, None
+                assert current is not None  # every iteration starts with layer i being packed
+                pack_s += current.result()
+                descs = packed_descriptors(staging.addr + (i % nslots) * slot_bytes,
+                                           layer.dst_ptr, layer.row_bytes, dst)
+                total += len(descs)
+                mem = (staging.kind, staging.device)
+                if not self.submit_blocks or nslots == 1:
+                    # Async engines: get layer i moving before anything else can stall.
+                    self._push(peer, inflight, descs, mem, i % nslots, -1)
+                nxt = i + 1
+                if nxt < len(job.layers):
+                    # Free the slot layer i+1 uses (last read by layer i+1-K), then pack into it.
+                    slot = nxt % nslots
+                    while inflight and any(e[1] == slot for e in inflight):
+                        self._wait(peer, inflight.popleft()[0])
+                    pending = self._pack_pool().submit(pack, nxt)
+                if self.submit_blocks and nslots > 1:
+                    # Engines that copy inside the submit call: overlap it with packing layer i+1.
+                    self._push(peer, inflight, descs, mem, i % nslots, -1)
+            while inflight:
+                self._wait(peer, inflight.popleft()[0])
+        finally:
+            if pending is not None:
+                pending.exception()  # never leave the pack thread writing staging behind us
+            self._drain(peer, [e[0] for e in inflight])
+        return total, pack_s
+
+    def _pack_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-pack")
+            return self._pool
+
+    def _drain(self, peer: PeerState, handles: Any) -> None:
+        """After a failure, still wait out submitted work so no engine read outlives its buffer."""
+        for h in list(handles):
+            try:
+                self._wait(peer, h)
+            except TransferError:
+                pass
+
+    # ---- shutdown ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Disconnect peers, deregister memory and stop the engine; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer_id in list(self._peers):
+            try:
+                self.disconnect(peer_id)
+            except TransferError:
+                pass
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for b in buffers:
+            try:
+                self._deregister(b)
+            except TransferError:
+                pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._close_engine()
+
+
+__all__ = ["EngineExecutor", "PeerState", "rdma_present"]

@@ -1,0 +1,75 @@
+"""Page-aligned host and device allocations used as KV, staging and test buffers."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pdproto.errors import EngineUnavailableError
+
+from .base import DRAM, VRAM, Buffer, MemoryKind
+
+
+def aligned_dram(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A zeroed, page-aligned uint8 array (anonymous mmap, so pages are touched only when used)."""
+    # mmap of length 0 is invalid; a one-page map keeps zero-size buffers addressable.
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(region, dtype=np.uint8, count=nbytes)
+
+
+def array_addr(array: Any) -> int:
+    """The address of a numpy array's or torch tensor's first byte."""
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data)
+    return int(array.data_ptr())
+
+
+def host_view(addr: int, nbytes: int) -> npt.NDArray[np.uint8]:
+    """A uint8 numpy view of ``nbytes`` of host memory at ``addr`` (the caller keeps it alive)."""
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+def torch_module() -> Any:
+    """Import torch or raise ``EngineUnavailableError`` naming the package."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is part of the engines extra
+        raise EngineUnavailableError("torch is required for VRAM buffers and GPU packing: "
+                                     "pip install 'pdproto[engines]' (torch)",
+                                     metadata={"package": "torch"}) from exc
+    return torch
+
+
+def allocate(nbytes: int, *, kind: MemoryKind = DRAM, device: int = 0) -> Buffer:
+    """Allocate a zeroed buffer whose advertised pointer is its real address."""
+    if kind == VRAM:
+        torch = torch_module()
+        tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=f"cuda:{device}")
+        addr = int(tensor.data_ptr())
+        return Buffer(addr=addr, length=nbytes, ptr=addr, kind=VRAM, device=device, array=tensor)
+    array = aligned_dram(nbytes)
+    addr = array_addr(array)
+    return Buffer(addr=addr, length=nbytes, ptr=addr, kind=DRAM, device=0, array=array)
+
+
+def external(array: Any, *, kind: MemoryKind | None = None, device: int = 0) -> Buffer:
+    """Wrap caller-owned memory (a numpy array or torch tensor) as a ``Buffer``."""
+    addr = array_addr(array)
+    if isinstance(array, np.ndarray):
+        nbytes = int(array.nbytes)
+        mem = DRAM
+    else:
+        nbytes = int(array.numel() * array.element_size())
+        mem = VRAM if array.is_cuda else DRAM
+        device = int(array.device.index or 0) if array.is_cuda else 0
+    return Buffer(addr=addr, length=nbytes, ptr=addr, kind=kind if kind is not None else mem,
+                  device=device, array=array)
+
+
+__all__ = ["aligned_dram", "allocate", "array_addr", "external", "host_view", "torch_module"]

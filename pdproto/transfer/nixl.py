@@ -1,0 +1,259 @@
+"""NIXL executor: one ``nixl_agent`` with the UCX backend per process, DRAM or VRAM.
+
+The peer is loaded from ``NixlEndpoint.agent_metadata``. Descriptor lists are
+built from N×3 numpy arrays, because a tuple list costs 170 ms or more per 58k
+descriptors. A job's completion notification goes out only after every WRITE
+of the job is DONE, so a notification never overtakes data; it is sent even
+when the job has no rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from pdproto.errors import EngineUnavailableError, Reason, TransferError
+from pdproto.v1 import common_pb2, registration_pb2
+
+from ._engine import EngineExecutor, PeerState, rdma_present
+from .base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification
+from .packing import Descs
+
+_AGENT_LOCK = threading.Lock()
+PROGRESS_DELAY_US = 1000
+"""Progress-thread delay: the wrapper hard-codes 0, so an idle agent spins a core."""
+
+
+def _import_api() -> Any:
+    # nixl-cu12 imports as nixl_cu12; other builds (nixl, nixl-cu13) as nixl.
+    for module in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            error = exc
+    raise EngineUnavailableError("NIXL is not installed: pip install nixl-cu12 (needs torch)",
+                                 metadata={"package": "nixl-cu12", "error": error}) from error
+
+
+def _skip_verbs_modules() -> None:
+    """Keep UCX from loading its InfiniBand modules on a host without RDMA devices.
+
+    nixl-cu12 bundles its own libibverbs and libnl. Its ib_efa module also pulls in the
+    system libefa, which loads the system libibverbs and libnl. Two copies of libnl-route
+    then crash the process at exit (SIGSEGV in ``rtnl_tc_unregister``), after every test
+    has passed. With no RDMA device the modules are useless anyway. An explicit
+    ``UCX_MODULES`` is left alone.
+    """
+    if "UCX_MODULES" not in os.environ and not rdma_present():
+        os.environ["UCX_MODULES"] = "^ib,ib_efa,ib_mlx5,ib_mlx5_ext,rdmacm"
+
+
+def _make_agent(api: Any, name: str, delay_us: int) -> Any:
+    """Build a UCX agent whose progress thread sleeps ``delay_us`` between polls.
+
+    ``nixl_agent.__init__`` sets ``pthrDelay = 0`` on a fresh native config. A
+    config subclass turns that 0 into ``delay_us``, and it is swapped in for the
+    duration of the constructor only.
+    """
+    bind = api.nixlBind
+    base = bind.nixlAgentConfig
+    prop = base.__dict__.get("pthrDelay")
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 - native field name
+            """The native field."""
+            return int(prop.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            """Store ``delay_us`` where the wrapper asks for 0."""
+            prop.__set__(self, value or delay_us)
+
+    class _Bind:
+        nixlAgentConfig = _Config  # noqa: N815
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bind, attr)
+
+    with _AGENT_LOCK:
+        _skip_verbs_modules()  # UCX reads it when the agent creates its backend
+        if prop is not None and delay_us > 0:
+            api.nixlBind = _Bind()
+        try:
+            # RW sync: the server runs jobs for different peers on several threads at once;
+            # transfers may proceed together, metadata changes (add/remove peer) are exclusive.
+            conf = api.nixl_agent_config(backends=["UCX"],
+                                         sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+            return api.nixl_agent(name, conf)
+        finally:
+            api.nixlBind = bind
+
+
+class NixlExecutor(EngineExecutor):
+    """Transfers through a NIXL agent (UCX); also receives notifications on the decode side."""
+
+    backend = "nixl"
+    # UCX's shared-memory transport (cma) copies inside postXferReq, so packing the next
+    # layer is overlapped with the submit call itself.
+    submit_blocks = True
+
+    def __init__(self, *, name: str | None = None, staging_bytes: int = 0, device: str = "cpu",
+                 transfer_timeout_s: float = 30.0, progress_delay_us: int = PROGRESS_DELAY_US,
+                 **_: Any) -> None:
+        """Create the agent ``name`` (a uuid when omitted) with the UCX backend."""
+        super().__init__(staging_bytes=staging_bytes, device=device)
+        self._api = _import_api()
+        self._name = name or f"pdproto-{uuid.uuid4()}"
+        try:
+            self._agent = _make_agent(self._api, self._name, progress_delay_us)
+        except Exception as exc:  # noqa: BLE001 - the binding raises bare RuntimeErrors
+            raise TransferError("NIXL agent failed to start", reason=Reason.TRANSFER_FAILED,
+                                metadata={"name": self._name, "error": exc}) from exc
+        self._timeout = transfer_timeout_s
+        self._reg: dict[int, Any] = {}
+        self._inbox_lock = threading.Lock()
+        self._init_staging()
+
+    @staticmethod
+    def _mem(kind: MemoryKind) -> str:
+        return "VRAM" if kind == VRAM else "DRAM"
+
+    def _register(self, buffer: Buffer) -> None:
+        dev = buffer.device if buffer.kind == VRAM else 0
+        try:
+            descs = self._agent.register_memory([(buffer.addr, max(buffer.length, 1), dev, "")],
+                                                self._mem(buffer.kind))
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError("NIXL refused to register memory", reason=Reason.TRANSFER_FAILED,
+                                metadata={"addr": hex(buffer.addr), "error": exc}) from exc
+        self._reg[buffer.addr] = descs
+
+    def _deregister(self, buffer: Buffer) -> None:
+        descs = self._reg.pop(buffer.addr, None)
+        if descs is not None:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+    def endpoint(self) -> Endpoint:
+        """The ``NixlEndpoint``: agent name and metadata (call after ``register_memory``)."""
+        return registration_pb2.NixlEndpoint(agent_name=self._name,
+                                             agent_metadata=self._agent.get_agent_metadata())
+
+    def _connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> PeerState:
+        if registration.WhichOneof("transport") != "nixl":
+            raise TransferError("registration carries no NIXL endpoint",
+                                reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
+                                metadata={"transport": registration.WhichOneof("transport")})
+        try:
+            remote = self._agent.add_remote_agent(registration.nixl.agent_metadata)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError("NIXL could not load the peer's agent metadata",
+                                reason=Reason.INVALID_FIELD,
+                                metadata={"peer": peer_id, "error": exc}) from exc
+        if isinstance(remote, bytes):
+            remote = remote.decode()
+        kinds = {b.memory_kind for b in registration.kv_buffers}
+        # An unset kind reads as VRAM, as legacy SGLang does.
+        kind = common_pb2.MEMORY_KIND_DRAM if kinds == {common_pb2.MEMORY_KIND_DRAM} else VRAM
+        state = PeerState(peer_id=peer_id, remote=str(remote), regions=[],
+                          device=registration.gpu_id)
+        state.extra["mem"] = self._mem(kind)
+        return state
+
+    def _disconnect(self, peer: PeerState) -> None:
+        try:
+            self._agent.remove_remote_agent(peer.remote)
+        except Exception:  # noqa: BLE001 - already gone is fine
+            pass
+
+    def _submit(self, peer: PeerState, descs: Descs, kind: MemoryKind, device: int) -> Any:
+        n = len(descs)
+        local = np.empty((n, 3), dtype=np.int64)
+        local[:, 0], local[:, 1] = descs[:, 0], descs[:, 2]
+        local[:, 2] = device if kind == VRAM else 0
+        remote = np.empty((n, 3), dtype=np.int64)
+        remote[:, 0], remote[:, 1] = descs[:, 1], descs[:, 2]
+        remote[:, 2] = peer.device if peer.extra["mem"] == "VRAM" else 0
+        try:
+            handle = self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(local, self._mem(kind)),
+                self._agent.get_xfer_descs(remote, peer.extra["mem"]), peer.remote)
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError("NIXL could not post the transfer", reason=Reason.PEER_GONE,
+                                metadata={"peer": peer.peer_id, "error": exc}) from exc
+        if state == "ERR":
+            self._release(handle)
+            raise TransferError("NIXL rejected the transfer", reason=Reason.PEER_GONE,
+                                metadata={"peer": peer.peer_id})
+        return handle
+
+    def _wait(self, peer: PeerState, handle: Any) -> None:
+        deadline = time.monotonic() + self._timeout
+        spins = 0
+        try:
+            while True:
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as exc:  # noqa: BLE001
+                    raise TransferError("NIXL transfer failed", reason=Reason.PEER_GONE,
+                                        metadata={"peer": peer.peer_id, "error": exc}) from exc
+                if state == "DONE":
+                    return
+                if state == "ERR":
+                    # UCX reports a vanished peer (closed endpoint, dead process) as a failed request.
+                    raise TransferError("NIXL transfer failed; the peer is unreachable",
+                                        reason=Reason.PEER_GONE, metadata={"peer": peer.peer_id})
+                if time.monotonic() > deadline:
+                    raise TransferError("NIXL transfer did not complete in time",
+                                        reason=Reason.DEADLINE_EXCEEDED,
+                                        metadata={"peer": peer.peer_id, "timeout_s": self._timeout})
+                spins += 1
+                # Spin briefly for short transfers, then yield the core to the progress thread.
+                if spins > 50:
+                    time.sleep(0.0002 if spins < 2000 else 0.002)
+        finally:
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - releasing a failed request may itself fail
+            pass
+
+    def _send_notification(self, peer: PeerState, data: bytes) -> bool:
+        try:
+            self._agent.send_notif(peer.remote, data)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError("NIXL could not send the notification", reason=Reason.PEER_GONE,
+                                metadata={"peer": peer.peer_id, "error": exc}) from exc
+        return True
+
+    def notifications(self) -> list[Notification]:
+        """Notifications received since the last call, decoded (foreign frames are skipped)."""
+        with self._inbox_lock:
+            raw = self._agent.get_new_notifs()
+        out: list[Notification] = []
+        for agent, msgs in raw.items():
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            for m in msgs:
+                n = decode_notification(name, bytes(m))
+                if n is not None:
+                    out.append(n)
+        return out
+
+    def _close_engine(self) -> None:
+        # Dropping the agent tears down UCX; its destructor releases leaked handles.
+        self._agent = None
+
+
+__all__ = ["NixlExecutor", "PROGRESS_DELAY_US"]
