@@ -1,0 +1,310 @@
+"""A small P/D cluster of real processes on 127.0.0.1, driven request by request.
+
+Used by ``pdproto demo`` and by the reliability runs: prefill ranks (``demo_prefill``) serve
+the handshake service, decode ranks (``demo_decode``) register through the client. A request
+is laid out here (pages, chunks) and its bytes are checked by each decode rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import math
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import demo_data as data
+from .demo_proc import Child, ChildError, Reply
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A prefill DCP group feeding a decode DCP group."""
+
+    src_dcp: int
+    dst_dcp: int
+
+    @property
+    def name(self) -> str:
+        """Short label: dense->dcp4, dcp2->dcp4."""
+        src = "dense" if self.src_dcp == 1 else f"dcp{self.src_dcp}"
+        return f"{src}->dcp{self.dst_dcp}"
+
+    def sources_of(self, dst_rank: int) -> list[int]:
+        """Prefill ranks sharing tokens with a decode rank: s = d mod gcd(Ns, Nd)."""
+        g = math.gcd(self.src_dcp, self.dst_dcp)
+        return [s for s in range(self.src_dcp) if s % g == dst_rank % g]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes shared by every rank of a run."""
+
+    layers: int = 8
+    page_size: int = 64
+    max_tokens: int = 32768
+    max_prefix: int = 1024
+    slots: int = 1
+    """Requests the prefill pool holds at once (each in its own page range)."""
+
+    def slot_pages(self, src_dcp: int) -> int:
+        """Prefill pages one request slot spans."""
+        return math.ceil(self.max_tokens / (self.page_size * src_dcp)) + 2
+
+    def src_pages(self, src_dcp: int) -> int:
+        """Prefill pool pages: every slot plus slack."""
+        return self.slot_pages(src_dcp) * self.slots + 8
+
+    def dst_pages(self, dst_dcp: int) -> int:
+        """Decode pool pages: prefix, longest request, slack."""
+        v = self.page_size * dst_dcp
+        return math.ceil(self.max_tokens / v) + math.ceil(self.max_prefix / v) + 8
+
+
+@dataclass
+class RequestResult:
+    """What one request did across every rank."""
+
+    room: int
+    tokens: int
+    prefix: int
+    chunks: int
+    ok: bool
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    checked: int = 0
+    failures: list[str] = field(default_factory=list)
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Flight:
+    """A request in progress: its layout and how many chunks were reported so far."""
+
+    room: int
+    tokens: int
+    prefix: int
+    vs: int
+    bounds: list[tuple[int, int]]
+    src_pages: list[int]
+    decodes: list[int]
+    sources: list[Child]
+    sent: int = 0
+    t0: float = 0.0
+    waiting: list[int] = field(default_factory=list)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def chunk_bounds(n: int, quantum: int, *, parts: int = 4, cap: int = 4096) -> list[tuple[int, int]]:
+    """Split n relative tokens into chunks that are multiples of ``quantum`` (except the last)."""
+    if n <= 0:
+        return [(0, 0)]
+    size = min(max(quantum, math.ceil(math.ceil(n / parts) / quantum) * quantum), max(cap, quantum))
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+class Cluster:
+    """Prefill and decode rank processes of one backend; reused across requests and topologies."""
+
+    def __init__(self, backend: str, geometry: Geometry, *, dst_dcp: int = 4, dst_groups: int = 1,
+                 src_groups: Sequence[int] = (1, 2), token: str | None = None,
+                 env: dict[str, str] | None = None, log_dir: str | None = None,
+                 prefill_args: Sequence[str] = ()) -> None:
+        self.backend = backend
+        self.dst_groups = dst_groups
+        self.prefill_args = list(prefill_args)
+        self.notify_ports: list[int] = []
+        self.peer_ids: dict[int, list[str]] = {}
+        self.run_id = os.urandom(3).hex()
+        self._pids: list[int] = []
+        self.log_dir = log_dir
+        self.geo = geometry
+        self.dst_dcp = dst_dcp
+        self.token = token
+        self.env = env or {}
+        self.prefills: dict[int, list[Child]] = {}
+        self.ports: dict[int, list[int]] = {}
+        self.decodes: list[Child] = []
+        self.topology: Topology | None = None
+        self._room = 1000
+        self._src_groups = tuple(src_groups)
+
+    def _common(self) -> list[str]:
+        g = self.geo
+        return ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size)]
+
+    def _track(self, child: Child) -> Child:
+        self._pids.append(child.proc.pid)
+        return child
+
+    def _prefill(self, ns: int, r: int, port: int = 0) -> Child:
+        return self._track(Child.start(f"prefill-dcp{ns}-r{r}", "pdproto_server.demo_prefill",
+                           [*self._common(), "--dcp-size", str(ns), "--dcp-rank", str(r),
+                            "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
+                            "--port", str(port), *self.prefill_args,
+                            *(["--token", self.token] if self.token else [])],
+                           env=self.env, log_dir=self.log_dir))
+
+    def _decode(self, d: int) -> Child:
+        return self._track(Child.start(f"decode-r{d}", "pdproto_server.demo_decode",
+                           [*self._common(), "--dcp-size", str(self.dst_dcp), "--dcp-rank", str(d % self.dst_dcp),
+                            "--pages", str(self.geo.dst_pages(self.dst_dcp)), "--name", f"decode-{d}-{self.run_id}",
+                            "--notify-port", str(self.notify_ports[d])],
+                           env=self.env, log_dir=self.log_dir))
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start every process and wait until each is ready."""
+        self.notify_ports = [free_port() for _ in range(self.dst_dcp * self.dst_groups)]
+        for ns in self._src_groups:
+            self.prefills[ns] = [self._prefill(ns, r) for r in range(ns)]
+        self.decodes = [self._decode(d) for d in range(self.dst_dcp * self.dst_groups)]
+        for ns, group in self.prefills.items():
+            self.ports[ns] = [int(c.recv(timeout)["port"]) for c in group]
+        for c in self.decodes:
+            c.recv(timeout)
+
+    def restart_decode(self, d: int, *, same_address: bool = True, timeout: float = 120.0) -> None:
+        """Kill decode rank ``d`` (if alive) and start a fresh process; same notify endpoint by default."""
+        self.decodes[d].close(timeout=5)
+        if not same_address:
+            self.notify_ports[d] = free_port()
+        self.decodes[d] = self._decode(d)
+        self.decodes[d].recv(timeout)
+
+    def restart_prefill(self, ns: int, r: int, *, same_port: bool = True, timeout: float = 120.0) -> None:
+        """Stop prefill rank ``r`` of group ``ns`` (if alive) and start a fresh one."""
+        self.prefills[ns][r].close(timeout=15)
+        port = self.ports[ns][r] if same_port else 0
+        self.prefills[ns][r] = self._prefill(ns, r, port)
+        self.ports[ns][r] = int(self.prefills[ns][r].recv(timeout)["port"])
+
+    def targets(self, topo: Topology, dst_rank: int) -> list[str]:
+        """host:port of each prefill rank a decode rank registers with."""
+        return [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(dst_rank % self.dst_dcp)]
+
+    def connect(self, topo: Topology, timeout: float = 60.0, ranks: Sequence[int] | None = None,
+                **options: Any) -> list[Reply]:
+        """Register decode ranks (all by default) with their prefill ranks for ``topo``."""
+        ranks = list(range(len(self.decodes))) if ranks is None else list(ranks)
+        for d in ranks:
+            self.decodes[d].send("connect", targets=self.targets(topo, d), token=self.token, **options)
+        replies = [self.decodes[d].recv(timeout) for d in ranks]
+        for d, r in zip(ranks, replies, strict=True):
+            self.peer_ids[d] = list(r["peers"])
+        self.topology = topo
+        return replies
+
+    def next_room(self) -> int:
+        """A fresh request id."""
+        self._room += 1
+        return self._room
+
+    def begin(self, tokens: int, prefix: int, *, corrupt: bool = False, timeout: float = 60.0,
+              decodes: Sequence[int] | None = None, room: int | None = None, generation: int = 0,
+              dst_offset: int = 0, slot: int = 0) -> Flight:
+        """Lay out a request, write its source rows and submit the destination on each decode rank."""
+        topo = self.topology
+        assert topo is not None, "connect() first"
+        g = self.geo
+        room = self.next_room() if room is None else room
+        n = tokens - prefix
+        vs = g.page_size * topo.src_dcp
+        vd = g.page_size * self.dst_dcp
+        f = Flight(room=room, tokens=tokens, prefix=prefix, vs=vs,
+                   bounds=chunk_bounds(n, math.lcm(vs, g.page_size)),
+                   src_pages=data.page_list(1 + slot * g.slot_pages(topo.src_dcp), max(1, math.ceil(n / vs)),
+                                            scramble=True),
+                   decodes=list(range(self.dst_dcp) if decodes is None else decodes),
+                   sources=self.prefills[topo.src_dcp])
+        pre_pages = list(range(0, math.ceil(prefix / vd)))
+        dst_pages = data.page_list(len(pre_pages) + 1 + dst_offset, max(1, math.ceil(n / vd)), scramble=True)
+        for i, c in enumerate(f.sources):
+            c.send("prepare", room=room, prefix=prefix, total=tokens, pages=f.src_pages,
+                   corrupt=corrupt and i == 0)
+        for c in f.sources:
+            c.recv(timeout)
+        for d in f.decodes:
+            self.decodes[d].send("request", room=room, prefix=prefix, total=tokens,
+                                 prefix_pages=pre_pages, dst_pages=dst_pages, generation=generation)
+        for d in f.decodes:
+            self.decodes[d].recv(timeout)
+        f.t0 = time.monotonic()
+        return f
+
+    def send_chunks(self, f: Flight, upto: int | None = None, *, timeout: float = 60.0,
+                    progress: Any = None) -> None:
+        """Report the flight's next chunks to every prefill rank (all remaining by default)."""
+        end = len(f.bounds) if upto is None else min(upto, len(f.bounds))
+        while f.sent < end:
+            k = f.sent
+            a, b = f.bounds[k]
+            pages = f.src_pages[a // f.vs: math.ceil(b / f.vs)] if b > a else []
+            for c in f.sources:
+                c.send("chunk", room=f.room, pages=pages, num_tokens=b - a, last=k == len(f.bounds) - 1)
+            for c in f.sources:
+                c.recv(timeout)
+            f.sent += 1
+            if progress is not None:
+                progress(f.sent, len(f.bounds))
+
+    def finish(self, f: Flight, *, timeout: float = 120.0, check: bool = True,
+               skip: Sequence[int] = ()) -> RequestResult:
+        """Wait for the flight on its decode ranks (except ``skip``), check bytes, release the room."""
+        self.finish_start(f, timeout=timeout, check=check, skip=skip)
+        return self.finish_collect(f, timeout=timeout)
+
+    def finish_start(self, f: Flight, *, timeout: float = 120.0, check: bool = True,
+                     skip: Sequence[int] = ()) -> None:
+        """Ask the flight's decode ranks to wait and check, without blocking here."""
+        f.waiting = [d for d in f.decodes if d not in skip]
+        for d in f.waiting:
+            self.decodes[d].send("wait", room=f.room, timeout=timeout, check=check)
+
+    def finish_collect(self, f: Flight, *, timeout: float = 120.0) -> RequestResult:
+        """Collect what ``finish_start`` asked for and release the room on the prefill."""
+        replies = [self.decodes[d].recv(timeout + 30) for d in f.waiting]
+        for c in f.sources:
+            c.send("release", room=f.room)
+        for c in f.sources:
+            c.recv(timeout)
+        res = RequestResult(f.room, f.tokens, f.prefix, len(f.bounds), all(r["ok"] for r in replies))
+        for r in replies:
+            res.bytes += int(r["bytes"])
+            res.descriptors += int(r["descriptors"])
+            res.checked += int(r["checked"])
+            res.failures += r["failures"]
+            if r["mismatch"]:
+                res.mismatches.append(r["mismatch"])
+        res.seconds = max((float(r["done_at"]) for r in replies), default=f.t0) - f.t0
+        return res
+
+    def run_request(self, tokens: int, prefix: int, *, corrupt: bool = False, timeout: float = 120.0,
+                    progress: Any = None) -> RequestResult:
+        """Run one request end to end over the connected topology and check every decode byte."""
+        f = self.begin(tokens, prefix, corrupt=corrupt, timeout=timeout)
+        self.send_chunks(f, timeout=timeout, progress=progress)
+        return self.finish(f, timeout=timeout)
+
+    def close(self) -> None:
+        """Stop every process (quit, then kill the process group)."""
+        for c in [*self.decodes, *(c for g in self.prefills.values() for c in g)]:
+            try:
+                c.close()
+            except (ChildError, OSError):
+                pass
+        # A killed local-backend process cannot unlink its /dev/shm arena; do it for it.
+        for pid in self._pids:
+            for path in glob.glob(f"/dev/shm/pdproto-{pid}-*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)

@@ -1,0 +1,192 @@
+"""A prefill rank as its own process: KV pool with known contents, the real handshake service.
+
+Run as ``python -m pdproto_server.demo_prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``.
+The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
+commands (``prepare`` writes a request's rows, ``chunk`` calls the engine's
+``submit_chunk``, ``stats`` reads the service's introspection counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from pdproto.topology import example_server_info
+from pdproto.transfer import create_executor
+from pdproto.v1 import common_pb2
+from . import demo_data as data
+from .demo_proc import Reply, redirect_stdout_to_stderr, serve_commands
+from .engine import KvSource, PrefillEngine
+
+# Field 9999, varint 1: a field from a future schema, which protobuf must carry along.
+_UNKNOWN_FIELD = bytes([0xF8, 0xF0, 0x04, 0x01])
+
+_BACKENDS = {"mooncake": common_pb2.BACKEND_MOONCAKE, "nixl": common_pb2.BACKEND_NIXL,
+             "local": common_pb2.BACKEND_LOCAL}
+
+
+class PrefillRank:
+    """State of one prefill rank process."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.shard = data.Shard(args.dcp_size, args.dcp_rank)
+        rows = args.pages * args.page_size
+        self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
+                                        staging_bytes=args.staging_mb << 20)
+        self.bufs = [self.executor.allocate(rows * data.ROW_BYTES) for _ in range(args.layers)]
+        self.executor.register_memory(self.bufs)
+        self.pool = [np.asarray(b.array).reshape(rows, data.ROW_BYTES) for b in self.bufs]
+        self.info = example_server_info(page_size=args.page_size, dcp_size=args.dcp_size,
+                                        dcp_rank=args.dcp_rank, num_layers=args.layers, layer_ids=True,
+                                        backends=[_BACKENDS[args.backend]], port=args.port)
+        if args.info_minor:
+            # A "newer" server: higher minor, a capability and a field older peers do not know.
+            self.info.version.minor = args.info_minor
+            self.info.capabilities.append(f"future-feature-{args.info_minor}")
+            self.info.MergeFromString(_UNKNOWN_FIELD)
+        self.engine = PrefillEngine(KvSource(tuple(self.bufs), self.info), self.executor,
+                                    prefill_rank=args.dcp_rank)
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        self.core: Any = None
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="service", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        except BaseException as exc:  # reported to the parent through start()
+            self._error = exc
+            self._started.set()
+
+    async def _serve(self) -> None:
+        from pathlib import Path
+
+        from .app import ServerConfig, start_server
+        from .core import HandshakeCore
+        from .registry import Limits
+
+        self._stop = asyncio.Event()
+        a = self.args
+        limits = Limits(**json.loads(a.limits)) if a.limits else Limits()
+        self.core = HandshakeCore(self.engine, limits=limits)
+        config = ServerConfig(listen=f"{a.host}:{a.port}", token=a.token, grace=2.0,
+                              tls_cert=Path(a.tls_cert).read_bytes() if a.tls_cert else None,
+                              tls_key=Path(a.tls_key).read_bytes() if a.tls_key else None)
+        running = await start_server(self.core, config)
+        self.port = running.port
+        self._started.set()
+        await self._stop.wait()
+        await running.shutdown()
+
+    def start(self) -> int:
+        """Start the service thread and return the bound port."""
+        self._thread.start()
+        if not self._started.wait(60):
+            raise TimeoutError("handshake service did not start within 60 s")
+        if self._error is not None:
+            raise self._error
+        return self.port
+
+    def prepare(self, room: int, prefix: int, total: int, pages: list[int], corrupt: bool = False) -> Reply:
+        """Write this rank's rows of tokens [prefix, total) of a request into ``pages``."""
+        rows = data.fill_source(self.pool, self.shard, pages, prefix=prefix, total=total,
+                                page_size=self.args.page_size)
+        if corrupt and rows:
+            # Flip one byte in the middle of the request: the decode's check must catch it.
+            row = int(data.local_rows(pages, rows, self.args.page_size)[rows // 2])
+            self.pool[len(self.pool) // 2][row, 77] ^= 0xFF
+        return {"rows": rows}
+
+    def chunk(self, room: int, pages: list[int], num_tokens: int, last: bool) -> Reply:
+        """Report one computed chunk to the engine (non-blocking)."""
+        self.engine.submit_chunk(room, pages, num_tokens, last)
+        return {}
+
+    def release(self, room: int) -> Reply:
+        """Forget a room's chunks."""
+        self.engine.release_room(room)
+        return {}
+
+    def stats(self) -> Reply:
+        """Introspection: what the service still holds and what the executor did."""
+        fut = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop)
+        out: Reply = fut.result(10)
+        st = self.executor.stats
+        out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
+                           "packed_jobs": st.packed_jobs, "pack_fallbacks": st.pack_fallbacks,
+                           "failures": st.failures}
+        return out
+
+    async def _snapshot(self) -> Reply:
+        """Read the service state on its own loop (no locks needed there)."""
+        peers = self.core.registry.peers
+        requests = [r for p in peers.values() for r in p.requests.values()]
+        return {
+            "peers": len(peers),
+            # Peers the server has not written off as dead (their engine connection is kept).
+            "live_peers": sum(1 for p in peers.values() if getattr(p, "gone_at", None) is None),
+            "peer_ids": sorted(peers),
+            "versions": sorted(f"{p.result.version.major}.{p.result.version.minor}" for p in peers.values()),
+            "open_requests": sum(1 for r in requests if not r.terminal),
+            "running_tasks": sum(1 for r in requests if r.task is not None and not r.task.done()),
+            "watchers": sum(len(p.watchers) for p in peers.values()),
+            "rooms": len(self.engine.rooms),
+            "requests": {f"{r.peer_id}/{r.room}": [r.generation, r.state, r.failure_code]
+                         for r in requests},
+            "outcomes": {s.labels["outcome"]: s.value for m in self.core.metrics.requests.collect()
+                         for s in m.samples if s.name.endswith("_total")},
+        }
+
+    def close(self) -> None:
+        """Stop the service and release the engine."""
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(15)
+        self.executor.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the prefill rank process."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--name", default=f"prefill-{os.getpid()}")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--tls-cert", default=None)
+    ap.add_argument("--tls-key", default=None)
+    ap.add_argument("--token", default=None)
+    ap.add_argument("--dcp-size", type=int, default=1)
+    ap.add_argument("--dcp-rank", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--pages", type=int, required=True)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--staging-mb", type=int, default=64)
+    ap.add_argument("--info-minor", type=int, default=0, help="publish this protocol minor (skew tests)")
+    ap.add_argument("--limits", default="", help="JSON keywords of pdproto_server.registry.Limits")
+    args = ap.parse_args(argv)
+    out = redirect_stdout_to_stderr()
+    rank = PrefillRank(args)
+    try:
+        port = rank.start()
+        out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
+        out.flush()
+        serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,
+                        "stats": rank.stats, "ping": lambda: {"pong": True}}, out)
+    finally:
+        rank.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Shared pieces of the reliability runs: outcome counting, the table, polling, small clusters."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdproto_server.demo_cluster import Cluster, Geometry, RequestResult, Topology
+
+# Fault runs use a small model: 8 MLA layers, requests up to 8K tokens.
+FAULT_GEOMETRY = Geometry(layers=8, page_size=64, max_tokens=8192, max_prefix=256)
+DENSE_TO_DCP2 = Topology(1, 2)
+LOG_DIR = os.environ.get("PDPROTO_RELIABILITY_LOGS") or tempfile.mkdtemp(prefix="pdproto-rel-")
+
+
+@dataclass
+class Outcome:
+    """One row of the reliability table."""
+
+    scenario: str
+    backend: str
+    runs: int = 0
+    faults: int = 0
+    ok: int = 0
+    failed_expected: int = 0
+    lost: int = 0
+    corrupted: int = 0
+    bytes_verified: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """No request lost or corrupted and no problem recorded."""
+        return self.lost == 0 and self.corrupted == 0 and not self.problems
+
+    def count(self, res: RequestResult, *, expect_ok: bool = True) -> None:
+        """Classify one request seen by the decode ranks that waited for it."""
+        self.runs += 1
+        self.bytes_verified += res.checked
+        if res.mismatches:
+            self.corrupted += 1
+            self.problems.append(f"room {res.room}: bytes differ {res.mismatches[0]}")
+        elif res.ok:
+            self.ok += 1
+        elif not expect_ok and res.failures:
+            self.failed_expected += 1
+            self.notes.append(f"room {res.room}: {res.failures[0]}")
+        else:
+            self.lost += 1
+            self.problems.append(f"room {res.room}: {res.failures or 'no terminal status'}")
+
+    def expect(self, condition: bool, what: str) -> None:
+        """Record a failed server-side check (health, freed resources)."""
+        if not condition:
+            self.problems.append(what)
+
+
+HEADER = (f"{'scenario':<38}{'backend':<9}{'runs':>6}{'faults':>7}{'ok':>6}{'failed(exp)':>12}"
+          f"{'lost':>6}{'corrupt':>8}{'bytes verified':>17}  result")
+
+
+def row(o: Outcome) -> str:
+    """One formatted table row."""
+    return (f"{o.scenario:<38}{o.backend:<9}{o.runs:>6}{o.faults:>7}{o.ok:>6}{o.failed_expected:>12}"
+            f"{o.lost:>6}{o.corrupted:>8}{o.bytes_verified:>17,}  {'PASS' if o.passed else 'FAIL'}")
+
+
+def wait_until(probe: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
+    """Poll ``probe`` until it returns something truthy or ``timeout`` passes; returns the last value."""
+    end = time.monotonic() + timeout
+    value = probe()
+    while not value and time.monotonic() < end:
+        time.sleep(interval)
+        value = probe()
+    return value
+
+
+def small_cluster(backend: str, *, decodes: int = 2, geometry: Geometry = FAULT_GEOMETRY,
+                  token: str | None = None) -> Cluster:
+    """A started dense prefill + DCP ``decodes`` cluster, registered and ready."""
+    c = Cluster(backend, geometry, dst_dcp=decodes, src_groups=(1,), token=token, log_dir=LOG_DIR)
+    try:
+        c.start()
+        c.connect(Topology(1, decodes))
+    except BaseException:
+        c.close()
+        raise
+    return c
+
+
+def prefill_stats(c: Cluster) -> dict[str, Any]:
+    """Introspection of the (single) dense prefill rank."""
+    return c.prefills[1][0].call("stats", timeout=20)
+
+
+def request_state(c: Cluster, room: int) -> dict[str, list[Any]]:
+    """peer id -> [generation, state, failure code] of one room on the prefill."""
+    reqs = prefill_stats(c)["requests"]
+    return {k.split("/")[0]: v for k, v in reqs.items() if k.endswith(f"/{room}")}

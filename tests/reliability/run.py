@@ -1,0 +1,115 @@
+"""`make reliability`: fault injection, version skew, limits and load; prints one table.
+
+Usage: python -m tests.reliability.run [--backends mooncake,nixl] [--requests 200] [--only NAME ...]
+[--write-doc]. Exit status 0 only when every row passes (0 lost, 0 corrupted, every fault
+reported with a reason, the server healthy afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+
+from . import faults, limits, load, skew
+from .harness import HEADER, LOG_DIR, Outcome, row
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
+
+
+def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[], Outcome]]]:
+    """(name, backend, thunk) for every row, in table order."""
+    rows: list[tuple[str, str, Callable[[], Outcome]]] = []
+    for b in backends:
+        for name in faults.SCENARIOS:
+            rows.append((name, b, lambda name=name, b=b: faults.run(name, b)))  # type: ignore[misc]
+    for b in [b for b in backends if b in ("mooncake", "nixl")] or ["mooncake"]:
+        rows.append(("bridge", b, lambda b=b: skew.mixed_bridge(b)))  # type: ignore[misc]
+    rows.append(("skew", backends[0], lambda: skew.minor_skew(backends[0])))
+    rows.append(("limits", "local", lambda: limits.resource_limits("local")))
+    rows.append(("auth", "local", lambda: limits.auth("local")))
+    rows.append(("tls", "local", lambda: limits.tls("local")))
+    for b in backends:
+        rows.append(("load", b, lambda b=b: load.load(b, requests)))  # type: ignore[misc]
+    return rows
+
+
+def _guard(name: str, backend: str, fn: Callable[[], Outcome]) -> Outcome:
+    try:
+        return fn()
+    except Exception as exc:  # a crashed scenario is a FAIL row, never a silent skip
+        o = Outcome(name, backend)
+        o.problems.append(f"crashed: {type(exc).__name__}: {exc}")
+        return o
+
+
+def write_doc(outcomes: list[Outcome], elapsed: float) -> None:
+    """Replace the results block of docs/reliability.md with this run's table and notes."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"Run {stamp}, {elapsed:.0f} s, `make reliability` on a shared 2-core host.", "",
+             "| scenario | backend | runs | faults | ok | failed as expected | lost | corrupted | bytes verified | result |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.scenario} | {o.backend} | {o.runs} | {o.faults} | {o.ok} | {o.failed_expected} | "
+                     f"{o.lost} | {o.corrupted} | {o.bytes_verified:,} | {'PASS' if o.passed else 'FAIL'} |")
+    lines += ["", "Reasons and measurements reported by the run:", ""]
+    for o in outcomes:
+        for n in dict.fromkeys(o.notes[:4]):
+            lines.append(f"- {o.scenario} ({o.backend}): {n}")
+        for p in o.problems[:3]:
+            lines.append(f"- **{o.scenario} ({o.backend}) problem**: {p}")
+    block = "\n".join(lines)
+    with open(DOC) as fh:
+        text = fh.read()
+    text = re.sub(r"<!-- results:begin -->.*<!-- results:end -->",
+                  f"<!-- results:begin -->\n{block}\n<!-- results:end -->", text, flags=re.S)
+    with open(DOC, "w") as fh:
+        fh.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every scenario and print the table; non-zero on any FAIL row."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--backends", default="mooncake,nixl")
+    ap.add_argument("--requests", type=int, default=200, help="load: requests per decode peer")
+    ap.add_argument("--only", nargs="*", default=None, help="row names to run (e.g. decode_killed load)")
+    ap.add_argument("--write-doc", action="store_true", help="record the table in docs/reliability.md")
+    args = ap.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    rows = [r for r in plan(backends, args.requests) if args.only is None or r[0] in args.only]
+    print(f"process logs: {LOG_DIR}", file=sys.stderr)
+    t0 = time.monotonic()
+    outcomes: list[Outcome] = []
+    for i, (name, backend, fn) in enumerate(rows):
+        print(f"[{i + 1}/{len(rows)}] {name} ({backend}) ...", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        o = _guard(name, backend, fn)
+        outcomes.append(o)
+        print(f"    {'PASS' if o.passed else 'FAIL'} in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        for p in o.problems:
+            print(f"    problem: {p}", file=sys.stderr)
+    elapsed = time.monotonic() - t0
+    print(HEADER)
+    for o in outcomes:
+        print(row(o))
+    print()
+    for o in outcomes:
+        for n in dict.fromkeys(o.notes[:4]):
+            print(f"  {o.scenario} ({o.backend}): {n}")
+    failed = [o for o in outcomes if not o.passed]
+    lost = sum(o.lost for o in outcomes)
+    corrupted = sum(o.corrupted for o in outcomes)
+    print(f"\n{'FAIL' if failed else 'PASS'}: {len(outcomes)} rows, {len(failed)} failing, "
+          f"{lost} lost, {corrupted} corrupted, {sum(o.faults for o in outcomes)} faults injected, "
+          f"{elapsed:.0f} s")
+    if args.write_doc:
+        write_doc(outcomes, elapsed)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

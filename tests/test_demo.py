@@ -1,0 +1,36 @@
+"""`pdproto demo`, reduced: real prefill/decode processes, every decode byte checked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+DEMO = [sys.executable, "-m", "pdproto_server.cli", "demo", "--backend", "local",
+        "--prompts", "65,257", "--layers", "8"]
+
+
+def _run(*extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DEMO, *extra], capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_demo_passes_and_checks_every_byte() -> None:
+    """Both topologies pass; every row of the table is ok and bytes were verified."""
+    proc = _run()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("local ")]
+    assert len(rows) == 4  # 2 topologies x 2 prompts
+    assert all(line.endswith("ok") for line in rows)
+    assert {"dense-dcp4", "dcp2-dcp4"} <= {line.split()[1] for line in rows}
+
+
+@pytest.mark.timeout(300)
+def test_demo_fails_on_one_corrupted_byte() -> None:
+    """One flipped source byte makes the demo report the mismatch and exit non-zero."""
+    proc = _run("--corrupt-one-byte", "--topologies", "dense-dcp4")
+    assert proc.returncode != 0
+    assert "FAIL" in proc.stdout
+    assert "MISMATCH" in proc.stderr
