@@ -33,6 +33,13 @@ class ServiceMetrics:
         self.descriptors = Counter(
             "pdproto_transfer_descriptors", "Transfer descriptors issued to the executor.", registry=r)
         self.chunks = Counter("pdproto_chunks", "KV chunks transferred (per destination peer).", registry=r)
+        self.pack_fallbacks = Counter(
+            "pdproto_pack_fallbacks",
+            "Jobs that asked for packing but ran with per-row descriptors (staging too small).",
+            registry=r)
+        self.notifications = Counter(
+            "pdproto_chunk_notifications", "Per-chunk completion notifications delivered through the engine.",
+            registry=r)
 
 
 def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -> int:

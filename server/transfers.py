@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -10,10 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
 from pdproto.dcp import plan_relayout
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import PdprotoError, Reason
-from pdproto.transfer import LayerSpan, TransferExecutor, TransferJob
+from pdproto.transfer import LayerSpan, TransferExecutor, TransferJob, encode_notification
 from pdproto.v1 import common_pb2
 
 from .engine import Chunk, KvSource, PrefillEngine
@@ -25,8 +28,19 @@ log = logging.getLogger("pdproto_server.transfers")
 _T = TypeVar("_T")
 
 
+def chunk_notification(request: Request, chunk: Chunk) -> bytes:
+    """The completion notice a decode's engine receives when a chunk has fully landed."""
+    payload = f"gen={request.generation} chunk={chunk.index} last={int(chunk.last)}".encode()
+    return encode_notification(request.room, payload)
+
+
 def build_jobs(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> list[TransferJob]:
-    """The executor jobs (one per entry role) that move ``chunk`` into ``request``'s pages."""
+    """The executor jobs (one per entry role) that move ``chunk`` into ``request``'s pages.
+
+    The last job carries the chunk's completion notice; a rank that owns no rows of the
+    chunk still gets one row-less job, so an engine with notifications (NIXL) tells the
+    decode the chunk finished.
+    """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
     plan = plan_relayout(
@@ -47,6 +61,12 @@ def build_jobs(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> 
         )
         if layers and src_rows.size:
             jobs.append(TransferJob(layers=layers, src_rows=src_rows, dst_rows=dst_rows, pack=True))
+    notice = chunk_notification(request, chunk)
+    if jobs:
+        jobs[-1] = dataclasses.replace(jobs[-1], notification=notice)
+    else:
+        none = np.zeros(0, dtype=np.int64)
+        jobs.append(TransferJob(layers=(), src_rows=none, dst_rows=none, pack=False, notification=notice))
     return jobs
 
 
@@ -56,6 +76,8 @@ class ChunkResult:
 
     bytes: int = 0
     descriptors: int = 0
+    fallbacks: int = 0
+    notified: int = 0
 
 
 def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> ChunkResult:
@@ -65,6 +87,8 @@ def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) 
         res = executor.execute(peer_id, job)
         out.bytes += res.bytes
         out.descriptors += res.descriptors
+        out.fallbacks += int(res.fallback)
+        out.notified += int(res.notified)
     return out
 
 
@@ -140,6 +164,8 @@ class TransferRunner:
                     self.metrics.bytes_moved.inc(result.bytes)
                     self.metrics.descriptors.inc(result.descriptors)
                     self.metrics.chunks.inc()
+                    self.metrics.pack_fallbacks.inc(result.fallbacks)
+                    self.metrics.notifications.inc(result.notified)
                 request.chunks_done += 1
                 if chunk.last:
                     self.finish(peer, request, common_pb2.TRANSFER_STATE_SUCCESS)

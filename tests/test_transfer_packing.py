@@ -168,3 +168,21 @@ def test_stale_local_arenas_are_swept_but_named_ones_kept() -> None:
         for path in (stale, named):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_staging_extents_are_disjoint_and_a_held_extent_does_not_block_others() -> None:
+    from pdproto.transfer.packing import StagingExtents
+
+    ext = StagingExtents(1000)
+    a = ext.acquire(100, 10_000, timeout=0)
+    assert a == (0, 500)  # a job never takes more than half while another may come
+    b = ext.acquire(100, 10_000, timeout=0)
+    assert b == (500, 500)
+    assert ext.acquire(1, 1, timeout=0.01) is None  # full: the caller falls back instead of hanging
+    ext.release(*a)
+    c = ext.acquire(300, 300, timeout=0)
+    assert c is not None and c[0] + c[1] <= 500 and c[1] == 300
+    ext.release(*b)
+    ext.release(*c)
+    assert ext.acquire(1000, 1000, timeout=0) == (0, 1000)  # freed ranges merge back
+    assert ext.acquire(1001, 1001, timeout=0) is None

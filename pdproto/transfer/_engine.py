@@ -36,7 +36,7 @@ from .base import (
     validate_job,
 )
 from .memory import allocate, host_view
-from .packing import Descs, Gatherer, pack_fits, packed_descriptors, row_descriptors
+from .packing import Descs, Gatherer, StagingExtents, pack_fits, packed_descriptors, row_descriptors
 
 
 def rdma_present() -> bool:
@@ -76,8 +76,10 @@ class EngineExecutor:
         self._buffers: list[Buffer] = []
         self._peers: dict[str, PeerState] = {}
         self._lock = threading.Lock()
-        self._staging_lock = threading.Lock()
         self._staging: Buffer | None = None
+        self._extents: StagingExtents | None = None
+        self.staging_wait_s = 2.0
+        """How long a job waits for free staging before it runs per-row (counted as a fallback)."""
         self._staging_bytes = staging_bytes
         self._gatherer = Gatherer()
         self._pool: ThreadPoolExecutor | None = None
@@ -115,6 +117,7 @@ class EngineExecutor:
             dev = int(self._device.split(":")[1]) if ":" in self._device else 0
             self._staging = allocate(self._staging_bytes, kind=kind, device=dev)
             self.register_memory([self._staging])
+            self._extents = StagingExtents(self._staging.length)
 
     def allocate(self, nbytes: int, *, kind: MemoryKind = DRAM, device: int = 0) -> Buffer:
         """Allocate zeroed page-aligned memory (not yet registered; pass it to ``register_memory``)."""
@@ -201,9 +204,17 @@ class EngineExecutor:
                 fits = staging is not None and pack_fits(
                     src.size, tuple(layer.row_bytes for layer in job.layers), staging.length
                 ) and all(self._kind_of(layer.src_ptr)[0] == staging.kind for layer in job.layers)
-                if want and fits:
-                    with self._staging_lock:
-                        ndesc, pack_s = self._run_packed(peer, job, src, dst)
+                extent = None
+                if want and fits and self._extents is not None:
+                    slot = int(src.size) * max(layer.row_bytes for layer in job.layers)
+                    extent = self._extents.acquire(slot, slot * len(job.layers), self.staging_wait_s)
+                    fits = extent is not None
+                if extent is not None:
+                    assert self._extents is not None
+                    try:
+                        ndesc, pack_s = self._run_packed(peer, job, src, dst, extent)
+                    finally:
+                        self._extents.release(*extent)
                 else:
                     ndesc, pack_s = self._run_rows(peer, job, src, dst), 0.0
                 notified = False
@@ -255,26 +266,27 @@ class EngineExecutor:
         return total
 
     def _run_packed(self, peer: PeerState, job: TransferJob, src: np.ndarray,
-                    dst: np.ndarray) -> tuple[int, float]:
+                    dst: np.ndarray, extent: tuple[int, int]) -> tuple[int, float]:
         """Pack layer i+1 on the pack thread while layer i is transferred from the other slot.
 
-        Staging is cut into K equal slots (K = how many layers fit, at most the
-        layer count); layer i uses slot i % K, and a slot is packed again only
-        after the transfer that read it completed. With K = 1 there is no overlap.
+        The job's staging extent is cut into K equal slots (K = how many layers fit,
+        at most the layer count); layer i uses slot i % K, and a slot is packed again
+        only after the transfer that read it completed. With K = 1 there is no overlap.
         """
         staging = self._staging
         assert staging is not None  # checked by the caller
+        base, length = extent
         n = int(src.size)
         smax = int(src.max())
         slot_bytes = n * max(layer.row_bytes for layer in job.layers)
-        nslots = max(1, min(len(job.layers), staging.length // slot_bytes))
+        nslots = max(1, min(len(job.layers), length // slot_bytes))
         runs = self._gatherer.plan(src) if staging.kind != VRAM else None
 
         def pack(i: int) -> float:
             """Gather layer i into its slot (runs on the pack thread); returns seconds."""
             layer = job.layers[i]
             rb = layer.row_bytes
-            lo = (i % nslots) * slot_bytes
+            lo = base + (i % nslots) * slot_bytes
             tp = time.perf_counter()
             src2d = self._view(layer.src_ptr, (smax + 1) * rb).reshape(smax + 1, rb)
             self._gatherer.gather(src2d, src, staging.array[lo:lo + n * rb].reshape(n, rb), runs)
@@ -290,7 +302,7 @@ class EngineExecutor:
                 current, pending = pending, None
                 assert current is not None  # every iteration starts with layer i being packed
                 pack_s += current.result()
-                descs = packed_descriptors(staging.addr + (i % nslots) * slot_bytes,
+                descs = packed_descriptors(staging.addr + base + (i % nslots) * slot_bytes,
                                            layer.dst_ptr, layer.row_bytes, dst)
                 total += len(descs)
                 mem = (staging.kind, staging.device)

@@ -6,6 +6,8 @@ form both engines take without a per-descriptor Python loop.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -127,3 +129,51 @@ def pack_fits(num_rows: int, row_bytes: tuple[int, ...], staging_bytes: int) -> 
 
 
 __all__ = ["Descs", "Gatherer", "pack_fits", "strided_runs", "packed_descriptors", "row_descriptors", "torch_or_none"]
+
+
+class StagingExtents:
+    """Hands out disjoint byte ranges of one staging region to concurrent jobs.
+
+    A single lock over the whole region made every peer wait behind the slowest
+    one (a frozen decode held it for the engine's whole timeout); with extents,
+    a stalled job pins only its own range and the others keep packing.
+    """
+
+    def __init__(self, length: int) -> None:
+        self._cond = threading.Condition()
+        self._free: list[tuple[int, int]] = [(0, length)] if length > 0 else []
+        self.length = length
+
+    def acquire(self, min_bytes: int, want_bytes: int, timeout: float) -> tuple[int, int] | None:
+        """Reserve ``[min_bytes, want_bytes]`` bytes; None if none frees up within ``timeout``."""
+        if min_bytes <= 0 or min_bytes > self.length:
+            return None
+        # Leave room for a second job unless this one cannot fit otherwise.
+        want = max(min_bytes, min(want_bytes, self.length // 2))
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                best = max(self._free, key=lambda e: e[1], default=None)
+                if best is not None and best[1] >= min_bytes:
+                    take = min(best[1], want)
+                    self._free.remove(best)
+                    if best[1] > take:
+                        self._free.append((best[0] + take, best[1] - take))
+                    return best[0], take
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def release(self, offset: int, length: int) -> None:
+        """Return a range from ``acquire`` and merge it with free neighbours."""
+        with self._cond:
+            spans = sorted([*self._free, (offset, length)])
+            merged: list[tuple[int, int]] = []
+            for start, size in spans:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((start, size))
+            self._free = merged
+            self._cond.notify_all()
