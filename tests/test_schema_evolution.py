@@ -9,12 +9,12 @@ descriptor pool.
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import Message
-from grpc_tools import protoc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,10 +30,13 @@ PROTO = "pdevo/v1/evo.proto"
 def load_generation(name: str, tmp: Path) -> dict[str, type[Message]]:
     """Compile one generation with grpc_tools.protoc into ``tmp``; return its classes by name."""
     out = tmp / f"{name}.binpb"
-    rc = protoc.main(
-        ["protoc", f"-I{EVOLUTION / name}", f"--descriptor_set_out={out}", PROTO]
-    )
-    assert rc == 0, f"protoc failed on {name}"
+    # In a subprocess: protoc's bundled C++ protobuf and NIXL's cannot share a process
+    # (loading NIXL after it aborts the interpreter, and later tests load NIXL).
+    run = subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{EVOLUTION / name}",
+         f"--descriptor_set_out={out}", PROTO],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, f"protoc failed on {name}: {run.stderr}"
     files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     pool = descriptor_pool.DescriptorPool()
     for file in files.file:
