@@ -25,6 +25,9 @@ _INIT_LOCK = threading.Lock()
 
 
 def _import_engine() -> Any:
+    # Mooncake logs every completed batch at INFO (hundreds of lines per request) and
+    # reads the level when its library loads; keep warnings unless the operator chose.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
