@@ -9,6 +9,7 @@ metadata attached, and the original ``grpc.RpcError`` as ``__cause__``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +65,12 @@ class ChannelConfig:
     def client_options(self) -> list[tuple[str, Any]]:
         """Channel arguments for the client."""
         # gRPC's own retry layer stays off: ours retries only UNAVAILABLE, inside the deadline.
-        return [*self._common(), ("grpc.enable_retries", 0)]
+        # Short reconnect backoff: after a prefill restart the default (1 s growing to 120 s)
+        # outlived whole deadlines, so a re-registering decode never reached the new server.
+        return [*self._common(), ("grpc.enable_retries", 0),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
 
     def server_options(self) -> list[tuple[str, Any]]:
         """Server arguments matching ``client_options``."""
@@ -79,8 +85,8 @@ class ChannelConfig:
 class RetryConfig:
     """Backoff for UNAVAILABLE; other codes are never retried."""
 
-    attempts: int = 4
-    """Total tries including the first."""
+    attempts: int | None = None
+    """Total tries including the first; None keeps retrying until the call's deadline."""
     initial_backoff: float = 0.05
     """Seconds before the second try."""
     max_backoff: float = 1.0
@@ -208,7 +214,8 @@ class _Settings:
     def backoffs(self) -> Iterator[float]:
         """Sleeps between UNAVAILABLE retries."""
         delay = self.retry.initial_backoff
-        for _ in range(self.retry.attempts - 1):
+        tries = itertools.count() if self.retry.attempts is None else range(self.retry.attempts - 1)
+        for _ in tries:
             yield delay
             delay = min(delay * self.retry.multiplier, self.retry.max_backoff)
 

@@ -103,3 +103,28 @@ def test_oversized_message_is_refused_typed(server: ServerProcess) -> None:
             assert client.get_server_info().page_size == SPEC.page_size
     finally:
         peer.close()
+
+
+def test_a_call_made_before_the_server_starts_succeeds_within_its_deadline() -> None:
+    """A decode that reaches a (re)starting prefill keeps retrying UNAVAILABLE until the deadline."""
+    import threading
+
+    port = _free_port()
+    results: list[object] = []
+    with HandshakeClient(f"127.0.0.1:{port}", timeout=20.0) as client:
+        caller = threading.Thread(target=lambda: results.append(_info_or_error(client)))
+        caller.start()
+        try:
+            with running_server(*SERVE_ARGS, "--listen", f"127.0.0.1:{port}"):
+                caller.join(timeout=25)
+        finally:
+            caller.join(timeout=25)
+    assert len(results) == 1
+    assert isinstance(results[0], common_pb2.ParallelGroup), results[0]
+
+
+def _info_or_error(client: HandshakeClient) -> object:
+    try:
+        return client.get_server_info().attn_tp
+    except Exception as exc:  # noqa: BLE001 - the test reports what came back
+        return exc
