@@ -77,7 +77,7 @@ def test_every_reason_has_a_grpc_code() -> None:
         (Reason.MESSAGE_TOO_LARGE, "RESOURCE_EXHAUSTED"),
         (Reason.UNAUTHENTICATED, "UNAUTHENTICATED"),
         (Reason.SHUTTING_DOWN, "UNAVAILABLE"),
-        (Reason.ENGINE_UNAVAILABLE, "UNAVAILABLE"),
+        (Reason.ENGINE_UNAVAILABLE, "FAILED_PRECONDITION"),
         (Reason.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
         (Reason.ABORTED, "ABORTED"),
         (Reason.PEER_GONE, "ABORTED"),
