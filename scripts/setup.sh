@@ -24,9 +24,11 @@ stamp=.venv/.pdproto-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing Python packages into .venv (first run takes a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  # Some machines list local wheel folders that do not exist; pip warns once per package.
+  quiet() { "$@" 2>&1 | { grep -v -e "WARNING: Location" -e "^ *!!" || true; }; }
+  quiet .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,engines]"
+  quiet .venv/bin/python -m pip install -q "torch==2.13.0"
+  quiet .venv/bin/python -m pip install -q -e ".[dev,engines]"
   echo "$want" > "$stamp"
 fi
