@@ -10,6 +10,7 @@ with the monolithic reference.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ class DecodeRank:
             arr.fill(data.BACKGROUND)
         self.targets: list[Target] = []
         self.pending: dict[int, Pending] = {}
+        self.notices: collections.Counter[int] = collections.Counter()
+        """Chunk-completion notices received through the engine, by room (NIXL only)."""
 
     def connect(self, targets: list[str], token: str | None = None, minor: int = PROTOCOL_MINOR,
                 timeout: float = 20.0, unknown_field: bool = False, root_cert: str | None = None) -> Reply:
@@ -142,7 +145,7 @@ class DecodeRank:
         """Wait for every prefill rank's terminal status of ``room``, then check every pool byte."""
         p = self.pending.pop(room)
         deadline = time.monotonic() + timeout
-        nbytes = descriptors = 0
+        nbytes = descriptors = chunks = 0
         failures: list[str] = []
         for t in self.targets:
             try:
@@ -160,7 +163,14 @@ class DecodeRank:
                 failures.append(f"{t.address}: {st.failure_code}: {st.failure_reason}")
             nbytes += st.bytes_transferred
             descriptors += st.descriptors
+            chunks += st.chunks_done
         done_at = time.monotonic()
+        if not failures and self.args.backend == "nixl":
+            # Every chunk must be announced through the engine, including chunks where this
+            # rank owns no rows (e.g. the 1-token tail of a 65-token prompt on DCP 4).
+            got = self._await_notices(room, chunks, deadline)
+            if got != chunks:
+                failures.append(f"expected {chunks} chunk notices through NIXL, got {got}")
         seconds = done_at - p.submitted
         checked, bad = 0, None
         if check and not failures:
@@ -172,6 +182,16 @@ class DecodeRank:
         return {"room": room, "ok": not failures and bad is None, "failures": failures,
                 "mismatch": None if bad is None else bad.__dict__, "checked": checked,
                 "bytes": nbytes, "descriptors": descriptors, "seconds": seconds, "done_at": done_at}
+
+    def _await_notices(self, room: int, expected: int, deadline: float) -> int:
+        """Collect engine notices until ``room`` has ``expected`` (they trail the data) or time runs out."""
+        stop = min(deadline, time.monotonic() + 5.0)
+        while True:
+            for n in self.executor.notifications():
+                self.notices[n.room] += 1
+            if self.notices[room] >= expected or time.monotonic() >= stop:
+                return self.notices.pop(room, 0)
+            time.sleep(0.005)
 
     def abort(self, room: int, generation: int = 0, timeout: float = 20.0) -> Reply:
         """Abort a request generation on every prefill rank; returns once each acknowledged."""
