@@ -132,6 +132,19 @@ def decode_restart_same_address(backend: str) -> Outcome:
     return out
 
 
+def _expect_failed_waits(c: Cluster, out: Outcome, problem: str) -> None:
+    """Collect every decode's pending ``wait`` reply; each must be a failure with a reason."""
+    for d in range(len(c.decodes)):
+        r = c.decodes[d].recv(DEADLINE + 30)
+        out.runs += 1
+        if r["ok"] or not r["failures"]:
+            out.lost += 1
+            out.problems.append(f"decode {d}: {problem}: {r}")
+        else:
+            out.failed_expected += 1
+            out.notes.append(f"decode {d}: {r['failures'][0]}")
+
+
 def prefill_killed(backend: str) -> Outcome:
     """SIGKILL the prefill mid-transfer: decodes learn within the deadline, a new prefill serves."""
     out = Outcome("prefill killed mid-transfer", backend)
@@ -145,15 +158,7 @@ def prefill_killed(backend: str) -> Outcome:
         # Both decode ranks were waiting on the dead prefill: each must see a failure.
         for d in range(len(c.decodes)):
             c.decodes[d].send("wait", room=f.room, timeout=DEADLINE)
-        for d in range(len(c.decodes)):
-            r = c.decodes[d].recv(DEADLINE + 30)
-            out.runs += 1
-            if r["ok"] or not r["failures"]:
-                out.lost += 1
-                out.problems.append(f"decode {d}: request survived a dead prefill: {r}")
-            else:
-                out.failed_expected += 1
-                out.notes.append(f"decode {d}: {r['failures'][0]}")
+        _expect_failed_waits(c, out, "request survived a dead prefill")
         c.restart_prefill(1, 0, same_port=True)
         c.connect(DENSE_TO_DCP2)
         _healthy(c, out, expect_peers=2)
@@ -174,15 +179,7 @@ def server_restart(backend: str) -> Outcome:
             c.decodes[d].send("wait", room=f.room, timeout=DEADLINE)
         c.restart_prefill(1, 0, same_port=True)  # quit: drain, then a new process on the port
         out.faults += 1
-        for d in range(len(c.decodes)):
-            r = c.decodes[d].recv(DEADLINE + 30)
-            out.runs += 1
-            if r["ok"] or not r["failures"]:
-                out.lost += 1
-                out.problems.append(f"decode {d}: unfinished request reported ok: {r}")
-            else:
-                out.failed_expected += 1
-                out.notes.append(f"decode {d}: {r['failures'][0]}")
+        _expect_failed_waits(c, out, "unfinished request reported ok")
         c.connect(DENSE_TO_DCP2)
         _healthy(c, out, expect_peers=2)
     finally:
