@@ -25,6 +25,7 @@ from pdproto.transfer import create_executor, set_endpoint
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 from . import demo_data as data
 from .demo_proc import Reply, redirect_stdout_to_stderr, serve_commands
+from .transfers import notice_generation
 
 
 # Field 9999, varint 1: what a newer schema generation would add; protobuf keeps it as unknown.
@@ -91,8 +92,8 @@ class DecodeRank:
             arr.fill(data.BACKGROUND)
         self.targets: list[Target] = []
         self.pending: dict[int, Pending] = {}
-        self.notices: collections.Counter[int] = collections.Counter()
-        """Chunk-completion notices received through the engine, by room (NIXL only)."""
+        self.notices: collections.Counter[tuple[int, int]] = collections.Counter()
+        """Chunk-completion notices received through the engine, by (room, generation) (NIXL only)."""
 
     def connect(self, targets: list[str], token: str | None = None, minor: int = PROTOCOL_MINOR,
                 timeout: float = 20.0, unknown_field: bool = False, root_cert: str | None = None) -> Reply:
@@ -168,7 +169,7 @@ class DecodeRank:
         if not failures and self.args.backend == "nixl":
             # Every chunk must be announced through the engine, including chunks where this
             # rank owns no rows (e.g. the 1-token tail of a 65-token prompt on DCP 4).
-            got = self._await_notices(room, chunks, deadline)
+            got = self._await_notices(room, p.generation, chunks, deadline)
             if got != chunks:
                 failures.append(f"expected {chunks} chunk notices through NIXL, got {got}")
         seconds = done_at - p.submitted
@@ -183,14 +184,22 @@ class DecodeRank:
                 "mismatch": None if bad is None else bad.__dict__, "checked": checked,
                 "bytes": nbytes, "descriptors": descriptors, "seconds": seconds, "done_at": done_at}
 
-    def _await_notices(self, room: int, expected: int, deadline: float) -> int:
-        """Collect engine notices until ``room`` has ``expected`` (they trail the data) or time runs out."""
+    def _await_notices(self, room: int, generation: int, expected: int, deadline: float) -> int:
+        """Collect engine notices until this generation of ``room`` has ``expected`` or time runs out.
+
+        Notices trail the data, and an aborted generation's chunks may still announce
+        themselves after the room was reused, so they are counted per generation.
+        """
         stop = min(deadline, time.monotonic() + 5.0)
+        key = (room, generation)
         while True:
             for n in self.executor.notifications():
-                self.notices[n.room] += 1
-            if self.notices[room] >= expected or time.monotonic() >= stop:
-                return self.notices.pop(room, 0)
+                self.notices[(n.room, notice_generation(n.payload))] += 1
+            if self.notices[key] >= expected or time.monotonic() >= stop:
+                got = self.notices.pop(key, 0)
+                for stale in [k for k in self.notices if k[0] == room and k[1] < generation]:
+                    del self.notices[stale]
+                return got
             time.sleep(0.005)
 
     def abort(self, room: int, generation: int = 0, timeout: float = 20.0) -> Reply:

@@ -34,6 +34,14 @@ def chunk_notification(request: Request, chunk: Chunk) -> bytes:
     return encode_notification(request.room, payload)
 
 
+def notice_generation(payload: bytes) -> int:
+    """The generation in a ``chunk_notification`` payload (after the room); -1 if it is not one."""
+    for item in payload.split():
+        if item.startswith(b"gen=") and item[4:].isdigit():
+            return int(item[4:])
+    return -1
+
+
 def build_jobs(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> list[TransferJob]:
     """The executor jobs (one per entry role) that move ``chunk`` into ``request``'s pages.
 
