@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
 from pdproto.dcp.layers import stage_layer_range
 
 _DEFAULT_TOKEN_BYTES = 1152
@@ -134,13 +134,10 @@ def example_registration(
         kv_item_len=buffers[0].item_len if buffers else 0,
         kv_buffers=buffers,
     )
-    if backend == v1.BACKEND_MOONCAKE:
-        reg.mooncake.session_id = f"{host}:{port}"
-    elif backend == v1.BACKEND_NIXL:
-        reg.nixl.agent_name = f"decode-tp{tp_rank}-dcp{dcp_rank}"
-    elif backend == v1.BACKEND_LOCAL:
-        reg.local.shm_name = f"pdproto-example-{tp_rank}"
-        reg.local.size = ptr - base_ptr
+    if backend != v1.BACKEND_UNSPECIFIED:
+        spec = backends.by_enum(backend)
+        name = f"decode-{host}-{port}-tp{tp_rank}-dcp{dcp_rank}-pp{pp_rank}"
+        backends.set_endpoint(reg, spec.endpoint(**{spec.identity: name}))
     return reg
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pdproto import backends
 from pdproto.errors import ConfigError, Reason
 
 
@@ -41,13 +42,13 @@ class Severity(enum.StrEnum):
     WARNING = "warning"
 
 
-DCP_DECODE_BACKENDS = frozenset({"mooncake", "nixl"})
-"""Backends pdproto moves DCP relayouts with."""
+DCP_DECODE_BACKENDS = frozenset(backends.MULTI_HOST)
+"""Backends pdproto moves DCP relayouts with across hosts (``pdproto.backends``)."""
 
 SGLANG_ONLY_DCP_BACKENDS = frozenset({"mori", "ascend", "fake"})
 """Backends SGLang 0.5.23 also allowed for a DCP decode (pd_hook.py:82-96); not pdproto's."""
 
-KNOWN_BACKENDS = DCP_DECODE_BACKENDS | SGLANG_ONLY_DCP_BACKENDS | {"local"}
+KNOWN_BACKENDS = frozenset(backends.NAMES) | SGLANG_ONLY_DCP_BACKENDS
 """Every backend name the checker recognises."""
 
 ALLOCATION_POLICIES = frozenset({"early", "prefill_complete"})
@@ -155,10 +156,10 @@ def _dcp_rules(cfg: DeploymentConfig) -> list[Finding]:
         if cfg.backend in SGLANG_ONLY_DCP_BACKENDS:
             out.append(_err("DECODE_DCP_BACKEND",
                             f"decode DCP {n} with backend {cfg.backend}: SGLang 0.5.23 allowed it,"
-                            " but pdproto relayouts run on mooncake or nixl only"))
-        elif cfg.backend == "local":
+                            f" but pdproto relayouts run on {' or '.join(backends.MULTI_HOST)} only"))
+        elif cfg.backend in backends.NAMES and backends.by_name(cfg.backend).single_host:
             out.append(_warn("DECODE_DCP_LOCAL_BACKEND",
-                             "the local backend copies within one host: fine for tests and demos,"
+                             f"the {cfg.backend} backend copies within one host: fine for tests and demos,"
                              " not a multi-node deployment"))
         if cfg.cache is CacheMode.RADIX:
             out.append(_err("DECODE_DCP_RADIX_CACHE",

@@ -46,7 +46,7 @@ import types
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
 from pdproto._topology_examples import example_registration, example_server_info
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
@@ -184,12 +184,8 @@ class Rejection:
 
 def backend_of(registration: v1.KvRegistration) -> int:
     """The ``Backend`` a registration's transport oneof names (UNSPECIFIED when unset)."""
-    kind = registration.WhichOneof("transport")
-    return {
-        "mooncake": v1.BACKEND_MOONCAKE,
-        "nixl": v1.BACKEND_NIXL,
-        "local": v1.BACKEND_LOCAL,
-    }.get(kind or "", v1.BACKEND_UNSPECIFIED)
+    spec = backends.of_registration(registration)
+    return v1.BACKEND_UNSPECIFIED if spec is None else spec.enum
 
 
 def _reject(reason: Reason, message: str, **metadata: object) -> TopologyError:

@@ -17,13 +17,12 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from pdproto import v1
-from pdproto.config import CacheMode, DeploymentConfig, Finding, Role, Severity, check_deployment
+from pdproto import backends, v1
+from pdproto.config import SGLANG_ONLY_DCP_BACKENDS, CacheMode, DeploymentConfig, Finding, Role, Severity, check_deployment
 from pdproto.errors import InvalidFieldError
 from pdproto.topology import (
     Decision,
     Rejection,
-    backend_of,
     example_registration,
     example_server_info,
     negotiate,
@@ -31,8 +30,6 @@ from pdproto.topology import (
 
 _ATTENTION: dict[str, int] = {"mla": v1.ATTENTION_KIND_MLA, "hybrid_mla": v1.ATTENTION_KIND_HYBRID_MLA,
               "mha": v1.ATTENTION_KIND_MHA}
-_BACKEND: dict[str, int] = {"mooncake": v1.BACKEND_MOONCAKE, "nixl": v1.BACKEND_NIXL, "local": v1.BACKEND_LOCAL}
-_BACKEND_NAME: dict[int, str] = {v: k for k, v in _BACKEND.items()}
 _ATTENTION_NAME: dict[int, str] = {v: k for k, v in _ATTENTION.items()}
 
 
@@ -48,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--token-bytes", type=int, default=1152,
                    help="bytes of one token row per layer (default 1152: MLA 576 x bf16)")
     g.add_argument("--page-size", type=int, default=16, help="page size of both sides (default 16)")
-    g.add_argument("--backend", choices=("mooncake", "nixl", "local", "mori", "ascend", "fake"),
+    g.add_argument("--backend", choices=(*backends.NAMES, *sorted(SGLANG_ONLY_DCP_BACKENDS)),
                    default="mooncake", help="transfer backend (default mooncake)")
     g.add_argument("--model", default="", help="model id of both sides (default: unchecked)")
     g.add_argument("--allocation-policy", default="early", help="early or prefill_complete")
@@ -112,19 +109,22 @@ def _messages(args: argparse.Namespace) -> tuple[v1.PrefillServerInfo, v1.KvRegi
         info = _load(args.prefill_json, v1.PrefillServerInfo())
     else:
         info = example_server_info(**topo("prefill"), cp_size=args.prefill_cp,
-                                   kv_sharding=args.kv_sharding, backends=list(_BACKEND.values()))
+                                   kv_sharding=args.kv_sharding, backends=[b.enum for b in backends.ALL])
     if args.decode_json is not None:
         reg = _load(args.decode_json, v1.KvRegistration())
     else:
+        # SGLang-only names (mori, ascend, fake) have no pdproto engine: an unset transport.
+        known = args.backend in backends.NAMES
         reg = example_registration(**topo("decode"),
-                                   backend=_BACKEND.get(args.backend, v1.BACKEND_UNSPECIFIED))
+                                   backend=backends.by_name(args.backend).enum if known else v1.BACKEND_UNSPECIFIED)
     return info, reg
 
 
 def _configs(args: argparse.Namespace, info: v1.PrefillServerInfo,
              reg: v1.KvRegistration) -> list[DeploymentConfig]:
     """Both servers' deployment settings; topology fields come from the messages."""
-    backend = _BACKEND_NAME.get(backend_of(reg), args.backend)
+    spec = backends.of_registration(reg)
+    backend = args.backend if spec is None else spec.name
     shared: dict[str, Any] = {"backend": backend, "allocation_policy": args.allocation_policy,
                               "role_switch": args.role_switch}
 
@@ -160,7 +160,7 @@ def _print_table(result: Decision | Rejection, findings: list[tuple[Role, Findin
             print(f"  {key} = {value}")
     else:
         d = result
-        print(f"topology: ACCEPTED  mode={d.mode.name}  backend={_BACKEND_NAME.get(d.backend, d.backend)}"
+        print(f"topology: ACCEPTED  mode={d.mode.name}  backend={backends.by_enum(d.backend).name}"
               f"  version={d.version[0]}.{d.version[1]}")
         print(f"  prefill DCP size {d.src_dcp.size} rank {d.src_dcp.rank}, page {d.src_page_size}"
               f"  ->  decode DCP size {d.dst_dcp.size} rank {d.dst_dcp.rank}, page {d.dst_page_size}")

@@ -14,6 +14,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from pdproto import backends
+
 from .demo_cluster import Cluster, Geometry, RequestResult, Topology
 from .demo_proc import ChildError
 
@@ -32,8 +34,8 @@ def prefix_for(tokens: int) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the demo's options."""
-    parser.add_argument("--backend", default="all", choices=["all", "mooncake", "nixl", "local"],
-                        help="transfer backend; all = mooncake then nixl (default)")
+    parser.add_argument("--backend", default="all", choices=["all", *backends.NAMES],
+                        help=f"transfer backend; all = {' then '.join(backends.MULTI_HOST)} (default)")
     parser.add_argument("--prompts", default=",".join(map(str, PROMPTS)),
                         help="comma-separated prompt lengths in tokens")
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES),
@@ -106,7 +108,7 @@ def run_backend(backend: str, args: argparse.Namespace, prompts: list[int], topo
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every byte of every case matched."""
-    backends = ["mooncake", "nixl"] if args.backend == "all" else [args.backend]
+    names = list(backends.MULTI_HOST) if args.backend == "all" else [args.backend]
     prompts = [int(p) for p in args.prompts.split(",") if p]
     topos = [t for t in args.topologies.split(",") if t]
     unknown = [t for t in topos if t not in TOPOLOGIES]
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"process logs: {args.log_dir}", file=sys.stderr)
     print(HEADER, flush=True)
     failures: list[str] = []
-    for backend in backends:
+    for backend in names:
         failures += run_backend(backend, args, prompts, topos)
     elapsed = time.monotonic() - t0
     if failures:
@@ -126,6 +128,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"MISMATCH {f}", file=sys.stderr)
         print(f"FAIL ({len(failures)} failing cases, {elapsed:.1f} s)", flush=True)
         return 1
-    print(f"PASS ({len(backends)} backends x {len(topos)} topologies x {len(prompts)} prompts, "
+    print(f"PASS ({len(names)} backends x {len(topos)} topologies x {len(prompts)} prompts, "
           f"{elapsed:.1f} s)", flush=True)
     return 0

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from pdproto.client import ChannelConfig
 from pdproto.errors import PdprotoError
-from pdproto.transfer import BACKENDS, create_executor
+from pdproto import backends
+from pdproto.transfer import create_executor
 
 from .app import RunningServer, ServerConfig, serve
 from .core import HandshakeCore
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--match-timeout", type=float, default=30.0,
                      help="seconds a request waits for the next chunk")
     kv = parser.add_argument_group("synthetic KV source")
-    kv.add_argument("--backend", choices=BACKENDS, default="local")
+    kv.add_argument("--backend", choices=backends.NAMES, default="local")
     kv.add_argument("--staging-bytes", type=int, default=64 << 20,
                     help="packing region of mooncake/nixl executors (0 disables packing)")
     kv.add_argument("--layers", type=int, default=4)

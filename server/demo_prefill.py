@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pdproto import backends
 from pdproto.topology import example_server_info
 from pdproto.transfer import create_executor
 from pdproto.v1 import common_pb2
@@ -27,8 +28,6 @@ from .engine import KvSource, PrefillEngine
 # Field 9999, varint 1: a field from a future schema, which protobuf must carry along.
 _UNKNOWN_FIELD = bytes([0xF8, 0xF0, 0x04, 0x01])
 
-_BACKENDS = {"mooncake": common_pb2.BACKEND_MOONCAKE, "nixl": common_pb2.BACKEND_NIXL,
-             "local": common_pb2.BACKEND_LOCAL}
 
 
 class PrefillRank:
@@ -45,7 +44,7 @@ class PrefillRank:
         self.pool = [np.asarray(b.array).reshape(rows, data.ROW_BYTES) for b in self.bufs]
         self.info = example_server_info(page_size=args.page_size, dcp_size=args.dcp_size,
                                         dcp_rank=args.dcp_rank, num_layers=args.layers, layer_ids=True,
-                                        backends=[_BACKENDS[args.backend]], port=args.port)
+                                        backends=[backends.by_name(args.backend).enum], port=args.port)
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
             self.info.version.minor = args.info_minor

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from pdproto import backends
 from pdproto.errors import Reason, ResourceLimitError
 from pdproto.topology import Decision
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
@@ -111,14 +112,10 @@ def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...
     ep = registration.notify_endpoint
     if ep.host or ep.port:
         keys.append(f"notify:{ep.host}:{ep.port}")
-    kind = registration.WhichOneof("transport")
-    if kind == "mooncake":
-        keys.append(f"mooncake:{registration.mooncake.session_id}")
-    elif kind == "nixl":
-        keys.append(f"nixl:{registration.nixl.agent_name}")
-    elif kind == "local":
-        keys.append(f"local:{registration.local.shm_name}")
-    return tuple(k for k in keys if not k.endswith(":"))
+    engine = backends.identity_key(registration)
+    if engine is not None:
+        keys.append(engine)
+    return tuple(keys)
 
 
 class PeerRegistry:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
 from pdproto.transfer import TransferExecutor, allocate
 from pdproto.v1 import common_pb2, server_info_pb2
 
@@ -28,8 +28,6 @@ I64 = npt.NDArray[np.int64]
 
 _ATTENTION = {"mla": common_pb2.ATTENTION_KIND_MLA, "mha": common_pb2.ATTENTION_KIND_MHA,
               "hybrid-mla": common_pb2.ATTENTION_KIND_HYBRID_MLA}
-_BACKENDS = {"local": common_pb2.BACKEND_LOCAL, "mooncake": common_pb2.BACKEND_MOONCAKE,
-             "nixl": common_pb2.BACKEND_NIXL}
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ def server_info(spec: SyntheticSpec, *, host: str = "127.0.0.1", port: int = 0) 
         kv_entries=[server_info_pb2.KvEntryInfo(item_len=spec.row_bytes * spec.page_size,
                                                 role=common_pb2.KV_ENTRY_ROLE_TARGET)
                     for _ in range(spec.layers)],
-        backends=[_BACKENDS[spec.backend]],
+        backends=[backends.by_name(spec.backend).enum],
     )
 
 

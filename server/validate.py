@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from pdproto import backends
 from pdproto.errors import PdprotoError, Reason
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import registration_pb2, transfer_pb2
@@ -21,15 +22,12 @@ def check_registration(request: hs.RegisterRequest) -> registration_pb2.KvRegist
     if not request.HasField("registration"):
         raise FieldViolations([("registration", "required")])
     reg = request.registration
-    kind = reg.WhichOneof("transport")
-    if kind is None:
-        bad.append(("registration.transport", "one of mooncake, nixl or local is required"))
-    elif kind == "mooncake" and not reg.mooncake.session_id:
-        bad.append(("registration.mooncake.session_id", "must be non-empty"))
-    elif kind == "nixl" and not reg.nixl.agent_name:
-        bad.append(("registration.nixl.agent_name", "must be non-empty"))
-    elif kind == "local" and not reg.local.shm_name:
-        bad.append(("registration.local.shm_name", "must be non-empty"))
+    spec = backends.of_registration(reg)
+    if spec is None:
+        bad.append(("registration.transport",
+                     f"one of {', '.join(b.transport for b in backends.ALL)} is required"))
+    elif not spec.identity_of(reg):
+        bad.append((f"registration.{spec.transport}.{spec.identity}", "must be non-empty"))
     if reg.page_size == 0:
         bad.append(("registration.page_size", "must be > 0"))
     if not reg.kv_buffers:

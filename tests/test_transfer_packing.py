@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproto.errors import EngineUnavailableError, Reason, TransferError
-from pdproto.transfer import LayerSpan, TransferJob, create_executor
+from pdproto.transfer import LayerSpan, TransferJob
 from pdproto.transfer.base import (
     check_bounds,
     contiguous_runs,
@@ -112,12 +112,6 @@ def test_malformed_jobs_are_invalid_field() -> None:
 def test_notification_round_trip(room: int, payload: bytes) -> None:
     n = decode_notification("agent", encode_notification(room, payload))
     assert n is not None and (n.room, n.payload, n.peer) == (room, payload, "agent")
-
-
-def test_unknown_backend_is_typed() -> None:
-    with pytest.raises(TransferError) as info:
-        create_executor("carrier-pigeon")
-    assert info.value.reason == Reason.TOPOLOGY_BACKEND_UNSUPPORTED
 
 
 @pytest.mark.parametrize(("backend", "package"), [("mooncake", "mooncake"), ("nixl", "nixl_cu12")])

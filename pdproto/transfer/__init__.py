@@ -7,9 +7,11 @@ imported only when their backend is created, and a missing one raises
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
-from pdproto.errors import Reason, TransferError
+from pdproto import backends
 
 from .base import (
     DRAM,
@@ -28,37 +30,32 @@ from .base import (
 )
 from .memory import aligned_dram, allocate, external
 
-BACKENDS = ("local", "mooncake", "nixl")
-
 
 def create_executor(backend: str, *, name: str | None = None, **options: Any) -> TransferExecutor:
-    """Create the executor for ``backend`` ("local", "mooncake" or "nixl").
+    """Create the executor of a backend named in ``pdproto.backends`` ("local", "mooncake", "nixl").
 
-    Options (each backend ignores those it does not know):
+    Options (each backend ignores those its executor does not take):
       name: engine identity (NIXL agent name; local arena file name).
       staging_bytes: size of the registered packing region (0 disables packing).
       device: "cpu" or "cuda"; chooses DRAM or VRAM staging and torch packing on the GPU.
       host, protocol: Mooncake local hostname and transport ("tcp" or "rdma").
       arena_bytes: size of the local backend's shared-memory arena.
+
+    An unknown name raises ``TopologyError`` (TOPOLOGY_BACKEND_UNSUPPORTED); the engine's
+    package is imported only here, and a missing one raises ``EngineUnavailableError``.
     """
-    if backend == "local":
-        from .local import LocalExecutor
-
-        return LocalExecutor(name=name, arena_bytes=int(options.get("arena_bytes", 1 << 30)))
-    if backend == "mooncake":
-        from .mooncake import MooncakeExecutor
-
-        return MooncakeExecutor(**options)
-    if backend == "nixl":
-        from .nixl import NixlExecutor
-
-        return NixlExecutor(name=name, **options)
-    raise TransferError(f"unknown transfer backend {backend!r}; expected one of {BACKENDS}",
-                        reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED, metadata={"backend": backend})
+    module, _, cls_name = backends.by_name(backend).executor.partition(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    given = {"name": name, **options}
+    params = inspect.signature(cls).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        accepted = {p.name for p in params}
+        given = {k: v for k, v in given.items() if k in accepted}
+    executor: TransferExecutor = cls(**given)
+    return executor
 
 
 __all__ = [
-    "BACKENDS",
     "DRAM",
     "VRAM",
     "Buffer",

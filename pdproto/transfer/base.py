@@ -13,23 +13,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, Union, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from pdproto.backends import Endpoint, set_endpoint
 from pdproto.errors import Reason, TransferError
 from pdproto.v1 import common_pb2, registration_pb2
 
 Rows = npt.NDArray[np.int64]
 """Row indices, int64, one per token (from ``RelayoutPlan.expand()``)."""
-
-Endpoint = Union[
-    registration_pb2.MooncakeEndpoint,
-    registration_pb2.NixlEndpoint,
-    registration_pb2.LocalEndpoint,
-]
-"""What goes into ``KvRegistration.transport``."""
 
 MemoryKind: TypeAlias = common_pb2.MemoryKind.ValueType
 """A ``pdproto.v1.MemoryKind`` value."""
@@ -178,16 +172,6 @@ class TransferExecutor(Protocol):
     def close(self) -> None:
         """Release every engine resource; the executor is unusable afterwards."""
         ...
-
-
-def set_endpoint(registration: registration_pb2.KvRegistration, endpoint: Endpoint) -> None:
-    """Put ``endpoint`` into the matching case of ``registration.transport``."""
-    if isinstance(endpoint, registration_pb2.MooncakeEndpoint):
-        registration.mooncake.CopyFrom(endpoint)
-    elif isinstance(endpoint, registration_pb2.NixlEndpoint):
-        registration.nixl.CopyFrom(endpoint)
-    else:
-        registration.local.CopyFrom(endpoint)
 
 
 def encode_notification(room: int, payload: bytes) -> bytes:
