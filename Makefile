@@ -7,9 +7,9 @@ SETUP := bash scripts/setup.sh
 setup:
 	@$(SETUP)
 
-## Regenerate pdproto/v1 from protos/ (commit the result).
+## Regenerate pdproto/v1 (messages, stubs, __init__) from protos/ (commit the result).
 gen: setup
-	@sh scripts/gen_protos.sh
+	@$(PY) scripts/gen_protos.py
 
 ## Schema and type gates: buf lint/format/breaking, regen diff, mypy --strict.
 gates: setup

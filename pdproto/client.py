@@ -25,6 +25,7 @@ from grpc_status import rpc_status
 from pdproto import errors as E
 from pdproto.errors import PdprotoError, Reason
 from pdproto.v1 import (
+    SERVICE_NAME,
     common_pb2,
     handshake_service_pb2 as hs,
     handshake_service_pb2_grpc as hs_grpc,
@@ -34,7 +35,6 @@ from pdproto.v1 import (
 )
 
 DOMAIN = "pdproto"
-SERVICE_NAME = "pdproto.v1.HandshakeService"
 TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 

@@ -32,12 +32,13 @@ step "generated code matches protos"
 # not leave the working tree without its generated modules.
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/scripts" "$tmp/pdproto"
+# The copy holds no pdproto/v1: the script must write all of it, __init__.py included,
+# so a hand edit to any file there (or a file the script no longer writes) shows up.
+mkdir -p "$tmp/scripts"
 cp -r protos "$tmp/protos"
-cp scripts/gen_protos.sh "$tmp/scripts/"
-cp -r pdproto/v1 "$tmp/pdproto/v1"
-PY="$PWD/$PY" sh "$tmp/scripts/gen_protos.sh" >"$tmp/gen.log" 2>&1 \
-  || { cat "$tmp/gen.log" >&2; fail "code generation (scripts/gen_protos.sh)"; }
+cp scripts/gen_protos.py "$tmp/scripts/"
+"$PY" "$tmp/scripts/gen_protos.py" >"$tmp/gen.log" 2>&1 \
+  || { cat "$tmp/gen.log" >&2; fail "code generation (scripts/gen_protos.py)"; }
 if ! diff -r -x __pycache__ pdproto/v1 "$tmp/pdproto/v1" >"$tmp/gen.diff"; then
   head -40 "$tmp/gen.diff"
   fail "generated code is stale; run 'make gen' and commit pdproto/v1"

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as _health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pdproto.client import SERVICE_NAME, ChannelConfig
-from pdproto.v1 import handshake_service_pb2, handshake_service_pb2_grpc
+from pdproto.client import ChannelConfig
+from pdproto.v1 import SERVICE_NAME, handshake_service_pb2_grpc
 
 from .auth import BearerTokenInterceptor, require_token_policy
 from .core import HandshakeCore
@@ -71,7 +71,7 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     health = _health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (
-        handshake_service_pb2.DESCRIPTOR.services_by_name["HandshakeService"].full_name,
+        SERVICE_NAME,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )

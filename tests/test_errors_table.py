@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from pdproto import errors
 from pdproto.errors import GRPC_CODE_NAMES, Reason
 from pdproto.v1 import ErrorReason
 
@@ -103,8 +102,3 @@ def test_every_reason_is_documented_with_its_number_and_code() -> None:
 def test_documented_rows_follow_enum_order() -> None:
     assert list(doc_rows()) == [r.name for r in sorted(Reason)]
 
-
-def test_errors_module_does_not_import_grpc() -> None:
-    # The core stays grpc-free (DESIGN section 2); the table holds code names.
-    source = Path(errors.__file__).read_text()
-    assert not re.search(r"^\s*(import|from)\s+grpc", source, re.MULTILINE)

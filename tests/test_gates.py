@@ -114,3 +114,26 @@ def test_gates_script_fails_on_each_gate(
     assert "all passed" not in run.stdout
     # The regenerate-and-diff gate works on its own scratch copy, never in place.
     assert {p.name: p.read_bytes() for p in generated.iterdir()} == before
+
+
+def test_gates_script_fails_on_a_hand_edited_init(tmp_path: Path) -> None:
+    # pdproto/v1/__init__.py is generated too: editing it by hand must fail the diff gate.
+    root = repo_copy(tmp_path)
+    init = root / "pdproto" / "v1" / "__init__.py"
+    init.write_text(init.read_text() + "\nEXTRA = 1\n")
+    run = subprocess.run(["bash", "scripts/gates.sh", "--no-mypy"], cwd=root,
+                         capture_output=True, text=True, check=False)
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "gate failed: generated code is stale" in run.stderr, run.stdout + run.stderr
+    assert "EXTRA = 1" in run.stdout  # the diff shows the hand edit
+
+
+def test_gates_script_fails_on_a_stub_the_generator_no_longer_writes(tmp_path: Path) -> None:
+    # A proto without a service gets no *_pb2_grpc module; a leftover one is stale.
+    root = repo_copy(tmp_path)
+    (root / "pdproto" / "v1" / "common_pb2_grpc.py").write_text("# left over\n")
+    run = subprocess.run(["bash", "scripts/gates.sh", "--no-mypy"], cwd=root,
+                         capture_output=True, text=True, check=False)
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "gate failed: generated code is stale" in run.stderr, run.stdout + run.stderr
+    assert "common_pb2_grpc.py" in run.stdout

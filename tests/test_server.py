@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdproto import errors as E
-from pdproto.client import SERVICE_NAME, HandshakeClient
+from pdproto.client import HandshakeClient
 from pdproto.errors import Reason
-from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
+from pdproto.v1 import SERVICE_NAME, common_pb2, registration_pb2, transfer_pb2
 from pdproto_server.synthetic import SyntheticSpec
 
 from ._decode_peer import DecodePeer

@@ -13,6 +13,7 @@ from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-unty
 
 from pdproto.client import AsyncHandshakeClient, error_class
 from pdproto.errors import ConfigError, PdprotoError, Reason
+from pdproto import v1
 from pdproto.v1 import handshake_service_pb2, handshake_service_pb2_grpc
 from pdproto_server import _status
 from pdproto_server.auth import is_loopback, require_token_policy
@@ -23,7 +24,7 @@ from ._server_harness import REPO
 
 def test_every_rpc_in_the_proto_is_implemented() -> None:
     service = handshake_service_pb2.DESCRIPTOR.services_by_name["HandshakeService"]
-    assert service.full_name == "pdproto.v1.HandshakeService"
+    assert service.full_name == v1.SERVICE_NAME == "pdproto.v1.HandshakeService"
     missing = [m.name for m in service.methods if m.name not in HandshakeServicer.__dict__]
     assert not missing, f"RPCs without an implementation: {missing}"
 

@@ -1,0 +1,150 @@
+"""The pure core loads no gRPC, event loop, threads or sockets (DESIGN section 2).
+
+Each core module is imported alone in a fresh interpreter. A probe installed first sees
+every import statement (``builtins.__import__``) and every first load (a meta-path
+finder), so it catches a forbidden module whether the core imports it directly, through
+a third-party package, or after something else already loaded it.
+
+One narrow exception: protobuf itself (``google.protobuf.descriptor`` and
+``descriptor_pool``) imports threading for module-level locks, so threading is in
+``sys.modules`` after any ``*_pb2`` import. Protobuf's modules may import it; nothing else
+may, and no pdproto module may either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pdproto
+
+FORBIDDEN = ("grpc", "asyncio", "threading", "socket", "concurrent.futures")
+# (importing package, forbidden module) pairs that are not ours to change.
+ALLOWED = {("google.protobuf", "threading")}
+# Edges: these talk to sockets, engines or gRPC by design.
+EDGES = ("pdproto.client", "pdproto.bridge", "pdproto.transfer")
+
+PROBE = textwrap.dedent(
+    """
+    import builtins, importlib, json, sys
+
+    FORBIDDEN = {forbidden!r}
+    found = []
+
+    def forbidden(name, fromlist=()):
+        names = [name] + [f"{{name}}.{{f}}" for f in fromlist or () if isinstance(f, str)]
+        return sorted({{f for f in FORBIDDEN for n in names if n == f or n.startswith(f + ".")}})
+
+    def importer_of(frame):
+        # The first frame outside importlib's machinery and this probe is the importer.
+        while frame is not None and frame.f_globals.get("__name__", "").startswith(
+                ("importlib", "_frozen_importlib", "__main__")):
+            frame = frame.f_back
+        return frame.f_globals.get("__name__", "?") if frame is not None else "?"
+
+    real_import = builtins.__import__
+
+    def probe_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0:
+            for mod in forbidden(name, fromlist):
+                found.append(((globals or {{}}).get("__name__", "?"), mod))
+        return real_import(name, globals, locals, fromlist, level)
+
+    class Finder:
+        def find_spec(self, fullname, path=None, target=None):
+            for mod in forbidden(fullname):
+                found.append((importer_of(sys._getframe(1)), mod))
+            return None
+
+    for name in FORBIDDEN:
+        assert name not in sys.modules, f"{{name}} loaded before the probe"
+    builtins.__import__ = probe_import
+    sys.meta_path.insert(0, Finder())
+    importlib.import_module(sys.argv[1])
+    loaded = sorted(m for m in FORBIDDEN if m in sys.modules)
+    print(json.dumps({{"found": sorted(set(map(tuple, found))), "loaded": loaded}}))
+    """
+).format(forbidden=FORBIDDEN)
+
+
+def core_modules() -> list[str]:
+    """Every module under pdproto except the edges and the generated gRPC stubs."""
+    names = ["pdproto"]
+    for info in pkgutil.walk_packages(pdproto.__path__, "pdproto."):
+        if info.name.startswith(EDGES) or info.name.endswith("_pb2_grpc"):
+            continue
+        names.append(info.name)
+    return sorted(names)
+
+
+def probe(module: str, *, path: Path | None = None) -> tuple[set[tuple[str, str]], list[str]]:
+    """Import ``module`` in a fresh interpreter: (importer, forbidden module) pairs, and
+    which forbidden modules ended up loaded."""
+    env = None if path is None else {**os.environ, "PYTHONPATH": str(path)}
+    run = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True,
+                         check=False, env=env)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    return {(a, b) for a, b in out["found"]}, out["loaded"]
+
+
+def allowed(importer: str, mod: str) -> bool:
+    """Whether ``importer`` is a package we let import ``mod`` (see the module docstring)."""
+    return any(mod == m and (importer == pkg or importer.startswith(pkg + ".")) for pkg, m in ALLOWED)
+
+
+def violations(found: set[tuple[str, str]], loaded: list[str]) -> list[str]:
+    """What a core module must not do, as readable lines (imports inside a forbidden
+    package, e.g. grpc importing asyncio, are left out: the way in is what matters)."""
+    inside = {i for i, _ in found if any(i == f or i.startswith(f + ".") for f in FORBIDDEN)}
+    bad = [f"{importer} imports {mod}" for importer, mod in sorted(found)
+           if importer not in inside and not allowed(importer, mod)]
+    explained = {mod for importer, mod in found if allowed(importer, mod)}
+    bad += [f"{mod} is loaded, by no allowed importer" for mod in loaded if mod not in explained]
+    return bad
+
+
+def test_the_core_list_covers_the_named_packages() -> None:
+    names = core_modules()
+    for must in ("pdproto.errors", "pdproto.wire", "pdproto.topology", "pdproto.config",
+                 "pdproto.dcp.plan", "pdproto.legacy.mooncake", "pdproto.v1",
+                 "pdproto.v1.handshake_service_pb2", "pdproto.v1.common_pb2"):
+        assert must in names
+    assert not [n for n in names if n.startswith(EDGES)]
+
+
+@pytest.mark.parametrize("module", core_modules())
+def test_core_module_loads_no_grpc_asyncio_threads_or_sockets(module: str) -> None:
+    found, loaded = probe(module)
+    assert not violations(found, loaded), f"importing {module}: {violations(found, loaded)}"
+
+
+# The probe itself must bite: bad modules in a scratch directory, each hiding a forbidden
+# import a different way, and the line the probe must report for each.
+BAD_MODULES = {
+    "direct_grpc": ("import grpc\n", "direct_grpc imports grpc"),
+    # threading is already loaded (by protobuf) when this runs: only the import hook sees it.
+    "late_threading": ("import pdproto.v1\nimport threading\n", "late_threading imports threading"),
+    "via_importlib": ("import importlib\nimportlib.import_module('concurrent.futures')\n",
+                      "via_importlib imports concurrent.futures"),
+    "from_import": ("from concurrent import futures\n", "from_import imports concurrent.futures"),
+    "through_a_library": ("import grpc_status.rpc_status\n", "grpc_status.rpc_status imports grpc"),
+    "lazy_stub": ("import pdproto.v1\npdproto.v1.HandshakeServiceStub\n",
+                  "pdproto.v1.handshake_service_pb2_grpc imports grpc"),
+    "uses_logging": ("import logging\n", "logging imports threading"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_MODULES))
+def test_the_probe_catches_a_forbidden_import(tmp_path: Path, name: str) -> None:
+    source, expected = BAD_MODULES[name]
+    (tmp_path / f"{name}.py").write_text(source)
+    assert expected in violations(*probe(name, path=tmp_path))
+
