@@ -3,7 +3,7 @@
 PROTOCOL_MAJOR = 1
 """Protocol major version this package speaks; peers with another major are rejected."""
 
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 """Protocol minor version this package speaks; newer minors only add fields."""
 
 __all__ = ["PROTOCOL_MAJOR", "PROTOCOL_MINOR"]

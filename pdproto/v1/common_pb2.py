@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdproto/v1/common.proto\x12\npdproto.v1\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"&\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"+\n\rParallelGroup\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\xaf\x01\n\rLegacyFraming\x12\x13\n\x0b\x66rame_count\x18\x01 \x01(\r\x12\x13\n\x0b\x65mpty_slots\x18\x02 \x03(\r\x12@\n\x0clist_lengths\x18\x03 \x03(\x0b\x32*.pdproto.v1.LegacyFraming.ListLengthsEntry\x1a\x32\n\x10ListLengthsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*]\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42\x41\x43KEND_MOONCAKE\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_NIXL\x10\x02\x12\x11\n\rBACKEND_LOCAL\x10\x03*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x02*~\n\rAttentionKind\x12\x1e\n\x1a\x41TTENTION_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41TTENTION_KIND_MHA\x10\x01\x12\x16\n\x12\x41TTENTION_KIND_MLA\x10\x02\x12\x1d\n\x19\x41TTENTION_KIND_HYBRID_MLA\x10\x03*_\n\x0bKvEntryRole\x12\x1d\n\x19KV_ENTRY_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_ENTRY_ROLE_TARGET\x10\x01\x12\x17\n\x13KV_ENTRY_ROLE_DRAFT\x10\x02*\xcf\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cTRANSFER_STATE_BOOTSTRAPPING\x10\x01\x12$\n TRANSFER_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x03\x12\x1a\n\x16TRANSFER_STATE_SUCCESS\x10\x04\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdproto/v1/common.proto\x12\npdproto.v1\"/\n\x0fProtocolVersion\x12\r\n\x05major\x18\x01 \x01(\r\x12\r\n\x05minor\x18\x02 \x01(\r\"&\n\x08\x45ndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"+\n\rParallelGroup\x12\x0c\n\x04size\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\"E\n\x0b\x42yteSegment\x12\x12\n\nsrc_offset\x18\x01 \x01(\x04\x12\x12\n\ndst_offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\xaf\x01\n\rLegacyFraming\x12\x13\n\x0b\x66rame_count\x18\x01 \x01(\r\x12\x13\n\x0b\x65mpty_slots\x18\x02 \x03(\r\x12@\n\x0clist_lengths\x18\x03 \x03(\x0b\x32*.pdproto.v1.LegacyFraming.ListLengthsEntry\x1a\x32\n\x10ListLengthsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*]\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42\x41\x43KEND_MOONCAKE\x10\x01\x12\x10\n\x0c\x42\x41\x43KEND_NIXL\x10\x02\x12\x11\n\rBACKEND_LOCAL\x10\x03*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x02*~\n\rAttentionKind\x12\x1e\n\x1a\x41TTENTION_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41TTENTION_KIND_MHA\x10\x01\x12\x16\n\x12\x41TTENTION_KIND_MLA\x10\x02\x12\x1d\n\x19\x41TTENTION_KIND_HYBRID_MLA\x10\x03*_\n\x0bKvEntryRole\x12\x1d\n\x19KV_ENTRY_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_ENTRY_ROLE_TARGET\x10\x01\x12\x17\n\x13KV_ENTRY_ROLE_DRAFT\x10\x02*\xcf\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cTRANSFER_STATE_BOOTSTRAPPING\x10\x01\x12$\n TRANSFER_STATE_WAITING_FOR_INPUT\x10\x02\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x03\x12\x1a\n\x16TRANSFER_STATE_SUCCESS\x10\x04\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x05*`\n\tStateKind\x12\x1a\n\x16STATE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14STATE_KIND_RECURRENT\x10\x01\x12\x1d\n\x19STATE_KIND_SLIDING_WINDOW\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LEGACYFRAMING_LISTLENGTHSENTRY']._loaded_options = None
   _globals['_LEGACYFRAMING_LISTLENGTHSENTRY']._serialized_options = b'8\001'
-  _globals['_BACKEND']._serialized_start=351
-  _globals['_BACKEND']._serialized_end=444
-  _globals['_MEMORYKIND']._serialized_start=446
-  _globals['_MEMORYKIND']._serialized_end=531
-  _globals['_ATTENTIONKIND']._serialized_start=533
-  _globals['_ATTENTIONKIND']._serialized_end=659
-  _globals['_KVENTRYROLE']._serialized_start=661
-  _globals['_KVENTRYROLE']._serialized_end=756
-  _globals['_TRANSFERSTATE']._serialized_start=759
-  _globals['_TRANSFERSTATE']._serialized_end=966
+  _globals['_BACKEND']._serialized_start=422
+  _globals['_BACKEND']._serialized_end=515
+  _globals['_MEMORYKIND']._serialized_start=517
+  _globals['_MEMORYKIND']._serialized_end=602
+  _globals['_ATTENTIONKIND']._serialized_start=604
+  _globals['_ATTENTIONKIND']._serialized_end=730
+  _globals['_KVENTRYROLE']._serialized_start=732
+  _globals['_KVENTRYROLE']._serialized_end=827
+  _globals['_TRANSFERSTATE']._serialized_start=830
+  _globals['_TRANSFERSTATE']._serialized_end=1037
+  _globals['_STATEKIND']._serialized_start=1039
+  _globals['_STATEKIND']._serialized_end=1135
   _globals['_PROTOCOLVERSION']._serialized_start=39
   _globals['_PROTOCOLVERSION']._serialized_end=86
   _globals['_ENDPOINT']._serialized_start=88
   _globals['_ENDPOINT']._serialized_end=126
   _globals['_PARALLELGROUP']._serialized_start=128
   _globals['_PARALLELGROUP']._serialized_end=171
-  _globals['_LEGACYFRAMING']._serialized_start=174
-  _globals['_LEGACYFRAMING']._serialized_end=349
-  _globals['_LEGACYFRAMING_LISTLENGTHSENTRY']._serialized_start=299
-  _globals['_LEGACYFRAMING_LISTLENGTHSENTRY']._serialized_end=349
+  _globals['_BYTESEGMENT']._serialized_start=173
+  _globals['_BYTESEGMENT']._serialized_end=242
+  _globals['_LEGACYFRAMING']._serialized_start=245
+  _globals['_LEGACYFRAMING']._serialized_end=420
+  _globals['_LEGACYFRAMING_LISTLENGTHSENTRY']._serialized_start=370
+  _globals['_LEGACYFRAMING_LISTLENGTHSENTRY']._serialized_end=420
 # @@protoc_insertion_point(module_scope)

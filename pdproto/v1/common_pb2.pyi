@@ -159,6 +159,34 @@ TRANSFER_STATE_FAILED: TransferState.ValueType  # 5
 """The transfer failed; the reason says why (KVPoll.Failed = 0); terminal."""
 Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
 
+class _StateKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StateKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StateKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STATE_KIND_UNSPECIFIED: _StateKind.ValueType  # 0
+    """Not set: a decode that sends no kind (SGLang frames carry none) takes the prefill's."""
+    STATE_KIND_RECURRENT: _StateKind.ValueType  # 1
+    """One slot per request holds the whole entry (SGLang StateType MAMBA: Mamba, GDN and KDA
+    conv and recurrent state); the request names one slot index per entry.
+    """
+    STATE_KIND_SLIDING_WINDOW: _StateKind.ValueType  # 2
+    """The entry is paged like KV and a request names the pages of its window (SGLang StateType SWA)."""
+
+class StateKind(_StateKind, metaclass=_StateKindEnumTypeWrapper):
+    """StateKind says how a non-KV state entry is addressed per request."""
+
+STATE_KIND_UNSPECIFIED: StateKind.ValueType  # 0
+"""Not set: a decode that sends no kind (SGLang frames carry none) takes the prefill's."""
+STATE_KIND_RECURRENT: StateKind.ValueType  # 1
+"""One slot per request holds the whole entry (SGLang StateType MAMBA: Mamba, GDN and KDA
+conv and recurrent state); the request names one slot index per entry.
+"""
+STATE_KIND_SLIDING_WINDOW: StateKind.ValueType  # 2
+"""The entry is paged like KV and a request names the pages of its window (SGLang StateType SWA)."""
+Global___StateKind: _TypeAlias = StateKind  # noqa: Y015
+
 @_typing.final
 class ProtocolVersion(_message.Message):
     """ProtocolVersion identifies the pdproto wire protocol. Peers with different
@@ -238,6 +266,38 @@ class ParallelGroup(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ParallelGroup: _TypeAlias = ParallelGroup  # noqa: Y015
+
+@_typing.final
+class ByteSegment(_message.Message):
+    """ByteSegment is one byte range copied from a source item (a state slot, a page, a KV token
+    row) to a destination item of the same entry.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_OFFSET_FIELD_NUMBER: _builtins.int
+    DST_OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    src_offset: _builtins.int
+    """Offset of the range inside the source item."""
+    dst_offset: _builtins.int
+    """Offset of the range inside the destination item."""
+    length: _builtins.int
+    """Bytes in the range."""
+    def __init__(
+        self,
+        *,
+        src_offset: _builtins.int = ...,
+        dst_offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_offset", b"dst_offset", "length", b"length", "src_offset", b"src_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ByteSegment: _TypeAlias = ByteSegment  # noqa: Y015
 
 @_typing.final
 class LegacyFraming(_message.Message):

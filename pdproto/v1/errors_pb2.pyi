@@ -104,6 +104,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """Within one entry role, some entries carry layer ids and others do not (topology range 45-49)."""
     ERROR_REASON_TOPOLOGY_ATTENTION_KIND_MISMATCH: _ErrorReason.ValueType  # 46
     """Prefill and decode KV pools are different layout families (e.g. MLA vs MHA)."""
+    ERROR_REASON_TOPOLOGY_AUX_COUNT_MISMATCH: _ErrorReason.ValueType  # 47
+    """Prefill and decode register different numbers of aux (metadata) buffers."""
+    ERROR_REASON_TOPOLOGY_AUX_SIZE_MISMATCH: _ErrorReason.ValueType  # 48
+    """A paired aux buffer has different bytes per slot on the two sides."""
+    ERROR_REASON_TOPOLOGY_STATE_COUNT_MISMATCH: _ErrorReason.ValueType  # 49
+    """Prefill and decode register different numbers of state entries."""
     ERROR_REASON_PEER_NOT_FOUND: _ErrorReason.ValueType  # 50
     """A request names a peer that is not registered."""
     ERROR_REASON_REQUEST_NOT_FOUND: _ErrorReason.ValueType  # 51
@@ -142,6 +148,24 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
     ERROR_REASON_CONFIG_INVALID: _ErrorReason.ValueType  # 70
     """A deployment setting violates a PD rule."""
+    ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
+    """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
+    ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: _ErrorReason.ValueType  # 81
+    """A paired state tensor has different bytes per slot, or per element of its split axis."""
+    ERROR_REASON_TOPOLOGY_STATE_SLICE_MISMATCH: _ErrorReason.ValueType  # 82
+    """The two sides split a state tensor inconsistently: replicated on one side only, split widths that do not make the same whole, or groups TP cannot divide."""
+    ERROR_REASON_TOPOLOGY_STATE_DIMS_MISSING: _ErrorReason.ValueType  # 83
+    """TP sizes differ but a side did not send the split width (dim) a state tensor needs to be sliced."""
+    ERROR_REASON_TOPOLOGY_TP_NOT_DIVISIBLE: _ErrorReason.ValueType  # 84
+    """Prefill and decode TP sizes do not divide one another where data is sliced or fanned in."""
+    ERROR_REASON_TOPOLOGY_KV_HEADS_MISMATCH: _ErrorReason.ValueType  # 85
+    """MHA with different TP sizes: the KV head count is unknown, differs between the sides, does not split evenly, or the bytes per head differ."""
+    ERROR_REASON_TOPOLOGY_STATE_LAYER_IDS_REQUIRED: _ErrorReason.ValueType  # 86
+    """State tensors of a pipeline stage cannot be paired by position with a decode that holds every layer."""
+    ERROR_REASON_TOPOLOGY_STATE_KIND_UNSUPPORTED: _ErrorReason.ValueType  # 87
+    """A prefill state entry has a kind this negotiation cannot move (unset, or added by a newer minor)."""
+    ERROR_REASON_TOPOLOGY_NOT_A_SENDER: _ErrorReason.ValueType  # 88
+    """The decode registered with a prefill rank that does not feed it under the TP/PP rank mapping (only attention-CP rank 0 is contacted)."""
     ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 99
     """An unexpected internal failure; a bug report is welcome."""
 
@@ -232,6 +256,12 @@ ERROR_REASON_TOPOLOGY_LAYER_METADATA_PARTIAL: ErrorReason.ValueType  # 45
 """Within one entry role, some entries carry layer ids and others do not (topology range 45-49)."""
 ERROR_REASON_TOPOLOGY_ATTENTION_KIND_MISMATCH: ErrorReason.ValueType  # 46
 """Prefill and decode KV pools are different layout families (e.g. MLA vs MHA)."""
+ERROR_REASON_TOPOLOGY_AUX_COUNT_MISMATCH: ErrorReason.ValueType  # 47
+"""Prefill and decode register different numbers of aux (metadata) buffers."""
+ERROR_REASON_TOPOLOGY_AUX_SIZE_MISMATCH: ErrorReason.ValueType  # 48
+"""A paired aux buffer has different bytes per slot on the two sides."""
+ERROR_REASON_TOPOLOGY_STATE_COUNT_MISMATCH: ErrorReason.ValueType  # 49
+"""Prefill and decode register different numbers of state entries."""
 ERROR_REASON_PEER_NOT_FOUND: ErrorReason.ValueType  # 50
 """A request names a peer that is not registered."""
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason.ValueType  # 51
@@ -270,6 +300,24 @@ ERROR_REASON_MATCH_TIMEOUT: ErrorReason.ValueType  # 67
 """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
 ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
 """A deployment setting violates a PD rule."""
+ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80
+"""A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
+ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: ErrorReason.ValueType  # 81
+"""A paired state tensor has different bytes per slot, or per element of its split axis."""
+ERROR_REASON_TOPOLOGY_STATE_SLICE_MISMATCH: ErrorReason.ValueType  # 82
+"""The two sides split a state tensor inconsistently: replicated on one side only, split widths that do not make the same whole, or groups TP cannot divide."""
+ERROR_REASON_TOPOLOGY_STATE_DIMS_MISSING: ErrorReason.ValueType  # 83
+"""TP sizes differ but a side did not send the split width (dim) a state tensor needs to be sliced."""
+ERROR_REASON_TOPOLOGY_TP_NOT_DIVISIBLE: ErrorReason.ValueType  # 84
+"""Prefill and decode TP sizes do not divide one another where data is sliced or fanned in."""
+ERROR_REASON_TOPOLOGY_KV_HEADS_MISMATCH: ErrorReason.ValueType  # 85
+"""MHA with different TP sizes: the KV head count is unknown, differs between the sides, does not split evenly, or the bytes per head differ."""
+ERROR_REASON_TOPOLOGY_STATE_LAYER_IDS_REQUIRED: ErrorReason.ValueType  # 86
+"""State tensors of a pipeline stage cannot be paired by position with a decode that holds every layer."""
+ERROR_REASON_TOPOLOGY_STATE_KIND_UNSUPPORTED: ErrorReason.ValueType  # 87
+"""A prefill state entry has a kind this negotiation cannot move (unset, or added by a newer minor)."""
+ERROR_REASON_TOPOLOGY_NOT_A_SENDER: ErrorReason.ValueType  # 88
+"""The decode registered with a prefill rank that does not feed it under the TP/PP rank mapping (only attention-CP rank 0 is contacted)."""
 ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 99
 """An unexpected internal failure; a bug report is welcome."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

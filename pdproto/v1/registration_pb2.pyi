@@ -152,6 +152,9 @@ class StateBuffer(_message.Message):
     DIM_PER_TENSORS_FIELD_NUMBER: _builtins.int
     LAYER_IDS_FIELD_NUMBER: _builtins.int
     DATA_LENS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    kind: _common_pb2.StateKind.ValueType
+    """How a request addresses the entry; unset reads as the prefill's kind."""
     @_builtins.property
     def data_ptrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Base addresses of the entry's tensors."""
@@ -170,7 +173,9 @@ class StateBuffer(_message.Message):
 
     @_builtins.property
     def data_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Total bytes of each tensor (absent on decodes that predate prepared state transfers)."""
+        """Total bytes of each tensor (absent on decodes that predate prepared state transfers);
+        writes are bounded by it, and an absent or 0 length is not bounded.
+        """
 
     def __init__(
         self,
@@ -180,10 +185,11 @@ class StateBuffer(_message.Message):
         dim_per_tensors: _abc.Iterable[_builtins.int] | None = ...,
         layer_ids: _abc.Iterable[_builtins.int] | None = ...,
         data_lens: _abc.Iterable[_builtins.int] | None = ...,
+        kind: _common_pb2.StateKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_lens", b"data_lens", "data_ptrs", b"data_ptrs", "dim_per_tensors", b"dim_per_tensors", "item_lens", b"item_lens", "layer_ids", b"layer_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_lens", b"data_lens", "data_ptrs", b"data_ptrs", "dim_per_tensors", b"dim_per_tensors", "item_lens", b"item_lens", "kind", b"kind", "layer_ids", b"layer_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -250,6 +256,9 @@ class KvRegistration(_message.Message):
     GPU_ID_FIELD_NUMBER: _builtins.int
     NUM_SLOTS_FIELD_NUMBER: _builtins.int
     LEGACY_FIELD_NUMBER: _builtins.int
+    AUX_ITEM_LENS_FIELD_NUMBER: _builtins.int
+    AUX_DATA_LENS_FIELD_NUMBER: _builtins.int
+    TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Decode physical page size in tokens."""
     kv_cache_dtype: _builtins.str
@@ -264,6 +273,8 @@ class KvRegistration(_message.Message):
     """Device index of the decode rank (NIXL)."""
     num_slots: _builtins.int
     """Number of KV slots in the decode pool (NIXL), when sent."""
+    total_kv_heads: _builtins.int
+    """KV heads of the model before TP, for MHA head slicing; 0: not sent (the prefill's count)."""
     @_builtins.property
     def version(self) -> _common_pb2.ProtocolVersion:
         """Protocol version the decode speaks."""
@@ -320,6 +331,18 @@ class KvRegistration(_message.Message):
     def legacy(self) -> _common_pb2.LegacyFraming:
         """How the message looked as legacy frames; set only by the SGLang bridge."""
 
+    @_builtins.property
+    def aux_item_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Bytes per aux slot of each aux buffer, parallel to aux_ptrs; empty: the prefill's sizes
+        (SGLang sends none).
+        """
+
+    @_builtins.property
+    def aux_data_lens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Registered bytes of each aux buffer, parallel to aux_ptrs; writes are bounded by it, and
+        an empty list or 0 is not bounded.
+        """
+
     def __init__(
         self,
         *,
@@ -344,10 +367,13 @@ class KvRegistration(_message.Message):
         gpu_id: _builtins.int = ...,
         num_slots: _builtins.int | None = ...,
         legacy: _common_pb2.LegacyFraming | None = ...,
+        aux_item_lens: _abc.Iterable[_builtins.int] | None = ...,
+        aux_data_lens: _abc.Iterable[_builtins.int] | None = ...,
+        total_kv_heads: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attn_tp", b"attn_tp", "dcp", b"dcp", "legacy", b"legacy", "local", b"local", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "pp", b"pp", "staging", b"staging", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attention_kind", b"attention_kind", "attn_tp", b"attn_tp", "aux_ptrs", b"aux_ptrs", "capabilities", b"capabilities", "dcp", b"dcp", "gpu_id", b"gpu_id", "kv_buffers", b"kv_buffers", "kv_cache_dtype", b"kv_cache_dtype", "kv_item_len", b"kv_item_len", "legacy", b"legacy", "local", b"local", "model_id", b"model_id", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "page_size", b"page_size", "pp", b"pp", "staging", b"staging", "state_buffers", b"state_buffers", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attention_kind", b"attention_kind", "attn_tp", b"attn_tp", "aux_data_lens", b"aux_data_lens", "aux_item_lens", b"aux_item_lens", "aux_ptrs", b"aux_ptrs", "capabilities", b"capabilities", "dcp", b"dcp", "gpu_id", b"gpu_id", "kv_buffers", b"kv_buffers", "kv_cache_dtype", b"kv_cache_dtype", "kv_item_len", b"kv_item_len", "legacy", b"legacy", "local", b"local", "model_id", b"model_id", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "page_size", b"page_size", "pp", b"pp", "staging", b"staging", "state_buffers", b"state_buffers", "total_kv_heads", b"total_kv_heads", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_slots: _TypeAlias = _typing.Literal["num_slots"]  # noqa: Y015
     _WhichOneofArgType__num_slots: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots"]  # noqa: Y015

@@ -85,6 +85,111 @@ class KvEntryInfo(_message.Message):
 Global___KvEntryInfo: _TypeAlias = KvEntryInfo  # noqa: Y015
 
 @_typing.final
+class AuxEntryInfo(_message.Message):
+    """AuxEntryInfo describes one prefill aux (metadata) buffer: first output token, logprobs, ..."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_LEN_FIELD_NUMBER: _builtins.int
+    item_len: _builtins.int
+    """Bytes per aux slot (SGLang aux_item_lens); a request's aux slot i starts at i * item_len."""
+    def __init__(
+        self,
+        *,
+        item_len: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_len", b"item_len"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuxEntryInfo: _TypeAlias = AuxEntryInfo  # noqa: Y015
+
+@_typing.final
+class StateTensorInfo(_message.Message):
+    """StateTensorInfo describes one tensor of a prefill state entry: its size per slot and how
+    tensor parallelism splits it. A slot is laid out as [outer_count, dim, ...]: the split axis
+    has dim elements on this rank, each element_bytes = item_len / (outer_count * dim) wide.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEM_LEN_FIELD_NUMBER: _builtins.int
+    DIM_FIELD_NUMBER: _builtins.int
+    OUTER_COUNT_FIELD_NUMBER: _builtins.int
+    SHARD_GROUPS_FIELD_NUMBER: _builtins.int
+    LAYER_ID_FIELD_NUMBER: _builtins.int
+    item_len: _builtins.int
+    """Bytes per slot (recurrent) or per page (sliding window) on this rank (SGLang state_item_lens)."""
+    dim: _builtins.int
+    """Elements of the split axis held on this rank (SGLang state_dim_per_tensor: heads of a
+    temporal state, channels of a conv state); 0: the tensor is whole on every rank (replicated).
+    """
+    outer_count: _builtins.int
+    """Rows before the split axis in one slot (SGLang state_slice_outer_counts: K-1 for a KDA conv
+    state, 1 for a temporal state, tokens per page for a sliding window); 0 reads as 1.
+    """
+    layer_id: _builtins.int
+    """Global model layer id of the tensor (SGLang state_layer_ids, repeated per tensor)."""
+    @_builtins.property
+    def shard_groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Widths before TP of the groups along the split axis that TP splits independently (SGLang
+        state_conv_shard_groups: the q, k and v channels of a conv state); empty: one group.
+        """
+
+    def __init__(
+        self,
+        *,
+        item_len: _builtins.int = ...,
+        dim: _builtins.int = ...,
+        outer_count: _builtins.int = ...,
+        shard_groups: _abc.Iterable[_builtins.int] | None = ...,
+        layer_id: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_layer_id", b"_layer_id", "layer_id", b"layer_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_layer_id", b"_layer_id", "dim", b"dim", "item_len", b"item_len", "layer_id", b"layer_id", "outer_count", b"outer_count", "shard_groups", b"shard_groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__layer_id: _TypeAlias = _typing.Literal["layer_id"]  # noqa: Y015
+    _WhichOneofArgType__layer_id: _TypeAlias = _typing.Literal["_layer_id", b"_layer_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__layer_id) -> _WhichOneofReturnType__layer_id | None: ...
+
+Global___StateTensorInfo: _TypeAlias = StateTensorInfo  # noqa: Y015
+
+@_typing.final
+class StateEntryInfo(_message.Message):
+    """StateEntryInfo describes one prefill state entry (an SGLang state component)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    TYPE_NAME_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    kind: _common_pb2.StateKind.ValueType
+    """How a request addresses the entry."""
+    type_name: _builtins.str
+    """SGLang StateType value ("mamba", "swa", ...) when the entry comes from SGLang; informational."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateTensorInfo]:
+        """The entry's tensors, in pool order (SGLang: all conv tensors, then all temporal tensors)."""
+
+    def __init__(
+        self,
+        *,
+        kind: _common_pb2.StateKind.ValueType = ...,
+        type_name: _builtins.str = ...,
+        tensors: _abc.Iterable[Global___StateTensorInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "tensors", b"tensors", "type_name", b"type_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateEntryInfo: _TypeAlias = StateEntryInfo  # noqa: Y015
+
+@_typing.final
 class PrefillServerInfo(_message.Message):
     """PrefillServerInfo is the prefill rank's published topology (SGLang PUT/GET /route
     payload), extended with what SGLang never published: DCP, MLA kind, layers, model.
@@ -116,6 +221,10 @@ class PrefillServerInfo(_message.Message):
     MODEL_ID_FIELD_NUMBER: _builtins.int
     KV_ENTRIES_FIELD_NUMBER: _builtins.int
     BACKENDS_FIELD_NUMBER: _builtins.int
+    AUX_ENTRIES_FIELD_NUMBER: _builtins.int
+    STATE_ENTRIES_FIELD_NUMBER: _builtins.int
+    STATE_TP_FIELD_NUMBER: _builtins.int
+    TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Physical page size in tokens."""
     kv_cache_dtype: _builtins.str
@@ -142,6 +251,10 @@ class PrefillServerInfo(_message.Message):
     """First model layer held by this PP stage."""
     model_id: _builtins.str
     """Model identity (name or hash); empty means "not checked"."""
+    total_kv_heads: _builtins.int
+    """KV heads of the model before TP (SGLang total_kv_head_num), for MHA head slicing when
+    prefill and decode TP sizes differ; 0: not sent.
+    """
     @_builtins.property
     def version(self) -> _common_pb2.ProtocolVersion:
         """Protocol version the prefill speaks."""
@@ -186,6 +299,20 @@ class PrefillServerInfo(_message.Message):
     def backends(self) -> _containers.RepeatedScalarFieldContainer[_common_pb2.Backend.ValueType]:
         """Transfer backends this prefill serves."""
 
+    @_builtins.property
+    def aux_entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuxEntryInfo]:
+        """Aux (metadata) buffers, in pool order; every one moves once per request."""
+
+    @_builtins.property
+    def state_entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateEntryInfo]:
+        """Non-KV state entries, in pool order."""
+
+    @_builtins.property
+    def state_tp(self) -> _common_pb2.ParallelGroup:
+        """TP group that splits state tensors (SGLang state_tp_size, the linear-attention TP);
+        unset: attn_tp.
+        """
+
     def __init__(
         self,
         *,
@@ -213,10 +340,14 @@ class PrefillServerInfo(_message.Message):
         model_id: _builtins.str = ...,
         kv_entries: _abc.Iterable[Global___KvEntryInfo] | None = ...,
         backends: _abc.Iterable[_common_pb2.Backend.ValueType] | None = ...,
+        aux_entries: _abc.Iterable[Global___AuxEntryInfo] | None = ...,
+        state_entries: _abc.Iterable[Global___StateEntryInfo] | None = ...,
+        state_tp: _common_pb2.ParallelGroup | None = ...,
+        total_kv_heads: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "dcp", b"dcp", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "system_dp", b"system_dp", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "dcp", b"dcp", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "state_tp", b"state_tp", "system_dp", b"system_dp", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attention_kind", b"attention_kind", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "backends", b"backends", "capabilities", b"capabilities", "dcp", b"dcp", "decode_allocation_policy", b"decode_allocation_policy", "dsv41_spec_layout", b"dsv41_spec_layout", "enable_dsa_cache_layer_split", b"enable_dsa_cache_layer_split", "enable_kv_cache_sharding", b"enable_kv_cache_sharding", "kv_cache_dtype", b"kv_cache_dtype", "kv_entries", b"kv_entries", "kv_layout", b"kv_layout", "load_balance_method", b"load_balance_method", "model_id", b"model_id", "num_layers", b"num_layers", "page_size", b"page_size", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "start_layer", b"start_layer", "system_dp", b"system_dp", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attention_kind", b"attention_kind", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "aux_entries", b"aux_entries", "backends", b"backends", "capabilities", b"capabilities", "dcp", b"dcp", "decode_allocation_policy", b"decode_allocation_policy", "dsv41_spec_layout", b"dsv41_spec_layout", "enable_dsa_cache_layer_split", b"enable_dsa_cache_layer_split", "enable_kv_cache_sharding", b"enable_kv_cache_sharding", "kv_cache_dtype", b"kv_cache_dtype", "kv_entries", b"kv_entries", "kv_layout", b"kv_layout", "load_balance_method", b"load_balance_method", "model_id", b"model_id", "num_layers", b"num_layers", "page_size", b"page_size", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "start_layer", b"start_layer", "state_entries", b"state_entries", "state_tp", b"state_tp", "system_dp", b"system_dp", "total_kv_heads", b"total_kv_heads", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prefill_http_port: _TypeAlias = _typing.Literal["prefill_http_port"]  # noqa: Y015
     _WhichOneofArgType__prefill_http_port: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port"]  # noqa: Y015
@@ -235,6 +366,7 @@ class EntryPairing(_message.Message):
     SRC_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     DST_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    ROW_SLICE_FIELD_NUMBER: _builtins.int
     src_entry: _builtins.int
     """Prefill entry index."""
     dst_entry: _builtins.int
@@ -245,6 +377,12 @@ class EntryPairing(_message.Message):
     """Bytes per token row on the decode."""
     role: _common_pb2.KvEntryRole.ValueType
     """Target or draft."""
+    @_builtins.property
+    def row_slice(self) -> _common_pb2.ByteSegment:
+        """The part of each token row this prefill rank writes (MHA heads when TP sizes differ);
+        unset: whole rows.
+        """
+
     def __init__(
         self,
         *,
@@ -253,14 +391,217 @@ class EntryPairing(_message.Message):
         src_token_bytes: _builtins.int = ...,
         dst_token_bytes: _builtins.int = ...,
         role: _common_pb2.KvEntryRole.ValueType = ...,
+        row_slice: _common_pb2.ByteSegment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["row_slice", b"row_slice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_entry", b"dst_entry", "dst_token_bytes", b"dst_token_bytes", "role", b"role", "src_entry", b"src_entry", "src_token_bytes", b"src_token_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_entry", b"dst_entry", "dst_token_bytes", b"dst_token_bytes", "role", b"role", "row_slice", b"row_slice", "src_entry", b"src_entry", "src_token_bytes", b"src_token_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EntryPairing: _TypeAlias = EntryPairing  # noqa: Y015
+
+@_typing.final
+class AuxPairing(_message.Message):
+    """AuxPairing maps one prefill aux buffer to one decode aux buffer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_ENTRY_FIELD_NUMBER: _builtins.int
+    DST_ENTRY_FIELD_NUMBER: _builtins.int
+    ITEM_LEN_FIELD_NUMBER: _builtins.int
+    src_entry: _builtins.int
+    """Prefill aux buffer index."""
+    dst_entry: _builtins.int
+    """Decode aux buffer index."""
+    item_len: _builtins.int
+    """Bytes per aux slot on both sides."""
+    def __init__(
+        self,
+        *,
+        src_entry: _builtins.int = ...,
+        dst_entry: _builtins.int = ...,
+        item_len: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_entry", b"dst_entry", "item_len", b"item_len", "src_entry", b"src_entry"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuxPairing: _TypeAlias = AuxPairing  # noqa: Y015
+
+@_typing.final
+class StateTensorPairing(_message.Message):
+    """StateTensorPairing maps one prefill state tensor to one decode state tensor and says which
+    bytes of a slot this prefill rank writes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_TENSOR_FIELD_NUMBER: _builtins.int
+    DST_TENSOR_FIELD_NUMBER: _builtins.int
+    SRC_ITEM_LEN_FIELD_NUMBER: _builtins.int
+    DST_ITEM_LEN_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    src_tensor: _builtins.int
+    """Tensor index in the prefill entry."""
+    dst_tensor: _builtins.int
+    """Tensor index in the decode entry."""
+    src_item_len: _builtins.int
+    """Bytes per slot (or page) on the prefill."""
+    dst_item_len: _builtins.int
+    """Bytes per slot (or page) on the decode."""
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ByteSegment]:
+        """Byte ranges of one slot this prefill rank writes; empty: another sender writes this tensor."""
+
+    def __init__(
+        self,
+        *,
+        src_tensor: _builtins.int = ...,
+        dst_tensor: _builtins.int = ...,
+        src_item_len: _builtins.int = ...,
+        dst_item_len: _builtins.int = ...,
+        segments: _abc.Iterable[_common_pb2.ByteSegment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_item_len", b"dst_item_len", "dst_tensor", b"dst_tensor", "segments", b"segments", "src_item_len", b"src_item_len", "src_tensor", b"src_tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateTensorPairing: _TypeAlias = StateTensorPairing  # noqa: Y015
+
+@_typing.final
+class StatePairing(_message.Message):
+    """StatePairing maps one prefill state entry to one decode state entry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_ENTRY_FIELD_NUMBER: _builtins.int
+    DST_ENTRY_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    src_entry: _builtins.int
+    """Prefill state entry index."""
+    dst_entry: _builtins.int
+    """Decode state entry index."""
+    kind: _common_pb2.StateKind.ValueType
+    """How a request addresses the entry."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateTensorPairing]:
+        """Tensor pairings, in prefill tensor order."""
+
+    def __init__(
+        self,
+        *,
+        src_entry: _builtins.int = ...,
+        dst_entry: _builtins.int = ...,
+        kind: _common_pb2.StateKind.ValueType = ...,
+        tensors: _abc.Iterable[Global___StateTensorPairing] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_entry", b"dst_entry", "kind", b"kind", "src_entry", b"src_entry", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StatePairing: _TypeAlias = StatePairing  # noqa: Y015
+
+@_typing.final
+class PrefillSender(_message.Message):
+    """PrefillSender is one prefill rank a decode rank hears from, and what it sends there."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFILL_RANK_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    PP_RANK_FIELD_NUMBER: _builtins.int
+    CP_RANK_FIELD_NUMBER: _builtins.int
+    SENDS_KV_FIELD_NUMBER: _builtins.int
+    SENDS_STATE_FIELD_NUMBER: _builtins.int
+    SENDS_AUX_FIELD_NUMBER: _builtins.int
+    DUMMY_FIELD_NUMBER: _builtins.int
+    prefill_rank: _builtins.int
+    """Prefill rank as SGLang numbers it (attn_tp_rank*(pp*cp) + pp_rank*cp + cp_rank); the
+    prefill_rank of its TransferStatus messages.
+    """
+    tp_rank: _builtins.int
+    """Attention TP rank."""
+    pp_rank: _builtins.int
+    """Pipeline stage."""
+    cp_rank: _builtins.int
+    """Attention context-parallel rank."""
+    sends_kv: _builtins.bool
+    """It writes KV rows (or, for MHA with different TP sizes, its heads of them)."""
+    sends_state: _builtins.bool
+    """It writes state (its slice, or a replicated tensor it was elected to send)."""
+    sends_aux: _builtins.bool
+    """It writes the aux slot."""
+    dummy: _builtins.bool
+    """It writes nothing; the decode still submits to it (is_dummy) so its room completes, and
+    does not wait for its status.
+    """
+    def __init__(
+        self,
+        *,
+        prefill_rank: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
+        pp_rank: _builtins.int = ...,
+        cp_rank: _builtins.int = ...,
+        sends_kv: _builtins.bool = ...,
+        sends_state: _builtins.bool = ...,
+        sends_aux: _builtins.bool = ...,
+        dummy: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cp_rank", b"cp_rank", "dummy", b"dummy", "pp_rank", b"pp_rank", "prefill_rank", b"prefill_rank", "sends_aux", b"sends_aux", "sends_kv", b"sends_kv", "sends_state", b"sends_state", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillSender: _TypeAlias = PrefillSender  # noqa: Y015
+
+@_typing.final
+class SenderSet(_message.Message):
+    """SenderSet is every prefill rank a decode rank needs for one request, so the decode knows
+    whom to register with and how many answers make a request SUCCESS.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDERS_FIELD_NUMBER: _builtins.int
+    REQUIRED_RESPONSES_FIELD_NUMBER: _builtins.int
+    DECODE_RANKS_PER_PREFILL_RANK_FIELD_NUMBER: _builtins.int
+    SELF_INDEX_FIELD_NUMBER: _builtins.int
+    required_responses: _builtins.int
+    """Senders that are not dummies: SUCCESS from each completes a request (SGLang
+    required_prefill_response_num).
+    """
+    decode_ranks_per_prefill_rank: _builtins.int
+    """Decode ranks each of these prefill ranks serves per request (SGLang required_dst_info_num)."""
+    self_index: _builtins.int
+    """Index in senders of the prefill rank that gave this answer."""
+    @_builtins.property
+    def senders(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefillSender]:
+        """Senders in prefill-rank order."""
+
+    def __init__(
+        self,
+        *,
+        senders: _abc.Iterable[Global___PrefillSender] | None = ...,
+        required_responses: _builtins.int = ...,
+        decode_ranks_per_prefill_rank: _builtins.int = ...,
+        self_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ranks_per_prefill_rank", b"decode_ranks_per_prefill_rank", "required_responses", b"required_responses", "self_index", b"self_index", "senders", b"senders"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SenderSet: _TypeAlias = SenderSet  # noqa: Y015
 
 @_typing.final
 class Rejection(_message.Message):
@@ -330,6 +671,9 @@ class NegotiationResult(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     SRC_PAGE_SIZE_FIELD_NUMBER: _builtins.int
     DST_PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    AUX_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    SENDERS_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id assigned by the prefill; used in every later call."""
     mode: Global___NegotiationMode.ValueType
@@ -360,6 +704,18 @@ class NegotiationResult(_message.Message):
     def version(self) -> _common_pb2.ProtocolVersion:
         """Protocol version agreed for this peer."""
 
+    @_builtins.property
+    def aux(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuxPairing]:
+        """Aux buffer pairings; empty when the prefill publishes no aux entries."""
+
+    @_builtins.property
+    def state(self) -> _containers.RepeatedCompositeFieldContainer[Global___StatePairing]:
+        """State entry pairings with the bytes this prefill rank writes."""
+
+    @_builtins.property
+    def senders(self) -> Global___SenderSet:
+        """The prefill ranks this decode rank hears from, and what each sends."""
+
     def __init__(
         self,
         *,
@@ -373,10 +729,13 @@ class NegotiationResult(_message.Message):
         version: _common_pb2.ProtocolVersion | None = ...,
         src_page_size: _builtins.int = ...,
         dst_page_size: _builtins.int = ...,
+        aux: _abc.Iterable[Global___AuxPairing] | None = ...,
+        state: _abc.Iterable[Global___StatePairing] | None = ...,
+        senders: Global___SenderSet | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["dst_dcp", b"dst_dcp", "rejection", b"rejection", "src_dcp", b"src_dcp", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dst_dcp", b"dst_dcp", "rejection", b"rejection", "senders", b"senders", "src_dcp", b"src_dcp", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "dst_dcp", b"dst_dcp", "dst_page_size", b"dst_page_size", "entries", b"entries", "mode", b"mode", "peer_id", b"peer_id", "rejection", b"rejection", "src_dcp", b"src_dcp", "src_page_size", b"src_page_size", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux", b"aux", "backend", b"backend", "dst_dcp", b"dst_dcp", "dst_page_size", b"dst_page_size", "entries", b"entries", "mode", b"mode", "peer_id", b"peer_id", "rejection", b"rejection", "senders", b"senders", "src_dcp", b"src_dcp", "src_page_size", b"src_page_size", "state", b"state", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

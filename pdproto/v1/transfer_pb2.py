@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdproto.v1 import common_pb2 as pdproto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdproto/v1/transfer.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\"\x19\n\x08PageList\x12\r\n\x05pages\x18\x01 \x03(\x05\"\x1f\n\x0cStateIndices\x12\x0f\n\x07indices\x18\x01 \x03(\x05\"\xb0\x03\n\x0cTransferInfo\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12-\n\x0fnotify_endpoint\x18\x03 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x11\n\tpeer_name\x18\x04 \x01(\t\x12\x14\n\x0c\x64st_kv_pages\x18\x05 \x03(\x05\x12\x1a\n\rdst_aux_index\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x11\x64st_state_indices\x18\x07 \x03(\x0b\x32\x18.pdproto.v1.StateIndices\x12\x1d\n\x15required_dst_info_num\x18\x08 \x01(\r\x12\x1e\n\x11\x64\x65\x63ode_prefix_len\x18\t \x01(\x04H\x01\x88\x01\x01\x12\x31\n\x13\x64st_device_kv_pages\x18\n \x01(\x0b\x32\x14.pdproto.v1.PageList\x12\x10\n\x08is_dummy\x18\x0b \x01(\x08\x12)\n\x06legacy\x18\x0c \x01(\x0b\x32\x19.pdproto.v1.LegacyFramingB\x10\n\x0e_dst_aux_indexB\x14\n\x12_decode_prefix_len\"\x90\x02\n\x0eTransferStatus\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.pdproto.v1.TransferState\x12\x14\n\x0cprefill_rank\x18\x04 \x01(\r\x12\x16\n\x0e\x66\x61ilure_reason\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61ilure_code\x18\x06 \x01(\t\x12\x19\n\x11\x62ytes_transferred\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunks_done\x18\x08 \x01(\r\x12\x13\n\x0b\x64\x65scriptors\x18\t \x01(\x04\x12)\n\x06legacy\x18\n \x01(\x0b\x32\x19.pdproto.v1.LegacyFraming\"w\n\x11\x41\x62ortNotification\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12,\n\x0ereply_endpoint\x18\x02 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x17\n\ngeneration\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_generation\"l\n\x08\x41\x62ortAck\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x19\n\x0cprefill_rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\ngeneration\x18\x03 \x01(\x04H\x01\x88\x01\x01\x42\x0f\n\r_prefill_rankB\r\n\x0b_generation\"W\n\x18PrefillCompleteBootstrap\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12-\n\x0f\x64\x65\x63ode_endpoint\x18\x02 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\"\x92\x01\n\x0eStagingRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_pages\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1e\n\x11requester_pp_rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_requester_pp_rank\"\xa7\x01\n\x0fStagingResponse\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x31\n\nallocation\x18\x03 \x01(\x0e\x32\x1d.pdproto.v1.StagingAllocation\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x03\x12\x12\n\nsession_id\x18\x07 \x01(\t\"n\n\x10StagingWatermark\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04tail\x18\x02 \x01(\x04\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12)\n\x06legacy\x18\x04 \x01(\x0b\x32\x19.pdproto.v1.LegacyFraming\"\x7f\n\nChunkReady\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\npage_start\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x11\n\twriter_id\x18\x05 \x01(\t\x12\x14\n\x0cprefill_rank\x18\x06 \x01(\r\"N\n\x07\x41uxData\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0c\x62uffer_index\x18\x02 \x01(\r\x12\x11\n\taux_index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c*\x99\x01\n\x11StagingAllocation\x12\"\n\x1eSTAGING_ALLOCATION_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSTAGING_ALLOCATION_GRANTED\x10\x01\x12\x1e\n\x1aSTAGING_ALLOCATION_PENDING\x10\x02\x12 \n\x1cSTAGING_ALLOCATION_OVERSIZED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdproto/v1/transfer.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\"\x19\n\x08PageList\x12\r\n\x05pages\x18\x01 \x03(\x05\"\x1f\n\x0cStateIndices\x12\x0f\n\x07indices\x18\x01 \x03(\x05\"\xb0\x03\n\x0cTransferInfo\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12-\n\x0fnotify_endpoint\x18\x03 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x11\n\tpeer_name\x18\x04 \x01(\t\x12\x14\n\x0c\x64st_kv_pages\x18\x05 \x03(\x05\x12\x1a\n\rdst_aux_index\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x33\n\x11\x64st_state_indices\x18\x07 \x03(\x0b\x32\x18.pdproto.v1.StateIndices\x12\x1d\n\x15required_dst_info_num\x18\x08 \x01(\r\x12\x1e\n\x11\x64\x65\x63ode_prefix_len\x18\t \x01(\x04H\x01\x88\x01\x01\x12\x31\n\x13\x64st_device_kv_pages\x18\n \x01(\x0b\x32\x14.pdproto.v1.PageList\x12\x10\n\x08is_dummy\x18\x0b \x01(\x08\x12)\n\x06legacy\x18\x0c \x01(\x0b\x32\x19.pdproto.v1.LegacyFramingB\x10\n\x0e_dst_aux_indexB\x14\n\x12_decode_prefix_len\"\xec\x02\n\x0eTransferStatus\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.pdproto.v1.TransferState\x12\x14\n\x0cprefill_rank\x18\x04 \x01(\r\x12\x16\n\x0e\x66\x61ilure_reason\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61ilure_code\x18\x06 \x01(\t\x12\x19\n\x11\x62ytes_transferred\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunks_done\x18\x08 \x01(\r\x12\x13\n\x0b\x64\x65scriptors\x18\t \x01(\x04\x12)\n\x06legacy\x18\n \x01(\x0b\x32\x19.pdproto.v1.LegacyFraming\x12\x11\n\taux_bytes\x18\x0b \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x0c \x01(\x04\x12\x17\n\x0f\x61ux_descriptors\x18\r \x01(\x04\x12\x19\n\x11state_descriptors\x18\x0e \x01(\x04\"w\n\x11\x41\x62ortNotification\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12,\n\x0ereply_endpoint\x18\x02 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x17\n\ngeneration\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_generation\"l\n\x08\x41\x62ortAck\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x19\n\x0cprefill_rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x17\n\ngeneration\x18\x03 \x01(\x04H\x01\x88\x01\x01\x42\x0f\n\r_prefill_rankB\r\n\x0b_generation\"W\n\x18PrefillCompleteBootstrap\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12-\n\x0f\x64\x65\x63ode_endpoint\x18\x02 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\"\x92\x01\n\x0eStagingRequest\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_pages\x18\x03 \x01(\r\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1e\n\x11requester_pp_rank\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_requester_pp_rank\"\xa7\x01\n\x0fStagingResponse\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x31\n\nallocation\x18\x03 \x01(\x0e\x32\x1d.pdproto.v1.StagingAllocation\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x03\x12\x12\n\nsession_id\x18\x07 \x01(\t\"n\n\x10StagingWatermark\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0c\n\x04tail\x18\x02 \x01(\x04\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12)\n\x06legacy\x18\x04 \x01(\x0b\x32\x19.pdproto.v1.LegacyFraming\"\x7f\n\nChunkReady\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x12\n\npage_start\x18\x03 \x01(\r\x12\x11\n\tnum_pages\x18\x04 \x01(\r\x12\x11\n\twriter_id\x18\x05 \x01(\t\x12\x14\n\x0cprefill_rank\x18\x06 \x01(\r\"N\n\x07\x41uxData\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x14\n\x0c\x62uffer_index\x18\x02 \x01(\r\x12\x11\n\taux_index\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c*\x99\x01\n\x11StagingAllocation\x12\"\n\x1eSTAGING_ALLOCATION_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSTAGING_ALLOCATION_GRANTED\x10\x01\x12\x1e\n\x1aSTAGING_ALLOCATION_PENDING\x10\x02\x12 \n\x1cSTAGING_ALLOCATION_OVERSIZED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdproto.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGINGALLOCATION']._serialized_start=1797
-  _globals['_STAGINGALLOCATION']._serialized_end=1950
+  _globals['_STAGINGALLOCATION']._serialized_start=1889
+  _globals['_STAGINGALLOCATION']._serialized_end=2042
   _globals['_PAGELIST']._serialized_start=66
   _globals['_PAGELIST']._serialized_end=91
   _globals['_STATEINDICES']._serialized_start=93
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERINFO']._serialized_start=127
   _globals['_TRANSFERINFO']._serialized_end=559
   _globals['_TRANSFERSTATUS']._serialized_start=562
-  _globals['_TRANSFERSTATUS']._serialized_end=834
-  _globals['_ABORTNOTIFICATION']._serialized_start=836
-  _globals['_ABORTNOTIFICATION']._serialized_end=955
-  _globals['_ABORTACK']._serialized_start=957
-  _globals['_ABORTACK']._serialized_end=1065
-  _globals['_PREFILLCOMPLETEBOOTSTRAP']._serialized_start=1067
-  _globals['_PREFILLCOMPLETEBOOTSTRAP']._serialized_end=1154
-  _globals['_STAGINGREQUEST']._serialized_start=1157
-  _globals['_STAGINGREQUEST']._serialized_end=1303
-  _globals['_STAGINGRESPONSE']._serialized_start=1306
-  _globals['_STAGINGRESPONSE']._serialized_end=1473
-  _globals['_STAGINGWATERMARK']._serialized_start=1475
-  _globals['_STAGINGWATERMARK']._serialized_end=1585
-  _globals['_CHUNKREADY']._serialized_start=1587
-  _globals['_CHUNKREADY']._serialized_end=1714
-  _globals['_AUXDATA']._serialized_start=1716
-  _globals['_AUXDATA']._serialized_end=1794
+  _globals['_TRANSFERSTATUS']._serialized_end=926
+  _globals['_ABORTNOTIFICATION']._serialized_start=928
+  _globals['_ABORTNOTIFICATION']._serialized_end=1047
+  _globals['_ABORTACK']._serialized_start=1049
+  _globals['_ABORTACK']._serialized_end=1157
+  _globals['_PREFILLCOMPLETEBOOTSTRAP']._serialized_start=1159
+  _globals['_PREFILLCOMPLETEBOOTSTRAP']._serialized_end=1246
+  _globals['_STAGINGREQUEST']._serialized_start=1249
+  _globals['_STAGINGREQUEST']._serialized_end=1395
+  _globals['_STAGINGRESPONSE']._serialized_start=1398
+  _globals['_STAGINGRESPONSE']._serialized_end=1565
+  _globals['_STAGINGWATERMARK']._serialized_start=1567
+  _globals['_STAGINGWATERMARK']._serialized_end=1677
+  _globals['_CHUNKREADY']._serialized_start=1679
+  _globals['_CHUNKREADY']._serialized_end=1806
+  _globals['_AUXDATA']._serialized_start=1808
+  _globals['_AUXDATA']._serialized_end=1886
 # @@protoc_insertion_point(module_scope)

@@ -195,6 +195,10 @@ class TransferStatus(_message.Message):
     CHUNKS_DONE_FIELD_NUMBER: _builtins.int
     DESCRIPTORS_FIELD_NUMBER: _builtins.int
     LEGACY_FIELD_NUMBER: _builtins.int
+    AUX_BYTES_FIELD_NUMBER: _builtins.int
+    STATE_BYTES_FIELD_NUMBER: _builtins.int
+    AUX_DESCRIPTORS_FIELD_NUMBER: _builtins.int
+    STATE_DESCRIPTORS_FIELD_NUMBER: _builtins.int
     room: _builtins.int
     """Request id."""
     generation: _builtins.int
@@ -213,6 +217,14 @@ class TransferStatus(_message.Message):
     """Chunks completed so far."""
     descriptors: _builtins.int
     """Transfer descriptors issued so far."""
+    aux_bytes: _builtins.int
+    """Aux bytes written so far (bytes_transferred counts KV only)."""
+    state_bytes: _builtins.int
+    """State bytes written so far."""
+    aux_descriptors: _builtins.int
+    """Transfer descriptors issued for aux (descriptors counts KV only)."""
+    state_descriptors: _builtins.int
+    """Transfer descriptors issued for state."""
     @_builtins.property
     def legacy(self) -> _common_pb2.LegacyFraming:
         """How the message looked as legacy frames (NIXL status without a reason frame); set only by the SGLang bridge."""
@@ -230,10 +242,14 @@ class TransferStatus(_message.Message):
         chunks_done: _builtins.int = ...,
         descriptors: _builtins.int = ...,
         legacy: _common_pb2.LegacyFraming | None = ...,
+        aux_bytes: _builtins.int = ...,
+        state_bytes: _builtins.int = ...,
+        aux_descriptors: _builtins.int = ...,
+        state_descriptors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["legacy", b"legacy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_transferred", b"bytes_transferred", "chunks_done", b"chunks_done", "descriptors", b"descriptors", "failure_code", b"failure_code", "failure_reason", b"failure_reason", "generation", b"generation", "legacy", b"legacy", "prefill_rank", b"prefill_rank", "room", b"room", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aux_bytes", b"aux_bytes", "aux_descriptors", b"aux_descriptors", "bytes_transferred", b"bytes_transferred", "chunks_done", b"chunks_done", "descriptors", b"descriptors", "failure_code", b"failure_code", "failure_reason", b"failure_reason", "generation", b"generation", "legacy", b"legacy", "prefill_rank", b"prefill_rank", "room", b"room", "state", b"state", "state_bytes", b"state_bytes", "state_descriptors", b"state_descriptors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
