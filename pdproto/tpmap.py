@@ -1,0 +1,125 @@
+"""The TP mapping of one prefill rank to one decode rank: what it writes besides the DCP token layout.
+
+``plan_tp`` is the part of negotiation (``pdproto.topology``) that handles tensor and
+pipeline parallelism, aux and state, from the same ``(PrefillServerInfo, KvRegistration)``
+pair on either side:
+
+1. the decode rank's senders (``pdproto.senders``): this prefill rank must be one of them;
+2. aux pairings (``pdproto.extras.pair_aux``), moved by the one sender elected for aux;
+3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
+   under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
+4. per KV pairing, the part of each token row this rank writes (``extras.kv_row_writes``):
+   whole MLA rows from one sender, whole MHA rows at equal TP sizes, heads otherwise.
+
+Rejections are ``TopologyError`` values with the reasons of those modules, plus
+TOPOLOGY_NOT_A_SENDER when the decode registered with a prefill rank that does not feed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdproto.errors import Reason, TopologyError
+from pdproto.extras import AuxPairing, StatePairing, kv_row_writes, match_state, pair_aux, state_writes
+from pdproto.senders import Sender, SenderSet, sender_set, target_pp_ranks, target_tp_ranks
+from pdproto.shards import Segment
+from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
+
+_MLA_KINDS = frozenset({common_pb2.ATTENTION_KIND_MLA, common_pb2.ATTENTION_KIND_HYBRID_MLA})
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """What one prefill rank writes into one decode rank, beyond which tokens go where."""
+
+    senders: SenderSet
+    """Every prefill rank the decode rank hears from."""
+    me: Sender
+    """This prefill rank's place in ``senders``."""
+    aux: tuple[AuxPairing, ...]
+    """Aux pairings this rank writes (empty unless it is the aux sender)."""
+    state: tuple[StatePairing, ...]
+    """State pairings with the bytes this rank writes (a pairing may write nothing)."""
+    row_slices: tuple[Segment | None, ...]
+    """Per KV pairing, the part of each token row this rank writes; None: the whole row;
+    a zero-length segment: nothing (another sender writes the row)."""
+
+    def fill(self, result: server_info_pb2.NegotiationResult) -> None:
+        """Write the plan into a ``NegotiationResult`` (aux, state, senders, row slices)."""
+        result.aux.extend(p.to_proto() for p in self.aux)
+        result.state.extend(p.to_proto() for p in self.state)
+        result.senders.CopyFrom(self.senders.to_proto(self.me))
+        for entry, cut in zip(result.entries, self.row_slices, strict=True):
+            if cut is not None:
+                entry.row_slice.CopyFrom(cut.to_proto())
+
+
+def _size(group: common_pb2.ParallelGroup) -> int:
+    return group.size or 1
+
+
+def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvRegistration, *,
+            kv_rows: Sequence[tuple[int, int]]) -> TpPlan:
+    """This prefill rank's plan for the registering decode rank (steps in the module docstring).
+
+    ``kv_rows`` holds (prefill, decode) bytes per token of every KV pairing, in order.
+    """
+    p_tp, p_pp, p_cp = _size(info.attn_tp), _size(info.pp), _size(info.attn_cp)
+    d_tp, d_pp = _size(reg.attn_tp), _size(reg.pp)
+    # SGLang registers its global TP rank, which exceeds the attention TP size under DP attention.
+    d_rank, d_pp_rank = reg.attn_tp.rank % d_tp, reg.pp.rank
+    tps = target_tp_ranks(p_tp, d_tp, d_rank)
+    pps = target_pp_ranks(p_pp, d_pp, d_pp_rank)
+    me_tp, me_pp, me_cp = info.attn_tp.rank, info.pp.rank, info.attn_cp.rank
+    if me_tp not in tps or me_pp not in pps or me_cp != 0:
+        raise TopologyError(
+            f"prefill rank (tp {me_tp}, pp {me_pp}, cp {me_cp}) does not feed decode rank"
+            f" (tp {d_rank}/{d_tp}, pp {d_pp_rank}/{d_pp}); it hears from tp {list(tps)},"
+            f" pp {list(pps)}, cp 0", reason=Reason.TOPOLOGY_NOT_A_SENDER,
+            metadata={"prefillTpRank": me_tp, "prefillPpRank": me_pp, "prefillCpRank": me_cp,
+                      "decodeTpRank": d_rank, "decodeTpSize": d_tp,
+                      "senderTpRanks": ",".join(map(str, tps))})
+
+    aux = pair_aux(info, reg)
+    state_tp = _size(info.state_tp) if info.HasField("state_tp") else p_tp
+    if info.state_entries and state_tp != p_tp:
+        raise TopologyError(
+            f"state TP {state_tp} differs from attention TP {p_tp} on the prefill; pdproto"
+            " slices state only over the attention TP group",
+            reason=Reason.TOPOLOGY_STATE_SLICE_MISMATCH,
+            metadata={"prefillStateTpSize": state_tp, "prefillTpSize": p_tp})
+    matches = match_state(info, reg, src_tp=p_tp, dst_tp=d_tp)
+    writes = state_writes(matches, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=tps)
+
+    mla = info.attention_kind in _MLA_KINDS
+    heads = info.total_kv_heads
+    if reg.total_kv_heads and heads and reg.total_kv_heads != heads:
+        raise TopologyError(f"{heads} KV heads on the prefill, {reg.total_kv_heads} on the decode",
+                            reason=Reason.TOPOLOGY_KV_HEADS_MISMATCH,
+                            metadata={"prefillKvHeads": heads, "decodeKvHeads": reg.total_kv_heads})
+    rows = [kv_row_writes(mla=mla, total_heads=heads or reg.total_kv_heads, src_row_bytes=s,
+                          dst_row_bytes=d, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=tps)
+            for s, d in kv_rows]
+    kv_writers = {t for r in rows for t, segs in r.items() if segs}
+    state_writers = {t for t, plan in writes.items() if any(p.writes for p in plan)}
+    senders = sender_set(prefill_tp=p_tp, prefill_pp=p_pp, prefill_cp=p_cp, decode_tp=d_tp,
+                         decode_tp_rank=d_rank, decode_pp=d_pp, decode_pp_rank=d_pp_rank,
+                         kv_writers=kv_writers, state_writers=state_writers, has_aux=bool(aux))
+    me = senders.find(tp_rank=me_tp, pp_rank=me_pp)
+    assert me is not None  # checked above: this rank is one of the targets
+    return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=writes[me_tp],
+                  row_slices=tuple(_row_slice(r[me_tp], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True)))
+
+
+def _row_slice(segments: tuple[Segment, ...], src_row: int, dst_row: int) -> Segment | None:
+    """None for a whole row, the one head range otherwise (a zero-length one for none)."""
+    if not segments:
+        return Segment(0, 0, 0)
+    if src_row == dst_row and segments == (Segment(0, 0, src_row),):
+        return None
+    (cut,) = segments  # heads of one rank are contiguous on both sides
+    return cut
+
+
+__all__ = ["TpPlan", "plan_tp"]

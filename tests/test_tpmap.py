@@ -1,0 +1,93 @@
+"""One prefill rank's plan for one decode rank: senders, aux, state, row slices (pdproto.tpmap)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdproto.errors import Reason, TopologyError
+from pdproto.shards import Segment
+from pdproto.tpmap import plan_tp
+from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
+from tests._tp_model import KimiShape
+
+KIMI = KimiShape()
+MLA_ROW = 1152
+
+
+def prefill(tp: int, rank: int, *, kind: int = common_pb2.ATTENTION_KIND_HYBRID_MLA,
+            heads: int = 0, state: bool = True) -> server_info_pb2.PrefillServerInfo:
+    info = server_info_pb2.PrefillServerInfo(page_size=16, attention_kind=kind,  # type: ignore[arg-type]
+                                             total_kv_heads=heads)
+    info.attn_tp.size, info.attn_tp.rank = tp, rank
+    info.aux_entries.add(item_len=64)
+    if state:
+        info.state_entries.append(KIMI.entry_info(tp))
+    return info
+
+
+def decode(tp: int, rank: int, *, state: bool = True) -> registration_pb2.KvRegistration:
+    reg = registration_pb2.KvRegistration(aux_ptrs=[0x1000], aux_item_lens=[64], aux_data_lens=[64 * 8])
+    reg.attn_tp.size, reg.attn_tp.rank = tp, rank
+    if state:
+        reg.state_buffers.append(KIMI.state_buffer(tp))
+    return reg
+
+
+def test_hybrid_mla_fan_in_kv_and_aux_from_one_rank_state_from_both() -> None:
+    first = plan_tp(prefill(4, 2), decode(2, 1), kv_rows=[(MLA_ROW, MLA_ROW)])
+    second = plan_tp(prefill(4, 3), decode(2, 1), kv_rows=[(MLA_ROW, MLA_ROW)])
+    assert first.senders == second.senders
+    assert first.senders.required_responses == 2
+    assert (first.me.sends_kv, first.me.sends_aux, first.me.sends_state) == (True, True, True)
+    assert (second.me.sends_kv, second.me.sends_aux, second.me.sends_state) == (False, False, True)
+    assert first.row_slices == (None,) and second.row_slices == (Segment(0, 0, 0),)
+    assert len(first.aux) == 1 and second.aux == ()
+    assert all(t.segments for t in second.state[0].tensors)
+
+
+def test_a_prefill_rank_outside_the_decode_ranks_senders_is_rejected() -> None:
+    with pytest.raises(TopologyError) as caught:
+        plan_tp(prefill(4, 0), decode(2, 1), kv_rows=[(MLA_ROW, MLA_ROW)])
+    assert caught.value.reason is Reason.TOPOLOGY_NOT_A_SENDER
+    assert caught.value.metadata["senderTpRanks"] == "2,3"
+
+
+def test_mha_fan_out_writes_the_decode_ranks_heads() -> None:
+    # 8 KV heads of 256 bytes: prefill TP 2 rows hold 4 heads, decode TP 4 rows hold 2.
+    plan = plan_tp(prefill(2, 1, kind=common_pb2.ATTENTION_KIND_MHA, heads=8, state=False),
+                   decode(4, 3, state=False), kv_rows=[(1024, 512), (1024, 512)])
+    assert plan.row_slices == (Segment(512, 0, 512), Segment(512, 0, 512))
+    assert plan.senders.decode_ranks_per_prefill_rank == 2
+
+
+def test_mha_fan_in_every_rank_writes_its_heads() -> None:
+    plans = [plan_tp(prefill(4, r, kind=common_pb2.ATTENTION_KIND_MHA, heads=8, state=False),
+                     decode(2, 0, state=False), kv_rows=[(512, 1024)]) for r in (0, 1)]
+    assert [p.row_slices for p in plans] == [(Segment(0, 0, 512),), (Segment(0, 512, 512),)]
+    assert all(p.me.sends_kv for p in plans) and plans[0].senders.required_responses == 2
+
+
+def test_decode_heads_must_match_the_prefills() -> None:
+    reg = decode(4, 0, state=False)
+    reg.total_kv_heads = 16
+    with pytest.raises(TopologyError) as caught:
+        plan_tp(prefill(2, 0, kind=common_pb2.ATTENTION_KIND_MHA, heads=8, state=False), reg,
+                kv_rows=[(1024, 512)])
+    assert caught.value.reason is Reason.TOPOLOGY_KV_HEADS_MISMATCH
+
+
+def test_state_tp_other_than_attention_tp_is_rejected() -> None:
+    info = prefill(4, 0)
+    info.state_tp.size = 2
+    with pytest.raises(TopologyError) as caught:
+        plan_tp(info, decode(4, 0), kv_rows=[(MLA_ROW, MLA_ROW)])
+    assert caught.value.reason is Reason.TOPOLOGY_STATE_SLICE_MISMATCH
+
+
+def test_the_plan_fills_the_negotiation_result() -> None:
+    plan = plan_tp(prefill(4, 3), decode(2, 1), kv_rows=[(MLA_ROW, MLA_ROW)])
+    result = server_info_pb2.NegotiationResult(entries=[server_info_pb2.EntryPairing()])
+    plan.fill(result)
+    assert result.senders.self_index == 1 and result.senders.required_responses == 2
+    assert result.entries[0].HasField("row_slice") and result.entries[0].row_slice.length == 0
+    assert not result.aux and len(result.state) == 1
