@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdproto import PROTOCOL_MAJOR, v1
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.topology import (
@@ -51,7 +51,7 @@ def test_dense_same_layout() -> None:
     assert d.mode is Mode.SAME_LAYOUT and not d.requires_relayout
     assert [(p.src_entry, p.dst_entry) for p in d.pairings] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert all(p.src_token_bytes == p.dst_token_bytes == 1152 for p in d.pairings)
-    assert d.backend == v1.BACKEND_MOONCAKE and d.version == (PROTOCOL_MAJOR, 0)
+    assert d.backend == v1.BACKEND_MOONCAKE and d.version == (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
 def test_dense_to_dcp_with_draft_virtual_pages() -> None:
@@ -116,7 +116,7 @@ def test_legacy_optional_fields_are_not_compared() -> None:
     for b in reg.kv_buffers[1:]:
         b.item_len = 0  # falls back to the legacy scalar kv_item_len
     d = decide(example_server_info(model_id="m"), reg)
-    assert d.mode is Mode.SAME_LAYOUT and d.version == (PROTOCOL_MAJOR, 0)
+    assert d.mode is Mode.SAME_LAYOUT and d.version == (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 
 def test_agreed_minor_is_the_smaller() -> None:
@@ -243,10 +243,23 @@ def test_rejection(case: str) -> None:
     assert r.message and r.metadata
 
 
+# Aux, state and TP-mapping reasons come from pdproto.extras and pdproto.tpmap, each with its
+# own test in tests/test_extras.py and tests/test_tpmap.py; negotiate() starts calling them
+# when the executors move aux and state (issue 11, second half), and this set goes away.
+NOT_YET_NEGOTIATED = {
+    Reason.TOPOLOGY_AUX_COUNT_MISMATCH, Reason.TOPOLOGY_AUX_SIZE_MISMATCH,
+    Reason.TOPOLOGY_STATE_COUNT_MISMATCH, Reason.TOPOLOGY_STATE_KIND_MISMATCH,
+    Reason.TOPOLOGY_STATE_SIZE_MISMATCH, Reason.TOPOLOGY_STATE_SLICE_MISMATCH,
+    Reason.TOPOLOGY_STATE_DIMS_MISSING, Reason.TOPOLOGY_TP_NOT_DIVISIBLE,
+    Reason.TOPOLOGY_KV_HEADS_MISMATCH, Reason.TOPOLOGY_STATE_LAYER_IDS_REQUIRED,
+    Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, Reason.TOPOLOGY_NOT_A_SENDER,
+}
+
+
 def test_every_topology_reason_has_a_rejection_test() -> None:
     tested = {case[-1] for case in REJECTIONS.values()}
     topology = {r for r in Reason if r.name.startswith("TOPOLOGY_")}
-    assert topology - tested == set()
+    assert topology - tested == NOT_YET_NEGOTIATED
 
 
 def test_rejection_metadata_names_offending_values() -> None:
