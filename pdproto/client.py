@@ -1,9 +1,10 @@
 """Decode-side gRPC client of ``pdproto.v1.HandshakeService`` (sync and asyncio).
 
-Every call carries a deadline; only UNAVAILABLE is retried (with exponential
-backoff, inside the call's deadline); every non-OK status is raised as the
-``pdproto.errors`` class of its ``google.rpc.ErrorInfo`` reason, with the
-metadata attached, and the original ``grpc.RpcError`` as ``__cause__``.
+Every call carries a deadline; every non-OK status is raised as the
+``pdproto.errors`` class of its ``google.rpc.ErrorInfo`` reason (``error_class``), with
+the metadata attached and the original ``grpc.RpcError`` as ``__cause__``. Only errors
+whose class is declared retryable (the UNAVAILABLE ones: ``UnavailableError``,
+``ShuttingDownError``) are retried, with exponential backoff inside the call's deadline.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +24,7 @@ from google.rpc import error_details_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 
 from pdproto import errors as E
-from pdproto.errors import PdprotoError, Reason
+from pdproto.errors import PdprotoError, Reason, UnavailableError, error_class, error_for
 from pdproto.v1 import (
     SERVICE_NAME,
     common_pb2,
@@ -83,7 +84,7 @@ class ChannelConfig:
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """Backoff for UNAVAILABLE; other codes are never retried."""
+    """Backoff for retryable errors (UNAVAILABLE); others are never retried."""
 
     attempts: int | None = None
     """Total tries including the first; None keeps retrying until the call's deadline."""
@@ -95,35 +96,8 @@ class RetryConfig:
     """Growth of the sleep per try."""
 
 
-# ErrorInfo reason -> pdproto.errors class. Families by prefix, then exact entries.
-_FAMILIES: Sequence[tuple[str, type[PdprotoError]]] = (
-    ("WIRE_", E.WireError),
-    ("LEGACY_", E.LegacyFormatError),
-    ("PLAN_", E.PlanError),
-    ("TOPOLOGY_", E.TopologyError),
-)
-_CLASSES: Mapping[Reason, type[PdprotoError]] = {
-    Reason.UNSUPPORTED_VERSION: E.TopologyError,
-    Reason.PEER_NOT_FOUND: E.NotFoundError,
-    Reason.REQUEST_NOT_FOUND: E.NotFoundError,
-    Reason.STALE_GENERATION: E.RequestFailedError,
-    Reason.ABORTED: E.RequestFailedError,
-    Reason.PEER_GONE: E.RequestFailedError,
-    Reason.DEADLINE_EXCEEDED: E.RequestFailedError,
-    Reason.MATCH_TIMEOUT: E.RequestFailedError,
-    Reason.DUPLICATE_REQUEST: E.RequestFailedError,
-    Reason.TRANSFER_FAILED: E.TransferError,
-    Reason.DESTINATION_OUT_OF_BOUNDS: E.TransferError,
-    Reason.INVALID_FIELD: E.InvalidFieldError,
-    Reason.TOO_MANY_PEERS: E.ResourceLimitError,
-    Reason.TOO_MANY_REQUESTS: E.ResourceLimitError,
-    Reason.MESSAGE_TOO_LARGE: E.ResourceLimitError,
-    Reason.UNAUTHENTICATED: E.AuthError,
-    Reason.SHUTTING_DOWN: E.ShuttingDownError,
-    Reason.ENGINE_UNAVAILABLE: E.EngineUnavailableError,
-    Reason.CONFIG_INVALID: E.ConfigError,
-}
-# Statuses without an ErrorInfo come from the transport or gRPC itself.
+# Statuses without an ErrorInfo come from the transport or gRPC itself: read each code as
+# the reason it stands for (the class and retryability then follow from pdproto.errors).
 _BARE_CODES: Mapping[grpc.StatusCode, Reason] = {
     grpc.StatusCode.UNAVAILABLE: Reason.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE_EXCEEDED,
@@ -131,24 +105,6 @@ _BARE_CODES: Mapping[grpc.StatusCode, Reason] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.MESSAGE_TOO_LARGE,
     grpc.StatusCode.CANCELLED: Reason.ABORTED,
 }
-
-
-class UnavailableError(PdprotoError, ConnectionError):
-    """The server could not be reached (after retries) or dropped the connection."""
-
-    default_reason = Reason.UNAVAILABLE
-
-
-def error_class(reason: Reason) -> type[PdprotoError]:
-    """The ``pdproto.errors`` class raised for a reason."""
-    if reason in _CLASSES:
-        return _CLASSES[reason]
-    if reason is Reason.UNAVAILABLE:
-        return UnavailableError
-    for prefix, cls in _FAMILIES:
-        if reason.name.startswith(prefix):
-            return cls
-    return PdprotoError
 
 
 def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
@@ -174,11 +130,11 @@ def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
         reason = _BARE_CODES.get(code, Reason.INTERNAL)
         if info is not None:
             metadata.update(info.metadata, foreignReason=info.reason, foreignDomain=info.domain)
-    cls = error_class(reason)
-    if violations or cls is E.InvalidFieldError:
+    if issubclass(error_class(reason), E.InvalidFieldError):
         field_name = violations[0][0] if violations else metadata.get("field", "")
-        return E.InvalidFieldError(field_name, details, reason=reason, metadata=metadata)
-    return cls(details, reason=reason, metadata=metadata)
+        return E.InvalidFieldError(field_name, details, reason=reason, metadata=metadata,
+                                   violations=violations or None)
+    return error_for(reason, details, metadata)
 
 
 def _read(value: bytes | str | Path | None) -> bytes | None:
@@ -255,9 +211,10 @@ class HandshakeClient:
             try:
                 return fn(request, timeout=max(end - time.monotonic(), 0.001), metadata=self._s.metadata())
             except grpc.RpcError as exc:
-                delay = next(backoffs, None) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+                error = error_from_rpc(exc)
+                delay = next(backoffs, None) if error.retryable else None
                 if delay is None or time.monotonic() + delay >= end:
-                    raise error_from_rpc(exc) from exc
+                    raise error from exc
                 time.sleep(delay)
 
     def get_server_info(self, *, timeout: float | None = None) -> server_info_pb2.PrefillServerInfo:
@@ -301,9 +258,9 @@ class HandshakeClient:
                 if not pending:
                     break
         if pending:
-            raise E.RequestFailedError("status stream ended before every room finished",
-                                       reason=Reason.DEADLINE_EXCEEDED,
-                                       metadata={"rooms": sorted(pending)})
+            raise E.DeadlineExceededError("status stream ended before every room finished",
+                                          reason=Reason.DEADLINE_EXCEEDED,
+                                          metadata={"rooms": sorted(pending)})
         return done
 
     def abort(self, peer_id: str, room: int, generation: int | None = None, *,
@@ -355,9 +312,10 @@ class AsyncHandshakeClient:
                 return await fn(request, timeout=max(end - time.monotonic(), 0.001),
                                 metadata=self._s.metadata())
             except grpc.RpcError as exc:
-                delay = next(backoffs, None) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+                error = error_from_rpc(exc)
+                delay = next(backoffs, None) if error.retryable else None
                 if delay is None or time.monotonic() + delay >= end:
-                    raise error_from_rpc(exc) from exc
+                    raise error from exc
                 await asyncio.sleep(delay)
 
     async def get_server_info(self, *, timeout: float | None = None) -> server_info_pb2.PrefillServerInfo:

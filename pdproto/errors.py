@@ -1,13 +1,21 @@
-"""Typed errors with one table of machine-readable reasons (mirrors proto ErrorReason).
+"""Typed errors, declared once: each class names its reasons, gRPC code and retryability.
 
-Every error pdproto raises is a ``PdprotoError`` carrying a ``Reason`` and the
-offending values in ``metadata``; the gRPC edge maps them to status codes once.
+Every error pdproto raises is a ``PdprotoError`` carrying a ``Reason`` (mirrors the proto
+enum ``ErrorReason``) and the offending values in ``metadata``. Each error class is
+declared with ``@_declares(...)``: the reasons it owns (by name or by family prefix), the
+gRPC status code it is answered with, and whether the same call may simply be retried.
+Everything else is derived from those declarations: ``error_class`` (reason -> class,
+which the client uses), ``GRPC_CODE_NAMES`` (reason -> code, which the server and
+docs/errors.md use). A reason has exactly one class, and an error can only be built
+with a reason its class owns, so one reason gives one class on both sides of the wire.
+Code names are strings: this module never imports grpc.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import ClassVar, TypeVar
 
 
 class Reason(enum.IntEnum):
@@ -92,10 +100,53 @@ class Reason(enum.IntEnum):
         return self.name
 
 
+_OWNER: dict[Reason, type[PdprotoError]] = {}
+"""Reason -> the one class that owns it, filled by ``_declares``."""
+
+_E = TypeVar("_E", bound="type[PdprotoError]")
+
+
+def _declares(*reasons: Reason, family: str = "", code: str,
+              retryable: bool = False) -> Callable[[_E], _E]:
+    """Declare an error class: the reasons it owns, its gRPC code name, its retryability.
+
+    ``family`` claims every reason whose name starts with it. The class's default reason
+    is the first one listed, else the lowest-numbered family member. A reason claimed by
+    two classes is a bug, reported when the second class is defined.
+    """
+    owned = list(reasons) + [r for r in Reason if family and r.name.startswith(family)]
+
+    def apply(cls: _E) -> _E:
+        if not owned:
+            raise TypeError(f"{cls.__name__} declares no reason")
+        for reason in owned:
+            if reason in _OWNER:
+                raise TypeError(f"{reason.name} is owned by {_OWNER[reason].__name__} and {cls.__name__}")
+            _OWNER[reason] = cls
+        cls.reasons = frozenset(owned)
+        cls.grpc_code = code
+        cls.retryable = retryable
+        cls.default_reason = owned[0]
+        cls._declared = cls
+        return cls
+
+    return apply
+
+
+@_declares(Reason.INTERNAL, code="INTERNAL")
 class PdprotoError(Exception):
     """Root of every pdproto error: a reason, a human message and the offending values."""
 
-    default_reason: Reason = Reason.INTERNAL
+    reasons: ClassVar[frozenset[Reason]]
+    """The reasons this class may carry (an undeclared subclass inherits them)."""
+    grpc_code: ClassVar[str]
+    """Name of the gRPC status code the server answers with, e.g. ``"INVALID_ARGUMENT"``."""
+    retryable: ClassVar[bool]
+    """Whether the same call may be sent again as is; the client does so within its deadline."""
+    default_reason: ClassVar[Reason]
+    """The reason used when none is given."""
+    _declared: ClassVar[type[PdprotoError]]
+    """The nearest declared class: an instance may carry only the reasons it owns."""
 
     def __init__(
         self,
@@ -104,106 +155,174 @@ class PdprotoError(Exception):
         reason: Reason | None = None,
         metadata: Mapping[str, object] | None = None,
     ) -> None:
+        reason = reason if reason is not None else self.default_reason
+        if _OWNER[reason] is not self._declared:
+            raise TypeError(f"{type(self).__name__} cannot carry {reason.name}: raise "
+                            f"{_OWNER[reason].__name__} (or use errors.error_for)")
         super().__init__(message)
         self.message = message
-        self.reason: Reason = reason if reason is not None else self.default_reason
+        self.reason: Reason = reason
         self.metadata: dict[str, str] = {k: str(v) for k, v in (metadata or {}).items()}
 
     def __str__(self) -> str:
         return f"{self.reason.code}: {self.message}"
 
 
+@_declares(family="WIRE_", code="INVALID_ARGUMENT")
 class WireError(PdprotoError, ValueError):
     """An Envelope frame could not be decoded."""
 
-    default_reason = Reason.WIRE_MALFORMED
 
-
+@_declares(family="LEGACY_", code="INVALID_ARGUMENT")
 class LegacyFormatError(PdprotoError, ValueError):
     """An SGLang 0.5.23 positional frame list could not be parsed or built."""
 
-    default_reason = Reason.LEGACY_FRAME_COUNT
 
-
+@_declares(family="PLAN_", code="INVALID_ARGUMENT")
 class PlanError(PdprotoError, ValueError):
     """A relayout plan was asked for with invalid inputs."""
 
-    default_reason = Reason.PLAN_BAD_OFFSET
 
-
+@_declares(family="TOPOLOGY_", code="FAILED_PRECONDITION")
 class TopologyError(PdprotoError, ValueError):
     """A prefill/decode pair cannot be served; raised only where a caller asks for it."""
 
-    default_reason = Reason.TOPOLOGY_ROW_SIZE_MISMATCH
+
+@_declares(family="TOO_MANY_", code="RESOURCE_EXHAUSTED")
+class ResourceLimitError(PdprotoError):
+    """A configured limit (peers, in-flight requests, message size) was reached."""
 
 
+# A version mismatch is found both by the frame reader and by negotiation, so it is both.
+@_declares(Reason.UNSUPPORTED_VERSION, code="FAILED_PRECONDITION")
+class UnsupportedVersionError(WireError, TopologyError):
+    """The peer speaks a protocol major version this package does not."""
+
+
+# wire.decode promises WireError; over gRPC the same limit is a resource limit.
+@_declares(Reason.MESSAGE_TOO_LARGE, code="RESOURCE_EXHAUSTED")
+class MessageTooLargeError(WireError, ResourceLimitError):
+    """A frame or message is larger than the configured limit."""
+
+
+@_declares(Reason.CONFIG_INVALID, code="FAILED_PRECONDITION")
 class ConfigError(PdprotoError, ValueError):
     """A deployment setting violates a PD rule."""
 
-    default_reason = Reason.CONFIG_INVALID
 
-
+@_declares(Reason.INVALID_FIELD, code="INVALID_ARGUMENT")
 class InvalidFieldError(PdprotoError, ValueError):
-    """A request field is invalid; ``field`` names it for google.rpc.BadRequest."""
+    """Request fields are invalid: ``field`` names the first, ``violations`` lists them all.
 
-    default_reason = Reason.INVALID_FIELD
+    Over gRPC the violations travel as one ``google.rpc.BadRequest``.
+    """
 
     def __init__(self, field: str, message: str, *, reason: Reason | None = None,
-                 metadata: Mapping[str, object] | None = None) -> None:
+                 metadata: Mapping[str, object] | None = None,
+                 violations: Sequence[tuple[str, str]] | None = None) -> None:
         meta = dict(metadata or {})
         meta.setdefault("field", field)
         super().__init__(message, reason=reason, metadata=meta)
         self.field = field
+        self.violations: tuple[tuple[str, str], ...] = tuple(violations or ((field, message),))
+
+    @classmethod
+    def of(cls, violations: Sequence[tuple[str, str]]) -> InvalidFieldError:
+        """One error for several invalid fields of one request, each (field, description)."""
+        (field, text), rest = violations[0], violations[1:]
+        more = f" (+{len(rest)} more)" if rest else ""
+        return cls(field, text + more, metadata={"fields": ",".join(f for f, _ in violations)},
+                   violations=violations)
 
 
+@_declares(Reason.PEER_NOT_FOUND, Reason.REQUEST_NOT_FOUND, code="NOT_FOUND")
 class NotFoundError(PdprotoError, LookupError):
     """A peer or request id is unknown."""
 
-    default_reason = Reason.PEER_NOT_FOUND
 
-
+@_declares(Reason.ABORTED, Reason.PEER_GONE, Reason.STALE_GENERATION, code="ABORTED")
 class RequestFailedError(PdprotoError):
-    """A request ended in Failed (aborted, peer gone, engine failure, deadline)."""
-
-    default_reason = Reason.TRANSFER_FAILED
+    """A request (generation) is over: aborted, its peer gone, or superseded; retry it whole."""
 
 
-class ResourceLimitError(PdprotoError):
-    """A configured limit (peers, in-flight requests, message size) was reached."""
-
-    default_reason = Reason.TOO_MANY_PEERS
-
-
-class AuthError(PdprotoError):
-    """Missing or invalid credentials."""
-
-    default_reason = Reason.UNAUTHENTICATED
+@_declares(Reason.DEADLINE_EXCEEDED, Reason.MATCH_TIMEOUT, code="DEADLINE_EXCEEDED")
+class DeadlineExceededError(RequestFailedError):
+    """A wait ran past its deadline."""
 
 
+@_declares(Reason.DUPLICATE_REQUEST, code="ALREADY_EXISTS")
+class DuplicateRequestError(RequestFailedError):
+    """The same room and generation were submitted twice; watch the first instead."""
+
+
+@_declares(Reason.TRANSFER_FAILED, code="ABORTED")
 class TransferError(PdprotoError):
     """A transfer engine reported a failure."""
 
-    default_reason = Reason.TRANSFER_FAILED
+
+@_declares(Reason.DESTINATION_OUT_OF_BOUNDS, code="OUT_OF_RANGE")
+class DestinationOutOfBoundsError(TransferError):
+    """Destination rows fall outside the memory the peer registered."""
 
 
+@_declares(Reason.UNAUTHENTICATED, code="UNAUTHENTICATED")
+class AuthError(PdprotoError):
+    """Missing or invalid credentials."""
+
+
+@_declares(Reason.ENGINE_UNAVAILABLE, code="FAILED_PRECONDITION")  # retrying cannot install it
 class EngineUnavailableError(PdprotoError, ImportError):
     """A transfer engine package is not installed; the message names what to install."""
 
-    default_reason = Reason.ENGINE_UNAVAILABLE
 
-
+@_declares(Reason.SHUTTING_DOWN, code="UNAVAILABLE", retryable=True)
 class ShuttingDownError(PdprotoError):
-    """The server is draining and takes no new work."""
+    """The server is draining and takes no new work; another replica (or a restart) will."""
 
-    default_reason = Reason.SHUTTING_DOWN
+
+@_declares(Reason.UNAVAILABLE, code="UNAVAILABLE", retryable=True)
+class UnavailableError(PdprotoError, ConnectionError):
+    """The server could not be reached (after retries) or dropped the connection."""
+
+
+_unowned = [r.name for r in Reason if r not in _OWNER]
+if _unowned:
+    raise TypeError(f"reasons without an error class (declare them with @_declares): {_unowned}")
+
+
+def error_class(reason: Reason) -> type[PdprotoError]:
+    """The one class that carries ``reason`` (on the server and in the client)."""
+    return _OWNER[reason]
+
+
+def error_for(reason: Reason, message: str, metadata: Mapping[str, object] | None = None) -> PdprotoError:
+    """An error of ``reason``'s class, for code whose reason is a value rather than a literal."""
+    cls = error_class(reason)
+    if issubclass(cls, InvalidFieldError):
+        return cls(str((metadata or {}).get("field", "")), message, reason=reason, metadata=metadata)
+    return cls(message, reason=reason, metadata=metadata)
+
+
+GRPC_CODE_NAMES: Mapping[Reason, str] = {reason: error_class(reason).grpc_code for reason in Reason}
+"""Reason -> gRPC status code name, derived from the class declarations."""
+
+
+def declared_classes() -> list[type[PdprotoError]]:
+    """Every declared error class, in declaration order (docs and tests walk them)."""
+    return list(dict.fromkeys(_OWNER.values()))
 
 
 __all__ = [
     "AuthError",
     "ConfigError",
+    "DeadlineExceededError",
+    "DestinationOutOfBoundsError",
+    "DuplicateRequestError",
     "EngineUnavailableError",
+    "GRPC_CODE_NAMES",
     "InvalidFieldError",
     "LegacyFormatError",
+    "MessageTooLargeError",
     "NotFoundError",
     "PdprotoError",
     "PlanError",
@@ -213,60 +332,10 @@ __all__ = [
     "ShuttingDownError",
     "TopologyError",
     "TransferError",
+    "UnavailableError",
+    "UnsupportedVersionError",
     "WireError",
+    "declared_classes",
+    "error_class",
+    "error_for",
 ]
-
-
-# --- gRPC status code per reason (names, not grpc objects: this module never imports grpc).
-# Families by name prefix, then exact entries; a reason matched by neither is absent
-# from GRPC_CODE_NAMES, and tests/test_errors_table.py names it.
-_GRPC_CODE_FAMILIES: tuple[tuple[str, str], ...] = (
-    ("WIRE_", "INVALID_ARGUMENT"),
-    ("LEGACY_", "INVALID_ARGUMENT"),
-    ("PLAN_", "INVALID_ARGUMENT"),
-    ("TOPOLOGY_", "FAILED_PRECONDITION"),
-    ("TOO_MANY_", "RESOURCE_EXHAUSTED"),
-)
-_GRPC_CODE_EXACT: dict[str, str] = {
-    "INVALID_FIELD": "INVALID_ARGUMENT",
-    "CONFIG_INVALID": "FAILED_PRECONDITION",
-    "UNSUPPORTED_VERSION": "FAILED_PRECONDITION",
-    "PEER_NOT_FOUND": "NOT_FOUND",
-    "REQUEST_NOT_FOUND": "NOT_FOUND",
-    # A sequencer check failed (gRPC's own example of ABORTED): retry the whole
-    # request with the current generation, not this call.
-    "STALE_GENERATION": "ABORTED",
-    # The entity (room, generation) the caller tried to create exists already.
-    "DUPLICATE_REQUEST": "ALREADY_EXISTS",
-    "MESSAGE_TOO_LARGE": "RESOURCE_EXHAUSTED",
-    "UNAUTHENTICATED": "UNAUTHENTICATED",
-    "SHUTTING_DOWN": "UNAVAILABLE",
-    "ENGINE_UNAVAILABLE": "FAILED_PRECONDITION",  # retrying cannot install a package
-    "UNAVAILABLE": "UNAVAILABLE",
-    "DEADLINE_EXCEEDED": "DEADLINE_EXCEEDED",
-    "MATCH_TIMEOUT": "DEADLINE_EXCEEDED",
-    "ABORTED": "ABORTED",
-    "PEER_GONE": "ABORTED",
-    "TRANSFER_FAILED": "ABORTED",
-    "DESTINATION_OUT_OF_BOUNDS": "OUT_OF_RANGE",
-    "INTERNAL": "INTERNAL",
-}
-
-
-def _grpc_code_name(reason: Reason) -> str | None:
-    """The gRPC code name for ``reason`` by exact entry, then by family prefix."""
-    exact = _GRPC_CODE_EXACT.get(reason.name)
-    if exact is not None:
-        return exact
-    for prefix, code in _GRPC_CODE_FAMILIES:
-        if reason.name.startswith(prefix):
-            return code
-    return None
-
-
-GRPC_CODE_NAMES: dict[Reason, str] = {
-    reason: code for reason in Reason if (code := _grpc_code_name(reason)) is not None
-}
-"""Reason -> gRPC status code name (e.g. "INVALID_ARGUMENT"); shared by server, docs and tests."""
-
-__all__ += ["GRPC_CODE_NAMES"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdproto.errors import InvalidFieldError, Reason, TransferError
+from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
 from pdproto.extras import AuxPairing, StatePairing
 from pdproto.v1 import common_pb2, registration_pb2
 
@@ -61,7 +61,7 @@ def _merge(extents: list[Extent]) -> list[Extent]:
 def _check_dst(region: Region, offset: int, length: int, *, kind: str, field: str,
                index: int, entry: int) -> None:
     if region.length and offset + length > region.length:
-        raise TransferError(
+        raise DestinationOutOfBoundsError(
             f"{kind} entry {entry}: index {index} reaches byte {offset + length} of a"
             f" {region.length}-byte region the decode registered",
             reason=Reason.DESTINATION_OUT_OF_BOUNDS,

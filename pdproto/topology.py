@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
 from pdproto._topology_examples import example_registration, example_server_info
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
-from pdproto.errors import InvalidFieldError, Reason, TopologyError
+from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
 
 _MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
 
@@ -177,9 +177,10 @@ class Rejection:
             ),
         )
 
-    def to_error(self) -> TopologyError:
-        """The same verdict as a raisable ``TopologyError``."""
-        return TopologyError(self.message, reason=self.reason, metadata=self.metadata)
+    def to_error(self) -> PdprotoError:
+        """The same verdict as a raisable error of its reason's class (a ``TopologyError``
+        for every reason ``negotiate`` gives)."""
+        return error_for(self.reason, self.message, self.metadata)
 
 
 def backend_of(registration: v1.KvRegistration) -> int:
@@ -188,9 +189,13 @@ def backend_of(registration: v1.KvRegistration) -> int:
     return v1.BACKEND_UNSPECIFIED if spec is None else spec.enum
 
 
-def _reject(reason: Reason, message: str, **metadata: object) -> TopologyError:
-    """An internal short-circuit carrying a rejection; ``negotiate`` turns it into a value."""
-    return TopologyError(message, reason=reason, metadata=metadata)
+def _reject(reason: Reason, message: str, **metadata: object) -> PdprotoError:
+    """An internal short-circuit carrying a rejection; ``negotiate`` turns it into a value.
+
+    Every reason given here has a ``TopologyError`` class (UNSUPPORTED_VERSION's is a
+    subclass), which is what ``negotiate`` catches.
+    """
+    return error_for(reason, message, metadata)
 
 
 def _enum_name(enum_type: object, value: int) -> str:

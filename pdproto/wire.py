@@ -23,7 +23,7 @@ from typing import Final, TypeVar, cast, overload
 from google.protobuf.message import Message
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from pdproto.errors import Reason, WireError
+from pdproto.errors import MessageTooLargeError, Reason, UnsupportedVersionError, WireError
 from pdproto.v1.envelope_pb2 import Envelope
 
 MAGIC: Final = b"\xb7\x50"
@@ -122,7 +122,7 @@ def encode_envelope(
         version.major, version.minor = major, minor
         envelope = stamped
     if major > _MAX_HEADER_VERSION or minor > _MAX_HEADER_VERSION:
-        raise WireError(
+        raise UnsupportedVersionError(
             f"version {major}.{minor} does not fit the 16-bit frame header",
             reason=Reason.UNSUPPORTED_VERSION,
             metadata={"major": major, "minor": minor},
@@ -131,7 +131,7 @@ def encode_envelope(
     payload = envelope.SerializeToString(deterministic=True)
     size = HEADER_SIZE + len(payload)
     if size > max_frame_bytes:
-        raise WireError(
+        raise MessageTooLargeError(
             f"frame of {size} bytes exceeds the limit of {max_frame_bytes} bytes",
             reason=Reason.MESSAGE_TOO_LARGE,
             metadata={"size": size, "limit": max_frame_bytes},
@@ -240,7 +240,7 @@ def _as_bytes(data: object) -> bytes:
 def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
     """Check the header and return (major, minor, payload)."""
     if len(data) > max_frame_bytes:
-        raise WireError(
+        raise MessageTooLargeError(
             f"frame of {len(data)} bytes exceeds the limit of {max_frame_bytes} bytes",
             reason=Reason.MESSAGE_TOO_LARGE,
             metadata={"size": len(data), "limit": max_frame_bytes},
@@ -258,7 +258,7 @@ def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
         raise _bad_magic(data)
     # The version gate comes before any look at the payload (STYLE: decode version first).
     if major != PROTOCOL_MAJOR:
-        raise WireError(
+        raise UnsupportedVersionError(
             f"protocol major {major} (minor {minor}) is not supported; this reader speaks "
             f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}",
             reason=Reason.UNSUPPORTED_VERSION,
@@ -267,7 +267,7 @@ def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
     available = len(data) - HEADER_SIZE
     if length > available:
         if HEADER_SIZE + length > max_frame_bytes:
-            raise WireError(
+            raise MessageTooLargeError(
                 f"header declares a {HEADER_SIZE + length}-byte frame, over the limit of "
                 f"{max_frame_bytes} bytes",
                 reason=Reason.MESSAGE_TOO_LARGE,

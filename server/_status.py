@@ -1,4 +1,4 @@
-"""One table from pdproto reasons to gRPC codes, and the one wrapper every handler uses.
+"""Errors to gRPC statuses (codes from ``pdproto.errors``), and the one wrapper every handler uses.
 
 Every non-OK status the service sends carries exactly one ``google.rpc.ErrorInfo``
 (reason, domain ``pdproto``, metadata) and, for invalid fields, one
@@ -28,10 +28,8 @@ DOMAIN = "pdproto"
 
 
 def grpc_code(reason: Reason) -> grpc.StatusCode:
-    """The gRPC status code a reason is answered with (``pdproto.errors.GRPC_CODE_NAMES``)."""
-    # The table lives in pdproto.errors so docs, clients and the server share it;
-    # a reason it does not list is a bug, answered as INTERNAL rather than UNKNOWN.
-    code: grpc.StatusCode = getattr(grpc.StatusCode, GRPC_CODE_NAMES.get(reason, "INTERNAL"))
+    """The gRPC status code a reason is answered with (declared on its error class)."""
+    code: grpc.StatusCode = getattr(grpc.StatusCode, GRPC_CODE_NAMES[reason])
     return code
 
 
@@ -83,24 +81,8 @@ def build_status(
 
 def status_for(error: PdprotoError) -> grpc.Status:
     """The status for a typed pdproto error (BadRequest added for InvalidFieldError)."""
-    violations: list[tuple[str, str]] = []
-    if isinstance(error, InvalidFieldError):
-        violations.append((error.field, error.message))
-    for extra in getattr(error, "violations", ()):
-        violations.append((str(extra[0]), str(extra[1])))
+    violations = error.violations if isinstance(error, InvalidFieldError) else ()
     return build_status(error.reason, error.message, error.metadata, field_violations=violations)
-
-
-class FieldViolations(InvalidFieldError):
-    """Several invalid fields of one request, reported in one BadRequest."""
-
-    def __init__(self, violations: Sequence[tuple[str, str]], *, reason: Reason | None = None) -> None:
-        first_field, first_text = violations[0]
-        rest = f" (+{len(violations) - 1} more)" if len(violations) > 1 else ""
-        super().__init__(first_field, first_text + rest, reason=reason,
-                         metadata={"fields": ",".join(f for f, _ in violations)})
-        # status_for() adds these after the first one.
-        self.violations = list(violations[1:])
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException, rpc: str) -> None:
@@ -159,7 +141,6 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
 __all__ = [
     "DOMAIN",
     "GRPC_CODE_NAMES",
-    "FieldViolations",
     "build_status",
     "grpc_code",
     "status_for",

@@ -9,7 +9,15 @@ import time
 from collections.abc import AsyncIterator, Collection
 from concurrent.futures import ThreadPoolExecutor
 
-from pdproto.errors import NotFoundError, PdprotoError, Reason, ResourceLimitError, ShuttingDownError
+from pdproto.errors import (
+    DuplicateRequestError,
+    NotFoundError,
+    PdprotoError,
+    Reason,
+    RequestFailedError,
+    ResourceLimitError,
+    ShuttingDownError,
+)
 from pdproto.topology import Rejection, negotiate
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
@@ -165,9 +173,9 @@ class HandshakeCore:
         old = peer.requests.get(info.room)
         if old is not None:
             if info.generation == old.generation:
-                raise PdprotoError(f"room {info.room} generation {info.generation} was already submitted",
-                                   reason=Reason.DUPLICATE_REQUEST,
-                                   metadata={"room": info.room, "generation": info.generation})
+                raise DuplicateRequestError(
+                    f"room {info.room} generation {info.generation} was already submitted",
+                    reason=Reason.DUPLICATE_REQUEST, metadata={"room": info.room, "generation": info.generation})
             if info.generation < old.generation:
                 raise _stale(info.room, info.generation, old.generation)
             # A newer generation supersedes the old one (retraction, retry).
@@ -284,14 +292,14 @@ class HandshakeCore:
 def _check_alive(peer: Peer) -> None:
     """A peer whose process is gone admits no new work (it must re-register)."""
     if peer.gone_at is not None:
-        raise PdprotoError(f"peer {peer.peer_id} is gone; re-register", reason=Reason.PEER_GONE,
-                           metadata={"peerId": peer.peer_id})
+        raise RequestFailedError(f"peer {peer.peer_id} is gone; re-register", reason=Reason.PEER_GONE,
+                                 metadata={"peerId": peer.peer_id})
 
 
-def _stale(room: int, got: int, current: int) -> PdprotoError:
-    return PdprotoError(f"room {room}: generation {got} is older than the current {current}",
-                        reason=Reason.STALE_GENERATION,
-                        metadata={"room": room, "generation": got, "currentGeneration": current})
+def _stale(room: int, got: int, current: int) -> RequestFailedError:
+    return RequestFailedError(f"room {room}: generation {got} is older than the current {current}",
+                              reason=Reason.STALE_GENERATION,
+                              metadata={"room": room, "generation": got, "currentGeneration": current})
 
 
 __all__ = ["HandshakeCore"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.errors import InvalidFieldError, PlanError, Reason, RequestFailedError
+from pdproto.errors import DeadlineExceededError, InvalidFieldError, PlanError, Reason, ShuttingDownError
 from pdproto.transfer import Buffer, TransferExecutor
 from pdproto.v1 import server_info_pb2
 
@@ -105,7 +105,7 @@ class RoomLog:
         while index >= len(self.chunks):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RequestFailedError(
+                raise DeadlineExceededError(
                     f"room {self.room}: chunk {index} did not arrive from the prefill engine in time",
                     reason=Reason.MATCH_TIMEOUT, metadata={"room": self.room, "chunk": index})
             event = self.changed
@@ -171,8 +171,8 @@ class PrefillEngine:
                             reason=Reason.PLAN_BAD_OFFSET, metadata={"room": room, "numTokens": num_tokens})
         loop = self._loop
         if loop is None:
-            raise RequestFailedError("prefill engine is not attached to a running service",
-                                     reason=Reason.SHUTTING_DOWN)
+            raise ShuttingDownError("prefill engine is not attached to a running service",
+                                    reason=Reason.SHUTTING_DOWN)
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:

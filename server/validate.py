@@ -6,21 +6,20 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto import backends
-from pdproto.errors import PdprotoError, Reason
+from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import registration_pb2, transfer_pb2
 
-from ._status import FieldViolations
 from .registry import Peer
 
 _MAX_PAGE = (1 << 31) - 1
 
 
 def check_registration(request: hs.RegisterRequest) -> registration_pb2.KvRegistration:
-    """The registration, or FieldViolations naming every malformed field."""
+    """The registration, or an ``InvalidFieldError`` naming every malformed field."""
     bad: list[tuple[str, str]] = []
     if not request.HasField("registration"):
-        raise FieldViolations([("registration", "required")])
+        raise InvalidFieldError.of([("registration", "required")])
     reg = request.registration
     spec = backends.of_registration(reg)
     if spec is None:
@@ -42,7 +41,7 @@ def check_registration(request: hs.RegisterRequest) -> registration_pb2.KvRegist
         if buf.length and buf.item_len and buf.length < buf.item_len:
             bad.append((f"registration.kv_buffers[{i}].length", "smaller than one page (item_len)"))
     if bad:
-        raise FieldViolations(bad)
+        raise InvalidFieldError.of(bad)
     return reg
 
 
@@ -50,7 +49,7 @@ def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[trans
                                                                           npt.NDArray[np.int64]]:
     """The transfer info and its destination pages, checked against the memory the peer registered."""
     if not request.HasField("transfer"):
-        raise FieldViolations([("transfer", "required")])
+        raise InvalidFieldError.of([("transfer", "required")])
     t = request.transfer
     pages = np.asarray(t.dst_kv_pages, dtype=np.int64)
     bad: list[tuple[str, str]] = []
@@ -59,7 +58,7 @@ def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[trans
     if pages.size and int(pages.min()) < 0:
         bad.append(("transfer.dst_kv_pages", "page indexes must be >= 0"))
     if bad:
-        raise FieldViolations(bad)
+        raise InvalidFieldError.of(bad)
     if pages.size:
         _check_bounds(peer, int(pages.max()))
     return t, pages
@@ -73,12 +72,12 @@ def _check_bounds(peer: Peer, max_page: int) -> None:
             continue  # length 0 means unknown; the executor still bounds each write
         pages = buf.length // buf.item_len
         if max_page >= pages:
-            raise PdprotoError(
+            raise DestinationOutOfBoundsError(
                 f"destination page {max_page} is outside the {pages} pages registered for entry "
                 f"{pairing.dst_entry}", reason=Reason.DESTINATION_OUT_OF_BOUNDS,
                 metadata={"maxPage": max_page, "registeredPages": pages, "entry": pairing.dst_entry})
     if max_page > _MAX_PAGE:
-        raise FieldViolations([("transfer.dst_kv_pages", "page index too large")])
+        raise InvalidFieldError.of([("transfer.dst_kv_pages", "page index too large")])
 
 
 __all__ = ["check_registration", "check_transfer"]

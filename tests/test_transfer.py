@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 
 from pdproto.dcp import plan_relayout
-from pdproto.errors import Reason, TransferError
+from pdproto.errors import (
+    DestinationOutOfBoundsError,
+    NotFoundError,
+    PdprotoError,
+    Reason,
+    TopologyError,
+    error_class,
+)
 from pdproto.transfer import (
     DRAM,
     VRAM,
@@ -167,7 +174,7 @@ def test_rows_beyond_registered_length_are_refused(pair: Pair, tmp_path: object)
     pre, peer = pair.pre, pair.peer
     src_rows = np.arange(0, 8, dtype=np.int64)
     dst_rows = np.arange(DST_ROWS - 4, DST_ROWS + 4, dtype=np.int64)
-    with pytest.raises(TransferError) as info:
+    with pytest.raises(DestinationOutOfBoundsError) as info:
         pre.ex.execute("d0", pre.job(peer, src_rows, dst_rows))
     assert info.value.reason == Reason.DESTINATION_OUT_OF_BOUNDS
     _check(pre, peer, str(tmp_path), src_rows[:0], dst_rows[:0])  # nothing was written
@@ -216,9 +223,10 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
         victim.kill()
         worker.join(timeout=45)
         assert not worker.is_alive(), "a transfer to a dead peer did not end"
-        assert len(outcome) == 1 and isinstance(outcome[0], TransferError), outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], PdprotoError), outcome
         assert outcome[0].reason in (Reason.PEER_GONE, Reason.TRANSFER_FAILED,
                                      Reason.DEADLINE_EXCEEDED)
+        assert type(outcome[0]) is error_class(outcome[0].reason)
         ex.disconnect("victim")
         res = ex.execute("d0", pre.job(other, src_rows, dst_rows, pack=True))
         assert res.bytes == src_rows.size * ROW * LAYERS
@@ -231,7 +239,7 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
 def test_unknown_peer_and_wrong_backend_are_typed_errors(pair: Pair) -> None:
     ex = pair.pre.ex
     empty = np.zeros(0, dtype=np.int64)
-    with pytest.raises(TransferError) as info:
+    with pytest.raises(NotFoundError) as info:
         ex.execute("nobody", TransferJob(layers=(), src_rows=empty, dst_rows=empty))
     assert info.value.reason == Reason.PEER_NOT_FOUND
     reg = registration_pb2.KvRegistration()
@@ -239,7 +247,7 @@ def test_unknown_peer_and_wrong_backend_are_typed_errors(pair: Pair) -> None:
         reg.local.shm_name = "nothing-here"
     else:
         reg.mooncake.session_id = "127.0.0.1:1"
-    with pytest.raises(TransferError) as info:
+    with pytest.raises(TopologyError) as info:
         ex.connect("x", reg)
     assert info.value.reason == Reason.TOPOLOGY_BACKEND_UNSUPPORTED
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdproto.errors import EngineUnavailableError, Reason, TransferError
+from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, TransferJob
 from pdproto.transfer.base import (
     check_bounds,
@@ -91,19 +91,19 @@ def test_bounds_name_the_side_that_overflows() -> None:
                       dst_rows=np.array([0, 10]))
     src, dst = validate_job(job)
     check_bounds(job, src, dst, local=[(1000, 100)], remote=[(5000, 110)])
-    with pytest.raises(TransferError) as info:
+    with pytest.raises(DestinationOutOfBoundsError) as info:
         check_bounds(job, src, dst, local=[(1000, 100)], remote=[(5000, 109)])
     assert info.value.reason == Reason.DESTINATION_OUT_OF_BOUNDS
-    with pytest.raises(TransferError) as info:
+    with pytest.raises(InvalidFieldError) as info:
         check_bounds(job, src, dst, local=[(1000, 99)], remote=[(5000, 110)])
-    assert info.value.reason == Reason.INVALID_FIELD
+    assert info.value.reason == Reason.INVALID_FIELD and info.value.field == "job.layers.src_ptr"
     # A length of 0 means "unknown" and leaves that buffer unbounded.
     check_bounds(job, src, dst, local=[(1000, 100)], remote=[(5000, 0)])
 
 
 def test_malformed_jobs_are_invalid_field() -> None:
     for src, dst in (([1, 2], [1]), ([-1], [0])):
-        with pytest.raises(TransferError) as info:
+        with pytest.raises(InvalidFieldError) as info:
             validate_job(TransferJob(layers=(), src_rows=np.array(src), dst_rows=np.array(dst)))
         assert info.value.reason == Reason.INVALID_FIELD
 

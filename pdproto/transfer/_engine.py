@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pdproto.errors import Reason, TransferError
+from pdproto.errors import NotFoundError, PdprotoError, Reason
 from pdproto.v1 import registration_pb2
 
 from .base import (
@@ -167,7 +167,7 @@ class EngineExecutor:
         with self._lock:
             peer = self._peers.get(peer_id)
         if peer is None:
-            raise TransferError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
+            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
                                 metadata={"peer": peer_id})
         return peer
 
@@ -191,7 +191,7 @@ class EngineExecutor:
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
-        """Run the job layer by layer (pack i+1 while i is in flight); raises ``TransferError``."""
+        """Run the job layer by layer (pack i+1 while i is in flight); raises a ``PdprotoError``."""
         t0 = time.perf_counter()
         src, dst = validate_job(job)
         peer = self._peer(peer_id)
@@ -220,7 +220,7 @@ class EngineExecutor:
                 notified = False
                 if job.notification is not None:
                     notified = self._send_notification(peer, job.notification)
-            except TransferError:
+            except PdprotoError:
                 with self._lock:
                     self.stats.failures += 1
                 raise
@@ -338,7 +338,7 @@ class EngineExecutor:
         for h in list(handles):
             try:
                 self._wait(peer, h)
-            except TransferError:
+            except PdprotoError:
                 pass
 
     # ---- shutdown ---------------------------------------------------------------------
@@ -350,14 +350,14 @@ class EngineExecutor:
         for peer_id in list(self._peers):
             try:
                 self.disconnect(peer_id)
-            except TransferError:
+            except PdprotoError:
                 pass
         with self._lock:
             buffers, self._buffers = self._buffers, []
         for b in buffers:
             try:
                 self._deregister(b)
-            except TransferError:
+            except PdprotoError:
                 pass
         if self._pool is not None:
             self._pool.shutdown(wait=True)

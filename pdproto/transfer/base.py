@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto.backends import Endpoint, set_endpoint
-from pdproto.errors import Reason, TransferError
+from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
 from pdproto.v1 import common_pb2, registration_pb2
 
 Rows = npt.NDArray[np.int64]
@@ -150,11 +150,11 @@ class TransferExecutor(Protocol):
         ...
 
     def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
-        """Remember a peer's transport and buffers; raises ``TransferError`` when unusable."""
+        """Remember a peer's transport and buffers; raises a ``PdprotoError`` when unusable."""
         ...
 
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
-        """Run a job to completion; raises ``TransferError`` with a ``Reason`` on failure."""
+        """Run a job to completion; raises a ``PdprotoError`` (class and ``Reason`` say why) on failure."""
         ...
 
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
@@ -192,15 +192,14 @@ def validate_job(job: TransferJob) -> tuple[Rows, Rows]:
     src = np.ascontiguousarray(job.src_rows, dtype=np.int64)
     dst = np.ascontiguousarray(job.dst_rows, dtype=np.int64)
     if src.ndim != 1 or src.shape != dst.shape:
-        raise TransferError("src_rows and dst_rows must be 1-D and of equal length",
-                            reason=Reason.INVALID_FIELD,
-                            metadata={"src": src.shape, "dst": dst.shape})
+        raise InvalidFieldError("job.dst_rows", "src_rows and dst_rows must be 1-D and of equal length",
+                                metadata={"src": src.shape, "dst": dst.shape})
     if src.size and (int(src.min()) < 0 or int(dst.min()) < 0):
-        raise TransferError("row indices must be non-negative", reason=Reason.INVALID_FIELD)
+        raise InvalidFieldError("job.src_rows", "row indices must be non-negative")
     for layer in job.layers:
         if layer.row_bytes <= 0:
-            raise TransferError("row_bytes must be positive", reason=Reason.INVALID_FIELD,
-                                metadata={"row_bytes": layer.row_bytes})
+            raise InvalidFieldError("job.layers.row_bytes", "row_bytes must be positive",
+                                    metadata={"row_bytes": layer.row_bytes})
     return src, dst
 
 
@@ -222,16 +221,15 @@ def check_bounds(job: TransferJob, src: Rows, dst: Rows, *, local: Sequence[tupl
     for i, layer in enumerate(job.layers):
         lo, hi = layer.src_ptr + smin * layer.row_bytes, layer.src_ptr + (smax + 1) * layer.row_bytes
         if not _span_inside(lo, hi, local):
-            raise TransferError("source rows fall outside registered local memory",
-                                reason=Reason.INVALID_FIELD,
-                                metadata={"layer": i, "src_ptr": hex(layer.src_ptr), "max_row": smax})
+            raise InvalidFieldError("job.layers.src_ptr", "source rows fall outside registered local memory",
+                                    metadata={"layer": i, "src_ptr": hex(layer.src_ptr), "max_row": smax})
         lo, hi = layer.dst_ptr + dmin * layer.row_bytes, layer.dst_ptr + (dmax + 1) * layer.row_bytes
         if layer.dst_ptr in unbounded:
             continue
         if not _span_inside(lo, hi, bounded):
-            raise TransferError("destination rows fall outside the memory the peer registered",
-                                reason=Reason.DESTINATION_OUT_OF_BOUNDS,
-                                metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
+            raise DestinationOutOfBoundsError(
+                "destination rows fall outside the memory the peer registered",
+                metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
 
 
 def contiguous_runs(src: Rows, dst: Rows) -> tuple[Rows, Rows, Rows]:

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdproto.errors import Reason, TransferError
+from pdproto.errors import (
+    InvalidFieldError,
+    NotFoundError,
+    PdprotoError,
+    Reason,
+    RequestFailedError,
+    TopologyError,
+)
 from pdproto.v1 import registration_pb2
 
 from .base import (
@@ -125,16 +132,15 @@ class LocalExecutor:
     def allocate(self, nbytes: int, *, kind: MemoryKind = DRAM, device: int = 0) -> Buffer:
         """Carve a zeroed, page-aligned buffer out of the shared arena; ``ptr`` is its offset."""
         if kind != DRAM:
-            raise TransferError("the local backend supports host memory only",
-                                reason=Reason.INVALID_FIELD, metadata={"kind": kind})
+            raise InvalidFieldError("kind", "the local backend supports host memory only",
+                                    metadata={"kind": kind})
         with self._lock:
             view = self._ensure_arena()
             offset = self._next
             end = offset + nbytes
             if end > self._arena_bytes:
-                raise TransferError("local arena exhausted; raise arena_bytes",
-                                    reason=Reason.INVALID_FIELD,
-                                    metadata={"arena_bytes": self._arena_bytes, "wanted": end})
+                raise InvalidFieldError("nbytes", "local arena exhausted; raise arena_bytes",
+                                        metadata={"arena_bytes": self._arena_bytes, "wanted": end})
             self._next = (end + PAGE - 1) // PAGE * PAGE
             array = view[offset:end]
             addr = int(view.ctypes.data) + offset
@@ -146,8 +152,8 @@ class LocalExecutor:
         with self._lock:
             for b in buffers:
                 if b.kind != DRAM:
-                    raise TransferError("the local backend supports host memory only",
-                                        reason=Reason.INVALID_FIELD, metadata={"kind": b.kind})
+                    raise InvalidFieldError("buffers.kind", "the local backend supports host memory only",
+                                            metadata={"kind": b.kind})
                 self._local.append((b.addr, b.length))
 
     def endpoint(self) -> Endpoint:
@@ -160,18 +166,18 @@ class LocalExecutor:
     def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
         """Map the peer's arena; raises PEER_GONE when the arena or its owner is gone."""
         if registration.WhichOneof("transport") != "local":
-            raise TransferError("registration carries no local endpoint",
+            raise TopologyError("registration carries no local endpoint",
                                 reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
                                 metadata={"transport": registration.WhichOneof("transport")})
         ep = registration.local
         if "/" in ep.shm_name or not ep.shm_name:
-            raise TransferError("bad arena name", reason=Reason.INVALID_FIELD,
-                                metadata={"shm_name": ep.shm_name})
+            raise InvalidFieldError("registration.local.shm_name", "bad arena name",
+                                    metadata={"shm_name": ep.shm_name})
         try:
             fd = os.open(os.path.join(SHM_DIR, ep.shm_name), os.O_RDWR)
         except OSError as exc:
-            raise TransferError("peer arena not found", reason=Reason.PEER_GONE,
-                                metadata={"peer": peer_id, "shm_name": ep.shm_name}) from exc
+            raise RequestFailedError("peer arena not found", reason=Reason.PEER_GONE,
+                                     metadata={"peer": peer_id, "shm_name": ep.shm_name}) from exc
         try:
             size = os.fstat(fd).st_size
             mapping = mmap.mmap(fd, size)
@@ -191,7 +197,7 @@ class LocalExecutor:
         with self._lock:
             peer = self._peers.get(peer_id)
         if peer is None:
-            raise TransferError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
+            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
                                 metadata={"peer": peer_id})
         return peer
 
@@ -203,8 +209,8 @@ class LocalExecutor:
         with peer.lock:
             try:
                 if not pid_alive(peer.endpoint.pid):
-                    raise TransferError("peer process is gone", reason=Reason.PEER_GONE,
-                                        metadata={"peer": peer_id, "pid": peer.endpoint.pid})
+                    raise RequestFailedError("peer process is gone", reason=Reason.PEER_GONE,
+                                             metadata={"peer": peer_id, "pid": peer.endpoint.pid})
                 with self._lock:
                     local = list(self._local)
                 check_bounds(job, src, dst, local=local, remote=peer.regions)
@@ -219,10 +225,10 @@ class LocalExecutor:
                         d2[dst] = s2[src]
                         nbytes += src.size * rb
                 if not pid_alive(peer.endpoint.pid):
-                    raise TransferError("peer process died during the transfer",
-                                        reason=Reason.PEER_GONE,
-                                        metadata={"peer": peer_id, "pid": peer.endpoint.pid})
-            except TransferError:
+                    raise RequestFailedError("peer process died during the transfer",
+                                             reason=Reason.PEER_GONE,
+                                             metadata={"peer": peer_id, "pid": peer.endpoint.pid})
+            except PdprotoError:
                 with self._lock:
                     self.stats.failures += 1
                 raise

@@ -14,7 +14,15 @@ import os
 import threading
 from typing import Any
 
-from pdproto.errors import EngineUnavailableError, Reason, TransferError
+from pdproto.errors import (
+    EngineUnavailableError,
+    InvalidFieldError,
+    PdprotoError,
+    Reason,
+    TopologyError,
+    TransferError,
+    error_for,
+)
 from pdproto.v1 import registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
@@ -82,13 +90,13 @@ class MooncakeExecutor(EngineExecutor):
 
     def _connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> PeerState:
         if registration.WhichOneof("transport") != "mooncake":
-            raise TransferError("registration carries no Mooncake endpoint",
+            raise TopologyError("registration carries no Mooncake endpoint",
                                 reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
                                 metadata={"transport": registration.WhichOneof("transport")})
         session = registration.mooncake.session_id
         if not session or ":" not in session:
-            raise TransferError("bad Mooncake session id", reason=Reason.INVALID_FIELD,
-                                metadata={"session_id": session})
+            raise InvalidFieldError("registration.mooncake.session_id", "bad Mooncake session id",
+                                    metadata={"session_id": session})
         return PeerState(peer_id=peer_id, remote=session, regions=[])
 
     def _disconnect(self, peer: PeerState) -> None:
@@ -107,15 +115,15 @@ class MooncakeExecutor(EngineExecutor):
         if rc != 0:
             raise self._failure(peer, "Mooncake batch failed", rc)
 
-    def _failure(self, peer: PeerState, message: str, rc: object) -> TransferError:
+    def _failure(self, peer: PeerState, message: str, rc: object) -> PdprotoError:
         """Map a bare engine rc to a reason: PEER_GONE when the peer no longer answers a probe."""
         try:
             alive = self._engine.send_probe(peer.remote) == 0
         except Exception:  # noqa: BLE001 - a probe that raises means the same as one that fails
             alive = False
         reason = Reason.TRANSFER_FAILED if alive else Reason.PEER_GONE
-        return TransferError(message if alive else f"{message}: peer unreachable", reason=reason,
-                             metadata={"peer": peer.peer_id, "session_id": peer.remote, "rc": rc})
+        return error_for(reason, message if alive else f"{message}: peer unreachable",
+                         metadata={"peer": peer.peer_id, "session_id": peer.remote, "rc": rc})
 
     def _max_inflight_descs(self) -> int:
         return self.max_batch

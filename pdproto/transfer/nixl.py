@@ -18,7 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from pdproto.errors import EngineUnavailableError, Reason, TransferError
+from pdproto.errors import (
+    DeadlineExceededError,
+    EngineUnavailableError,
+    InvalidFieldError,
+    Reason,
+    RequestFailedError,
+    TopologyError,
+    TransferError,
+)
 from pdproto.v1 import common_pb2, registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
@@ -150,15 +158,15 @@ class NixlExecutor(EngineExecutor):
 
     def _connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> PeerState:
         if registration.WhichOneof("transport") != "nixl":
-            raise TransferError("registration carries no NIXL endpoint",
+            raise TopologyError("registration carries no NIXL endpoint",
                                 reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
                                 metadata={"transport": registration.WhichOneof("transport")})
         try:
             remote = self._agent.add_remote_agent(registration.nixl.agent_metadata)
         except Exception as exc:  # noqa: BLE001
-            raise TransferError("NIXL could not load the peer's agent metadata",
-                                reason=Reason.INVALID_FIELD,
-                                metadata={"peer": peer_id, "error": exc}) from exc
+            raise InvalidFieldError("registration.nixl.agent_metadata",
+                                    "NIXL could not load the peer's agent metadata",
+                                    metadata={"peer": peer_id, "error": exc}) from exc
         if isinstance(remote, bytes):
             remote = remote.decode()
         kinds = {b.memory_kind for b in registration.kv_buffers}
@@ -189,12 +197,12 @@ class NixlExecutor(EngineExecutor):
                 self._agent.get_xfer_descs(remote, peer.extra["mem"]), peer.remote)
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001
-            raise TransferError("NIXL could not post the transfer", reason=Reason.PEER_GONE,
-                                metadata={"peer": peer.peer_id, "error": exc}) from exc
+            raise RequestFailedError("NIXL could not post the transfer", reason=Reason.PEER_GONE,
+                                     metadata={"peer": peer.peer_id, "error": exc}) from exc
         if state == "ERR":
             self._release(handle)
-            raise TransferError("NIXL rejected the transfer", reason=Reason.PEER_GONE,
-                                metadata={"peer": peer.peer_id})
+            raise RequestFailedError("NIXL rejected the transfer", reason=Reason.PEER_GONE,
+                                     metadata={"peer": peer.peer_id})
         return handle
 
     def _wait(self, peer: PeerState, handle: Any) -> None:
@@ -205,18 +213,18 @@ class NixlExecutor(EngineExecutor):
                 try:
                     state = self._agent.check_xfer_state(handle)
                 except Exception as exc:  # noqa: BLE001
-                    raise TransferError("NIXL transfer failed", reason=Reason.PEER_GONE,
-                                        metadata={"peer": peer.peer_id, "error": exc}) from exc
+                    raise RequestFailedError("NIXL transfer failed", reason=Reason.PEER_GONE,
+                                             metadata={"peer": peer.peer_id, "error": exc}) from exc
                 if state == "DONE":
                     return
                 if state == "ERR":
                     # UCX reports a vanished peer (closed endpoint, dead process) as a failed request.
-                    raise TransferError("NIXL transfer failed; the peer is unreachable",
-                                        reason=Reason.PEER_GONE, metadata={"peer": peer.peer_id})
+                    raise RequestFailedError("NIXL transfer failed; the peer is unreachable",
+                                             reason=Reason.PEER_GONE, metadata={"peer": peer.peer_id})
                 if time.monotonic() > deadline:
-                    raise TransferError("NIXL transfer did not complete in time",
-                                        reason=Reason.DEADLINE_EXCEEDED,
-                                        metadata={"peer": peer.peer_id, "timeout_s": self._timeout})
+                    raise DeadlineExceededError("NIXL transfer did not complete in time",
+                                                reason=Reason.DEADLINE_EXCEEDED,
+                                                metadata={"peer": peer.peer_id, "timeout_s": self._timeout})
                 spins += 1
                 # Spin briefly for short transfers, then yield the core to the progress thread.
                 if spins > 50:
@@ -234,8 +242,8 @@ class NixlExecutor(EngineExecutor):
         try:
             self._agent.send_notif(peer.remote, data)
         except Exception as exc:  # noqa: BLE001
-            raise TransferError("NIXL could not send the notification", reason=Reason.PEER_GONE,
-                                metadata={"peer": peer.peer_id, "error": exc}) from exc
+            raise RequestFailedError("NIXL could not send the notification", reason=Reason.PEER_GONE,
+                                     metadata={"peer": peer.peer_id, "error": exc}) from exc
         return True
 
     def notifications(self) -> list[Notification]:
