@@ -31,7 +31,8 @@ import zmq.asyncio
 
 from pdproto.client import AsyncHandshakeClient
 from pdproto.topology import negotiate
-from pdproto.transfer import create_executor, set_endpoint
+from pdproto.registration import DecodeLayout, Region, kv_entries, make_registration
+from pdproto.transfer import create_executor
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,17 +167,12 @@ async def baseline_throughput(peers: int) -> float:
 
 
 def _registration(executor_endpoint: registration_pb2.LocalEndpoint, index: int) -> registration_pb2.KvRegistration:
-    reg = registration_pb2.KvRegistration(
-        version=common_pb2.ProtocolVersion(major=1, minor=0),
-        notify_endpoint=common_pb2.Endpoint(host="127.0.0.1", port=20000 + index),
-        attn_tp=common_pb2.ParallelGroup(size=1), dcp=common_pb2.ParallelGroup(size=4, rank=index % 4),
-        pp=common_pb2.ParallelGroup(size=1), page_size=PAGE_SIZE, kv_cache_dtype="bfloat16",
-        attention_kind=common_pb2.ATTENTION_KIND_MLA, model_id="synthetic")
-    set_endpoint(reg, executor_endpoint)
-    reg.kv_buffers.extend(registration_pb2.KvBuffer(ptr=4096 * i, item_len=PAGE_SIZE * 1152, length=1 << 20,
-                                                    memory_kind=common_pb2.MEMORY_KIND_DRAM,
-                                                    role=common_pb2.KV_ENTRY_ROLE_TARGET) for i in range(4))
-    return reg
+    # Four entries at made-up offsets of the arena: dummy requests never write to them.
+    layout = DecodeLayout(page_size=PAGE_SIZE, kv=kv_entries(4, 1152, layer_ids=False), kv_cache_dtype="bfloat16",
+                          attention_kind=common_pb2.ATTENTION_KIND_MLA, dcp_size=4, dcp_rank=index % 4,
+                          model_id="synthetic", notify_host="127.0.0.1", notify_port=20000 + index)
+    regions = [Region(4096 * i, 1 << 20, common_pb2.MEMORY_KIND_DRAM) for i in range(4)]
+    return make_registration(layout, executor_endpoint, regions)
 
 
 async def _pdproto_peer(target: str, index: int, until: float) -> int:
@@ -269,7 +265,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def negotiation_latency(n: int = 3000) -> list[float]:
     """Seconds per pure ``negotiate()`` call (DCP 4 decode against the synthetic prefill)."""
-    from pdproto_server.synthetic import SyntheticSpec, server_info
+    from pdproto_demo.synthetic import SyntheticSpec, server_info
 
     info = server_info(SyntheticSpec(page_size=PAGE_SIZE))
     ex = create_executor("local", arena_bytes=1 << 20)

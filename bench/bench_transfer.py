@@ -25,7 +25,7 @@ import numpy as np
 from pdproto.dcp import plan_relayout
 from pdproto.errors import EngineUnavailableError
 from pdproto.transfer import DRAM, VRAM, LayerSpan, TransferJob, TransferResult, create_executor
-from pdproto.transfer.peer import PeerProcess
+from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
 ROW = 1152
 PAGE = 64
@@ -40,8 +40,8 @@ def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[
     # Staging holds every layer, as SGLang sizes its DCP pack buffer: no layer waits for a slot.
     ex = create_executor(backend, staging_bytes=layers * rows * ROW, device=device,
                          transfer_timeout_s=120)
-    peer = PeerProcess(backend, layers=layers, rows=rows, row_bytes=ROW, device=device,
-                       timeout_s=120)
+    peer = DecodeProcess.launch(DecodeConfig(backend=backend, layers=layers, pages=rows, page_size=1,
+                                             row_bytes=ROW, device=device, background=0), timeout=120)
     try:
         vram = device.startswith("cuda")
         srcs = [ex.allocate(src_total * ROW, kind=VRAM if vram else DRAM) for _ in range(layers)]
@@ -101,7 +101,7 @@ def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[
         ex.close()
 
 
-def _verify(peer: PeerProcess, src: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray,
+def _verify(peer: DecodeProcess, src: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray,
             layers: int, rows: int) -> None:
     """Every destination row holds its source row."""
     with tempfile.TemporaryDirectory() as tmp:

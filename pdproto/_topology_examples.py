@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
-from pdproto.dcp.layers import stage_layer_range
+from pdproto.dcp.layers import EntryRole, stage_layer_range
+from pdproto.registration import DecodeLayout, KvEntry, Region, make_registration
 
 _DEFAULT_TOKEN_BYTES = 1152
 """576 bf16 values: one DeepSeek-style MLA latent row."""
@@ -110,35 +111,22 @@ def example_registration(
     """A decode rank's ``KvRegistration`` for the given topology; buffers are laid end to end."""
     _, plan = _layer_plan(num_layers, num_draft, pp_size, pp_rank)
     draft_bytes = token_bytes if draft_token_bytes is None else draft_token_bytes
-    buffers: list[v1.KvBuffer] = []
-    ptr = base_ptr
-    for layer, draft in plan:
-        item_len = (draft_bytes * page_size * dcp_size) if draft else token_bytes * page_size
-        buffers.append(v1.KvBuffer(
-            ptr=ptr, item_len=item_len, layer_id=layer if layer_ids else None,
-            memory_kind=memory_kind,  # type: ignore[arg-type]
-            role=v1.KV_ENTRY_ROLE_DRAFT if draft else v1.KV_ENTRY_ROLE_TARGET,
-            length=item_len * num_pages,
-        ))
-        ptr += item_len * num_pages
-    reg = v1.KvRegistration(
-        version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
-        notify_endpoint=v1.Endpoint(host=host, port=port),
-        attn_tp=v1.ParallelGroup(size=tp_size, rank=tp_rank),
-        dcp=v1.ParallelGroup(size=dcp_size, rank=dcp_rank),
-        pp=v1.ParallelGroup(size=pp_size, rank=pp_rank),
+    layout = DecodeLayout(
         page_size=page_size,
-        kv_cache_dtype=dtype,
-        attention_kind=attention,  # type: ignore[arg-type]
-        model_id=model_id,
-        kv_item_len=buffers[0].item_len if buffers else 0,
-        kv_buffers=buffers,
-    )
+        kv=tuple(KvEntry(draft_bytes if draft else token_bytes, layer if layer_ids else None,
+                         EntryRole.DRAFT if draft else EntryRole.TARGET) for layer, draft in plan),
+        kv_cache_dtype=dtype, attention_kind=attention,  # type: ignore[arg-type]
+        attn_tp_size=tp_size, attn_tp_rank=tp_rank, dcp_size=dcp_size, dcp_rank=dcp_rank,
+        pp_size=pp_size, pp_rank=pp_rank, model_id=model_id, notify_host=host, notify_port=port)
+    regions: list[Region] = []
+    for item_len in layout.item_lens():
+        start = regions[-1].ptr + regions[-1].length if regions else base_ptr
+        regions.append(Region(start, item_len * num_pages, memory_kind))  # type: ignore[arg-type]
+    endpoint = None
     if backend != v1.BACKEND_UNSPECIFIED:
         spec = backends.by_enum(backend)
-        name = f"decode-{host}-{port}-tp{tp_rank}-dcp{dcp_rank}-pp{pp_rank}"
-        backends.set_endpoint(reg, spec.endpoint(**{spec.identity: name}))
-    return reg
+        endpoint = spec.endpoint(**{spec.identity: f"decode-{host}-{port}-tp{tp_rank}-dcp{dcp_rank}-pp{pp_rank}"})
+    return make_registration(layout, endpoint, regions)
 
 
 __all__ = ["example_registration", "example_server_info"]

@@ -6,12 +6,12 @@ import argparse
 import importlib
 import sys
 
-# name -> (module under pdproto_server, one-line help). Each module defines
+# name -> (module, one-line help). Each module defines
 #   add_arguments(parser: argparse.ArgumentParser) -> None
 #   run(args: argparse.Namespace) -> int
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pdproto_server.cmd_serve", "run the prefill-side handshake service"),
-    "demo": ("pdproto_server.cmd_demo", "end-to-end transfer demo with real engines and processes"),
+    "demo": ("pdproto_demo.run", "end-to-end transfer demo with real engines and processes"),
     "plan": ("pdproto_server.cmd_plan", "show a DCP relayout plan: runs, descriptors, bytes per rank"),
     "check": ("pdproto_server.cmd_check", "topology verdict and deployment findings for a P/D pair"),
 }

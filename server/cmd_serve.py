@@ -1,5 +1,7 @@
 """``pdproto serve``: the prefill-side handshake service over a synthetic KV pool.
 
+The pool and its chunks come from ``pdproto_demo.synthetic``, imported when the command runs.
+
 Prints one JSON line ``{"event": "listening", "port": ..., "metrics_port": ...}`` on
 stdout once it accepts calls (tests and scripts read the bound port from it), and
 exits 0 after a graceful SIGTERM.
@@ -13,6 +15,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdproto.client import ChannelConfig
 from pdproto.errors import PdprotoError
@@ -24,7 +27,9 @@ from .core import HandshakeCore
 from .engine import PrefillEngine
 from .metrics import ServiceMetrics, serve_metrics
 from .registry import Limits
-from .synthetic import SyntheticProducer, SyntheticSpec, build_source
+
+if TYPE_CHECKING:
+    from pdproto_demo.synthetic import SyntheticSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +79,8 @@ def _config(args: argparse.Namespace) -> ServerConfig:
 
 
 def _spec(args: argparse.Namespace) -> SyntheticSpec:
+    from pdproto_demo.synthetic import SyntheticSpec
+
     return SyntheticSpec(layers=args.layers, row_bytes=args.row_bytes, pages=args.pages,
                          page_size=args.page_size, prompt_tokens=args.prompt_tokens,
                          chunk_tokens=args.chunk_tokens, chunk_delay=args.chunk_delay_ms / 1000.0,
@@ -82,6 +89,8 @@ def _spec(args: argparse.Namespace) -> SyntheticSpec:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    from pdproto_demo.synthetic import SyntheticProducer, build_source
+
     config = _config(args)
     spec = _spec(args)
     # The local backend's arena holds only what this process advertises as a destination (nothing).

@@ -16,7 +16,8 @@ import numpy as np
 from pdproto.dcp import plan_relayout
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import PdprotoError, Reason
-from pdproto.transfer import LayerSpan, TransferExecutor, TransferJob, encode_notification
+from pdproto.transfer import LayerSpan, TransferExecutor, TransferJob
+from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
 from pdproto.v1 import common_pb2
 
 from .engine import Chunk, KvSource, PrefillEngine
@@ -26,20 +27,6 @@ from .registry import Limits, Peer, Request
 log = logging.getLogger("pdproto_server.transfers")
 
 _T = TypeVar("_T")
-
-
-def chunk_notification(request: Request, chunk: Chunk) -> bytes:
-    """The completion notice a decode's engine receives when a chunk has fully landed."""
-    payload = f"gen={request.generation} chunk={chunk.index} last={int(chunk.last)}".encode()
-    return encode_notification(request.room, payload)
-
-
-def notice_generation(payload: bytes) -> int:
-    """The generation in a ``chunk_notification`` payload (after the room); -1 if it is not one."""
-    for item in payload.split():
-        if item.startswith(b"gen=") and item[4:].isdigit():
-            return int(item[4:])
-    return -1
 
 
 def build_jobs(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> list[TransferJob]:
@@ -69,7 +56,7 @@ def build_jobs(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> 
         )
         if layers and src_rows.size:
             jobs.append(TransferJob(layers=layers, src_rows=src_rows, dst_rows=dst_rows, pack=True))
-    notice = chunk_notification(request, chunk)
+    notice = encode_chunk_notice(ChunkNotice(request.room, request.generation, chunk.index, chunk.last))
     if jobs:
         jobs[-1] = dataclasses.replace(jobs[-1], notification=notice)
     else:

@@ -12,8 +12,8 @@ from pdproto import errors as E
 from pdproto.client import AsyncHandshakeClient, HandshakeClient, RetryConfig, UnavailableError
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2
+from pdproto_demo.decode import DecodeRank
 
-from ._decode_peer import DecodePeer
 from ._server_harness import ServerProcess, running_server
 from .test_server import SERVE_ARGS, SPEC
 
@@ -50,7 +50,7 @@ def test_not_found_is_not_retried_and_carries_metadata(server: ServerProcess) ->
 
 
 def test_watch_deadline_becomes_typed_error(server: ServerProcess) -> None:
-    peer = DecodePeer(SPEC, pages=16)
+    peer = DecodeRank.for_spec(SPEC, pages=16)
     try:
         with HandshakeClient(server.target) as client:
             peer_id = client.register(peer.registration()).peer_id
@@ -63,7 +63,7 @@ def test_watch_deadline_becomes_typed_error(server: ServerProcess) -> None:
 
 
 def test_async_client_end_to_end(server: ServerProcess) -> None:
-    peer = DecodePeer(SPEC, dcp_size=2, dcp_rank=1, pages=16)
+    peer = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=1, pages=16)
 
     async def run() -> None:
         async with AsyncHandshakeClient(server.target, timeout=10) as client:
@@ -72,17 +72,17 @@ def test_async_client_end_to_end(server: ServerProcess) -> None:
             result = await client.register(peer.registration())
             assert result.mode == 2  # NEGOTIATION_MODE_DENSE_TO_DCP
             pages = peer.pages_for(SPEC.prompt_tokens)
-            first = await client.submit_transfer(result.peer_id, peer.transfer(77, pages))
+            first = await client.submit_transfer(result.peer_id, peer.transfer_info(77, pages))
             assert first.state == common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
             async for status in client.watch_status(result.peer_id, [77], timeout=20):
                 if status.state in (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED):
                     assert status.state == common_pb2.TRANSFER_STATE_SUCCESS, status
                     break
             with pytest.raises(E.RequestFailedError) as dup:
-                await client.submit_transfer(result.peer_id, peer.transfer(77, pages))
+                await client.submit_transfer(result.peer_id, peer.transfer_info(77, pages))
             assert dup.value.reason is Reason.DUPLICATE_REQUEST
             assert await client.deregister(result.peer_id) == 0
-        peer.verify({77: pages})
+        peer.verify({77: pages}, SPEC.prompt_tokens)
 
     try:
         asyncio.run(asyncio.wait_for(run(), 30))
@@ -91,7 +91,7 @@ def test_async_client_end_to_end(server: ServerProcess) -> None:
 
 
 def test_oversized_message_is_refused_typed(server: ServerProcess) -> None:
-    peer = DecodePeer(SPEC, pages=16)
+    peer = DecodeRank.for_spec(SPEC, pages=16)
     try:
         reg = peer.registration()
         reg.capabilities.append("x" * (5 << 20))  # over the symmetric 4 MiB limit

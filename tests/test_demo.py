@@ -34,3 +34,14 @@ def test_demo_fails_on_one_corrupted_byte() -> None:
     assert proc.returncode != 0
     assert "FAIL" in proc.stdout
     assert "MISMATCH" in proc.stderr
+
+
+def test_decode_config_round_trips_through_its_command_line() -> None:
+    """What a parent asks for is what the decode process runs with, flags and booleans included."""
+    from pdproto_demo.decode import DecodeConfig
+
+    config = DecodeConfig(backend="nixl", layers=3, pages=17, page_size=1, row_bytes=576, dcp_size=4,
+                          dcp_rank=3, name="d-3", notify_port=4242, kv_dtype="fp8_e4m3", model_id="m",
+                          layer_ids=False, background=0)
+    assert DecodeConfig.parse(config.argv()) == config
+    assert DecodeConfig.parse([]) == DecodeConfig()

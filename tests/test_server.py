@@ -21,9 +21,9 @@ from pdproto import errors as E
 from pdproto.client import HandshakeClient
 from pdproto.errors import Reason
 from pdproto.v1 import SERVICE_NAME, common_pb2, registration_pb2, transfer_pb2
-from pdproto_server.synthetic import SyntheticSpec
+from pdproto_demo.decode import DecodeRank
+from pdproto_demo.synthetic import SyntheticSpec
 
-from ._decode_peer import DecodePeer
 from ._server_harness import REPO, ServerProcess, running_server
 
 SPEC = SyntheticSpec(layers=2, row_bytes=256, pages=128, page_size=16, prompt_tokens=200,
@@ -40,14 +40,14 @@ def server() -> Iterator[ServerProcess]:
         assert srv.proc.poll() is None, srv.stderr()
 
 
-def _transfer(client: HandshakeClient, peer: DecodePeer, rooms: list[int]) -> dict[int, list[int]]:
+def _transfer(client: HandshakeClient, peer: DecodeRank, rooms: list[int]) -> dict[int, list[int]]:
     """Register, submit rooms, wait for SUCCESS; returns room -> destination pages."""
     result = client.register(peer.registration())
     placed: dict[int, list[int]] = {}
     for i, room in enumerate(rooms):
         pages = peer.pages_for(SPEC.prompt_tokens, first_page=i * 8)
         placed[room] = pages
-        client.submit_transfer(result.peer_id, peer.transfer(room, pages))
+        client.submit_transfer(result.peer_id, peer.transfer_info(room, pages))
     done = client.wait_for(result.peer_id, rooms, timeout=20)
     for room, status in done.items():
         assert status.state == common_pb2.TRANSFER_STATE_SUCCESS, (room, status)
@@ -70,14 +70,14 @@ def test_health_and_reflection(server: ServerProcess) -> None:
 
 
 def test_rejection_is_per_peer_while_dcp_and_tp_peers_transfer(server: ServerProcess) -> None:
-    dcp = [DecodePeer(SPEC, dcp_size=4, dcp_rank=r, pages=32) for r in range(4)]
-    tp = DecodePeer(SPEC, pages=64)
-    bad = DecodePeer(SPEC, dcp_size=2, dcp_rank=0, pages=32, kv_dtype="fp8_e4m3")
+    dcp = [DecodeRank.for_spec(SPEC, dcp_size=4, dcp_rank=r, pages=32) for r in range(4)]
+    tp = DecodeRank.for_spec(SPEC, pages=64)
+    bad = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=0, pages=32, kv_dtype="fp8_e4m3")
     try:
         with HandshakeClient(server.target, timeout=10) as client:
             started = threading.Event()
 
-            def good(peer: DecodePeer, rooms: list[int]) -> dict[int, list[int]]:
+            def good(peer: DecodeRank, rooms: list[int]) -> dict[int, list[int]]:
                 started.set()
                 return _transfer(client, peer, rooms)
 
@@ -91,7 +91,7 @@ def test_rejection_is_per_peer_while_dcp_and_tp_peers_transfer(server: ServerPro
                 assert info.value.metadata["grpcCode"] == "FAILED_PRECONDITION"
                 checked = 0
                 for fut, peer in futures.items():
-                    checked += peer.verify(fut.result(timeout=30))
+                    checked += peer.verify(fut.result(timeout=30), SPEC.prompt_tokens)
             assert checked > 0
             assert client.get_server_info().page_size == SPEC.page_size
     finally:
@@ -107,27 +107,27 @@ def test_malformed_and_unknown_peer_keep_server_serving(server: ServerProcess) -
         assert info.value.reason is Reason.INVALID_FIELD
         assert info.value.metadata["grpcCode"] == "INVALID_ARGUMENT"
         assert info.value.field.startswith("registration.")
-        peer = DecodePeer(SPEC, pages=16)
+        peer = DecodeRank.for_spec(SPEC, pages=16)
         try:
             with pytest.raises(E.NotFoundError) as nf:
-                client.submit_transfer("p-unknown", peer.transfer(7, [0]))
+                client.submit_transfer("p-unknown", peer.transfer_info(7, [0]))
             assert nf.value.reason is Reason.PEER_NOT_FOUND
             assert nf.value.metadata["grpcCode"] == "NOT_FOUND"
             # Still serving: a good peer transfers and every byte matches.
-            peer.verify(_transfer(client, peer, [5]))
+            peer.verify(_transfer(client, peer, [5]), SPEC.prompt_tokens)
         finally:
             peer.close()
 
 
 def test_abort_generation_reregister_and_deregister(server: ServerProcess) -> None:
-    peer = DecodePeer(SPEC, pages=32)
+    peer = DecodeRank.for_spec(SPEC, pages=32)
     try:
         with HandshakeClient(server.target) as client:
             first = client.register(peer.registration())
             pages = peer.pages_for(SPEC.prompt_tokens)
-            client.submit_transfer(first.peer_id, peer.transfer(300, pages, generation=2))
+            client.submit_transfer(first.peer_id, peer.transfer_info(300, pages, generation=2))
             with pytest.raises(E.RequestFailedError) as dup:
-                client.submit_transfer(first.peer_id, peer.transfer(300, pages, generation=2))
+                client.submit_transfer(first.peer_id, peer.transfer_info(300, pages, generation=2))
             assert dup.value.reason is Reason.DUPLICATE_REQUEST
             with pytest.raises(E.RequestFailedError) as stale:
                 client.abort(first.peer_id, 300, generation=1)
@@ -137,7 +137,7 @@ def test_abort_generation_reregister_and_deregister(server: ServerProcess) -> No
             status = client.wait_for(first.peer_id, [300], timeout=10)[300]
             assert status.state == common_pb2.TRANSFER_STATE_FAILED and status.failure_code == "ABORTED"
             # An open request, then the decode "restarts": same identity re-registers.
-            client.submit_transfer(first.peer_id, peer.transfer(301, pages))
+            client.submit_transfer(first.peer_id, peer.transfer_info(301, pages))
             seen: list[tuple[int, str]] = []
             watcher = threading.Thread(target=lambda: seen.extend(
                 (s.state, s.failure_code) for s in client.watch_status(first.peer_id, [301], timeout=15)))
@@ -151,8 +151,8 @@ def test_abort_generation_reregister_and_deregister(server: ServerProcess) -> No
             assert seen[-1] == (common_pb2.TRANSFER_STATE_FAILED, "PEER_GONE"), seen
             assert second.peer_id != first.peer_id
             with pytest.raises(E.NotFoundError):
-                client.submit_transfer(first.peer_id, peer.transfer(302, pages))
-            client.submit_transfer(second.peer_id, peer.transfer(303, pages))
+                client.submit_transfer(first.peer_id, peer.transfer_info(302, pages))
+            client.submit_transfer(second.peer_id, peer.transfer_info(303, pages))
             assert client.deregister(second.peer_id) == 1
             with pytest.raises(E.NotFoundError):
                 client.deregister(second.peer_id)
@@ -169,7 +169,7 @@ def test_auth_required_and_limits() -> None:
             with HandshakeClient(srv.target, token=token) as anon, pytest.raises(E.AuthError) as info:
                 anon.get_server_info()
             assert info.value.metadata["grpcCode"] == "UNAUTHENTICATED"
-        a, b = DecodePeer(SPEC, pages=16), DecodePeer(SPEC, pages=16)
+        a, b = DecodeRank.for_spec(SPEC, pages=16), DecodeRank.for_spec(SPEC, pages=16)
         try:
             with HandshakeClient(srv.target, token="s3cret-token") as client:
                 client.register(a.registration())
@@ -183,7 +183,7 @@ def test_auth_required_and_limits() -> None:
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
-    peer = DecodePeer(SPEC, pages=64)
+    peer = DecodeRank.for_spec(SPEC, pages=64)
     try:
         with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "150", "--match-timeout", "10") as srv:
             with HandshakeClient(srv.target, timeout=10) as client:
@@ -191,7 +191,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
                 placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 8)
                           for i, room in enumerate((1, 2, 3))}
                 for room, pages in placed.items():
-                    client.submit_transfer(peer_id, peer.transfer(room, pages))
+                    client.submit_transfer(peer_id, peer.transfer_info(room, pages))
                 seen: dict[int, int] = {}
                 stream = client.watch_status(peer_id, placed, timeout=20)
                 for status in stream:
@@ -201,7 +201,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
                 for status in stream:
                     seen[status.room] = status.state
                 assert all(seen.get(r) == common_pb2.TRANSFER_STATE_SUCCESS for r in placed), seen
-                peer.verify(placed)
+                peer.verify(placed, SPEC.prompt_tokens)
             # The drain ended the stream; the process exits by itself, with status 0.
             assert srv.proc.wait(timeout=20) == 0, srv.stderr()
     finally:
@@ -209,18 +209,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
 
 
 def test_inflight_limit_per_peer() -> None:
-    peer = DecodePeer(SPEC, pages=64)
+    peer = DecodeRank.for_spec(SPEC, pages=64)
     try:
         with running_server(*SERVE_ARGS, "--max-inflight", "1") as srv, HandshakeClient(srv.target) as client:
             peer_id = client.register(peer.registration()).peer_id
-            client.submit_transfer(peer_id, peer.transfer(1, peer.pages_for(SPEC.prompt_tokens)))
+            client.submit_transfer(peer_id, peer.transfer_info(1, peer.pages_for(SPEC.prompt_tokens)))
             with pytest.raises(E.ResourceLimitError) as lim:
-                client.submit_transfer(peer_id, peer.transfer(2, peer.pages_for(SPEC.prompt_tokens, 8)))
+                client.submit_transfer(peer_id, peer.transfer_info(2, peer.pages_for(SPEC.prompt_tokens, 8)))
             assert lim.value.reason is Reason.TOO_MANY_REQUESTS
             assert lim.value.metadata["grpcCode"] == "RESOURCE_EXHAUSTED"
             # Out-of-bounds destination pages are refused before anything moves.
             with pytest.raises(E.PdprotoError) as oob:
-                client.submit_transfer(peer_id, peer.transfer(3, [10_000]))
+                client.submit_transfer(peer_id, peer.transfer_info(3, [10_000]))
             assert oob.value.reason is Reason.DESTINATION_OUT_OF_BOUNDS
             assert oob.value.metadata["grpcCode"] == "OUT_OF_RANGE"
     finally:
@@ -243,10 +243,10 @@ def test_tls(tmp_path: Path) -> None:
 
 
 def test_metrics_count_registrations_requests_and_bytes(server: ServerProcess) -> None:
-    peer = DecodePeer(SPEC, pages=32)
+    peer = DecodeRank.for_spec(SPEC, pages=32)
     try:
         with HandshakeClient(server.target) as client:
-            peer.verify(_transfer(client, peer, [900]))
+            peer.verify(_transfer(client, peer, [900]), SPEC.prompt_tokens)
     finally:
         peer.close()
     assert server.metrics_port is not None
@@ -264,12 +264,12 @@ def test_metrics_count_registrations_requests_and_bytes(server: ServerProcess) -
 _DYING_DECODE = """
 import os, sys
 from pdproto.client import HandshakeClient
-from tests._decode_peer import DecodePeer
+from pdproto_demo.decode import DecodeRank
 from tests.test_server import SPEC
-peer = DecodePeer(SPEC, pages=32)
+peer = DecodeRank.for_spec(SPEC, pages=32)
 with HandshakeClient(sys.argv[1]) as client:
     peer_id = client.register(peer.registration()).peer_id
-    client.submit_transfer(peer_id, peer.transfer(1, peer.pages_for(SPEC.prompt_tokens)))
+    client.submit_transfer(peer_id, peer.transfer_info(1, peer.pages_for(SPEC.prompt_tokens)))
     print(peer_id, flush=True)
 os._exit(0)  # dies mid-transfer: no Deregister, arena left behind
 """
@@ -303,10 +303,10 @@ def _has_mooncake() -> bool:
 
 @pytest.mark.skipif(not _has_mooncake(), reason="mooncake-transfer-engine not installed")
 def test_mooncake_backend_dense_to_dcp() -> None:
-    peer = DecodePeer(SPEC, dcp_size=2, dcp_rank=1, pages=32, backend="mooncake")
+    peer = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=1, pages=32, backend="mooncake")
     try:
         with running_server(*SERVE_ARGS, "--backend", "mooncake") as srv, \
                 HandshakeClient(srv.target, timeout=10) as client:
-            peer.verify(_transfer(client, peer, [21, 22]))
+            peer.verify(_transfer(client, peer, [21, 22]), SPEC.prompt_tokens)
     finally:
         peer.close()

@@ -13,21 +13,21 @@ from pdproto.client import AsyncHandshakeClient
 from pdproto.errors import Reason
 from pdproto.transfer import create_executor
 from pdproto.v1 import common_pb2, transfer_pb2
+from pdproto_demo.decode import DecodeRank
+from pdproto_demo.synthetic import build_source, room_pages
 from pdproto_server.app import RunningServer, ServerConfig, start_server
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
 from pdproto_server.registry import Limits
-from pdproto_server.synthetic import build_source, room_pages
 
-from ._decode_peer import DecodePeer
 from .test_server import SPEC
 
-Scenario = Callable[[PrefillEngine, AsyncHandshakeClient, DecodePeer], Awaitable[None]]
+Scenario = Callable[[PrefillEngine, AsyncHandshakeClient, DecodeRank], Awaitable[None]]
 
 
 def _run(scenario: Scenario, limits: Limits | None = None) -> None:
     executor = create_executor("local", arena_bytes=1 << 20)
-    peer = DecodePeer(SPEC, dcp_size=2, dcp_rank=0, pages=32)
+    peer = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=0, pages=32)
 
     async def main() -> None:
         engine = PrefillEngine(build_source(SPEC, executor), executor)
@@ -69,39 +69,39 @@ async def _final(client: AsyncHandshakeClient, peer_id: str, room: int) -> trans
 
 
 def test_decode_first_then_engine_chunks_from_a_thread() -> None:
-    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodePeer) -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
         peer_id = (await client.register(peer.registration())).peer_id
         pages = peer.pages_for(SPEC.prompt_tokens)
-        await client.submit_transfer(peer_id, peer.transfer(11, pages))
+        await client.submit_transfer(peer_id, peer.transfer_info(11, pages))
         producer = _engine_thread(engine, 11)
         producer.start()
         status = await _final(client, peer_id, 11)
         producer.join(10)
         assert status.state == common_pb2.TRANSFER_STATE_SUCCESS, status
         assert status.chunks_done == -(-SPEC.prompt_tokens // 32)
-        peer.verify({11: pages})
+        peer.verify({11: pages}, SPEC.prompt_tokens)
 
     _run(scenario)
 
 
 def test_engine_first_then_decode() -> None:
-    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodePeer) -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
         producer = _engine_thread(engine, 12, chunk_tokens=48)
         producer.start()
         producer.join(10)
         peer_id = (await client.register(peer.registration())).peer_id
         pages = peer.pages_for(SPEC.prompt_tokens)
-        await client.submit_transfer(peer_id, peer.transfer(12, pages))
+        await client.submit_transfer(peer_id, peer.transfer_info(12, pages))
         assert (await _final(client, peer_id, 12)).state == common_pb2.TRANSFER_STATE_SUCCESS
-        peer.verify({12: pages})
+        peer.verify({12: pages}, SPEC.prompt_tokens)
 
     _run(scenario)
 
 
 def test_unmatched_request_fails_with_match_timeout_and_bad_chunks_are_refused() -> None:
-    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodePeer) -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
         peer_id = (await client.register(peer.registration())).peer_id
-        await client.submit_transfer(peer_id, peer.transfer(13, peer.pages_for(SPEC.prompt_tokens)))
+        await client.submit_transfer(peer_id, peer.transfer_info(13, peer.pages_for(SPEC.prompt_tokens)))
         status = await _final(client, peer_id, 13)
         assert (status.state, status.failure_code) == (common_pb2.TRANSFER_STATE_FAILED, "MATCH_TIMEOUT")
         with pytest.raises(E.PlanError) as info:

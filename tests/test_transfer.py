@@ -1,7 +1,7 @@
 """Real executors (local, Mooncake TCP, NIXL UCX) writing into decode peers in separate processes.
 
 The prefill side runs in the test process, one executor per backend for the
-whole session; each decode is ``python -m pdproto.transfer.peer``. Every
+whole session; each decode is ``python -m pdproto_demo.decode``. Every
 destination byte is read back from the peer and checked.
 """
 
@@ -34,8 +34,8 @@ from pdproto.transfer import (
     create_executor,
     encode_notification,
 )
-from pdproto.transfer.peer import PeerProcess
 from pdproto.v1 import registration_pb2
+from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
 # PDPROTO_TEST_DEVICE=cuda runs both sides in VRAM (scripts/gpu_check.sh); local is host-only.
 DEVICE = os.environ.get("PDPROTO_TEST_DEVICE", "cpu")
@@ -72,7 +72,7 @@ class Prefill:
             self.host.append(data.reshape(SRC_ROWS, ROW))
         self.ex.register_memory(self.src)
 
-    def job(self, peer: PeerProcess, src_rows: np.ndarray, dst_rows: np.ndarray, *,
+    def job(self, peer: DecodeProcess, src_rows: np.ndarray, dst_rows: np.ndarray, *,
             pack: bool = True, room: int | None = None) -> TransferJob:
         layers = tuple(LayerSpan(s.addr, d.ptr, ROW)
                        for s, d in zip(self.src, peer.registration.kv_buffers))
@@ -108,12 +108,12 @@ def pair(request: pytest.FixtureRequest, pairs: dict[str, Pair]) -> Iterator[Pai
     if backend not in pairs:
         pairs[backend] = Pair(backend)
     yield pairs[backend]
-    pairs[backend].peer.command("zero")
+    pairs[backend].peer.fill(0)
 
 
-def _peer(backend: str) -> PeerProcess:
-    return PeerProcess(backend, layers=LAYERS, rows=DST_ROWS, row_bytes=ROW, device=DEVICE,
-                       timeout_s=60)
+def _peer(backend: str) -> DecodeProcess:
+    return DecodeProcess.launch(DecodeConfig(backend=backend, layers=LAYERS, pages=DST_ROWS, page_size=1,
+                                             row_bytes=ROW, device=DEVICE, background=0), timeout=60)
 
 
 def _dcp_rows(seed: int, rank: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +123,7 @@ def _dcp_rows(seed: int, rank: int = 1) -> tuple[np.ndarray, np.ndarray]:
     return plan.expand()
 
 
-def _check(pre: Prefill, peer: PeerProcess, tmp: str, src_rows: np.ndarray,
+def _check(pre: Prefill, peer: DecodeProcess, tmp: str, src_rows: np.ndarray,
            dst_rows: np.ndarray) -> None:
     """Every written row equals its source row, and every other row is still zero."""
     path = os.path.join(tmp, "dump.bin")
@@ -167,7 +167,7 @@ def test_staging_too_small_falls_back_per_row_and_counts(pairs: dict[str, Pair],
         _check(pre, peer, str(tmp_path), src_rows, dst_rows)
     finally:
         pre.ex.close()
-        peer.command("zero")
+        peer.fill(0)
 
 
 def test_rows_beyond_registered_length_are_refused(pair: Pair, tmp_path: object) -> None:

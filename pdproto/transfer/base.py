@@ -50,16 +50,6 @@ class Buffer:
     array: Any = field(default=None, compare=False, repr=False)
     """The numpy uint8 array (DRAM) or torch uint8 tensor (VRAM) behind the memory; keeps it alive."""
 
-    def kv_buffer(self, *, item_len: int,
-                  role: common_pb2.KvEntryRole.ValueType = common_pb2.KV_ENTRY_ROLE_TARGET,
-                  layer_id: int | None = None) -> registration_pb2.KvBuffer:
-        """The ``KvBuffer`` message that advertises this buffer as one KV entry."""
-        msg = registration_pb2.KvBuffer(ptr=self.ptr, item_len=item_len, memory_kind=self.kind,
-                                        role=role, length=self.length)
-        if layer_id is not None:
-            msg.layer_id = layer_id
-        return msg
-
 
 @dataclass(frozen=True)
 class LayerSpan:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError, Reason
 from pdproto.v1 import common_pb2
-from pdproto_server.demo_cluster import Cluster
-from pdproto_server.demo_proc import ChildError
+from pdproto_demo.cluster import Cluster
+from pdproto_demo.proc import ChildError
 
 from .harness import DENSE_TO_DCP2, Outcome, prefill_stats, request_state, small_cluster, wait_until
 

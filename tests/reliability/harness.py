@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdproto_server.demo_cluster import Cluster, Geometry, RequestResult, Topology
+from pdproto_demo.cluster import Cluster, Geometry, RequestResult, Topology
 
 # Fault runs use a small model: 8 MLA layers, requests up to 8K tokens.
 FAULT_GEOMETRY = Geometry(layers=8, page_size=64, max_tokens=8192, max_prefix=256)
@@ -86,7 +86,7 @@ def small_cluster(backend: str, *, decodes: int = 2, geometry: Geometry = FAULT_
     """A started dense prefill + DCP ``decodes`` cluster, registered and ready."""
     c = Cluster(backend, geometry, dst_dcp=decodes, src_groups=(1,), token=token, log_dir=LOG_DIR)
     try:
-        c.start()
+        c.launch()
         c.connect(Topology(1, decodes))
     except BaseException:
         c.close()

@@ -13,8 +13,8 @@ from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError, Reason
 from pdproto.topology import example_registration
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
-from pdproto_server.demo_cluster import Cluster, Topology, free_port
-from pdproto_server.demo_proc import Child, ChildError
+from pdproto_demo.cluster import Cluster, Topology, free_port
+from pdproto_demo.proc import Child, ChildError
 
 from .harness import FAULT_GEOMETRY, LOG_DIR, Outcome
 
@@ -51,7 +51,7 @@ def resource_limits(backend: str) -> Outcome:
     c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR,
                 prefill_args=["--limits", json.dumps(limits)])
     try:
-        c.start()
+        c.launch()
         c.connect(TOPO)
         target = f"127.0.0.1:{c.ports[1][0]}"
         with HandshakeClient(target) as client:
@@ -92,7 +92,7 @@ def auth(backend: str) -> Outcome:
     out = Outcome("auth: bearer token, off-loopback", backend)
     c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR, token="s3cret-token")
     try:
-        c.start()
+        c.launch()
         c.connect(TOPO)
         target = f"127.0.0.1:{c.ports[1][0]}"
         for what, token in (("no token", None), ("wrong token", "guess")):
@@ -104,7 +104,7 @@ def auth(backend: str) -> Outcome:
         # Without a token, a non-loopback listen address must refuse to start.
         out.runs += 1
         out.faults += 1
-        p = Child.start("prefill-open", "pdproto_server.demo_prefill",
+        p = Child.spawn("prefill-open", "pdproto_demo.prefill",
                         ["--backend", backend, "--pages", "8", "--host", "0.0.0.0"], log_dir=LOG_DIR)
         try:
             p.recv(60)
@@ -137,7 +137,7 @@ def tls(backend: str) -> Outcome:
         c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR, token="tls-token",
                     prefill_args=["--tls-cert", cert, "--tls-key", key])
         try:
-            c.start()
+            c.launch()
             c.connect(TOPO, root_cert=cert)
             out.count(c.run_request(4096, 256))
             target = f"127.0.0.1:{c.ports[1][0]}"

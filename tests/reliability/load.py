@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from pdproto_server.demo_cluster import Cluster, Geometry, Topology
+from pdproto_demo.cluster import Cluster, Geometry, Topology
 
 from .harness import LOG_DIR, Outcome
 
@@ -30,7 +30,7 @@ def load(backend: str, requests_per_peer: int = 200, seed: int = 1) -> Outcome:
     latencies: list[float] = []
     total_bytes = 0
     try:
-        c.start(timeout=300)
+        c.launch(timeout=300)
         c.connect(Topology(1, DCP))
         started = time.monotonic()
         for round_no in range(requests_per_peer):

@@ -12,8 +12,8 @@ from pdproto.bridge import ENVELOPE, LEGACY, Routed, ZmqBridge
 from pdproto.errors import PdprotoError
 from pdproto.topology import example_registration
 from pdproto.v1 import transfer_pb2
-from pdproto_server.demo_cluster import Cluster, Topology
-from pdproto_server.demo_proc import ChildError
+from pdproto_demo.cluster import Cluster, Topology
+from pdproto_demo.proc import ChildError
 
 from .harness import FAULT_GEOMETRY, LOG_DIR, Outcome
 from tests.golden.generate import unpack_container
@@ -114,7 +114,7 @@ def minor_skew(backend: str) -> Outcome:
     c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR,
                 prefill_args=["--info-minor", "1"])
     try:
-        c.start()
+        c.launch()
         topo = Topology(1, 2)
         # Rank 0 speaks minor 0 (older than the server's 1); rank 1 speaks minor 2 and adds
         # a field this schema does not know, as a newer build would.

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, Self
 
 Reply = dict[str, Any]
 
@@ -25,7 +25,7 @@ class ChildError(RuntimeError):
 
 
 class Child:
-    """One worker process speaking JSON lines; start with ``Child.start``."""
+    """One worker process speaking JSON lines; create with ``Child.spawn``."""
 
     def __init__(self, name: str, proc: subprocess.Popen[str]) -> None:
         self.name = name
@@ -35,10 +35,10 @@ class Child:
         self._reader.start()
 
     @classmethod
-    def start(
+    def spawn(
         cls, name: str, module: str, args: list[str], *, env: dict[str, str] | None = None,
         log_dir: str | None = None,
-    ) -> Child:
+    ) -> Self:
         """Start ``python -m module args`` in its own process group; stderr goes to ``log_dir/name.log``."""
         full_env = dict(os.environ)
         full_env.update(env or {})

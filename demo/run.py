@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from pdproto import backends
 
-from .demo_cluster import Cluster, Geometry, RequestResult, Topology
-from .demo_proc import ChildError
+from .cluster import Cluster, Geometry, RequestResult, Topology
+from .proc import ChildError
 
 PROMPTS = (63, 64, 65, 255, 256, 257, 8191, 8192, 8193, 32768)
 TOPOLOGIES = {"dense-dcp4": Topology(1, 4), "dcp2-dcp4": Topology(2, 4)}
@@ -80,7 +80,7 @@ def run_backend(backend: str, args: argparse.Namespace, prompts: list[int], topo
     corrupt = args.corrupt_one_byte
     try:
         print(f"starting {backend}: {sum(groups)} prefill and 4 decode processes", file=sys.stderr, flush=True)
-        cluster.start()
+        cluster.launch()
         for tname in topos:
             cluster.connect(TOPOLOGIES[tname])
             # One untimed request first: engine connections open and lazy imports (torch for

@@ -1,6 +1,6 @@
 """A prefill rank as its own process: KV pool with known contents, the real handshake service.
 
-Run as ``python -m pdproto_server.demo_prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``.
+Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``.
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands (``prepare`` writes a request's rows, ``chunk`` calls the engine's
 ``submit_chunk``, ``stats`` reads the service's introspection counters).
@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,14 +21,13 @@ import numpy as np
 from pdproto import backends
 from pdproto.topology import example_server_info
 from pdproto.transfer import create_executor
-from pdproto.v1 import common_pb2
-from . import demo_data as data
-from .demo_proc import Reply, redirect_stdout_to_stderr, serve_commands
-from .engine import KvSource, PrefillEngine
+from pdproto_server.app import ServerConfig, start_server
+from pdproto_server.core import HandshakeCore
+from pdproto_server.engine import KvSource, PrefillEngine
+from pdproto_server.registry import Limits
 
-# Field 9999, varint 1: a field from a future schema, which protobuf must carry along.
-_UNKNOWN_FIELD = bytes([0xF8, 0xF0, 0x04, 0x01])
-
+from . import data
+from .proc import Reply, redirect_stdout_to_stderr, serve_commands
 
 
 class PrefillRank:
@@ -49,7 +49,7 @@ class PrefillRank:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
             self.info.version.minor = args.info_minor
             self.info.capabilities.append(f"future-feature-{args.info_minor}")
-            self.info.MergeFromString(_UNKNOWN_FIELD)
+            self.info.MergeFromString(data.FUTURE_FIELD)
         self.engine = PrefillEngine(KvSource(tuple(self.bufs), self.info), self.executor,
                                     prefill_rank=args.dcp_rank)
         self.loop = asyncio.new_event_loop()
@@ -69,12 +69,6 @@ class PrefillRank:
             self._started.set()
 
     async def _serve(self) -> None:
-        from pathlib import Path
-
-        from .app import ServerConfig, start_server
-        from .core import HandshakeCore
-        from .registry import Limits
-
         self._stop = asyncio.Event()
         a = self.args
         limits = Limits(**json.loads(a.limits)) if a.limits else Limits()
@@ -88,7 +82,7 @@ class PrefillRank:
         await self._stop.wait()
         await running.shutdown()
 
-    def start(self) -> int:
+    def launch_service(self) -> int:
         """Start the service thread and return the bound port."""
         self._thread.start()
         if not self._started.wait(60):
@@ -99,8 +93,8 @@ class PrefillRank:
 
     def prepare(self, room: int, prefix: int, total: int, pages: list[int], corrupt: bool = False) -> Reply:
         """Write this rank's rows of tokens [prefix, total) of a request into ``pages``."""
-        rows = data.fill_source(self.pool, self.shard, pages, prefix=prefix, total=total,
-                                page_size=self.args.page_size)
+        rows = data.fill(self.pool, self.shard, data.Placement(room, prefix, total, pages),
+                         page_size=self.args.page_size, reference=data.TokenReference())
         if corrupt and rows:
             # Flip one byte in the middle of the request: the decode's check must catch it.
             row = int(data.local_rows(pages, rows, self.args.page_size)[rows // 2])
@@ -177,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     out = redirect_stdout_to_stderr()
     rank = PrefillRank(args)
     try:
-        port = rank.start()
+        port = rank.launch_service()
         out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
         out.flush()
         serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,

@@ -1,8 +1,8 @@
 """A synthetic prefill for ``pdproto serve``: deterministic KV rows and chunks on demand.
 
-Every source row's bytes are a function of (entry, source row), and every room's pages
+Every source row holds ``data.token_rows`` of (entry, source row), and every room's pages
 are a function of the room, so a decode can verify each received byte from first
-principles (``expected_rows``) without trusting the sender.
+principles (``SyntheticSpec.rows``, a ``data.Reference``) without trusting the sender.
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
 from pdproto.transfer import TransferExecutor, allocate
 from pdproto.v1 import common_pb2, server_info_pb2
 
-from .engine import KvSource, PrefillEngine
+from pdproto_server.engine import KvSource, PrefillEngine
 
-log = logging.getLogger("pdproto_server.synthetic")
+from .data import I64, U8, token_rows
 
-U8 = npt.NDArray[np.uint8]
-I64 = npt.NDArray[np.int64]
+log = logging.getLogger("pdproto_demo.synthetic")
 
 _ATTENTION = {"mla": common_pb2.ATTENTION_KIND_MLA, "mha": common_pb2.ATTENTION_KIND_MHA,
               "hybrid-mla": common_pb2.ATTENTION_KIND_HYBRID_MLA}
@@ -62,18 +60,12 @@ class SyntheticSpec:
         """Pages one room's prompt occupies."""
         return -(-self.prompt_tokens // self.page_size)
 
-
-def row_pattern(entry: int, rows: I64, row_bytes: int) -> U8:
-    """Bytes of source rows ``rows`` of ``entry`` (len(rows) x row_bytes), a hash of both."""
-    r = np.asarray(rows, dtype=np.uint64)[:, None]
-    j = np.arange(row_bytes, dtype=np.uint64)[None, :]
-    with np.errstate(over="ignore"):
-        x = r * np.uint64(0x9E3779B97F4A7C15) + j * np.uint64(0xBF58476D1CE4E5B9)
-        x = x + np.uint64((entry + 1) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF)
-        x = x ^ (x >> np.uint64(29))
-        x = x * np.uint64(0xBF58476D1CE4E5B9)
-    out: U8 = ((x >> np.uint64(32)) & np.uint64(0xFF)).astype(np.uint8)
-    return out
+    def rows(self, layer: int, room: int, tokens: I64) -> U8:
+        """What a decode must hold for ``tokens`` (positions in the room's prompt) of an entry."""
+        t = np.asarray(tokens, dtype=np.int64)
+        pages = room_pages(room, self)
+        return token_rows(layer, pages[t // self.page_size] * self.page_size + t % self.page_size,
+                          self.row_bytes)
 
 
 def room_pages(room: int, spec: SyntheticSpec) -> I64:
@@ -81,14 +73,6 @@ def room_pages(room: int, spec: SyntheticSpec) -> I64:
     n = spec.pages_per_room
     start = (room * 7919) % spec.pages
     return (start + np.arange(n, dtype=np.int64)) % spec.pages
-
-
-def expected_rows(entry: int, room: int, tokens: I64, spec: SyntheticSpec) -> U8:
-    """What a decode must hold for ``tokens`` (positions within the room's prompt) of an entry."""
-    t = np.asarray(tokens, dtype=np.int64)
-    pages = room_pages(room, spec)
-    src_rows = pages[t // spec.page_size] * spec.page_size + t % spec.page_size
-    return row_pattern(entry, src_rows, spec.row_bytes)
 
 
 def server_info(spec: SyntheticSpec, *, host: str = "127.0.0.1", port: int = 0) -> server_info_pb2.PrefillServerInfo:
@@ -116,10 +100,10 @@ def build_source(spec: SyntheticSpec, executor: TransferExecutor) -> KvSource:
     for entry in range(spec.layers):
         buf = allocate(rows_per_entry * spec.row_bytes)
         view = buf.array.reshape(rows_per_entry, spec.row_bytes)
-        step = max(1, (4 << 20) // (spec.row_bytes * 8))  # bound the uint64 temporaries
+        step = max(1, (4 << 20) // (spec.row_bytes * 4))  # bound the uint32 temporaries
         for lo in range(0, rows_per_entry, step):
             hi = min(lo + step, rows_per_entry)
-            view[lo:hi] = row_pattern(entry, np.arange(lo, hi, dtype=np.int64), spec.row_bytes)
+            view[lo:hi] = token_rows(entry, np.arange(lo, hi, dtype=np.int64), spec.row_bytes)
         buffers.append(buf)
     executor.register_memory(buffers)
     return KvSource(buffers=tuple(buffers), info=server_info(spec))
@@ -167,5 +151,4 @@ class SyntheticProducer:
                 await task
 
 
-__all__ = ["SyntheticProducer", "SyntheticSpec", "build_source", "expected_rows", "room_pages",
-           "row_pattern", "server_info"]
+__all__ = ["SyntheticProducer", "SyntheticSpec", "build_source", "room_pages", "server_info"]

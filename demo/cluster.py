@@ -1,7 +1,7 @@
 """A small P/D cluster of real processes on 127.0.0.1, driven request by request.
 
-Used by ``pdproto demo`` and by the reliability runs: prefill ranks (``demo_prefill``) serve
-the handshake service, decode ranks (``demo_decode``) register through the client. A request
+Used by ``pdproto demo`` and by the reliability runs: prefill ranks (``pdproto_demo.prefill``)
+serve the handshake service, decode ranks (``pdproto_demo.decode``) register through the client. A request
 is laid out here (pages, chunks) and its bytes are checked by each decode rank.
 """
 
@@ -15,10 +15,13 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from . import demo_data as data
-from .demo_proc import Child, ChildError, Reply
+from . import data
+from .decode import DecodeConfig, DecodeProcess
+from .proc import Child, ChildError, Reply
+
+_C = TypeVar("_C", bound=Child)
 
 
 @dataclass(frozen=True)
@@ -135,35 +138,34 @@ class Cluster:
         self.env = env or {}
         self.prefills: dict[int, list[Child]] = {}
         self.ports: dict[int, list[int]] = {}
-        self.decodes: list[Child] = []
+        self.decodes: list[DecodeProcess] = []
         self.topology: Topology | None = None
         self._room = 1000
         self._src_groups = tuple(src_groups)
 
-    def _common(self) -> list[str]:
-        g = self.geo
-        return ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size)]
-
-    def _track(self, child: Child) -> Child:
+    def _track(self, child: _C) -> _C:
         self._pids.append(child.proc.pid)
         return child
 
     def _prefill(self, ns: int, r: int, port: int = 0) -> Child:
-        return self._track(Child.start(f"prefill-dcp{ns}-r{r}", "pdproto_server.demo_prefill",
-                           [*self._common(), "--dcp-size", str(ns), "--dcp-rank", str(r),
+        g = self.geo
+        return self._track(Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill",
+                           ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size),
+                            "--dcp-size", str(ns), "--dcp-rank", str(r),
                             "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
                             "--port", str(port), *self.prefill_args,
                             *(["--token", self.token] if self.token else [])],
                            env=self.env, log_dir=self.log_dir))
 
-    def _decode(self, d: int) -> Child:
-        return self._track(Child.start(f"decode-r{d}", "pdproto_server.demo_decode",
-                           [*self._common(), "--dcp-size", str(self.dst_dcp), "--dcp-rank", str(d % self.dst_dcp),
-                            "--pages", str(self.geo.dst_pages(self.dst_dcp)), "--name", f"decode-{d}-{self.run_id}",
-                            "--notify-port", str(self.notify_ports[d])],
-                           env=self.env, log_dir=self.log_dir))
+    def _decode(self, d: int) -> DecodeProcess:
+        g = self.geo
+        config = DecodeConfig(backend=self.backend, layers=g.layers, page_size=g.page_size,
+                              pages=g.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp, dcp_rank=d % self.dst_dcp,
+                              name=f"decode-{d}-{self.run_id}", notify_port=self.notify_ports[d])
+        return self._track(DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env,
+                                                    log_dir=self.log_dir))
 
-    def start(self, timeout: float = 120.0) -> None:
+    def launch(self, timeout: float = 120.0) -> None:
         """Start every process and wait until each is ready."""
         self.notify_ports = [free_port() for _ in range(self.dst_dcp * self.dst_groups)]
         for ns in self._src_groups:
@@ -172,7 +174,7 @@ class Cluster:
         for ns, group in self.prefills.items():
             self.ports[ns] = [int(c.recv(timeout)["port"]) for c in group]
         for c in self.decodes:
-            c.recv(timeout)
+            c.await_ready(timeout)
 
     def restart_decode(self, d: int, *, same_address: bool = True, timeout: float = 120.0) -> None:
         """Kill decode rank ``d`` (if alive) and start a fresh process; same notify endpoint by default."""
@@ -180,7 +182,7 @@ class Cluster:
         if not same_address:
             self.notify_ports[d] = free_port()
         self.decodes[d] = self._decode(d)
-        self.decodes[d].recv(timeout)
+        self.decodes[d].await_ready(timeout)
 
     def restart_prefill(self, ns: int, r: int, *, same_port: bool = True, timeout: float = 120.0) -> None:
         """Stop prefill rank ``r`` of group ``ns`` (if alive) and start a fresh one."""

@@ -1,0 +1,417 @@
+"""The decode peer: one decode rank with registered KV memory, for the demo, the reliability runs, tests and benches.
+
+One program, two ways to use it:
+
+* **As a process** (``python -m pdproto_demo.decode --backend nixl --dcp-size 4 ...``), driven
+  through ``DecodeProcess``. It prints ``{"ready": true, "pid": N, "registration": HEX}``
+  (its ``KvRegistration``, serialized), then answers JSON-line commands (``pdproto_demo.proc``):
+
+  ========== ====================================================================
+  connect    register with prefill ranks (host:port) through the handshake client
+  request    lay down the decode prefix and submit the destination pages
+  wait       wait for every prefill rank's terminal status, check every pool byte
+  abort      abort a request generation on every prefill rank
+  deregister deregister from every prefill rank
+  dump       write every KV buffer, back to back, to a file
+  fill       set every byte of every KV buffer to one value
+  notices    rooms of the engine notifications received since the last call
+  ping       liveness
+  ========== ====================================================================
+
+  ``quit`` (or end of input) closes it.
+* **In process** (``DecodeRank``), for tests that drive their own client: ``registration()``,
+  ``pages_for()``, ``transfer_info()`` and ``verify()``.
+
+The registration comes from ``pdproto.registration.make_registration``; the expected bytes
+from a ``data.Reference`` (the demo's tokens, or ``SyntheticSpec`` for ``pdproto serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdproto import PROTOCOL_MINOR
+from pdproto.client import HandshakeClient
+from pdproto.errors import PdprotoError, Reason
+from pdproto.registration import DecodeLayout, kv_entries, make_registration
+from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor
+from pdproto.transfer.notice import decode_chunk_notice
+from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
+
+from . import data
+from .proc import Child, Reply, redirect_stdout_to_stderr, serve_commands
+from .synthetic import SyntheticSpec
+
+# Control endpoints only name a rank (nothing listens on them); each rank of a process gets its own.
+_notify_ports = itertools.count(20000 + (os.getpid() % 4000) * 10)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Shape of one decode rank; each field is also a command-line flag of the process."""
+
+    backend: str = "local"
+    """Transfer backend (``pdproto.backends``)."""
+    layers: int = 8
+    """KV entries, one per layer."""
+    pages: int = 64
+    """Pages per entry."""
+    page_size: int = 64
+    """Tokens per page."""
+    row_bytes: int = data.ROW_BYTES
+    """Bytes per token per layer."""
+    dcp_size: int = 1
+    """Decode DCP size (1: plain TP)."""
+    dcp_rank: int = 0
+    """This rank's DCP index."""
+    name: str = ""
+    """Engine identity (NIXL agent name) and ``TransferInfo.peer_name``; empty: from the pid."""
+    notify_port: int = 0
+    """Control endpoint port; the prefill knows a restarted decode by it. 0: a fresh one."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda:N`` (VRAM buffers: dump, fill and notices only)."""
+    kv_dtype: str = "bfloat16"
+    """KV dtype the rank registers."""
+    model_id: str = ""
+    """Model id the rank registers (empty: unchecked)."""
+    layer_ids: bool = True
+    """Register global layer ids (the prefill pairs entries by them)."""
+    background: int = data.BACKGROUND
+    """Byte every buffer starts with; rows nobody wrote must still hold it."""
+
+    def argv(self) -> list[str]:
+        """The command line that starts this rank as a process."""
+        out: list[str] = []
+        for key, value in asdict(self).items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                out += [flag if value else "--no-" + flag[2:]]
+            else:
+                out += [flag, str(value)]
+        return out
+
+    @classmethod
+    def parse(cls, argv: Sequence[str] | None = None) -> DecodeConfig:
+        """Read ``argv()`` output back."""
+        ap = argparse.ArgumentParser(prog="python -m pdproto_demo.decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        for key, value in asdict(cls()).items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            else:
+                ap.add_argument(flag, type=type(value), default=value)
+        return cls(**vars(ap.parse_args(argv)))
+
+
+@dataclass
+class _Target:
+    """One prefill rank this decode rank registered with."""
+
+    address: str
+    client: HandshakeClient
+    peer_id: str
+    mode: int
+
+
+@dataclass
+class _Pending:
+    """One submitted request and where its tokens must land."""
+
+    placements: list[data.Placement]
+    generation: int
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class DecodeRank:
+    """One decode rank: registered KV memory, its registration, clients, byte checks."""
+
+    def __init__(self, config: DecodeConfig, reference: data.Reference | None = None) -> None:
+        self.config = c = config
+        self.name = c.name or f"decode-{os.getpid()}"
+        self.notify_port = c.notify_port or next(_notify_ports)
+        self.reference = reference or data.TokenReference(c.row_bytes)
+        rows = c.pages * c.page_size
+        # The local backend names its /dev/shm arena itself (pid + uuid), so a restart never collides.
+        self.executor: TransferExecutor = create_executor(
+            c.backend, name=None if c.backend == "local" else self.name,
+            arena_bytes=c.layers * rows * c.row_bytes + (1 << 20))
+        vram = c.device.startswith("cuda")
+        device = int(c.device.partition(":")[2] or 0) if vram else 0
+        self.buffers: list[Buffer] = [
+            self.executor.allocate(rows * c.row_bytes, kind=VRAM, device=device) if vram
+            else self.executor.allocate(rows * c.row_bytes) for _ in range(c.layers)]
+        self.executor.register_memory(self.buffers)
+        self.pool = [] if vram else [np.asarray(b.array).reshape(rows, c.row_bytes) for b in self.buffers]
+        """Host views of the buffers, one (rows x row_bytes) array per layer; empty for VRAM."""
+        self.fill(c.background)
+        self.shard = data.Shard(c.dcp_size, c.dcp_rank)
+        self.targets: list[_Target] = []
+        self.pending: dict[int, _Pending] = {}
+        self._notices: list[Notification] = []
+
+    @classmethod
+    def for_spec(cls, spec: SyntheticSpec, *, pages: int, dcp_size: int = 1, dcp_rank: int = 0,
+                 backend: str = "local", kv_dtype: str | None = None) -> DecodeRank:
+        """A rank shaped for the synthetic prefill of ``pdproto serve`` and checked against it."""
+        return cls(DecodeConfig(backend=backend, layers=spec.layers, pages=pages, page_size=spec.page_size,
+                                row_bytes=spec.row_bytes, dcp_size=dcp_size, dcp_rank=dcp_rank,
+                                kv_dtype=kv_dtype or spec.kv_cache_dtype, model_id=spec.model_id,
+                                layer_ids=False), reference=spec)
+
+    # -- what tests driving their own client use ---------------------------------------
+
+    def registration(self, minor: int = PROTOCOL_MINOR) -> registration_pb2.KvRegistration:
+        """This rank's ``KvRegistration`` (call again after a restart of the engine: endpoints change)."""
+        c = self.config
+        layout = DecodeLayout(
+            page_size=c.page_size, kv=kv_entries(c.layers, c.row_bytes, layer_ids=c.layer_ids),
+            kv_cache_dtype=c.kv_dtype, attention_kind=common_pb2.ATTENTION_KIND_MLA,
+            dcp_size=c.dcp_size, dcp_rank=c.dcp_rank, model_id=c.model_id,
+            notify_host="127.0.0.1", notify_port=self.notify_port, capabilities=("dcp-relayout", "packed"),
+            gpu_id=self.buffers[0].device, minor=minor)
+        return make_registration(layout, self.executor.endpoint(), self.buffers)
+
+    def pages_for(self, tokens: int, first_page: int = 0) -> list[int]:
+        """Destination pages this rank needs for ``tokens`` global tokens (reversed, to be non-trivial)."""
+        local = -(-tokens // self.config.dcp_size)
+        n = -(-local // self.config.page_size)
+        return list(range(first_page + n - 1, first_page - 1, -1))
+
+    def transfer_info(self, room: int, pages: Sequence[int], generation: int = 0, prefix: int = 0,
+                      required: int = 1) -> transfer_pb2.TransferInfo:
+        """The ``TransferInfo`` of one request that ``required`` prefill ranks serve."""
+        return transfer_pb2.TransferInfo(
+            room=room, generation=generation, peer_name=self.name, dst_kv_pages=pages,
+            required_dst_info_num=required, decode_prefix_len=prefix,
+            notify_endpoint=common_pb2.Endpoint(host="127.0.0.1", port=self.notify_port))
+
+    def verify(self, rooms: Mapping[int, Sequence[int]], tokens: int) -> int:
+        """Assert every pool byte: ``tokens`` tokens of each room on its pages, background elsewhere."""
+        placements = [data.Placement(room, 0, tokens, pages) for room, pages in rooms.items()]
+        checked, bad = self._check(placements)
+        assert bad is None, f"first differing byte: {bad}"
+        return checked
+
+    def _check(self, placements: Sequence[data.Placement]) -> tuple[int, data.Mismatch | None]:
+        if not self.pool:
+            raise PdprotoError("byte checks read host memory; this rank's buffers are in VRAM",
+                               reason=Reason.INVALID_FIELD)
+        return data.verify(self.pool, self.shard, placements, page_size=self.config.page_size,
+                           reference=self.reference, background=self.config.background)
+
+    # -- commands of the process --------------------------------------------------------
+
+    def connect(self, targets: list[str], token: str | None = None, minor: int = PROTOCOL_MINOR,
+                timeout: float = 20.0, unknown_field: bool = False, root_cert: str | None = None) -> Reply:
+        """Register with every prefill rank in ``targets`` (host:port); optionally as a newer build."""
+        for old in self.targets:
+            old.client.close()
+        self.targets = []
+        reg = self.registration(minor)
+        if unknown_field:
+            reg.MergeFromString(data.FUTURE_FIELD)
+        for address in targets:
+            client = self._reach(address, token, timeout, root_cert)
+            result = client.register(reg)
+            self.targets.append(_Target(address, client, result.peer_id, int(result.mode)))
+        return {"peers": [t.peer_id for t in self.targets], "modes": [t.mode for t in self.targets]}
+
+    @staticmethod
+    def _reach(address: str, token: str | None, timeout: float, root_cert: str | None) -> HandshakeClient:
+        """A client whose server answered GetServerInfo; keeps trying a restarting prefill until ``timeout``."""
+        end = time.monotonic() + timeout
+        while True:
+            client = HandshakeClient(address, token=token, timeout=min(timeout, 5.0), root_cert=root_cert,
+                                     server_name="localhost" if root_cert else None)
+            try:
+                client.get_server_info()
+                return client
+            except PdprotoError as exc:
+                client.close()
+                if exc.reason is not Reason.UNAVAILABLE or time.monotonic() + 0.5 >= end:
+                    raise
+                time.sleep(0.5)
+
+    def request(self, room: int, prefix: int, total: int, prefix_pages: list[int],
+                dst_pages: list[int], generation: int = 0, timeout: float = 20.0) -> Reply:
+        """Lay down the decode prefix and hand every prefill rank this request's destination."""
+        cached = data.Placement(room, 0, prefix, prefix_pages)
+        if not self.pool:
+            raise PdprotoError("requests need host memory; this rank's buffers are in VRAM",
+                               reason=Reason.INVALID_FIELD)
+        data.fill(self.pool, self.shard, cached, page_size=self.config.page_size, reference=self.reference)
+        self.pending[room] = _Pending([cached, data.Placement(room, prefix, total, dst_pages)], generation)
+        info = self.transfer_info(room, dst_pages, generation, prefix, required=len(self.targets))
+        states = [int(t.client.submit_transfer(t.peer_id, info, timeout=timeout).state) for t in self.targets]
+        return {"states": states}
+
+    def wait(self, room: int, timeout: float = 120.0, check: bool = True) -> Reply:
+        """Wait for every prefill rank's terminal status of ``room``, then check every pool byte."""
+        p = self.pending.pop(room)
+        deadline = time.monotonic() + timeout
+        nbytes = descriptors = chunks = 0
+        failures: list[str] = []
+        for t in self.targets:
+            try:
+                st = t.client.wait_for(t.peer_id, [room], timeout=max(deadline - time.monotonic(), 0.1))[room]
+            except PdprotoError as exc:
+                failures.append(f"{t.address}: {exc.reason.name}: {exc.message}")
+                # Giving up is not enough: the prefill may still write into these pages.
+                # Abort answers only after in-flight chunks drained, so the pages are safe to reuse.
+                try:
+                    t.client.abort(t.peer_id, room, p.generation, timeout=30.0)
+                except PdprotoError as abort_exc:
+                    failures.append(f"{t.address}: abort after timeout: {abort_exc.reason.name}")
+                continue
+            if st.state != common_pb2.TRANSFER_STATE_SUCCESS:
+                failures.append(f"{t.address}: {st.failure_code}: {st.failure_reason}")
+            nbytes += st.bytes_transferred
+            descriptors += st.descriptors
+            chunks += st.chunks_done
+        done_at = time.monotonic()
+        if not failures and self.config.backend == "nixl":
+            # Every chunk must be announced through the engine, including chunks where this
+            # rank owns no rows (e.g. the 1-token tail of a 65-token prompt on DCP 4).
+            got = self._await_notices(room, p.generation, chunks, deadline)
+            if got != chunks:
+                failures.append(f"expected {chunks} chunk notices through NIXL, got {got}")
+        checked, bad = self._check(p.placements) if check and not failures else (0, None)
+        data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=self.config.page_size,
+                   background=self.config.background)
+        return {"room": room, "ok": not failures and bad is None, "failures": failures,
+                "mismatch": None if bad is None else bad.__dict__, "checked": checked,
+                "bytes": nbytes, "descriptors": descriptors, "seconds": done_at - p.submitted,
+                "done_at": done_at}
+
+    def _await_notices(self, room: int, generation: int, expected: int, deadline: float) -> int:
+        """Count chunk notices of this generation of ``room`` until ``expected`` arrived or time ran out.
+
+        Notices trail the data, and an aborted generation's chunks may still announce
+        themselves after the room was reused, so they are counted per generation.
+        """
+        stop = min(deadline, time.monotonic() + 5.0)
+        while True:
+            self._notices += self.executor.notifications()
+            parsed = [(n, decode_chunk_notice(n)) for n in self._notices]
+            got = sum(1 for _, c in parsed if c is not None and (c.room, c.generation) == (room, generation))
+            if got >= expected or time.monotonic() >= stop:
+                self._notices = [n for n, c in parsed
+                                 if c is None or c.room != room or c.generation > generation]
+                return got
+            time.sleep(0.005)
+
+    def abort(self, room: int, generation: int = 0, timeout: float = 20.0) -> Reply:
+        """Abort a request generation on every prefill rank; returns once each acknowledged."""
+        acks = [t.client.abort(t.peer_id, room, generation, timeout=timeout) for t in self.targets]
+        return {"acks": [[a.room, a.generation] for a in acks]}
+
+    def deregister(self) -> Reply:
+        """Deregister from every prefill rank."""
+        failed = sum(t.client.deregister(t.peer_id) for t in self.targets)
+        return {"failed": failed}
+
+    def dump(self, path: str) -> Reply:
+        """Write every KV buffer, back to back, to ``path``."""
+        with open(path, "wb") as f:
+            for b in self.buffers:
+                host = b.array.cpu().numpy() if b.kind == VRAM else b.array
+                f.write(memoryview(host).cast("B"))
+        return {"bytes": sum(b.length for b in self.buffers)}
+
+    def fill(self, value: int) -> Reply:
+        """Set every byte of every KV buffer to ``value``."""
+        for b in self.buffers:
+            b.array[:] = value
+        return {}
+
+    def notices(self, wait: float = 0.0) -> Reply:
+        """Rooms of the notifications received since the last call, waiting up to ``wait`` s for the first."""
+        deadline = time.monotonic() + wait
+        while True:
+            self._notices += self.executor.notifications()
+            if self._notices or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        rooms, self._notices = [n.room for n in self._notices], []
+        return {"rooms": rooms}
+
+    def close(self) -> None:
+        """Close clients and the executor."""
+        for t in self.targets:
+            t.client.close()
+        self.executor.close()
+
+
+class DecodeProcess(Child):
+    """A decode rank in its own process (``python -m pdproto_demo.decode``), seen from its parent."""
+
+    registration: registration_pb2.KvRegistration
+    """The rank's registration, as its ready line reported it (set by ``await_ready``)."""
+
+    @classmethod
+    def spawn_rank(cls, config: DecodeConfig, *, label: str = "decode", env: dict[str, str] | None = None,
+                   log_dir: str | None = None) -> DecodeProcess:
+        """Start a decode rank process without waiting for it (``await_ready`` next)."""
+        return cls.spawn(label, "pdproto_demo.decode", config.argv(), env=env, log_dir=log_dir)
+
+    @classmethod
+    def launch(cls, config: DecodeConfig, *, label: str = "decode", timeout: float = 120.0,
+               env: dict[str, str] | None = None, log_dir: str | None = None) -> DecodeProcess:
+        """Start a decode rank process and wait until it is ready."""
+        child = cls.spawn_rank(config, label=label, env=env, log_dir=log_dir)
+        try:
+            child.await_ready(timeout)
+        except BaseException:
+            child.close(timeout=5)
+            raise
+        return child
+
+    def await_ready(self, timeout: float) -> Reply:
+        """Read the ready line (its registration included)."""
+        ready = self.recv(timeout)
+        self.registration = registration_pb2.KvRegistration.FromString(bytes.fromhex(ready["registration"]))
+        return ready
+
+    def dump(self, path: str, timeout: float = 60.0) -> None:
+        """Ask the rank to write all its buffers to ``path``."""
+        self.call("dump", timeout, path=path)
+
+    def fill(self, value: int, timeout: float = 60.0) -> None:
+        """Ask the rank to set every buffer byte to ``value``."""
+        self.call("fill", timeout, value=value)
+
+    def notified_rooms(self, wait_s: float = 5.0) -> list[int]:
+        """Rooms of the engine notifications the rank received (waits up to ``wait_s`` for the first)."""
+        return [int(r) for r in self.call("notices", wait_s + 30.0, wait=wait_s)["rooms"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the decode rank process."""
+    config = DecodeConfig.parse(argv)
+    out = redirect_stdout_to_stderr()
+    rank = DecodeRank(config)
+    try:
+        reg = rank.registration().SerializeToString().hex()
+        out.write('{"ready": true, "pid": %d, "registration": "%s"}\n' % (os.getpid(), reg))
+        out.flush()
+        commands: dict[str, Any] = {
+            "connect": rank.connect, "request": rank.request, "wait": rank.wait, "abort": rank.abort,
+            "deregister": rank.deregister, "dump": rank.dump, "fill": rank.fill, "notices": rank.notices,
+            "ping": lambda: {"pong": True}}
+        serve_commands(commands, out)
+    finally:
+        rank.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
