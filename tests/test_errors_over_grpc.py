@@ -21,10 +21,10 @@ from pdproto.client import AsyncHandshakeClient, HandshakeClient, RetryConfig
 from pdproto.errors import GRPC_CODE_NAMES, PdprotoError, Reason, error_class, error_for
 from pdproto import v1
 from pdproto.v1 import handshake_service_pb2_grpc
+from pdproto_demo.decode import DecodeRank
+from pdproto_demo.synthetic import SyntheticSpec
 from pdproto_server import _status
-from pdproto_server.synthetic import SyntheticSpec
 
-from ._decode_peer import DecodePeer
 from ._server_harness import ServerProcess, running_server
 
 SPEC = SyntheticSpec(layers=1, row_bytes=128, pages=64, page_size=16, prompt_tokens=64,
@@ -113,8 +113,8 @@ def _expect(reason: Reason, call: Any, *args: Any, **kwargs: Any) -> PdprotoErro
 def test_representative_reasons_from_a_real_server(server: ServerProcess) -> None:
     with HandshakeClient(server.target, token="wrong") as anon:
         _expect(Reason.UNAUTHENTICATED, anon.get_server_info)
-    peer = DecodePeer(SPEC, pages=8)
-    mismatched = DecodePeer(SPEC, pages=8, kv_dtype="fp8_e4m3")
+    peer = DecodeRank.for_spec(SPEC, pages=8)
+    mismatched = DecodeRank.for_spec(SPEC, pages=8, kv_dtype="fp8_e4m3")
     try:
         with HandshakeClient(server.target, token=TOKEN, timeout=10) as client:
             _expect(Reason.TOPOLOGY_KV_DTYPE_MISMATCH, client.register, mismatched.registration())
@@ -131,14 +131,14 @@ def test_representative_reasons_from_a_real_server(server: ServerProcess) -> Non
 
             peer_id = client.register(peer.registration()).peer_id
             pages = peer.pages_for(SPEC.prompt_tokens)
-            client.submit_transfer(peer_id, peer.transfer(1, pages, generation=2))
+            client.submit_transfer(peer_id, peer.transfer_info(1, pages, generation=2))
             _expect(Reason.DUPLICATE_REQUEST, client.submit_transfer, peer_id,
-                    peer.transfer(1, pages, generation=2))
+                    peer.transfer_info(1, pages, generation=2))
             _expect(Reason.STALE_GENERATION, client.abort, peer_id, 1, generation=1)
             _expect(Reason.DESTINATION_OUT_OF_BOUNDS, client.submit_transfer, peer_id,
-                    peer.transfer(2, [peer.pages + 3]))
-            client.submit_transfer(peer_id, peer.transfer(3, pages))
-            _expect(Reason.TOO_MANY_REQUESTS, client.submit_transfer, peer_id, peer.transfer(4, pages))
+                    peer.transfer_info(2, [peer.config.pages + 3]))
+            client.submit_transfer(peer_id, peer.transfer_info(3, pages))
+            _expect(Reason.TOO_MANY_REQUESTS, client.submit_transfer, peer_id, peer.transfer_info(4, pages))
             _expect(Reason.DEADLINE_EXCEEDED, client.watch_status, peer_id, [999], timeout=0.3)
             client.deregister(peer_id)
     finally:
