@@ -20,9 +20,10 @@ test: setup
 	@bash scripts/gates.sh
 	@bash scripts/run_tests.sh
 
-## Tests only (no gates), for quick iteration.
+## The pure tests only, for quick iteration: no gates, and no test marked `process`
+## (subprocesses, gRPC servers, engines; tests/conftest.py enforces the marker).
 test-fast: setup
-	@bash scripts/run_tests.sh
+	@bash scripts/run_tests.sh -m "not process"
 
 ## The end-to-end demo: real processes, real engines, every byte checked.
 demo: setup

@@ -24,7 +24,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdproto_demo.synthetic import SyntheticSpec
+
 REPO = Path(__file__).resolve().parents[1]
+
+SPEC = SyntheticSpec(layers=2, row_bytes=256, pages=128, page_size=16, prompt_tokens=200,
+                     chunk_tokens=64, chunk_delay=0.05)
+"""The synthetic KV source most server tests share; ``SERVE_ARGS`` starts a server with it."""
+SERVE_ARGS = ("--layers", str(SPEC.layers), "--row-bytes", str(SPEC.row_bytes), "--pages", str(SPEC.pages),
+              "--page-size", str(SPEC.page_size), "--prompt-tokens", str(SPEC.prompt_tokens),
+              "--chunk-tokens", str(SPEC.chunk_tokens), "--chunk-delay-ms", "50", "--match-timeout", "10")
 
 
 @dataclass
@@ -127,4 +136,4 @@ def running_server(*args: str, token: str | None = None, timeout: float = 30.0,
             proc.stdout.close()
 
 
-__all__ = ["REPO", "ServerProcess", "running_server"]
+__all__ = ["REPO", "SERVE_ARGS", "SPEC", "ServerProcess", "running_server"]

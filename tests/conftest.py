@@ -1,9 +1,21 @@
-"""Shared test settings: hypothesis profiles sized for a noisy 2-core machine."""
+"""Shared test settings: hypothesis profiles, and the ``process`` marker enforced.
+
+A test that starts a subprocess or a gRPC server must say so with
+``@pytest.mark.process`` (or a module's ``pytestmark``): ``make test-fast`` deselects
+those and runs the pure ones alone. An unmarked test that tries fails at once, naming
+what it started, so the fast set stays pure as tests are added.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Generator
+from typing import Any
 
+import grpc
+import grpc.aio
+import pytest
 from hypothesis import HealthCheck, settings
 
 # No per-example deadline: these machines are shared and timing is noise, not signal.
@@ -15,3 +27,42 @@ settings.register_profile(
 )
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn",
+                           "os.spawn", "os.system", "os.exec"})
+_pure_test: str | None = None
+"""The node id of the unmarked test now running (its setup, call or teardown), if any."""
+
+
+def _refuse_spawns(event: str, args: tuple[Any, ...]) -> None:
+    """Audit hook: an unmarked test may not start a process."""
+    if _pure_test is not None and event in _SPAWN_EVENTS:
+        raise RuntimeError(f"{_pure_test} started a process ({event}) but is not marked "
+                           "@pytest.mark.process")
+
+
+sys.addaudithook(_refuse_spawns)
+
+
+def _refusing(what: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if _pure_test is not None:
+            raise RuntimeError(f"{_pure_test} started a {what} but is not marked @pytest.mark.process")
+        return real(*args, **kwargs)
+    return refuse
+
+
+# gRPC servers start in C, out of the audit hook's sight: refuse them at the Python door.
+grpc.server = _refusing("gRPC server", grpc.server)
+grpc.aio.server = _refusing("gRPC server", grpc.aio.server)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """Guard setup, call and teardown (module fixtures start with a module's first test)."""
+    global _pure_test
+    _pure_test = None if item.get_closest_marker("process") else item.nodeid
+    try:
+        return (yield)
+    finally:
+        _pure_test = None

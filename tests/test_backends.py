@@ -113,6 +113,7 @@ def test_deployment_checker_knows_every_row(spec: backends.BackendSpec) -> None:
     assert ("DECODE_DCP_LOCAL_BACKEND" in codes) is spec.single_host
 
 
+@pytest.mark.process
 def test_registry_imports_no_engine() -> None:
     code = ("import sys, pdproto.backends; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "

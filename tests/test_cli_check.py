@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from google.protobuf import json_format
 
 from pdproto.topology import example_registration, example_server_info
+
+pytestmark = pytest.mark.process
 
 
 def check(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -14,8 +14,7 @@ from pdproto.errors import Reason
 from pdproto.v1 import common_pb2
 from pdproto_demo.decode import DecodeRank
 
-from ._server_harness import ServerProcess, running_server
-from .test_server import SERVE_ARGS, SPEC
+from ._server_harness import SERVE_ARGS, SPEC, ServerProcess, running_server
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +39,7 @@ def test_unavailable_is_retried_then_raised_typed() -> None:
     assert isinstance(info.value, ConnectionError)
 
 
+@pytest.mark.process
 def test_not_found_is_not_retried_and_carries_metadata(server: ServerProcess) -> None:
     with HandshakeClient(server.target) as client:
         with pytest.raises(E.NotFoundError) as info:
@@ -49,6 +49,7 @@ def test_not_found_is_not_retried_and_carries_metadata(server: ServerProcess) ->
         assert info.value.__cause__ is not None
 
 
+@pytest.mark.process
 def test_watch_deadline_becomes_typed_error(server: ServerProcess) -> None:
     peer = DecodeRank.for_spec(SPEC, pages=16)
     try:
@@ -62,6 +63,7 @@ def test_watch_deadline_becomes_typed_error(server: ServerProcess) -> None:
         peer.close()
 
 
+@pytest.mark.process
 def test_async_client_end_to_end(server: ServerProcess) -> None:
     peer = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=1, pages=16)
 
@@ -90,6 +92,7 @@ def test_async_client_end_to_end(server: ServerProcess) -> None:
         peer.close()
 
 
+@pytest.mark.process
 def test_oversized_message_is_refused_typed(server: ServerProcess) -> None:
     peer = DecodeRank.for_spec(SPEC, pages=16)
     try:
@@ -105,6 +108,7 @@ def test_oversized_message_is_refused_typed(server: ServerProcess) -> None:
         peer.close()
 
 
+@pytest.mark.process
 def test_a_call_made_before_the_server_starts_succeeds_within_its_deadline() -> None:
     """A decode that reaches a (re)starting prefill keeps retrying UNAVAILABLE until the deadline."""
     import threading

@@ -120,6 +120,7 @@ def test_the_core_list_covers_the_named_packages() -> None:
     assert not [n for n in names if n.startswith(EDGES)]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("module", core_modules())
 def test_core_module_loads_no_grpc_asyncio_threads_or_sockets(module: str) -> None:
     found, loaded = probe(module)
@@ -142,6 +143,7 @@ BAD_MODULES = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", sorted(BAD_MODULES))
 def test_the_probe_catches_a_forbidden_import(tmp_path: Path, name: str) -> None:
     source, expected = BAD_MODULES[name]

@@ -17,6 +17,7 @@ def pdproto(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.process
 def test_json_reports_descriptors_and_bytes_per_destination_rank():
     out = pdproto("--tokens", "8192", "--page-size", "64", "--dcp", "4", "--layers", "2", "--json")
     assert out.returncode == 0, out.stderr
@@ -31,6 +32,7 @@ def test_json_reports_descriptors_and_bytes_per_destination_rank():
         assert p["bytes"] == 2048 * 1152 * 2 and p["descriptors_packed"] == 64
 
 
+@pytest.mark.process
 def test_table_and_n_to_m_layout():
     out = pdproto("--tokens", "1000", "--src-dcp", "2", "--dcp", "4", "--page-size", "16",
                   "--pages", "contiguous", "--draft-layers", "1", "--show-runs", "1")
@@ -40,6 +42,7 @@ def test_table_and_n_to_m_layout():
     assert "total: 1000 rows" in out.stdout
 
 
+@pytest.mark.process
 def test_bad_input_exits_2_with_reason():
     out = pdproto("--tokens", "100", "--prefix", "10")
     assert out.returncode == 2 and "PLAN_PREFIX_NOT_ALIGNED" in out.stderr

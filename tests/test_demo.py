@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 DEMO = [sys.executable, "-m", "pdproto_server.cli", "demo", "--backend", "local",
         "--prompts", "65,257", "--layers", "8"]
 

@@ -27,6 +27,8 @@ from pdproto_server import _status
 
 from ._server_harness import ServerProcess, running_server
 
+pytestmark = pytest.mark.process
+
 SPEC = SyntheticSpec(layers=1, row_bytes=128, pages=64, page_size=16, prompt_tokens=64,
                      chunk_tokens=32, chunk_delay=0.5)
 TOKEN = "errors-test-token"

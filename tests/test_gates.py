@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 BUF = ROOT / ".venv" / "bin" / "buf"
 BASELINE = ROOT / "compat" / "pdproto.v1.baseline.json"

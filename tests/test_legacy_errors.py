@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pdproto.errors import LegacyFormatError, Reason
 from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, parse_any
 from pdproto.v1 import KvRegistration, TransferInfo, TransferStatus
-from tests.test_legacy_roundtrip import (
+from ._legacy_strategies import (
     MC_REG,
     NX_REG,
     aborts,

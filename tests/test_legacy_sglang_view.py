@@ -26,7 +26,7 @@ from pdproto.v1 import (
     TransferInfo,
     TransferStatus,
 )
-from tests.test_legacy_roundtrip import ASCII, EXAMPLES, I32, STATES, U32, U64, UTF8
+from ._legacy_strategies import ASCII, EXAMPLES, I32, STATES, U32, U64, UTF8
 
 KVPOLL = {5: 0, 1: 1, 2: 2, 3: 3, 4: 4}  # TransferState -> KVPoll (Failed is 0)
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests.reliability import faults
 
+pytestmark = pytest.mark.process
+
 
 def _has(module: str) -> bool:
     try:

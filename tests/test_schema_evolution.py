@@ -22,6 +22,8 @@ from pdproto import wire
 from pdproto.errors import Reason, WireError
 from tests.fuzz.messages import messages
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 EVOLUTION = ROOT / "tests" / "evolution"
 PROTO = "pdevo/v1/evo.proto"

@@ -22,15 +22,10 @@ from pdproto.client import HandshakeClient
 from pdproto.errors import Reason
 from pdproto.v1 import SERVICE_NAME, common_pb2, registration_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
-from pdproto_demo.synthetic import SyntheticSpec
 
-from ._server_harness import REPO, ServerProcess, running_server
+from ._server_harness import REPO, SERVE_ARGS, SPEC, ServerProcess, running_server
 
-SPEC = SyntheticSpec(layers=2, row_bytes=256, pages=128, page_size=16, prompt_tokens=200,
-                     chunk_tokens=64, chunk_delay=0.05)
-SERVE_ARGS = ("--layers", str(SPEC.layers), "--row-bytes", str(SPEC.row_bytes), "--pages", str(SPEC.pages),
-              "--page-size", str(SPEC.page_size), "--prompt-tokens", str(SPEC.prompt_tokens),
-              "--chunk-tokens", str(SPEC.chunk_tokens), "--chunk-delay-ms", "50", "--match-timeout", "10")
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +260,7 @@ _DYING_DECODE = """
 import os, sys
 from pdproto.client import HandshakeClient
 from pdproto_demo.decode import DecodeRank
-from tests.test_server import SPEC
+from tests._server_harness import SPEC
 peer = DecodeRank.for_spec(SPEC, pages=32)
 with HandshakeClient(sys.argv[1]) as client:
     peer_id = client.register(peer.registration()).peer_id

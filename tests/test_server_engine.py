@@ -20,7 +20,9 @@ from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
 from pdproto_server.registry import Limits
 
-from .test_server import SPEC
+from ._server_harness import SPEC
+
+pytestmark = pytest.mark.process
 
 Scenario = Callable[[PrefillEngine, AsyncHandshakeClient, DecodeRank], Awaitable[None]]
 

@@ -55,6 +55,7 @@ def test_token_policy() -> None:
         require_token_policy("0.0.0.0:1", None)
 
 
+@pytest.mark.process
 def test_serve_refuses_public_address_without_token() -> None:
     proc = subprocess.run([sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "0.0.0.0:0",
                            "--pages", "4", "--layers", "1"],
@@ -74,6 +75,7 @@ class _Exploding(HandshakeServicer):
         raise RuntimeError("secret internal detail")
 
 
+@pytest.mark.process
 def test_unexpected_exception_becomes_internal_not_unknown() -> None:
     async def run() -> None:
         server = grpc.aio.server()

@@ -48,7 +48,7 @@ SRC_PAGES = 256
 SRC_ROWS = SRC_PAGES * PAGE
 DST_ROWS = SRC_ROWS // DCP
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 
 class Prefill:

@@ -114,6 +114,7 @@ def test_notification_round_trip(room: int, payload: bytes) -> None:
     assert n is not None and (n.room, n.payload, n.peer) == (room, payload, "agent")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("backend", "package"), [("mooncake", "mooncake"), ("nixl", "nixl_cu12")])
 def test_missing_engine_names_the_package(backend: str, package: str) -> None:
     # A child interpreter where the engine cannot be imported, as on a machine without it.
@@ -145,6 +146,7 @@ def test_dcp_rows_gather_as_one_strided_copy_per_page() -> None:
     assert set(runs[1].tolist()) == {16} and set(runs[3].tolist()) == {4}
 
 
+@pytest.mark.process
 def test_stale_local_arenas_are_swept_but_named_ones_kept() -> None:
     from pdproto.transfer.local import SHM_DIR, sweep_stale_arenas
 

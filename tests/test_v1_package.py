@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdproto import v1
 from pdproto.v1 import (
     common_pb2,
@@ -49,6 +51,7 @@ def test_only_protos_with_a_service_have_a_stubs_module() -> None:
     assert stubs == with_service == ["handshake_service_pb2_grpc.py"]
 
 
+@pytest.mark.process
 def test_the_grpc_stubs_load_on_their_own_and_on_first_use() -> None:
     code = ("import sys, pdproto.v1 as v1\n"
             "assert 'grpc' not in sys.modules\n"
@@ -78,6 +81,7 @@ typo = v1.KvRegistratoin()
 '''
 
 
+@pytest.mark.process
 def test_user_code_type_checks_against_the_namespace_and_typos_do_not(tmp_path: Path) -> None:
     # The lazy stub loader is hidden from type checkers, so an unknown name is an error
     # rather than Any, and the stubs keep their real types.

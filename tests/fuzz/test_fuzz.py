@@ -65,6 +65,7 @@ def test_short_mutation_run_over_every_target(tmp_path: Path, capsys: pytest.Cap
     assert not list(tmp_path.iterdir())  # no findings saved
 
 
+@pytest.mark.process
 @pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris not installed")
 def test_short_atheris_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status = run.main(["--runs", "2000", "--engine", "atheris", "--jobs", "2",
