@@ -17,12 +17,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser with every subcommand registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; only ``command``'s module is imported, to add its flags.
+
+    Every subcommand is listed (for ``pdproto --help``), but importing a command's
+    module can be costly (``serve`` loads gRPC, ``demo`` the engines), so only the one
+    that will run is imported.
+    """
     parser = argparse.ArgumentParser(prog="pdproto", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
+        if name != command:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -37,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the pdproto CLI and return its exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top level takes no options but --help, so the first other word names the command.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     missing = getattr(args, "_missing", None)
     if missing is not None:
         print(f"pdproto {args.command}: not available in this build ({missing} missing)", file=sys.stderr)
