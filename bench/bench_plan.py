@@ -1,4 +1,4 @@
-"""Relayout planning: pdproto.dcp.plan_relayout against SGLang 0.5.23's per-token planner, same run.
+"""Relayout planning: pdproto.dcp.plan_chunk against SGLang 0.5.23's per-token planner, same run.
 
 The baseline is written here from the wire inventory's description (sections 4.4 and
 4.5): per-token numpy index arrays for the target and draft entries, then
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.dcp import plan_relayout
+from pdproto.dcp import DcpLayout, plan_chunk
 
 I64 = npt.NDArray[np.int64]
 PAGE = 64
@@ -83,14 +83,15 @@ def bench_one(tokens: int, dcp: int, rng: np.random.Generator) -> dict[str, floa
         t_src, t_dst, _, _ = sglang_token_plan(src_pages, dst_pages, PAGE, dcp, RANK, N=tokens)
         return group_concurrent_contiguous(t_src, t_dst)
 
+    # The layouts a negotiated Decision carries: dense prefill, DCP decode rank.
+    src, dst = DcpLayout(PAGE), DcpLayout(PAGE, dcp, RANK)
+
     def ours() -> I64:
-        plan = plan_relayout(src_pages, dst_pages, page_size=PAGE, dcp_size=dcp, dcp_rank=RANK,
-                             num_kv_tokens=tokens, include_draft=True)
+        plan = plan_chunk(src, dst, src_pages, dst_pages, num_kv_tokens=tokens, include_draft=True)
         return plan.contiguous_segments(packed=False)
 
     def ours_plan_only() -> None:
-        plan_relayout(src_pages, dst_pages, page_size=PAGE, dcp_size=dcp, dcp_rank=RANK,
-                      num_kv_tokens=tokens, include_draft=True)
+        plan_chunk(src, dst, src_pages, dst_pages, num_kv_tokens=tokens, include_draft=True)
 
     src_groups, dst_groups = baseline()
     segments = ours()
@@ -101,7 +102,7 @@ def bench_one(tokens: int, dcp: int, rng: np.random.Generator) -> dict[str, floa
     assert segments[:, 2].tolist() == [len(g) for g in src_groups]
 
     repeats = 5 if tokens >= 65536 else 9
-    plan = plan_relayout(src_pages, dst_pages, page_size=PAGE, dcp_size=dcp, dcp_rank=RANK, num_kv_tokens=tokens)
+    plan = plan_chunk(src, dst, src_pages, dst_pages, num_kv_tokens=tokens)
     base_ms = _median_ms(baseline, repeats)
     ours_ms = _median_ms(ours, repeats * 4)
     return {
@@ -119,7 +120,7 @@ def main() -> int:
     rows = [bench_one(tokens, dcp, rng) for tokens in (8192, 32768, 131072) for dcp in (4, 8)]
     print(f"one decode rank (rank {RANK}), page {PAGE}, dense prefill -> DCP decode, target + draft planned;")
     print("baseline = SGLang 0.5.23 per-token plan + group_concurrent_contiguous (this file); "
-          "ours = plan_relayout + contiguous_segments(packed=False), same descriptors")
+          "ours = plan_chunk + contiguous_segments(packed=False), same descriptors")
     head = ["tokens", "DCP", "baseline ms", "ours ms", "ratio", "plan-only ms", "runs",
             "desc/layer unpacked", "desc/layer packed", "dst page runs"]
     widths = [8, 5, 13, 10, 8, 14, 7, 21, 19, 15]

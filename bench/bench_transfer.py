@@ -2,10 +2,11 @@
 
 For each engine (Mooncake TCP, NIXL UCX), a decode peer runs in its own process
 with 8 layers × 8192 rows × 1152 bytes (one DCP-4 rank's share of 32,768
-tokens, 75.5 MB). The prefill, in this process, writes the same bytes three ways:
-  dense    one contiguous descriptor per layer (rows 0..n-1 -> 0..n-1): the ceiling
-  packed   DCP relayout rows, gathered into staging, one descriptor per destination run
-  per_row  the same rows without packing: one descriptor per row per layer
+tokens, 75.5 MB). The prefill, in this process, writes the same bytes three ways,
+each a job carrying runs (as the server builds them):
+  dense    one run, one contiguous descriptor per layer (rows 0..n-1 -> 0..n-1): the ceiling
+  packed   the planner's DCP relayout runs, gathered into staging, one descriptor per destination run
+  per_row  the same runs without packing: one descriptor per row per layer (the baseline)
 Targets: packed/dense >= 0.8 and packed/per_row >= 10.
 
 Environment: PDPROTO_BENCH_DEVICE=cuda puts both sides in VRAM;
@@ -22,7 +23,7 @@ import time
 
 import numpy as np
 
-from pdproto.dcp import plan_relayout
+from pdproto.dcp import DcpLayout, plan_chunk
 from pdproto.errors import EngineUnavailableError
 from pdproto.transfer import DRAM, VRAM, LayerSpan, TransferJob, TransferResult, create_executor
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
@@ -59,14 +60,13 @@ def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[
         spans = tuple(LayerSpan(s.addr, d.ptr, ROW) for s, d in zip(srcs, peer.registration.kv_buffers))
 
         # Prefill pages are scattered; decode pages are a fresh consecutive allocation.
-        plan = plan_relayout(rng.permutation(src_total // PAGE), np.arange(rows // PAGE),
-                             page_size=PAGE, dcp_size=DCP, dcp_rank=RANK)
-        src_rows, dst_rows = plan.expand()
-        dense = np.arange(rows, dtype=np.int64)
+        plan = plan_chunk(DcpLayout(PAGE), DcpLayout(PAGE, DCP, RANK), rng.permutation(src_total // PAGE),
+                          np.arange(rows // PAGE))
+        dense = np.array([[0, 1, 0, 1, rows]], dtype=np.int64)
         jobs = {
-            "dense": TransferJob(spans, dense, dense, pack=False),
-            "packed": TransferJob(spans, src_rows, dst_rows, pack=True),
-            "per_row": TransferJob(spans, src_rows, dst_rows, pack=False),
+            "dense": TransferJob.of_runs(spans, dense, pack=False),
+            "packed": TransferJob.of_runs(spans, plan.target_runs, pack=True),
+            "per_row": TransferJob.of_runs(spans, plan.target_runs, pack=False),
         }
         for job in jobs.values():
             ex.execute("bench", job)  # warm-up: connections, registrations, page faults
@@ -91,7 +91,7 @@ def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[
             out[f"{mode}_desc"] = res.descriptors
         out["pack_s"] = statistics.median(packs)
         # The last run was per-row over the relayout rows; check that every byte landed.
-        _verify(peer, fill.reshape(-1, ROW), src_rows, dst_rows, layers, rows)
+        _verify(peer, fill.reshape(-1, ROW), *plan.expand(), layers, rows)
         return out
     except Exception as exc:
         # Say whether the decode peer died (and how) or the engine failed with it alive.

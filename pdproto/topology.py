@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
 from pdproto._topology_examples import example_registration, example_server_info
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
+from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
 
 _MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
@@ -119,14 +120,10 @@ class Decision:
     """Layout mode."""
     pairings: tuple[Pairing, ...]
     """One pairing per prefill entry, in prefill entry order."""
-    src_dcp: Group
-    """Prefill DCP group."""
-    dst_dcp: Group
-    """Decode DCP group."""
-    src_page_size: int
-    """Prefill physical page size in tokens."""
-    dst_page_size: int
-    """Decode physical page size in tokens."""
+    src: DcpLayout
+    """Prefill layout (page size, DCP group and rank); the planner's source."""
+    dst: DcpLayout
+    """Decode layout; the planner's destination."""
     backend: int
     """``pdproto.v1.Backend`` value that moves the bytes."""
     version: tuple[int, int]
@@ -143,12 +140,12 @@ class Decision:
             peer_id=peer_id,
             mode=int(self.mode),  # type: ignore[arg-type]
             entries=[p.to_proto() for p in self.pairings],
-            src_dcp=self.src_dcp.to_proto(),
-            dst_dcp=self.dst_dcp.to_proto(),
+            src_dcp=self.src.group(),
+            dst_dcp=self.dst.group(),
             backend=self.backend,  # type: ignore[arg-type]
             version=v1.ProtocolVersion(major=self.version[0], minor=self.version[1]),
-            src_page_size=self.src_page_size,
-            dst_page_size=self.dst_page_size,
+            src_page_size=self.src.page_size,
+            dst_page_size=self.dst.page_size,
         )
 
 
@@ -261,32 +258,32 @@ def _check_ranks(**groups: Group) -> None:
             )
 
 
-def _mode(src: Group, dst: Group) -> Mode:
+def _mode(src: DcpLayout, dst: DcpLayout) -> Mode:
     """The layout mode of a DCP pair, or a rejection when the two ranks share no tokens."""
-    if src.size == dst.size:
-        if src.rank != dst.rank:
+    if src.dcp_size == dst.dcp_size:
+        if src.dcp_rank != dst.dcp_rank:
             raise _reject(
                 Reason.TOPOLOGY_DCP_RANK_MISMATCH,
-                f"equal DCP sizes ({src.size}) copy pages rank to rank, but prefill DCP rank"
-                f" {src.rank} != decode DCP rank {dst.rank}",
-                prefillDcpSize=src.size, prefillDcpRank=src.rank,
-                decodeDcpSize=dst.size, decodeDcpRank=dst.rank,
+                f"equal DCP sizes ({src.dcp_size}) copy pages rank to rank, but prefill DCP rank"
+                f" {src.dcp_rank} != decode DCP rank {dst.dcp_rank}",
+                prefillDcpSize=src.dcp_size, prefillDcpRank=src.dcp_rank,
+                decodeDcpSize=dst.dcp_size, decodeDcpRank=dst.dcp_rank,
             )
         return Mode.SAME_LAYOUT
-    g = math.gcd(src.size, dst.size)
+    g = math.gcd(src.dcp_size, dst.dcp_size)
     # Token p lives on source rank p % Ns and destination rank p % Nd: both hold some p
     # iff the ranks agree modulo gcd(Ns, Nd). A pair sharing nothing is a wiring error.
-    if src.rank % g != dst.rank % g:
+    if src.dcp_rank % g != dst.dcp_rank % g:
         raise _reject(
             Reason.TOPOLOGY_DCP_RANK_MISMATCH,
-            f"prefill DCP rank {src.rank}/{src.size} and decode DCP rank {dst.rank}/{dst.size}"
+            f"prefill DCP rank {src.dcp_rank}/{src.dcp_size} and decode DCP rank {dst.dcp_rank}/{dst.dcp_size}"
             f" share no tokens (ranks must agree modulo {g})",
-            prefillDcpSize=src.size, prefillDcpRank=src.rank,
-            decodeDcpSize=dst.size, decodeDcpRank=dst.rank, gcd=g,
+            prefillDcpSize=src.dcp_size, prefillDcpRank=src.dcp_rank,
+            decodeDcpSize=dst.dcp_size, decodeDcpRank=dst.dcp_rank, gcd=g,
         )
-    if src.size == 1:
+    if src.dcp_size == 1:
         return Mode.DENSE_TO_DCP
-    if dst.size == 1:
+    if dst.dcp_size == 1:
         return Mode.DCP_TO_DENSE
     return Mode.DCP_TO_DCP
 
@@ -328,14 +325,15 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                       f"model {info.model_id!r} on prefill, {reg.model_id!r} on decode",
                       prefillModelId=info.model_id, decodeModelId=reg.model_id)
 
-    src_dcp, dst_dcp = Group.from_proto(info.dcp), Group.from_proto(reg.dcp)
     src_pp, dst_pp = Group.from_proto(info.pp), Group.from_proto(reg.pp)
     src_cp = Group.from_proto(info.attn_cp)
     # The decode's attn_tp rank is not checked: SGLang sends its global TP rank there
     # (dst_tp_rank), which exceeds the attention TP size under DP attention.
-    _check_ranks(decodeDcp=dst_dcp, decodePp=dst_pp,
-                 prefillDcp=src_dcp, prefillPp=src_pp, prefillAttnTp=Group.from_proto(info.attn_tp),
-                 prefillAttnCp=src_cp)
+    _check_ranks(decodeDcp=Group.from_proto(reg.dcp), decodePp=dst_pp,
+                 prefillDcp=Group.from_proto(info.dcp), prefillPp=src_pp,
+                 prefillAttnTp=Group.from_proto(info.attn_tp), prefillAttnCp=src_cp)
+    # From here on each side's DCP group and page size travel together, as one layout.
+    src, dst = DcpLayout.from_proto(info.page_size, info.dcp), DcpLayout.from_proto(reg.page_size, reg.dcp)
 
     pk, dk = info.attention_kind, reg.attention_kind
     if pk and dk and pk != dk:
@@ -350,36 +348,36 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                       f"KV dtype {info.kv_cache_dtype!r} on prefill, {reg.kv_cache_dtype!r} on decode",
                       prefillKvCacheDtype=info.kv_cache_dtype, decodeKvCacheDtype=reg.kv_cache_dtype)
 
-    dcp_used = src_dcp.size > 1 or dst_dcp.size > 1
+    dcp_used = src.dcp_size > 1 or dst.dcp_size > 1
     # SGLang 0.5.23 frames never carry the decode's pool kind (a bridged registration
     # leaves it unset) and its decode refuses DCP without MLA itself, so an unset decode
     # kind is judged by the prefill's; a decode that does send a kind must match it.
     if dcp_used and not (pk in _MLA_KINDS and (dk in _MLA_KINDS or not dk)):
         raise _reject(Reason.TOPOLOGY_DCP_REQUIRES_MLA,
                       "DCP needs an MLA or hybrid-MLA KV pool on both sides",
-                      prefillDcpSize=src_dcp.size, decodeDcpSize=dst_dcp.size,
+                      prefillDcpSize=src.dcp_size, decodeDcpSize=dst.dcp_size,
                       prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
                       decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
     if dcp_used and info.enable_kv_cache_sharding:
         raise _reject(Reason.TOPOLOGY_KV_SHARDING_WITH_DCP,
                       "prefill KV cache sharding cannot be combined with DCP",
-                      prefillDcpSize=src_dcp.size, decodeDcpSize=dst_dcp.size)
+                      prefillDcpSize=src.dcp_size, decodeDcpSize=dst.dcp_size)
     if dcp_used and src_cp.size > 1:
         raise _reject(Reason.TOPOLOGY_PREFILL_CP_UNSUPPORTED,
                       f"prefill attention CP {src_cp.size} cannot feed a DCP layout",
-                      prefillAttnCpSize=src_cp.size, prefillDcpSize=src_dcp.size,
-                      decodeDcpSize=dst_dcp.size)
+                      prefillAttnCpSize=src_cp.size, prefillDcpSize=src.dcp_size,
+                      decodeDcpSize=dst.dcp_size)
     if dst_pp.size not in (src_pp.size, 1):
         raise _reject(Reason.TOPOLOGY_PP_MISMATCH,
                       f"decode PP {dst_pp.size} must equal prefill PP {src_pp.size} or be 1",
                       prefillPpSize=src_pp.size, decodePpSize=dst_pp.size)
 
-    mode = _mode(src_dcp, dst_dcp)
-    if mode is Mode.SAME_LAYOUT and info.page_size != reg.page_size:
+    mode = _mode(src, dst)
+    if mode is Mode.SAME_LAYOUT and src.page_size != dst.page_size:
         raise _reject(Reason.TOPOLOGY_PAGE_SIZE_MISMATCH,
-                      f"same layout copies pages: page sizes must match (prefill {info.page_size},"
-                      f" decode {reg.page_size})",
-                      prefillPageSize=info.page_size, decodePageSize=reg.page_size)
+                      f"same layout copies pages: page sizes must match (prefill {src.page_size},"
+                      f" decode {dst.page_size})",
+                      prefillPageSize=src.page_size, decodePageSize=dst.page_size)
 
     src_refs = [EntryRef(e.layer_id if e.HasField("layer_id") else None,
                          EntryRole.from_proto(e.role)) for e in info.kv_entries]
@@ -393,9 +391,9 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
         if dst_refs[j].role is not ref.role:  # resolve_entries pairs within a role
             raise AssertionError("role changed across a pairing")
         dst_item = reg.kv_buffers[j].item_len or reg.kv_item_len
-        sb = _token_bytes(info.kv_entries[i].item_len, info.page_size, src_dcp.size,
+        sb = _token_bytes(info.kv_entries[i].item_len, src.page_size, src.dcp_size,
                           ref.role, "prefill", i)
-        db = _token_bytes(dst_item, reg.page_size, dst_dcp.size, ref.role, "decode", j)
+        db = _token_bytes(dst_item, dst.page_size, dst.dcp_size, ref.role, "decode", j)
         if sb != db:
             raise _reject(Reason.TOPOLOGY_ROW_SIZE_MISMATCH,
                           f"{ref.role.name.lower()} entry {i} -> {j}: {sb} bytes per token on"
@@ -412,8 +410,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                           decodeMemoryKinds=",".join(
                               sorted(_enum_name(v1.MemoryKind, k) for k in kinds)))
 
-    return Decision(mode=mode, pairings=tuple(pairings), src_dcp=src_dcp, dst_dcp=dst_dcp,
-                    src_page_size=info.page_size, dst_page_size=reg.page_size,
+    return Decision(mode=mode, pairings=tuple(pairings), src=src, dst=dst,
                     backend=backend, version=version)
 
 
@@ -469,10 +466,8 @@ def from_result(result: v1.NegotiationResult) -> Decision | Rejection:
         mode=Mode(result.mode),
         pairings=tuple(Pairing(p.src_entry, p.dst_entry, p.src_token_bytes, p.dst_token_bytes,
                                EntryRole.from_proto(p.role)) for p in result.entries),
-        src_dcp=Group.from_proto(result.src_dcp),
-        dst_dcp=Group.from_proto(result.dst_dcp),
-        src_page_size=result.src_page_size,
-        dst_page_size=result.dst_page_size,
+        src=DcpLayout.from_proto(result.src_page_size, result.src_dcp),
+        dst=DcpLayout.from_proto(result.dst_page_size, result.dst_dcp),
         backend=result.backend,
         version=(result.version.major, result.version.minor),
     )

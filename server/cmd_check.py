@@ -162,8 +162,8 @@ def _print_table(result: Decision | Rejection, findings: list[tuple[Role, Findin
         d = result
         print(f"topology: ACCEPTED  mode={d.mode.name}  backend={backends.by_enum(d.backend).name}"
               f"  version={d.version[0]}.{d.version[1]}")
-        print(f"  prefill DCP size {d.src_dcp.size} rank {d.src_dcp.rank}, page {d.src_page_size}"
-              f"  ->  decode DCP size {d.dst_dcp.size} rank {d.dst_dcp.rank}, page {d.dst_page_size}")
+        print(f"  prefill DCP size {d.src.dcp_size} rank {d.src.dcp_rank}, page {d.src.page_size}"
+              f"  ->  decode DCP size {d.dst.dcp_size} rank {d.dst.dcp_rank}, page {d.dst.page_size}")
         print(f"  {'src':>4} {'dst':>4}  {'role':<7}{'src B/tok':>10}{'dst B/tok':>10}")
         for p in d.pairings:
             print(f"  {p.src_entry:>4} {p.dst_entry:>4}  {p.role.name.lower():<7}"

@@ -1,22 +1,18 @@
-"""Per-request transfer tasks: match chunks, plan with ``plan_relayout``, run the executor off-loop."""
+"""Per-request transfer tasks: match chunks, plan with ``plan_chunk``, run the executor off-loop."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
-import numpy as np
-
-from pdproto.dcp import plan_relayout
+from pdproto.dcp import plan_chunk
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import PdprotoError, Reason
-from pdproto.transfer import LayerSpan, TransferExecutor, TransferJob
+from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, TransferResult
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
 from pdproto.v1 import common_pb2
 
@@ -29,62 +25,38 @@ log = logging.getLogger("pdproto_server.transfers")
 _T = TypeVar("_T")
 
 
-def build_jobs(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> list[TransferJob]:
-    """The executor jobs (one per entry role) that move ``chunk`` into ``request``'s pages.
+def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> TransferJob:
+    """The executor job that moves ``chunk`` into ``request``'s pages: one segment per entry role.
 
-    The last job carries the chunk's completion notice; a rank that owns no rows of the
-    chunk still gets one row-less job, so an engine with notifications (NIXL) tells the
-    decode the chunk finished.
+    The negotiated layouts go to the planner as they are, and its runs go to the
+    executor as they are: nothing here is per token. The job carries the chunk's
+    completion notice; a rank that owns no rows of the chunk still gets a row-less job,
+    so an engine with notifications (NIXL) tells the decode the chunk finished.
     """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
-    plan = plan_relayout(
-        chunk.src_pages, request.dst_pages,
-        page_size=d.src_page_size, dcp_size=d.dst_dcp.size, dcp_rank=d.dst_dcp.rank,
+    plan = plan_chunk(
+        d.src, d.dst, chunk.src_pages, request.dst_pages,
         src_page_offset=chunk.page_offset, decode_prefix_len=request.prefix_len,
-        num_kv_tokens=chunk.num_tokens, src_page_size=d.src_page_size,
-        src_dcp_size=d.src_dcp.size, src_dcp_rank=d.src_dcp.rank,
-        dst_page_size=d.dst_page_size, include_draft=has_draft,
+        num_kv_tokens=chunk.num_tokens, include_draft=has_draft,
     )
-    jobs: list[TransferJob] = []
-    for role, (src_rows, dst_rows) in ((EntryRole.TARGET, plan.expand()), (EntryRole.DRAFT, plan.expand_draft())):
+    segments = []
+    for role, runs in ((EntryRole.TARGET, plan.target_runs), (EntryRole.DRAFT, plan.draft_runs)):
         layers = tuple(
             LayerSpan(src_ptr=source.buffers[p.src_entry].addr,
                       dst_ptr=peer.registration.kv_buffers[p.dst_entry].ptr,
                       row_bytes=p.src_token_bytes)
             for p in d.pairings if p.role is role
         )
-        if layers and src_rows.size:
-            jobs.append(TransferJob(layers=layers, src_rows=src_rows, dst_rows=dst_rows, pack=True))
+        if layers and runs.shape[0]:
+            segments.append(Segment(runs, layers))
     notice = encode_chunk_notice(ChunkNotice(request.room, request.generation, chunk.index, chunk.last))
-    if jobs:
-        jobs[-1] = dataclasses.replace(jobs[-1], notification=notice)
-    else:
-        none = np.zeros(0, dtype=np.int64)
-        jobs.append(TransferJob(layers=(), src_rows=none, dst_rows=none, pack=False, notification=notice))
-    return jobs
+    return TransferJob(segments=tuple(segments), pack=True, notification=notice)
 
 
-@dataclass
-class ChunkResult:
-    """What one chunk moved for one peer."""
-
-    bytes: int = 0
-    descriptors: int = 0
-    fallbacks: int = 0
-    notified: int = 0
-
-
-def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> ChunkResult:
-    """Blocking: execute every job of a chunk (runs on the worker pool, never on the loop)."""
-    out = ChunkResult()
-    for job in jobs:
-        res = executor.execute(peer_id, job)
-        out.bytes += res.bytes
-        out.descriptors += res.descriptors
-        out.fallbacks += int(res.fallback)
-        out.notified += int(res.notified)
-    return out
+def run_job(executor: TransferExecutor, peer_id: str, job: TransferJob) -> TransferResult:
+    """Blocking: execute a chunk's job (runs on the worker pool, never on the loop)."""
+    return executor.execute(peer_id, job)
 
 
 class TransferRunner:
@@ -149,18 +121,18 @@ class TransferRunner:
             while True:
                 chunk = await room_log.wait_chunk(index, time.monotonic() + self.limits.match_timeout)
                 if not request.transfer.is_dummy:
-                    jobs = build_jobs(self.engine.source, peer, request, chunk)
+                    job = build_job(self.engine.source, peer, request, chunk)
                     if request.state != common_pb2.TRANSFER_STATE_TRANSFERRING:
                         request.state = common_pb2.TRANSFER_STATE_TRANSFERRING
                         peer.publish(request)
-                    result = await self.blocking(run_jobs, self.engine.executor, peer.peer_id, jobs)
+                    result = await self.blocking(run_job, self.engine.executor, peer.peer_id, job)
                     request.bytes += result.bytes
                     request.descriptors += result.descriptors
                     self.metrics.bytes_moved.inc(result.bytes)
                     self.metrics.descriptors.inc(result.descriptors)
                     self.metrics.chunks.inc()
-                    self.metrics.pack_fallbacks.inc(result.fallbacks)
-                    self.metrics.notifications.inc(result.notified)
+                    self.metrics.pack_fallbacks.inc(int(result.fallback))
+                    self.metrics.notifications.inc(int(result.notified))
                 request.chunks_done += 1
                 if chunk.last:
                     self.finish(peer, request, common_pb2.TRANSFER_STATE_SUCCESS)
@@ -191,4 +163,4 @@ class TransferRunner:
         await asyncio.wait([task], timeout=self.limits.drain_timeout + 1.0)
 
 
-__all__ = ["ChunkResult", "TransferRunner", "build_jobs", "run_jobs"]
+__all__ = ["TransferRunner", "build_job", "run_job"]

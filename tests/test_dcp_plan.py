@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from pdproto import v1
 from pdproto.dcp import DcpLayout, RelayoutPlan, draft_token_rows, plan_relayout, token_rows
 
+from ._per_token import reference
+
 I64 = np.int64
 
 
@@ -35,26 +37,6 @@ def sglang_plan(src_pages, dst_pages, P, D, r, s=0, L0=0, N=None):
     d_src = src_pages[o_d // P] * P + o_d % P
     d_dst = dst_pages[loc_d // V] * V + loc_d % V
     return (t_src, t_dst), (d_src, d_dst)
-
-
-def reference(src_pages, dst_pages, *, Ps, Ns, s, Pd, Nd, d, off, N):
-    """Per-token reference of the general layout, straight from the plan.py docstring."""
-    start = off * Ps * Ns
-    t_src, t_dst, d_src, d_dst = [], [], [], []
-    for q in range(start, start + N):
-        if q % Ns != s:
-            continue
-        if q % Nd == d:
-            ls = q // Ns - off * Ps
-            ld = q // Nd
-            t_src.append(src_pages[ls // Ps] * Ps + ls % Ps)
-            t_dst.append(dst_pages[ld // Pd] * Pd + ld % Pd)
-        # Draft: unsharded pools with virtual-page-sized pages; the owning source rank sends it.
-        Vs, Vd = Ps * Ns, Pd * Nd
-        x = q - start
-        d_src.append(src_pages[x // Vs] * Vs + x % Vs)
-        d_dst.append(dst_pages[q // Vd] * Vd + q % Vd)
-    return [np.array(a, dtype=np.int64) for a in (t_src, t_dst, d_src, d_dst)]
 
 
 def count_descriptors(src, dst, packed):

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
+from pdproto.dcp import DcpLayout
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.topology import (
@@ -63,7 +64,7 @@ def test_dense_to_dcp_with_draft_virtual_pages() -> None:
     assert d.mode is Mode.DENSE_TO_DCP and d.requires_relayout
     assert d.pairings[-1].role is EntryRole.DRAFT
     assert d.pairings[-1].src_token_bytes == d.pairings[-1].dst_token_bytes == 1152
-    assert (d.src_dcp.size, d.dst_dcp.size, d.dst_dcp.rank) == (1, 4, 3)
+    assert (d.src, d.dst) == (DcpLayout(16, 1, 0), DcpLayout(16, 4, 3))
 
 
 def test_dcp_to_dcp_n_to_m_with_other_page_sizes() -> None:
@@ -71,7 +72,7 @@ def test_dcp_to_dcp_n_to_m_with_other_page_sizes() -> None:
     reg = example_registration(dcp_size=4, dcp_rank=3, page_size=16, num_draft=1)
     d = decide(info, reg)
     assert d.mode is Mode.DCP_TO_DCP
-    assert (d.src_page_size, d.dst_page_size) == (32, 16)
+    assert (d.src, d.dst) == (DcpLayout(32, 2, 1), DcpLayout(16, 4, 3))
 
 
 def test_dcp_to_dense() -> None:
@@ -353,4 +354,4 @@ def test_unset_decode_page_size_reads_as_the_prefills() -> None:
     reg.page_size = 0
     decision = negotiate(example_server_info(), reg)
     assert isinstance(decision, Decision)
-    assert decision.dst_page_size == example_server_info().page_size
+    assert decision.dst.page_size == example_server_info().page_size

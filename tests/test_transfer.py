@@ -1,12 +1,14 @@
 """Real executors (local, Mooncake TCP, NIXL UCX) writing into decode peers in separate processes.
 
 The prefill side runs in the test process, one executor per backend for the
-whole session; each decode is ``python -m pdproto_demo.decode``. Every
-destination byte is read back from the peer and checked.
+whole session; each decode is ``python -m pdproto_demo.decode``. Jobs carry the
+planner's runs; every destination byte is read back from the peer and checked
+against the per-token formula (``tests/_per_token.py``), never against the runs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -14,8 +16,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from pdproto.dcp import plan_relayout
+from pdproto.dcp import DcpLayout, plan_chunk, plan_relayout
 from pdproto.errors import (
     DestinationOutOfBoundsError,
     NotFoundError,
@@ -29,6 +33,7 @@ from pdproto.transfer import (
     VRAM,
     Buffer,
     LayerSpan,
+    Segment,
     TransferExecutor,
     TransferJob,
     create_executor,
@@ -36,6 +41,8 @@ from pdproto.transfer import (
 )
 from pdproto.v1 import registration_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
+
+from ._per_token import reference
 
 # PDPROTO_TEST_DEVICE=cuda runs both sides in VRAM (scripts/gpu_check.sh); local is host-only.
 DEVICE = os.environ.get("PDPROTO_TEST_DEVICE", "cpu")
@@ -72,12 +79,15 @@ class Prefill:
             self.host.append(data.reshape(SRC_ROWS, ROW))
         self.ex.register_memory(self.src)
 
-    def job(self, peer: DecodeProcess, src_rows: np.ndarray, dst_rows: np.ndarray, *,
-            pack: bool = True, room: int | None = None) -> TransferJob:
-        layers = tuple(LayerSpan(s.addr, d.ptr, ROW)
-                       for s, d in zip(self.src, peer.registration.kv_buffers))
-        return TransferJob(layers=layers, src_rows=src_rows, dst_rows=dst_rows, pack=pack,
-                           notification=None if room is None else encode_notification(room, b""))
+    def spans(self, peer: DecodeProcess, **byte_range: int) -> list[LayerSpan]:
+        """One span per layer, source layer i into the peer's layer i."""
+        return [LayerSpan(s.addr, d.ptr, ROW, **byte_range)
+                for s, d in zip(self.src, peer.registration.kv_buffers)]
+
+    def job(self, peer: DecodeProcess, runs: np.ndarray, *, pack: bool = True,
+            room: int | None = None) -> TransferJob:
+        return TransferJob.of_runs(self.spans(peer), runs, pack=pack,
+                                   notification=None if room is None else encode_notification(room, b""))
 
 
 class Pair:
@@ -116,32 +126,44 @@ def _peer(backend: str) -> DecodeProcess:
                                              row_bytes=ROW, device=DEVICE, background=0), timeout=60)
 
 
-def _dcp_rows(seed: int, rank: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def _dcp(seed: int, rank: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dense -> DCP plan's target runs, and its (src_rows, dst_rows) by the per-token formula."""
     rng = np.random.default_rng(seed)
-    plan = plan_relayout(rng.permutation(SRC_PAGES), rng.permutation(DST_ROWS // PAGE),
-                         page_size=PAGE, dcp_size=DCP, dcp_rank=rank)
-    return plan.expand()
+    src_pages, dst_pages = rng.permutation(SRC_PAGES), rng.permutation(DST_ROWS // PAGE)
+    plan = plan_relayout(src_pages, dst_pages, page_size=PAGE, dcp_size=DCP, dcp_rank=rank)
+    src_rows, dst_rows, _, _ = reference(src_pages.tolist(), dst_pages.tolist(), Ps=PAGE, Ns=1, s=0,
+                                         Pd=PAGE, Nd=DCP, d=rank, off=0, N=SRC_ROWS)
+    return plan.target_runs, src_rows, dst_rows
+
+
+def _dump(peer: DecodeProcess, tmp: str) -> np.ndarray:
+    """The peer's buffers, (layers, DST_ROWS, ROW)."""
+    path = os.path.join(tmp, "dump.bin")
+    peer.dump(path)
+    return np.fromfile(path, dtype=np.uint8).reshape(LAYERS, DST_ROWS, ROW)
+
+
+def _check_layers(pre: Prefill, got: np.ndarray, rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Layer i's rows ``rows[i][1]`` hold source rows ``rows[i][0]``; every other byte is zero."""
+    for layer, host in enumerate(pre.host):
+        src_rows, dst_rows = rows.get(layer, (np.zeros(0, dtype=np.int64),) * 2)
+        untouched = np.ones(DST_ROWS, dtype=bool)
+        untouched[dst_rows] = False
+        assert np.array_equal(got[layer][dst_rows], host[src_rows]), f"layer {layer} differs"
+        assert not got[layer][untouched].any(), f"layer {layer}: bytes outside the job"
 
 
 def _check(pre: Prefill, peer: DecodeProcess, tmp: str, src_rows: np.ndarray,
            dst_rows: np.ndarray) -> None:
-    """Every written row equals its source row, and every other row is still zero."""
-    path = os.path.join(tmp, "dump.bin")
-    peer.dump(path)
-    got = np.fromfile(path, dtype=np.uint8).reshape(LAYERS, DST_ROWS, ROW)
-    untouched = np.ones(DST_ROWS, dtype=bool)
-    untouched[dst_rows] = False
-    for layer, host in enumerate(pre.host):
-        want = host[src_rows]
-        assert np.array_equal(got[layer][dst_rows], want), f"layer {layer} differs"
-        assert not got[layer][untouched].any(), f"layer {layer}: bytes outside the job"
+    """Every layer's written rows equal their source rows, and every other row is still zero."""
+    _check_layers(pre, _dump(peer, tmp), {layer: (src_rows, dst_rows) for layer in range(LAYERS)})
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
 def test_dcp_relayout_lands_every_byte(pair: Pair, pack: bool, tmp_path: object) -> None:
     pre, peer = pair.pre, pair.peer
-    src_rows, dst_rows = _dcp_rows(seed=1)
-    res = pre.ex.execute("d0", pre.job(peer, src_rows, dst_rows, pack=pack))
+    runs, src_rows, dst_rows = _dcp(seed=1)
+    res = pre.ex.execute("d0", pre.job(peer, runs, pack=pack))
     assert res.bytes == src_rows.size * ROW * LAYERS
     if pre.ex.backend != "local":
         assert res.packed is pack and not res.fallback
@@ -159,9 +181,9 @@ def test_staging_too_small_falls_back_per_row_and_counts(pairs: dict[str, Pair],
     # A second executor with a one-page staging region: every packed job must fall back.
     pre = Prefill("mooncake", staging_bytes=4096)
     try:
-        src_rows, dst_rows = _dcp_rows(seed=2, rank=3)
+        runs, src_rows, dst_rows = _dcp(seed=2, rank=3)
         pre.ex.connect("d0", peer.registration)
-        res = pre.ex.execute("d0", pre.job(peer, src_rows, dst_rows, pack=True))
+        res = pre.ex.execute("d0", pre.job(peer, runs, pack=True))
         assert res.fallback and not res.packed
         assert pre.ex.stats.pack_fallbacks == 1
         _check(pre, peer, str(tmp_path), src_rows, dst_rows)
@@ -170,20 +192,29 @@ def test_staging_too_small_falls_back_per_row_and_counts(pairs: dict[str, Pair],
         peer.fill(0)
 
 
-def test_rows_beyond_registered_length_are_refused(pair: Pair, tmp_path: object) -> None:
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
+def test_run_ending_one_row_past_the_region_is_refused(pair: Pair, pack: bool, tmp_path: object) -> None:
     pre, peer = pair.pre, pair.peer
-    src_rows = np.arange(0, 8, dtype=np.int64)
-    dst_rows = np.arange(DST_ROWS - 4, DST_ROWS + 4, dtype=np.int64)
-    with pytest.raises(DestinationOutOfBoundsError) as info:
-        pre.ex.execute("d0", pre.job(peer, src_rows, dst_rows))
-    assert info.value.reason == Reason.DESTINATION_OUT_OF_BOUNDS
-    _check(pre, peer, str(tmp_path), src_rows[:0], dst_rows[:0])  # nothing was written
+    inside = np.array([[0, 1, 0, 1, 8]], dtype=np.int64)
+    # Bounds come from run extents: a contiguous run, and a strided one whose first rows
+    # are inside but whose last row is one past the registered region.
+    for past in ([0, 1, DST_ROWS - 8, 1, 9], [0, 4, DST_ROWS - 12, 4, 4]):
+        job = TransferJob(segments=(Segment(inside, tuple(pre.spans(peer))),
+                                    Segment(np.array([past], dtype=np.int64), tuple(pre.spans(peer)[:1]))),
+                          pack=pack)
+        with pytest.raises(DestinationOutOfBoundsError) as info:
+            pre.ex.execute("d0", job)
+        assert info.value.reason == Reason.DESTINATION_OUT_OF_BOUNDS
+        empty = np.zeros(0, dtype=np.int64)
+        _check(pre, peer, str(tmp_path), empty, empty)  # nothing was written, not even the good segment
+    # The same run one row shorter is accepted.
+    res = pre.ex.execute("d0", pre.job(peer, np.array([[0, 4, DST_ROWS - 13, 4, 4]], dtype=np.int64), pack=pack))
+    assert res.bytes == 4 * ROW * LAYERS
 
 
 def test_zero_row_rank_still_gets_its_notification(pair: Pair) -> None:
     pre, peer = pair.pre, pair.peer
-    empty = np.zeros(0, dtype=np.int64)
-    res = pre.ex.execute("d0", pre.job(peer, empty, empty, room=42))
+    res = pre.ex.execute("d0", TransferJob(segments=(), notification=encode_notification(42, b"")))
     assert res.bytes == 0 and res.descriptors == 0
     if pre.ex.backend == "nixl":
         assert res.notified
@@ -198,7 +229,7 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
         pair: Pair, tmp_path: object) -> None:
     pre, other = pair.pre, pair.peer
     ex = pre.ex
-    src_rows, dst_rows = _dcp_rows(seed=3, rank=0)
+    runs, src_rows, dst_rows = _dcp(seed=3, rank=0)
     victim = _peer(ex.backend)
     outcome: list[BaseException] = []
     first_done = threading.Event()
@@ -207,7 +238,7 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
         # Transfer to the victim until it fails; the kill lands while one is in flight.
         try:
             for i in range(100_000):
-                ex.execute("victim", pre.job(victim, src_rows, dst_rows, pack=i % 2 == 1))
+                ex.execute("victim", pre.job(victim, runs, pack=i % 2 == 1))
                 first_done.set()
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome.append(exc)
@@ -228,7 +259,7 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
                                      Reason.DEADLINE_EXCEEDED)
         assert type(outcome[0]) is error_class(outcome[0].reason)
         ex.disconnect("victim")
-        res = ex.execute("d0", pre.job(other, src_rows, dst_rows, pack=True))
+        res = ex.execute("d0", pre.job(other, runs, pack=True))
         assert res.bytes == src_rows.size * ROW * LAYERS
         _check(pre, other, str(tmp_path), src_rows, dst_rows)
     finally:
@@ -238,9 +269,8 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
 
 def test_unknown_peer_and_wrong_backend_are_typed_errors(pair: Pair) -> None:
     ex = pair.pre.ex
-    empty = np.zeros(0, dtype=np.int64)
     with pytest.raises(NotFoundError) as info:
-        ex.execute("nobody", TransferJob(layers=(), src_rows=empty, dst_rows=empty))
+        ex.execute("nobody", TransferJob(segments=()))
     assert info.value.reason == Reason.PEER_NOT_FOUND
     reg = registration_pb2.KvRegistration()
     if ex.backend == "mooncake":
@@ -256,15 +286,14 @@ def test_two_peers_served_from_parallel_threads(pair: Pair, tmp_path: object) ->
     # The server runs jobs for different peers on a thread pool: both must land intact.
     pre, first = pair.pre, pair.peer
     second = _peer(pre.ex.backend)
-    rows = {"d0": _dcp_rows(seed=4, rank=2), "d1": _dcp_rows(seed=5, rank=1)}
+    plans = {"d0": _dcp(seed=4, rank=2), "d1": _dcp(seed=5, rank=1)}
     peers = {"d0": first, "d1": second}
     errors: list[BaseException] = []
 
     def run(peer_id: str) -> None:
         try:
             for pack in (True, False, True):
-                src_rows, dst_rows = rows[peer_id]
-                pre.ex.execute(peer_id, pre.job(peers[peer_id], src_rows, dst_rows, pack=pack))
+                pre.ex.execute(peer_id, pre.job(peers[peer_id], plans[peer_id][0], pack=pack))
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             errors.append(exc)
 
@@ -277,7 +306,79 @@ def test_two_peers_served_from_parallel_threads(pair: Pair, tmp_path: object) ->
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads) and not errors, errors
         for peer_id, peer in peers.items():
-            _check(pre, peer, str(tmp_path), *rows[peer_id])
+            _check(pre, peer, str(tmp_path), *plans[peer_id][1:])
     finally:
         pre.ex.disconnect("d1")
         second.close()
+
+
+@st.composite
+def chunks(draw: st.DrawFn) -> dict[str, object]:
+    """A chunk between two drawn layouts (ranks that share tokens), sized to the test buffers."""
+    Ps, Pd = draw(st.integers(1, 16)), draw(st.integers(1, 16))
+    Ns, Nd = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    d = draw(st.integers(0, Nd - 1))
+    g = math.gcd(Ns, Nd)
+    s = draw(st.sampled_from([r for r in range(Ns) if r % g == d % g]))
+    Vs, Vd = Ps * Ns, Pd * Nd
+    off = draw(st.integers(0, 2))
+    room = DST_ROWS - Vd - off * Vs  # the draft writes global positions up to the chunk end
+    n_src = draw(st.integers(0, max(0, min(32, room // Vs))))
+    N = draw(st.integers(0, n_src * Vs))
+    n_dst = -(-(off * Vs + N) // Vd)
+    # Scattered pages, some adjacent, inside each side's buffer (draft pages are virtual pages).
+    src_pages = draw(st.lists(st.integers(0, SRC_ROWS // Vs - 1), min_size=n_src, max_size=n_src, unique=True))
+    dst_pages = draw(st.lists(st.integers(0, DST_ROWS // Vd - 1), min_size=n_dst, max_size=n_dst, unique=True))
+    return dict(Ps=Ps, Ns=Ns, s=s, Pd=Pd, Nd=Nd, d=d, off=off, N=N, src_pages=src_pages, dst_pages=dst_pages)
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=chunks())
+def test_executing_runs_writes_what_the_per_token_formula_says(pair: Pair, pack: bool, tmp_path: object,
+                                                               chunk: dict[str, object]) -> None:
+    # One job, two segments: target runs into layer 0 and draft runs into layer 1.
+    pre, peer = pair.pre, pair.peer
+    peer.fill(0)
+    c: dict[str, object] = dict(chunk)
+    src, dst = c.pop("src_pages"), c.pop("dst_pages")
+    plan = plan_chunk(DcpLayout(c["Ps"], c["Ns"], c["s"]), DcpLayout(c["Pd"], c["Nd"], c["d"]), src, dst,
+                      src_page_offset=c["off"], num_kv_tokens=c["N"], include_draft=True)
+    t_src, t_dst, d_src, d_dst = reference(src, dst, **c)
+    spans = pre.spans(peer)
+    job = TransferJob(segments=(Segment(plan.target_runs, (spans[0],)), Segment(plan.draft_runs, (spans[1],))),
+                      pack=pack)
+    res = pre.ex.execute("d0", job)
+    assert res.bytes == (t_src.size + d_src.size) * ROW
+    if pre.ex.backend != "local" and res.bytes:
+        assert res.packed is pack and not res.fallback
+    _check_layers(pre, _dump(peer, str(tmp_path)), {0: (t_src, t_dst), 1: (d_src, d_dst)})
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
+@pytest.mark.parametrize("split", ["src", "dst"])
+def test_a_byte_range_of_each_row_moves_alone(pair: Pair, pack: bool, split: str, tmp_path: object) -> None:
+    # KV head slicing: half of each 576-byte source row into 288-byte destination rows
+    # ("src"), or 288-byte source rows into the second half of 576-byte rows ("dst").
+    pre, peer = pair.pre, pair.peer
+    half = ROW // 2
+    runs, src_rows, dst_rows = _dcp(seed=6, rank=2)
+    if split == "src":
+        byte_range = dict(dst_row_bytes=half, src_offset=half, width=half)
+        src_pitch, dst_pitch, src_off, dst_off = ROW, half, half, 0
+    else:
+        byte_range = dict(row_bytes=half, dst_row_bytes=ROW, dst_offset=half, width=half)
+        src_pitch, dst_pitch, src_off, dst_off = half, ROW, 0, half
+    spans = [LayerSpan(s.addr, d.ptr, **{"row_bytes": ROW, **byte_range})
+             for s, d in zip(pre.src, peer.registration.kv_buffers)]
+    res = pre.ex.execute("d0", TransferJob.of_runs(spans, runs, pack=pack))
+    assert res.bytes == src_rows.size * half * LAYERS
+    if pre.ex.backend != "local":
+        assert res.packed is pack and not res.fallback
+    got = _dump(peer, str(tmp_path)).reshape(LAYERS, -1)
+    cols = np.arange(half)
+    for layer, host in enumerate(pre.host):
+        want = np.zeros(DST_ROWS * ROW, dtype=np.uint8)
+        want[(dst_rows * dst_pitch + dst_off)[:, None] + cols] = \
+            host.reshape(-1)[(src_rows * src_pitch + src_off)[:, None] + cols]
+        assert np.array_equal(got[layer], want), f"layer {layer} differs"

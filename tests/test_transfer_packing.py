@@ -1,4 +1,4 @@
-"""Pure parts of pdproto.transfer: run grouping, descriptors, bounds, gathers, notifications."""
+"""Pure parts of pdproto.transfer: descriptors and gathers from runs, bounds from run extents, notifications."""
 
 from __future__ import annotations
 
@@ -11,24 +11,30 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdproto.dcp import plan_relayout
+from pdproto.dcp.runs import expand, from_rows, segments, source_rows
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
-from pdproto.transfer import LayerSpan, TransferJob
-from pdproto.transfer.base import (
-    check_bounds,
-    contiguous_runs,
-    decode_notification,
-    encode_notification,
-    validate_job,
-)
-from pdproto.transfer.packing import (
-    Gatherer,
-    pack_fits,
-    packed_descriptors,
-    row_descriptors,
-    strided_runs,
-)
+from pdproto.transfer import LayerSpan, Segment, TransferJob
+from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, validate_job
+from pdproto.transfer.packing import Gatherer, copy_runs, packed_descriptors, row_descriptors
 
-pairs = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), max_size=200)
+# Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
+run_rows = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 5), st.integers(0, 60), st.integers(1, 5),
+                              st.integers(1, 6)), max_size=12)
+
+
+@st.composite
+def spans(draw: st.DrawFn) -> LayerSpan:
+    """A layer whose moved bytes are the whole row or a drawn sub-range, with either pitch."""
+    src_pitch, dst_pitch = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    width = draw(st.integers(1, min(src_pitch, dst_pitch)))
+    return LayerSpan(1000, 100_000, src_pitch, dst_row_bytes=dst_pitch,
+                     src_offset=draw(st.integers(0, src_pitch - width)),
+                     dst_offset=draw(st.integers(0, dst_pitch - width)), width=width)
+
+
+def _runs(rows: list[tuple[int, int, int, int, int]]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
 def _bytes_moved(descs: np.ndarray) -> dict[int, int]:
@@ -40,72 +46,124 @@ def _bytes_moved(descs: np.ndarray) -> dict[int, int]:
     return out
 
 
-@given(pairs, st.integers(1, 9))
-def test_row_descriptors_move_exactly_the_row_pairs(rows: list[tuple[int, int]], rb: int) -> None:
-    src = np.array([r[0] for r in rows], dtype=np.int64)
-    dst = np.array([r[1] for r in rows], dtype=np.int64)
-    descs = row_descriptors(1000, 100_000, rb, src, dst)
-    want = {100_000 + d * rb + i: 1000 + s * rb + i for s, d in zip(src.tolist(), dst.tolist())
-            for i in range(rb)}
-    assert _bytes_moved(descs) == want
-    assert len(descs) == contiguous_runs(src, dst)[0].size <= len(rows)
+def _per_row_bytes(layer: LayerSpan, src_base: int, src_pitch: int, src_rows: list[int],
+                   dst_rows: list[int]) -> dict[int, int]:
+    """The byte map the per-row formula gives: row pair (s, d) moves ``width`` bytes at the offsets."""
+    return {layer.dst_ptr + d * layer.dst_pitch + layer.dst_offset + i: src_base + s * src_pitch + i
+            for s, d in zip(src_rows, dst_rows) for i in range(layer.nbytes)}
 
 
-@given(st.lists(st.integers(0, 500), unique=True, max_size=200), st.integers(1, 9))
-def test_packed_descriptors_break_only_where_destination_does(dst_list: list[int], rb: int) -> None:
-    dst = np.array(dst_list, dtype=np.int64)
-    descs = packed_descriptors(0, 1 << 20, rb, dst)
-    want = {(1 << 20) + d * rb + i: k * rb + i for k, d in enumerate(dst_list) for i in range(rb)}
+@given(run_rows, spans())
+def test_row_descriptors_move_exactly_the_row_pairs(rows: list[tuple[int, int, int, int, int]],
+                                                     layer: LayerSpan) -> None:
+    runs = _runs(rows)
+    src, dst = expand(runs)
+    descs = row_descriptors(layer, runs)
+    want = _per_row_bytes(layer, layer.src_ptr + layer.src_offset, layer.row_bytes, src.tolist(), dst.tolist())
+    # Later row pairs overwrite earlier ones on a shared destination row, as the engine would.
     assert _bytes_moved(descs) == want
-    assert len(descs) == 1 + int(np.count_nonzero(np.diff(dst) != 1)) if dst.size else len(descs) == 0
+    assert len(descs) <= src.size
+
+
+@given(run_rows, spans())
+def test_packed_descriptors_read_staging_in_run_order(rows: list[tuple[int, int, int, int, int]],
+                                                      layer: LayerSpan) -> None:
+    runs = _runs(rows)
+    _, dst = expand(runs)
+    descs = packed_descriptors(0, layer, runs)
+    assert _bytes_moved(descs) == _per_row_bytes(layer, 0, layer.nbytes, list(range(dst.size)), dst.tolist())
 
 
 def test_strided_dcp_rows_pack_to_one_descriptor_per_page_run() -> None:
-    src = np.arange(1, 4 * 1024, 4, dtype=np.int64)  # DCP 4, rank 1: every 4th row
-    dst = np.arange(1024, dtype=np.int64)
-    assert len(row_descriptors(0, 0, 8, src, dst)) == 1024
-    assert len(packed_descriptors(0, 0, 8, dst)) == 1
+    runs = np.array([[1, 4, 0, 1, 1024]], dtype=np.int64)  # DCP 4, rank 1: every 4th row
+    assert len(row_descriptors(LayerSpan(0, 0, 8), runs)) == 1024
+    assert len(packed_descriptors(0, LayerSpan(0, 0, 8), runs)) == 1
+    # A byte sub-range of each row cannot span rows on the destination: one per row.
+    assert len(packed_descriptors(0, LayerSpan(0, 0, 8, width=4), runs)) == 1024
+
+
+def test_unmerged_segments_are_one_per_row() -> None:
+    runs = np.array([[0, 1, 10, 1, 5], [5, 1, 15, 1, 3]], dtype=np.int64)
+    assert segments(runs).tolist() == [[0, 10, 8]]
+    assert segments(runs, merge=False).tolist() == [[i, 10 + i, 1] for i in range(8)]
 
 
 @pytest.mark.parametrize("use_torch", [True, False])
-def test_gather_matches_fancy_indexing(use_torch: bool) -> None:
-    rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, (300, 24), dtype=np.uint8)
-    rows = rng.integers(0, 300, 97).astype(np.int64)
-    out = np.zeros((97, 24), dtype=np.uint8)
+@given(rows=run_rows, data=st.data())
+def test_gather_from_runs_equals_fancy_indexing(use_torch: bool, rows: list[tuple[int, int, int, int, int]],
+                                                data: st.DataObject) -> None:
+    runs = _runs(rows)
+    src_rows, _ = expand(runs)
+    pitch = data.draw(st.integers(1, 12))
+    width = data.draw(st.integers(1, pitch))
+    offset = data.draw(st.integers(0, pitch - width))
+    rows_needed = int(src_rows.max()) + 1 if src_rows.size else 0
+    table = np.random.default_rng(0).integers(0, 256, (rows_needed + 1, pitch), dtype=np.uint8)
+    flat = table.reshape(-1)[offset:]
+    view = flat[:max(0, rows_needed - 1) * pitch + width] if rows_needed else flat[:0]
+    out = np.zeros((src_rows.size, width), dtype=np.uint8)
     g = Gatherer()
-    g.gather(src[:1], np.zeros(1, dtype=np.int64), np.zeros((1, 24), dtype=np.uint8))
     if not use_torch:
-        g._torch = None  # the numpy path, taken where torch is not installed
-    g.gather(src, rows, out)
-    assert np.array_equal(out, src[rows])
+        g._loaded, g._torch = True, None  # the numpy path, taken where torch is not installed
+    g.gather(view, pitch, runs, out, source_rows(runs))
+    assert np.array_equal(out, table[src_rows, offset:offset + width])
 
 
-def test_pack_fits_checks_every_layer() -> None:
-    assert pack_fits(10, (8, 16), 160)
-    assert not pack_fits(10, (8, 17), 160)
+def test_copy_runs_writes_strided_destinations() -> None:
+    src = np.arange(40, dtype=np.uint8)
+    dst = np.zeros(40, dtype=np.uint8)
+    # Rows of 4 bytes: source rows 0, 2, 4 -> destination rows 1, 4, 7 (DCP -> dense shape).
+    copy_runs(src, 4, dst, 4, np.array([[0, 2, 1, 3, 3]], dtype=np.int64), 4)
+    want = np.zeros(40, dtype=np.uint8)
+    for s, d in ((0, 1), (2, 4), (4, 7)):
+        want[d * 4:d * 4 + 4] = src[s * 4:s * 4 + 4]
+    assert np.array_equal(dst, want)
 
 
-def test_bounds_name_the_side_that_overflows() -> None:
-    job = TransferJob(layers=(LayerSpan(1000, 5000, 10),), src_rows=np.array([0, 9]),
-                      dst_rows=np.array([0, 10]))
-    src, dst = validate_job(job)
-    check_bounds(job, src, dst, local=[(1000, 100)], remote=[(5000, 110)])
+def test_from_rows_round_trips_any_row_pairs() -> None:
+    src = np.array([5, 6, 7, 20, 3, 4], dtype=np.int64)
+    dst = np.array([0, 1, 2, 3, 9, 10], dtype=np.int64)
+    runs = from_rows(src, dst)
+    assert runs.shape == (3, 5)
+    assert [a.tolist() for a in expand(runs)] == [src.tolist(), dst.tolist()]
+    assert source_rows(runs).tolist() == src.tolist()
+
+
+def _job(runs: list[list[int]], layer: LayerSpan) -> TransferJob:
+    return TransferJob.of_runs([layer], np.array(runs, dtype=np.int64))
+
+
+def test_bounds_come_from_run_extents_and_name_the_side() -> None:
+    layer = LayerSpan(1000, 5000, 10)
+    job = _job([[0, 9, 0, 10, 2]], layer)  # rows 0, 9 -> 0, 10
+    check_bounds(job, local=[(1000, 100)], remote=[(5000, 110)])
     with pytest.raises(DestinationOutOfBoundsError) as info:
-        check_bounds(job, src, dst, local=[(1000, 100)], remote=[(5000, 109)])
+        check_bounds(job, local=[(1000, 100)], remote=[(5000, 109)])
     assert info.value.reason == Reason.DESTINATION_OUT_OF_BOUNDS
     with pytest.raises(InvalidFieldError) as info:
-        check_bounds(job, src, dst, local=[(1000, 99)], remote=[(5000, 110)])
-    assert info.value.reason == Reason.INVALID_FIELD and info.value.field == "job.layers.src_ptr"
+        check_bounds(job, local=[(1000, 99)], remote=[(5000, 110)])
+    assert info.value.reason == Reason.INVALID_FIELD and info.value.field == "job.segments.layers.src_ptr"
     # A length of 0 means "unknown" and leaves that buffer unbounded.
-    check_bounds(job, src, dst, local=[(1000, 100)], remote=[(5000, 0)])
+    check_bounds(job, local=[(1000, 100)], remote=[(5000, 0)])
+    # A sub-range is bounded by its own bytes: the last row's 4 bytes at offset 6 end at byte 110.
+    check_bounds(_job([[0, 9, 0, 10, 2]], LayerSpan(1000, 5000, 10, src_offset=6, dst_offset=6, width=4)),
+                 local=[(1000, 100)], remote=[(5000, 110)])
 
 
-def test_malformed_jobs_are_invalid_field() -> None:
-    for src, dst in (([1, 2], [1]), ([-1], [0])):
-        with pytest.raises(InvalidFieldError) as info:
-            validate_job(TransferJob(layers=(), src_rows=np.array(src), dst_rows=np.array(dst)))
-        assert info.value.reason == Reason.INVALID_FIELD
+@pytest.mark.parametrize("runs", [[[0, 1, -1, 1, 2]], [[0, 0, 0, 1, 2]], [[0, 1, 0, 1, 0]], [[0, 1, 0, 1]]])
+def test_malformed_runs_are_invalid_field(runs: list[list[int]]) -> None:
+    with pytest.raises(InvalidFieldError) as info:
+        validate_job(TransferJob(segments=(Segment(np.array(runs, dtype=np.int64), (LayerSpan(0, 0, 8),)),)))
+    assert info.value.reason == Reason.INVALID_FIELD
+
+
+@pytest.mark.parametrize("span", [LayerSpan(0, 0, 0), LayerSpan(0, 0, 8, src_offset=4, width=5),
+                                  LayerSpan(0, 0, 8, dst_row_bytes=4, width=5), LayerSpan(0, 0, 8, width=-1),
+                                  LayerSpan(0, 0, 8, src_offset=1)])
+def test_byte_ranges_outside_a_row_are_invalid_field(span: LayerSpan) -> None:
+    with pytest.raises(InvalidFieldError) as info:
+        validate_job(_job([[0, 1, 0, 1, 1]], span))
+    assert info.value.reason == Reason.INVALID_FIELD
 
 
 @given(st.integers(0, 2**64 - 1), st.binary(max_size=40))
@@ -127,23 +185,6 @@ def test_missing_engine_names_the_package(backend: str, package: str) -> None:
     assert out.stdout.startswith("ENGINE_UNAVAILABLE"), out.stderr
     assert "pip install" in out.stdout
     assert issubclass(EngineUnavailableError, ImportError)
-
-
-@given(st.lists(st.integers(0, 400), max_size=120))
-def test_strided_gather_equals_fancy_indexing(rows_list: list[int]) -> None:
-    rows = np.array(rows_list, dtype=np.int64)
-    src = np.arange(401 * 3, dtype=np.uint8).reshape(401, 3)
-    out = np.zeros((rows.size, 3), dtype=np.uint8)
-    Gatherer().gather(src, rows, out, strided_runs(rows))
-    assert np.array_equal(out, src[rows])
-
-
-def test_dcp_rows_gather_as_one_strided_copy_per_page() -> None:
-    pages = np.random.default_rng(0).permutation(64)
-    rows = (pages[:, None] * 64 + 1 + 4 * np.arange(16)[None, :]).ravel().astype(np.int64)
-    runs = strided_runs(rows)
-    assert runs is not None and len(runs[0]) == 64
-    assert set(runs[1].tolist()) == {16} and set(runs[3].tolist()) == {4}
 
 
 @pytest.mark.process

@@ -1,9 +1,12 @@
 """DCP relayout planning: exact source -> destination row runs for decode context parallelism.
 
-Reading order: plan.py (coordinates, ``plan_relayout``, ``RelayoutPlan``), then _runs.py
-(run arithmetic, expansion, descriptor segments), then _checks.py (typed input errors).
+Reading order: layout.py (``DcpLayout``, the one layout value), plan.py (coordinates,
+``plan_chunk`` and its keyword wrapper ``plan_relayout``, ``RelayoutPlan``), runs.py (the
+run format executors receive, expansion, descriptor segments), then _checks.py (typed
+input errors). layers.py pairs prefill and decode entries.
 """
 
-from pdproto.dcp.plan import DcpLayout, RelayoutPlan, draft_token_rows, plan_relayout, token_rows
+from pdproto.dcp.layout import DcpLayout
+from pdproto.dcp.plan import RelayoutPlan, draft_token_rows, plan_chunk, plan_relayout, token_rows
 
-__all__ = ["DcpLayout", "RelayoutPlan", "draft_token_rows", "plan_relayout", "token_rows"]
+__all__ = ["DcpLayout", "RelayoutPlan", "draft_token_rows", "plan_chunk", "plan_relayout", "token_rows"]

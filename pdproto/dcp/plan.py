@@ -38,26 +38,11 @@ from typing import Any
 import numpy as np
 
 from pdproto import v1
-from pdproto.dcp import _checks, _runs
+from pdproto.dcp import _checks
+from pdproto.dcp import runs as _runs
 from pdproto.dcp._checks import I64, PageList
+from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import PlanError, Reason
-
-
-@dataclasses.dataclass(frozen=True)
-class DcpLayout:
-    """Where a layout keeps tokens: page size in tokens, DCP group size and this rank."""
-
-    page_size: int
-    """Physical page size in tokens (rows per page of the sharded target pool)."""
-    dcp_size: int = 1
-    """DCP group size; 1 means dense."""
-    dcp_rank: int = 0
-    """This rank in the DCP group."""
-
-    @property
-    def virtual_page(self) -> int:
-        """Global tokens per page index across the group (``page_size * dcp_size``)."""
-        return self.page_size * self.dcp_size
 
 
 def _readonly(runs: I64) -> I64:
@@ -150,8 +135,8 @@ class RelayoutPlan:
             num_tokens=self.num_tokens,
             src_page_size=self.src.page_size,
             dst_page_size=self.dst.page_size,
-            src_dcp=v1.ParallelGroup(size=self.src.dcp_size, rank=self.src.dcp_rank),
-            dst_dcp=v1.ParallelGroup(size=self.dst.dcp_size, rank=self.dst.dcp_rank),
+            src_dcp=self.src.group(),
+            dst_dcp=self.dst.group(),
             src_page_offset=self.src_page_offset,
             decode_prefix_len=self.decode_prefix_len,
             include_draft=self.include_draft,
@@ -171,12 +156,8 @@ class RelayoutPlan:
                            dtype=np.int64).reshape(-1, 5)
             return _readonly(_checks.runs(name, arr))
 
-        src = DcpLayout(_checks.size("src_page_size", msg.src_page_size),
-                        msg.src_dcp.size or 1, msg.src_dcp.rank)
-        dst = DcpLayout(_checks.size("dst_page_size", msg.dst_page_size),
-                        msg.dst_dcp.size or 1, msg.dst_dcp.rank)
-        _checks.rank("src_dcp_rank", src.dcp_rank, src.dcp_size)
-        _checks.rank("dst_dcp_rank", dst.dcp_rank, dst.dcp_size)
+        src = _checked("src", DcpLayout.from_proto(msg.src_page_size, msg.src_dcp))
+        dst = _checked("dst", DcpLayout.from_proto(msg.dst_page_size, msg.dst_dcp))
         return cls(
             target_runs=runs("target_runs", msg.target_runs),
             draft_runs=runs("draft_runs", msg.draft_runs),
@@ -220,49 +201,40 @@ def _check_dst_capacity(what: str, last_local: int, page_size: int, dst_pages: I
     )
 
 
-def plan_relayout(
+def _checked(side: str, layout: DcpLayout) -> DcpLayout:
+    """The layout with every field checked (PLAN_BAD_SIZE, PLAN_RANK_OUT_OF_RANGE naming ``side``)."""
+    page = _checks.size(f"{side}_page_size", layout.page_size)
+    size = _checks.size(f"{side}_dcp_size", layout.dcp_size)
+    return DcpLayout(page, size, _checks.rank(f"{side}_dcp_rank", layout.dcp_rank, size))
+
+
+def plan_chunk(
+    src: DcpLayout,
+    dst: DcpLayout,
     src_pages: PageList,
     dst_pages: PageList,
     *,
-    page_size: int,
-    dcp_size: int,
-    dcp_rank: int,
     src_page_offset: int = 0,
     decode_prefix_len: int = 0,
     num_kv_tokens: int | None = None,
-    src_page_size: int | None = None,
-    src_dcp_size: int = 1,
-    src_dcp_rank: int = 0,
-    dst_page_size: int | None = None,
     include_draft: bool = False,
 ) -> RelayoutPlan:
-    """Plan one chunk from a source rank to a destination rank as runs (see the module docstring).
+    """Plan one chunk from a source layout's rank to a destination layout's rank as runs (module docstring).
 
     Args:
+        src: the source rank's layout (a dense prefill: ``DcpLayout(page_size)``).
+        dst: the destination rank's layout.
         src_pages: the source rank's pages of this chunk.
         dst_pages: the destination rank's full page list after the prefix.
-        page_size: page size in tokens of both sides unless overridden below.
-        dcp_size: destination DCP group size.
-        dcp_rank: destination DCP rank.
         src_page_offset: chunk start in source pages after the prefix.
         decode_prefix_len: prefix length in global tokens; a multiple of both virtual pages.
         num_kv_tokens: global tokens in the chunk; default ``len(src_pages) * Ps * Ns``.
-        src_page_size: source page size (default ``page_size``).
-        src_dcp_size: source DCP group size (default 1: dense).
-        src_dcp_rank: source DCP rank.
-        dst_page_size: destination page size (default ``page_size``).
         include_draft: also plan the unsharded draft pool.
 
     Raises:
         PlanError: with a PLAN_* reason and the offending values in ``metadata``.
     """
-    base = _checks.size("page_size", page_size)
-    src = DcpLayout(_checks.size("src_page_size", base if src_page_size is None else src_page_size),
-                    _checks.size("src_dcp_size", src_dcp_size))
-    dst = DcpLayout(_checks.size("dst_page_size", base if dst_page_size is None else dst_page_size),
-                    _checks.size("dcp_size", dcp_size))
-    src = dataclasses.replace(src, dcp_rank=_checks.rank("src_dcp_rank", src_dcp_rank, src.dcp_size))
-    dst = dataclasses.replace(dst, dcp_rank=_checks.rank("dcp_rank", dcp_rank, dst.dcp_size))
+    src, dst = _checked("src", src), _checked("dst", dst)
     offset = _checks.offset("src_page_offset", src_page_offset)
     prefix = _checks.offset("decode_prefix_len", decode_prefix_len)
     # Draft pages hold a whole virtual page, so that bounds the row indexes.
@@ -336,6 +308,51 @@ def plan_relayout(
         src_page_offset=offset,
         decode_prefix_len=prefix,
         include_draft=include_draft,
+    )
+
+
+def plan_relayout(
+    src_pages: PageList,
+    dst_pages: PageList,
+    *,
+    page_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    src_page_offset: int = 0,
+    decode_prefix_len: int = 0,
+    num_kv_tokens: int | None = None,
+    src_page_size: int | None = None,
+    src_dcp_size: int = 1,
+    src_dcp_rank: int = 0,
+    dst_page_size: int | None = None,
+    include_draft: bool = False,
+) -> RelayoutPlan:
+    """``plan_chunk`` with the layouts spelled as keywords (the documented API; defaults: dense -> DCP).
+
+    Args:
+        src_pages: the source rank's pages of this chunk.
+        dst_pages: the destination rank's full page list after the prefix.
+        page_size: page size in tokens of both sides unless overridden below.
+        dcp_size: destination DCP group size.
+        dcp_rank: destination DCP rank.
+        src_page_offset: chunk start in source pages after the prefix.
+        decode_prefix_len: prefix length in global tokens; a multiple of both virtual pages.
+        num_kv_tokens: global tokens in the chunk; default ``len(src_pages) * Ps * Ns``.
+        src_page_size: source page size (default ``page_size``).
+        src_dcp_size: source DCP group size (default 1: dense).
+        src_dcp_rank: source DCP rank.
+        dst_page_size: destination page size (default ``page_size``).
+        include_draft: also plan the unsharded draft pool.
+
+    Raises:
+        PlanError: with a PLAN_* reason and the offending values in ``metadata``.
+    """
+    base = _checks.size("page_size", page_size)
+    return plan_chunk(
+        DcpLayout(base if src_page_size is None else src_page_size, src_dcp_size, src_dcp_rank),
+        DcpLayout(base if dst_page_size is None else dst_page_size, dcp_size, dcp_rank),
+        src_pages, dst_pages, src_page_offset=src_page_offset, decode_prefix_len=decode_prefix_len,
+        num_kv_tokens=num_kv_tokens, include_draft=include_draft,
     )
 
 

@@ -1,8 +1,8 @@
 """Shared machinery of the engine executors: registration bookkeeping, staging and the pipeline.
 
 Subclasses supply the engine calls (``_submit``, ``_wait``, ``_send_notification``
-and the registration hooks); this class turns a ``TransferJob`` into per-layer
-descriptor batches, packing through staging where it can.
+and the registration hooks); this class turns a ``TransferJob``'s runs into
+per-layer descriptor batches, packing through staging where it can.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from pdproto.dcp.runs import source_rows
 from pdproto.errors import NotFoundError, PdprotoError, Reason
 from pdproto.v1 import registration_pb2
 
@@ -25,8 +24,10 @@ from .base import (
     DRAM,
     VRAM,
     Buffer,
+    LayerSpan,
     MemoryKind,
     Notification,
+    Segment,
     TransferJob,
     TransferResult,
     TransferStats,
@@ -36,7 +37,10 @@ from .base import (
     validate_job,
 )
 from .memory import allocate, host_view
-from .packing import Descs, Gatherer, StagingExtents, pack_fits, packed_descriptors, row_descriptors
+from .packing import Descs, Gatherer, StagingExtents, packed_descriptors, row_descriptors
+
+Inflight = collections.deque[tuple[Any, int, int, int]]
+"""Submitted batches: (engine handle, first staging byte read, end byte, descriptors)."""
 
 
 def rdma_present() -> bool:
@@ -191,32 +195,33 @@ class EngineExecutor:
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
-        """Run the job layer by layer (pack i+1 while i is in flight); raises a ``PdprotoError``."""
+        """Run the job layer by layer (pack the next while one is in flight); raises a ``PdprotoError``."""
         t0 = time.perf_counter()
-        src, dst = validate_job(job)
+        validate_job(job)
         peer = self._peer(peer_id)
+        units = job.units()
         with peer.lock:
             try:
-                check_bounds(job, src, dst, local=self._local_regions(), remote=peer.regions)
+                check_bounds(job, local=self._local_regions(), remote=peer.regions)
                 staging = self._staging
-                want = job.pack and src.size > 0 and len(job.layers) > 0
+                want = job.pack and bool(units)
+                widest = max((seg.num_rows * layer.nbytes for seg, layer in units), default=0)
                 # Packing needs staging on the same side (host or device) as every source layer.
-                fits = staging is not None and pack_fits(
-                    src.size, tuple(layer.row_bytes for layer in job.layers), staging.length
-                ) and all(self._kind_of(layer.src_ptr)[0] == staging.kind for layer in job.layers)
+                fits = (staging is not None and widest <= staging.length
+                        and all(self._kind_of(layer.src_ptr)[0] == staging.kind for _, layer in units))
                 extent = None
                 if want and fits and self._extents is not None:
-                    slot = int(src.size) * max(layer.row_bytes for layer in job.layers)
-                    extent = self._extents.acquire(slot, slot * len(job.layers), self.staging_wait_s)
+                    total = sum(seg.num_rows * layer.nbytes for seg, layer in units)
+                    extent = self._extents.acquire(widest, total, self.staging_wait_s)
                     fits = extent is not None
                 if extent is not None:
                     assert self._extents is not None
                     try:
-                        ndesc, pack_s = self._run_packed(peer, job, src, dst, extent)
+                        ndesc, pack_s = self._run_packed(peer, units, extent)
                     finally:
                         self._extents.release(*extent)
                 else:
-                    ndesc, pack_s = self._run_rows(peer, job, src, dst), 0.0
+                    ndesc, pack_s = self._run_rows(peer, units), 0.0
                 notified = False
                 if job.notification is not None:
                     notified = self._send_notification(peer, job.notification)
@@ -224,7 +229,7 @@ class EngineExecutor:
                 with self._lock:
                     self.stats.failures += 1
                 raise
-        nbytes = int(src.size) * sum(layer.row_bytes for layer in job.layers)
+        nbytes = job.nbytes
         fallback = want and not fits
         with self._lock:  # jobs for different peers finish concurrently
             self.stats.jobs += 1
@@ -240,8 +245,8 @@ class EngineExecutor:
         """Most descriptors queued at once per job; engines with a bounded queue lower it."""
         return 1 << 40
 
-    def _push(self, peer: PeerState, inflight: collections.deque[tuple[Any, int, int, int]],
-              descs: Descs, mem: tuple[MemoryKind, int], lo: int = 0, hi: int = 0) -> None:
+    def _push(self, peer: PeerState, inflight: Inflight, descs: Descs, mem: tuple[MemoryKind, int],
+              lo: int = 0, hi: int = 0) -> None:
         """Submit ``descs`` in engine-sized batches, first waiting out what would overflow the queue."""
         cap = self._max_inflight_descs()
         for i in range(0, len(descs), self.max_batch):
@@ -250,13 +255,13 @@ class EngineExecutor:
                 self._wait(peer, inflight.popleft()[0])
             inflight.append((self._submit(peer, chunk, mem[0], mem[1]), lo, hi, len(chunk)))
 
-    def _run_rows(self, peer: PeerState, job: TransferJob, src: np.ndarray, dst: np.ndarray) -> int:
+    def _run_rows(self, peer: PeerState, units: list[tuple[Segment, LayerSpan]]) -> int:
         """Per-row (run-merged) descriptors straight from the source buffers."""
         total = 0
-        inflight: collections.deque[tuple[Any, int, int, int]] = collections.deque()
+        inflight: Inflight = collections.deque()
         try:
-            for layer in job.layers:
-                descs = row_descriptors(layer.src_ptr, layer.dst_ptr, layer.row_bytes, src, dst)
+            for seg, layer in units:
+                descs = row_descriptors(layer, seg.runs)
                 self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
                 total += len(descs)
             while inflight:
@@ -265,60 +270,70 @@ class EngineExecutor:
             self._drain(peer, [e[0] for e in inflight])
         return total
 
-    def _run_packed(self, peer: PeerState, job: TransferJob, src: np.ndarray,
-                    dst: np.ndarray, extent: tuple[int, int]) -> tuple[int, float]:
-        """Pack layer i+1 on the pack thread while layer i is transferred from the other slot.
+    def _run_packed(self, peer: PeerState, units: list[tuple[Segment, LayerSpan]],
+                    extent: tuple[int, int]) -> tuple[int, float]:
+        """Pack unit i+1 on the pack thread while unit i is transferred from another part of the extent.
 
-        The job's staging extent is cut into K equal slots (K = how many layers fit,
-        at most the layer count); layer i uses slot i % K, and a slot is packed again
-        only after the transfer that read it completed. With K = 1 there is no overlap.
+        Units (one layer of one segment each) take consecutive byte ranges of the job's
+        staging extent and wrap to its start when the next does not fit; a range is packed
+        again only after every transfer that read any byte of it completed. An extent that
+        holds two units' rows gives full overlap; one that holds only one, none.
         """
         staging = self._staging
         assert staging is not None  # checked by the caller
         base, length = extent
-        n = int(src.size)
-        smax = int(src.max())
-        slot_bytes = n * max(layer.row_bytes for layer in job.layers)
-        nslots = max(1, min(len(job.layers), length // slot_bytes))
-        runs = self._gatherer.plan(src) if staging.kind != VRAM else None
+        places: list[tuple[int, int]] = []
+        cursor = 0
+        for seg, layer in units:
+            size = seg.num_rows * layer.nbytes
+            if cursor + size > length:
+                cursor = 0
+            places.append((cursor, cursor + size))
+            cursor += size
+        # The gather index of each segment, built once and shared by its layers.
+        indexes = {id(seg): source_rows(seg.runs) for seg in {id(seg): seg for seg, _ in units}.values()}
 
         def pack(i: int) -> float:
-            """Gather layer i into its slot (runs on the pack thread); returns seconds."""
-            layer = job.layers[i]
-            rb = layer.row_bytes
-            lo = base + (i % nslots) * slot_bytes
+            """Gather unit i into its range (runs on the pack thread); returns seconds."""
+            seg, layer = units[i]
             tp = time.perf_counter()
-            src2d = self._view(layer.src_ptr, (smax + 1) * rb).reshape(smax + 1, rb)
-            self._gatherer.gather(src2d, src, staging.array[lo:lo + n * rb].reshape(n, rb), runs)
+            _, smax, _, _ = seg.extents
+            src = self._view(layer.src_ptr + layer.src_offset, smax * layer.row_bytes + layer.nbytes)
+            lo, hi = places[i]
+            out = staging.array[base + lo:base + hi].reshape(seg.num_rows, layer.nbytes)
+            self._gatherer.gather(src, layer.row_bytes, seg.runs, out, indexes[id(seg)])
             return time.perf_counter() - tp
+
+        def overlaps(i: int, entry: tuple[Any, int, int, int]) -> bool:
+            return entry[1] < places[i][1] and places[i][0] < entry[2]
 
         total = 0
         pack_s = 0.0
-        inflight: collections.deque[tuple[Any, int, int, int]] = collections.deque()
+        mem = (staging.kind, staging.device)
+        inflight: Inflight = collections.deque()
         pending: Future[float] | None = None
         try:
             pending = self._pack_pool().submit(pack, 0)
-            for i, layer in enumerate(job.layers):
+            for i, (seg, layer) in enumerate(units):
                 current, pending = pending, None
-                assert current is not None  # every iteration starts with layer i being packed
+                assert current is not None  # every iteration starts with unit i being packed
                 pack_s += current.result()
-                descs = packed_descriptors(staging.addr + base + (i % nslots) * slot_bytes,
-                                           layer.dst_ptr, layer.row_bytes, dst)
+                lo, hi = places[i]
+                descs = packed_descriptors(staging.addr + base + lo, layer, seg.runs)
                 total += len(descs)
-                mem = (staging.kind, staging.device)
-                if not self.submit_blocks or nslots == 1:
-                    # Async engines: get layer i moving before anything else can stall.
-                    self._push(peer, inflight, descs, mem, i % nslots, -1)
                 nxt = i + 1
-                if nxt < len(job.layers):
-                    # Free the slot layer i+1 uses (last read by layer i+1-K), then pack into it.
-                    slot = nxt % nslots
-                    while inflight and any(e[1] == slot for e in inflight):
+                # Engines that copy inside the submit call overlap it with packing unit i+1,
+                # unless i+1 reuses i's bytes; async engines get unit i moving first.
+                late = self.submit_blocks and nxt < len(units) and not (
+                    places[nxt][0] < hi and lo < places[nxt][1])
+                if not late:
+                    self._push(peer, inflight, descs, mem, lo, hi)
+                if nxt < len(units):
+                    while any(overlaps(nxt, e) for e in inflight):
                         self._wait(peer, inflight.popleft()[0])
                     pending = self._pack_pool().submit(pack, nxt)
-                if self.submit_blocks and nslots > 1:
-                    # Engines that copy inside the submit call: overlap it with packing layer i+1.
-                    self._push(peer, inflight, descs, mem, i % nslots, -1)
+                if late:
+                    self._push(peer, inflight, descs, mem, lo, hi)
             while inflight:
                 self._wait(peer, inflight.popleft()[0])
         finally:

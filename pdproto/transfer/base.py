@@ -6,6 +6,9 @@ peer registered. Addresses follow one rule: a *local* address (``src_ptr``,
 (``dst_ptr``, ``KvBuffer.ptr``) is whatever the peer advertised in its
 registration (a real pointer for Mooncake and NIXL, an arena offset for the
 local backend). ``Buffer.ptr`` is the value to advertise.
+
+A job says which rows move as the planner's runs (``pdproto.dcp.runs``), never as
+one index per row: executors gather, bound and cut descriptors from the runs.
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from pdproto.backends import Endpoint, set_endpoint
+from pdproto.dcp import runs as run_arith
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
 from pdproto.v1 import common_pb2, registration_pb2
 
-Rows = npt.NDArray[np.int64]
-"""Row indices, int64, one per token (from ``RelayoutPlan.expand()``)."""
+Runs = npt.NDArray[np.int64]
+"""(R, 5) int64 row runs: src_start, src_stride, dst_start, dst_stride, count (``pdproto.dcp.runs``)."""
 
 MemoryKind: TypeAlias = common_pb2.MemoryKind.ValueType
 """A ``pdproto.v1.MemoryKind`` value."""
@@ -53,30 +58,94 @@ class Buffer:
 
 @dataclass(frozen=True)
 class LayerSpan:
-    """One KV entry (layer) of a job: where its rows start on each side and how wide a row is."""
+    """One entry (layer) of a segment: where row 0 lies on each side, the row pitches, and the bytes moved.
+
+    By default a whole row moves and both sides use ``row_bytes``. A byte sub-range of
+    each row (a KV head slice, one head group of a recurrent state slot) sets
+    ``src_offset``/``dst_offset``/``width``, and ``dst_row_bytes`` when the destination
+    rows are laid out with another pitch.
+    """
 
     src_ptr: int
     """Local address of source row 0 (must lie in registered memory)."""
     dst_ptr: int
     """Peer address of destination row 0 (``KvBuffer.ptr`` of the peer's entry)."""
     row_bytes: int
-    """Bytes per row (token) of this entry; rows are packed back to back on both sides."""
+    """Bytes from one source row to the next, and on the destination unless ``dst_row_bytes`` is set."""
+    dst_row_bytes: int = 0
+    """Destination row pitch when it differs from the source's (0: ``row_bytes``)."""
+    src_offset: int = 0
+    """First byte moved within each source row."""
+    dst_offset: int = 0
+    """Where the moved bytes start within each destination row."""
+    width: int = 0
+    """Bytes moved per row (0: the whole row)."""
+
+    @property
+    def dst_pitch(self) -> int:
+        """Bytes from one destination row to the next."""
+        return self.dst_row_bytes or self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved per row."""
+        return self.width or self.row_bytes
+
+    @property
+    def whole_rows(self) -> bool:
+        """True when consecutive rows are adjacent bytes on both sides, so one descriptor may span them."""
+        return self.nbytes == self.row_bytes == self.dst_pitch
 
 
-@dataclass(frozen=True)
-class TransferJob:
-    """Copy rows ``src_rows[i]`` to ``dst_rows[i]`` of every layer in ``layers``."""
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One row set, as runs, moved for each of its layers (target KV, draft KV; later aux or state slots)."""
 
+    runs: Runs
+    """(R, 5) int64 runs; every layer of the segment moves the same row pairs."""
     layers: tuple[LayerSpan, ...]
-    """The entries to move; every layer uses the same row pairs."""
-    src_rows: Rows
-    """Source row index per token, int64."""
-    dst_rows: Rows
-    """Destination row index per token, int64, same length as ``src_rows``."""
+    """The entries that move these rows."""
+
+    @cached_property
+    def num_rows(self) -> int:
+        """Row pairs per layer."""
+        return run_arith.num_rows(self.runs)
+
+    @cached_property
+    def extents(self) -> tuple[int, int, int, int]:
+        """(lowest src row, highest src row, lowest dst row, highest dst row); O(runs), runs non-empty."""
+        return run_arith.extents(self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the segment, all layers."""
+        return self.num_rows * sum(layer.nbytes for layer in self.layers)
+
+
+@dataclass(frozen=True, eq=False)
+class TransferJob:
+    """Move every segment's rows for each of its layers, then notify the peer (if asked)."""
+
+    segments: tuple[Segment, ...]
+    """Row sets with their layers; a packed job gathers them all through one staging extent."""
     pack: bool = True
     """Gather source rows into the staging region first (falls back to per-row if it cannot)."""
     notification: bytes | None = None
     """Sent to the peer after the last byte lands (NIXL); sent even when there are no rows."""
+
+    @classmethod
+    def of_runs(cls, layers: Sequence[LayerSpan], runs: Runs, **options: Any) -> TransferJob:
+        """A one-segment job: these runs for these layers (``options``: pack, notification)."""
+        return cls(segments=(Segment(runs, tuple(layers)),), **options)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the whole job."""
+        return sum(seg.nbytes for seg in self.segments)
+
+    def units(self) -> list[tuple[Segment, LayerSpan]]:
+        """Every (segment, layer) pair with rows, in the order they move."""
+        return [(seg, layer) for seg in self.segments if seg.num_rows for layer in seg.layers]
 
 
 @dataclass(frozen=True)
@@ -177,60 +246,65 @@ def decode_notification(peer: str, data: bytes) -> Notification | None:
     return Notification(peer=peer, room=room, payload=bytes(data[8:]))
 
 
-def validate_job(job: TransferJob) -> tuple[Rows, Rows]:
-    """Check row arrays are equal-length non-negative int64; return them as contiguous arrays."""
-    src = np.ascontiguousarray(job.src_rows, dtype=np.int64)
-    dst = np.ascontiguousarray(job.dst_rows, dtype=np.int64)
-    if src.ndim != 1 or src.shape != dst.shape:
-        raise InvalidFieldError("job.dst_rows", "src_rows and dst_rows must be 1-D and of equal length",
-                                metadata={"src": src.shape, "dst": dst.shape})
-    if src.size and (int(src.min()) < 0 or int(dst.min()) < 0):
-        raise InvalidFieldError("job.src_rows", "row indices must be non-negative")
-    for layer in job.layers:
-        if layer.row_bytes <= 0:
-            raise InvalidFieldError("job.layers.row_bytes", "row_bytes must be positive",
-                                    metadata={"row_bytes": layer.row_bytes})
-    return src, dst
+def validate_job(job: TransferJob) -> None:
+    """Check every segment's runs and every layer's byte range in O(runs); INVALID_FIELD otherwise."""
+    for i, seg in enumerate(job.segments):
+        runs = seg.runs
+        if not isinstance(runs, np.ndarray) or runs.dtype != np.int64 or runs.ndim != 2 or runs.shape[1] != 5:
+            raise InvalidFieldError(f"job.segments[{i}].runs",
+                                    "segment runs must be an (R, 5) int64 array (pdproto.dcp.runs)",
+                                    metadata={"shape": getattr(runs, "shape", None),
+                                              "dtype": getattr(runs, "dtype", None)})
+        bad = run_arith.bad_run(runs)
+        if bad is not None:
+            raise InvalidFieldError(f"job.segments[{i}].runs",
+                                    "runs need non-negative starts and strides and counts of at least 1",
+                                    metadata={"run": bad, "value": runs[bad].tolist()})
+        for j, layer in enumerate(seg.layers):
+            fields = (layer.row_bytes, layer.dst_row_bytes, layer.src_offset, layer.dst_offset, layer.width)
+            if (layer.row_bytes <= 0 or min(fields) < 0 or layer.src_offset + layer.nbytes > layer.row_bytes
+                    or layer.dst_offset + layer.nbytes > layer.dst_pitch):
+                raise InvalidFieldError(f"job.segments[{i}].layers[{j}]",
+                                        "a layer's bytes must fit its rows: positive row_bytes, and "
+                                        "offset + width within the row pitch on each side",
+                                        metadata={"row_bytes": layer.row_bytes,
+                                                  "dst_row_bytes": layer.dst_row_bytes,
+                                                  "src_offset": layer.src_offset,
+                                                  "dst_offset": layer.dst_offset, "width": layer.width})
 
 
 def _span_inside(start: int, end: int, regions: Sequence[tuple[int, int]]) -> bool:
     return any(base <= start and end <= base + length for base, length in regions)
 
 
-def check_bounds(job: TransferJob, src: Rows, dst: Rows, *, local: Sequence[tuple[int, int]],
-                 remote: Sequence[tuple[int, int]]) -> None:
-    """Raise unless every row of every layer lies inside one registered region on its side.
+def byte_span(ptr: int, lo_row: int, hi_row: int, pitch: int, offset: int, nbytes: int) -> tuple[int, int]:
+    """[first, end) bytes touched by rows lo_row..hi_row of ``nbytes`` at ``offset`` in rows ``pitch`` apart."""
+    return ptr + lo_row * pitch + offset, ptr + hi_row * pitch + offset + nbytes
 
-    ``remote`` regions with length 0 (unknown) are not bounded, as the schema allows.
+
+def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]],
+                 remote: Sequence[tuple[int, int]]) -> None:
+    """Raise unless every layer's rows lie inside one registered region on each side; O(runs) per segment.
+
+    Each segment's runs give its lowest and highest row on each side (strides are
+    positive), so one span per layer and side covers every row. ``remote`` regions with
+    length 0 (unknown) are not bounded, as the schema allows.
     """
-    if src.size == 0:
-        return
-    smin, smax, dmin, dmax = int(src.min()), int(src.max()), int(dst.min()), int(dst.max())
     bounded = [(b, n) for b, n in remote if n > 0]
     unbounded = {b for b, n in remote if n == 0}
-    for i, layer in enumerate(job.layers):
-        lo, hi = layer.src_ptr + smin * layer.row_bytes, layer.src_ptr + (smax + 1) * layer.row_bytes
-        if not _span_inside(lo, hi, local):
-            raise InvalidFieldError("job.layers.src_ptr", "source rows fall outside registered local memory",
+    for i, (seg, layer) in enumerate(job.units()):
+        smin, smax, dmin, dmax = seg.extents
+        if not _span_inside(*byte_span(layer.src_ptr, smin, smax, layer.row_bytes, layer.src_offset,
+                                       layer.nbytes), local):
+            raise InvalidFieldError("job.segments.layers.src_ptr", "source rows fall outside registered local memory",
                                     metadata={"layer": i, "src_ptr": hex(layer.src_ptr), "max_row": smax})
-        lo, hi = layer.dst_ptr + dmin * layer.row_bytes, layer.dst_ptr + (dmax + 1) * layer.row_bytes
         if layer.dst_ptr in unbounded:
             continue
-        if not _span_inside(lo, hi, bounded):
+        if not _span_inside(*byte_span(layer.dst_ptr, dmin, dmax, layer.dst_pitch, layer.dst_offset,
+                                       layer.nbytes), bounded):
             raise DestinationOutOfBoundsError(
                 "destination rows fall outside the memory the peer registered",
                 metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
-
-
-def contiguous_runs(src: Rows, dst: Rows) -> tuple[Rows, Rows, Rows]:
-    """Group row pairs into maximal runs where both sides advance by one: (src starts, dst starts, lengths)."""
-    if src.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    brk = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], brk)).astype(np.int64)
-    ends = np.concatenate((brk, [src.size])).astype(np.int64)
-    return src[starts], dst[starts], ends - starts
 
 
 def remote_regions(registration: registration_pb2.KvRegistration) -> list[tuple[int, int]]:
@@ -247,13 +321,14 @@ __all__ = [
     "LayerSpan",
     "MemoryKind",
     "Notification",
-    "Rows",
+    "Runs",
+    "Segment",
     "TransferExecutor",
     "TransferJob",
     "TransferResult",
     "TransferStats",
+    "byte_span",
     "check_bounds",
-    "contiguous_runs",
     "decode_notification",
     "encode_notification",
     "remote_regions",

@@ -1,10 +1,16 @@
-"""Run arithmetic: arithmetic token progressions -> (src, dst) row runs, expansion, segments.
+"""Row runs, the one form a plan takes from the planner to the executors.
 
-Everything here is vectorised over pages or runs; nothing loops per token in Python.
 A run array has shape (R, 5) and int64 columns ``SRC_START, SRC_STRIDE, DST_START,
 DST_STRIDE, COUNT``: row pair i of a run is ``(src_start + i*src_stride,
-dst_start + i*dst_stride)`` for ``0 <= i < count``. A run of one row has both
-strides set to 1 so that "stride 1" alone means "contiguous".
+dst_start + i*dst_stride)`` for ``0 <= i < count``. Strides are at least 1, so a run's
+first and last rows are its extent on each side. A run of one row has both strides set
+to 1 so that "stride 1" alone means "contiguous".
+
+The planner builds runs (``progression_runs``); executors check them (``bad_run``,
+``extents``), gather from them and cut descriptors from them (``segments``). Everything
+is vectorised over pages or runs. ``expand`` and ``from_rows`` are O(tokens) and not on
+the request path; ``source_rows`` is, once per chunk and row set, as the index of the
+executors' gather kernel (8 bytes a row, against the row's bytes in every layer).
 """
 
 from __future__ import annotations
@@ -21,6 +27,43 @@ RUN_COLUMNS = ("src_start", "src_stride", "dst_start", "dst_stride", "count")
 def empty_runs() -> I64:
     """An empty (0, 5) int64 run array."""
     return np.zeros((0, 5), dtype=np.int64)
+
+
+def bad_run(runs: I64) -> int | None:
+    """Index of the first run with a negative start or a stride or count below 1; None if all are good."""
+    bad = np.flatnonzero((runs[:, [SRC_START, DST_START]] < 0).any(axis=1)
+                         | (runs[:, [SRC_STRIDE, DST_STRIDE, COUNT]] < 1).any(axis=1))
+    return int(bad[0]) if bad.size else None
+
+
+def num_rows(runs: I64) -> int:
+    """Row pairs the runs hold."""
+    return int(runs[:, COUNT].sum())
+
+
+def extents(runs: I64) -> tuple[int, int, int, int]:
+    """(lowest src row, highest src row, lowest dst row, highest dst row) in O(runs); runs must be non-empty."""
+    last = runs[:, COUNT] - 1
+    return (int(runs[:, SRC_START].min()), int((runs[:, SRC_START] + last * runs[:, SRC_STRIDE]).max()),
+            int(runs[:, DST_START].min()), int((runs[:, DST_START] + last * runs[:, DST_STRIDE]).max()))
+
+
+def from_rows(src: I64, dst: I64) -> I64:
+    """Runs for arbitrary (src_rows[i], dst_rows[i]) pairs: one per stretch contiguous on both sides.
+
+    O(tokens): for callers that hold row lists (tests, hand-made jobs), never the planner's path.
+    """
+    src = np.asarray(src, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    if src.size == 0:
+        return empty_runs()
+    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    runs = np.ones((starts.size, 5), dtype=np.int64)
+    runs[:, SRC_START] = src[starts]
+    runs[:, DST_START] = dst[starts]
+    runs[:, COUNT] = np.diff(np.append(starts, src.size))
+    return runs
 
 
 def _page_breaks(x0: int, step: int, page_size: int, count: int) -> I64:
@@ -81,18 +124,28 @@ def progression_runs(
     return runs
 
 
-def expand(runs: I64) -> tuple[I64, I64]:
-    """Every (src_row, dst_row) pair of the runs, in run order, as two int64 arrays."""
+def _rows_within(runs: I64) -> tuple[I64, I64]:
+    """For every row of the runs, in run order: its run's index and its position in that run."""
     counts = runs[:, COUNT]
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     run_of_row = np.repeat(np.arange(runs.shape[0]), counts)
     first_row = np.cumsum(counts) - counts
-    within = np.arange(total, dtype=np.int64) - first_row[run_of_row]
+    within = np.arange(int(counts.sum()), dtype=np.int64) - first_row[run_of_row]
+    return run_of_row, within
+
+
+def expand(runs: I64) -> tuple[I64, I64]:
+    """Every (src_row, dst_row) pair of the runs, in run order, as two int64 arrays."""
+    run_of_row, within = _rows_within(runs)
     src = runs[run_of_row, SRC_START] + within * runs[run_of_row, SRC_STRIDE]
     dst = runs[run_of_row, DST_START] + within * runs[run_of_row, DST_STRIDE]
     return src, dst
+
+
+def source_rows(runs: I64) -> I64:
+    """Every source row of the runs, in run order: the index a row gather kernel takes."""
+    run_of_row, within = _rows_within(runs)
+    rows: I64 = runs[run_of_row, SRC_START] + within * runs[run_of_row, SRC_STRIDE]
+    return rows
 
 
 def pack_source(runs: I64) -> I64:
@@ -121,11 +174,17 @@ def count_segments(runs: I64) -> int:
     return pieces - int(_join_flags(runs).sum())
 
 
-def segments(runs: I64) -> I64:
-    """Maximal both-sides-contiguous segments as an (S, 3) int64 array of (src_row, dst_row, nrows)."""
+def segments(runs: I64, *, merge: bool = True) -> I64:
+    """Maximal both-sides-contiguous segments as an (S, 3) int64 array of (src_row, dst_row, nrows).
+
+    ``merge=False`` gives one segment per row, for rows whose bytes are not adjacent in
+    memory (a byte sub-range of each row) even where the row indexes are.
+    """
     if runs.shape[0] == 0:
         return np.zeros((0, 3), dtype=np.int64)
     contiguous = (runs[:, SRC_STRIDE] == 1) & (runs[:, DST_STRIDE] == 1)
+    if not merge:
+        contiguous[:] = False
     # A strided run splits into single rows; a contiguous run stays whole.
     pieces_per_run = np.where(contiguous, 1, runs[:, COUNT])
     total = int(pieces_per_run.sum())
@@ -142,7 +201,7 @@ def segments(runs: I64) -> I64:
     out[:, 2] = np.repeat(np.where(contiguous, runs[:, COUNT], 1), pieces_per_run)
     # Pieces inside one run never join (a stride > 1 leaves a gap); only a run's first piece
     # can continue the previous run's last piece, so the merge test is O(runs).
-    joins = _join_flags(runs)
+    joins = _join_flags(runs) if merge else np.zeros(0, dtype=bool)
     if not joins.any():
         return out
     keep = np.ones(total, dtype=bool)
