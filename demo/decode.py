@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from pdproto import PROTOCOL_MINOR
+from pdproto import PROTOCOL_MINOR, backends
 from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError, Reason
 from pdproto.registration import DecodeLayout, kv_entries, make_registration
@@ -278,12 +278,12 @@ class DecodeRank:
             descriptors += st.descriptors
             chunks += st.chunks_done
         done_at = time.monotonic()
-        if not failures and self.config.backend == "nixl":
+        if not failures and backends.by_name(self.config.backend).notifications:
             # Every chunk must be announced through the engine, including chunks where this
             # rank owns no rows (e.g. the 1-token tail of a 65-token prompt on DCP 4).
             got = self._await_notices(room, p.generation, chunks, deadline)
             if got != chunks:
-                failures.append(f"expected {chunks} chunk notices through NIXL, got {got}")
+                failures.append(f"expected {chunks} chunk notices through {self.config.backend}, got {got}")
         checked, bad = self._check(p.placements) if check and not failures else (0, None)
         data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=self.config.page_size,
                    background=self.config.background)

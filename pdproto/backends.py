@@ -45,6 +45,8 @@ class BackendSpec:
     """``module:Class`` of the executor; imported only when one is created."""
     single_host: bool = False
     """True when the engine copies within one host only (tests, demos, single-node setups)."""
+    notifications: bool = False
+    """True when the engine delivers notifications to the decode (chunk notices arrive there)."""
 
     def identity_of(self, registration: registration_pb2.KvRegistration) -> str:
         """The value of this engine's identity field in ``registration`` ("" when unset)."""
@@ -55,7 +57,7 @@ ALL: tuple[BackendSpec, ...] = (
     BackendSpec("mooncake", common_pb2.BACKEND_MOONCAKE, "mooncake", registration_pb2.MooncakeEndpoint,
                 "session_id", "pdproto.transfer.mooncake:MooncakeExecutor"),
     BackendSpec("nixl", common_pb2.BACKEND_NIXL, "nixl", registration_pb2.NixlEndpoint,
-                "agent_name", "pdproto.transfer.nixl:NixlExecutor"),
+                "agent_name", "pdproto.transfer.nixl:NixlExecutor", notifications=True),
     BackendSpec("local", common_pb2.BACKEND_LOCAL, "local", registration_pb2.LocalEndpoint,
                 "shm_name", "pdproto.transfer.local:LocalExecutor", single_host=True),
 )
