@@ -1,6 +1,8 @@
 """Decode-side gRPC client of ``pdproto.v1.HandshakeService`` (sync and asyncio).
 
-Every call carries a deadline; every non-OK status is raised as the
+Register returns a peer credential with the peer id; the client keeps it and sends it with
+every later call for that peer (``credential(peer_id)`` hands it to another process,
+``adopt`` takes one in). Every call carries a deadline; every non-OK status is raised as the
 ``pdproto.errors`` class of its ``google.rpc.ErrorInfo`` reason (``error_class``), with
 the metadata attached and the original ``grpc.RpcError`` as ``__cause__``. Only errors
 whose class is declared retryable (the UNAVAILABLE ones: ``UnavailableError``,
@@ -185,6 +187,38 @@ def _settings(target: str, token: str | None, root_cert: bytes | str | Path | No
     return s, tls or s.root_cert is not None
 
 
+class _Credentials:
+    """The credential of each peer this client registered (or was handed), by peer id."""
+
+    def __init__(self) -> None:
+        self._by_peer: dict[str, bytes] = {}
+
+    def keep(self, response: hs.RegisterResponse) -> server_info_pb2.NegotiationResult:
+        """Remember the credential of a Register answer; returns its result."""
+        self._by_peer[response.result.peer_id] = response.peer_credential
+        return response.result
+
+    def of(self, peer_id: str, given: bytes | None) -> bytes:
+        """The credential to send for ``peer_id``: the one given, else the one kept, else none."""
+        return given if given is not None else self._by_peer.get(peer_id, b"")
+
+    def adopt(self, peer_id: str, credential: bytes) -> None:
+        """Use ``credential`` for ``peer_id`` from now on."""
+        self._by_peer[peer_id] = credential
+
+    def forget(self, peer_id: str) -> None:
+        """Drop a deregistered peer's credential."""
+        self._by_peer.pop(peer_id, None)
+
+
+def _abort_request(peer_id: str, credential: bytes, room: int, generation: int | None) -> hs.AbortRequest:
+    """An AbortRequest for one room (and generation, when given)."""
+    note = transfer_pb2.AbortNotification(room=room)
+    if generation is not None:
+        note.generation = generation
+    return hs.AbortRequest(peer_id=peer_id, abort=note, peer_credential=credential)
+
+
 _T = TypeVar("_T")
 
 
@@ -201,6 +235,15 @@ class HandshakeClient:
         else:
             self._channel = grpc.insecure_channel(target, options=self._s.options())
         self._stub = hs_grpc.HandshakeServiceStub(self._channel)
+        self._creds = _Credentials()
+
+    def credential(self, peer_id: str) -> bytes:
+        """The credential this client holds for ``peer_id`` (empty if none): hand it to another process."""
+        return self._creds.of(peer_id, None)
+
+    def adopt(self, peer_id: str, credential: bytes) -> None:
+        """Act for a peer that another client registered, with the credential it was given."""
+        self._creds.adopt(peer_id, credential)
 
     def _call(self, fn: Callable[..., _T], request: Any, timeout: float | None) -> _T:
         """One unary call with a deadline, retried only on UNAVAILABLE inside that deadline."""
@@ -223,19 +266,22 @@ class HandshakeClient:
 
     def register(self, registration: registration_pb2.KvRegistration, *,
                  timeout: float | None = None) -> server_info_pb2.NegotiationResult:
-        """Register this decode rank; raises ``TopologyError`` (or another class) on rejection."""
-        return self._call(self._stub.Register, hs.RegisterRequest(registration=registration), timeout).result
+        """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class) on rejection."""
+        return self._creds.keep(self._call(self._stub.Register, hs.RegisterRequest(registration=registration),
+                                           timeout))
 
     def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
-                        timeout: float | None = None) -> transfer_pb2.TransferStatus:
+                        timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.TransferStatus:
         """Hand the prefill one request's destination; returns the status right after."""
-        req = hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer)
+        req = hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer,
+                                       peer_credential=self._creds.of(peer_id, credential))
         return self._call(self._stub.SubmitTransfer, req, timeout).status
 
-    def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *,
-                     timeout: float | None = None) -> Iterator[transfer_pb2.TransferStatus]:
+    def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *, timeout: float | None = None,
+                     credential: bytes | None = None) -> Iterator[transfer_pb2.TransferStatus]:
         """Stream status changes (first the current state of matching requests) until the deadline."""
-        req = hs.WatchStatusRequest(peer_id=peer_id, rooms=list(rooms))
+        req = hs.WatchStatusRequest(peer_id=peer_id, rooms=list(rooms),
+                                    peer_credential=self._creds.of(peer_id, credential))
         call = self._stub.WatchStatus(req, timeout=self._s.timeout if timeout is None else timeout,
                                       metadata=self._s.metadata())
         try:
@@ -246,12 +292,12 @@ class HandshakeClient:
         finally:
             call.cancel()
 
-    def wait_for(self, peer_id: str, rooms: Iterable[int], *,
-                 timeout: float | None = None) -> dict[int, transfer_pb2.TransferStatus]:
+    def wait_for(self, peer_id: str, rooms: Iterable[int], *, timeout: float | None = None,
+                 credential: bytes | None = None) -> dict[int, transfer_pb2.TransferStatus]:
         """Block until every room is SUCCESS or FAILED; returns the terminal statuses."""
         pending = set(rooms)
         done: dict[int, transfer_pb2.TransferStatus] = {}
-        for status in self.watch_status(peer_id, pending, timeout=timeout):
+        for status in self.watch_status(peer_id, pending, timeout=timeout, credential=credential):
             if status.state in TERMINAL_STATES and status.room in pending:
                 done[status.room] = status
                 pending.discard(status.room)
@@ -264,16 +310,16 @@ class HandshakeClient:
         return done
 
     def abort(self, peer_id: str, room: int, generation: int | None = None, *,
-              timeout: float | None = None) -> transfer_pb2.AbortAck:
+              timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.AbortAck:
         """Abort a request generation; returns once its in-flight chunks drained."""
-        note = transfer_pb2.AbortNotification(room=room)
-        if generation is not None:
-            note.generation = generation
-        return self._call(self._stub.Abort, hs.AbortRequest(peer_id=peer_id, abort=note), timeout).ack
+        req = _abort_request(peer_id, self._creds.of(peer_id, credential), room, generation)
+        return self._call(self._stub.Abort, req, timeout).ack
 
-    def deregister(self, peer_id: str, *, timeout: float | None = None) -> int:
+    def deregister(self, peer_id: str, *, timeout: float | None = None, credential: bytes | None = None) -> int:
         """Remove this peer; returns how many open requests were failed with PEER_GONE."""
-        resp = self._call(self._stub.Deregister, hs.DeregisterRequest(peer_id=peer_id), timeout)
+        req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._creds.of(peer_id, credential))
+        resp = self._call(self._stub.Deregister, req, timeout)
+        self._creds.forget(peer_id)
         return int(resp.failed_requests)
 
     def close(self) -> None:
@@ -301,6 +347,15 @@ class AsyncHandshakeClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=self._s.options())
         self._stub = hs_grpc.HandshakeServiceStub(self._channel)
+        self._creds = _Credentials()
+
+    def credential(self, peer_id: str) -> bytes:
+        """The credential this client holds for ``peer_id`` (empty if none)."""
+        return self._creds.of(peer_id, None)
+
+    def adopt(self, peer_id: str, credential: bytes) -> None:
+        """Act for a peer that another client registered, with the credential it was given."""
+        self._creds.adopt(peer_id, credential)
 
     async def _call(self, fn: Callable[..., Any], request: Any, timeout: float | None) -> Any:
         """Async twin of ``HandshakeClient._call``."""
@@ -325,22 +380,25 @@ class AsyncHandshakeClient:
 
     async def register(self, registration: registration_pb2.KvRegistration, *,
                        timeout: float | None = None) -> server_info_pb2.NegotiationResult:
-        """Register this decode rank."""
+        """Register this decode rank (keeping its credential)."""
         resp: hs.RegisterResponse = await self._call(
             self._stub.Register, hs.RegisterRequest(registration=registration), timeout)
-        return resp.result
+        return self._creds.keep(resp)
 
     async def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
-                              timeout: float | None = None) -> transfer_pb2.TransferStatus:
+                              timeout: float | None = None,
+                              credential: bytes | None = None) -> transfer_pb2.TransferStatus:
         """Hand the prefill one request's destination."""
-        resp: hs.SubmitTransferResponse = await self._call(
-            self._stub.SubmitTransfer, hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer), timeout)
+        req = hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer,
+                                       peer_credential=self._creds.of(peer_id, credential))
+        resp: hs.SubmitTransferResponse = await self._call(self._stub.SubmitTransfer, req, timeout)
         return resp.status
 
-    async def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *,
-                           timeout: float | None = None) -> AsyncIterator[transfer_pb2.TransferStatus]:
+    async def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *, timeout: float | None = None,
+                           credential: bytes | None = None) -> AsyncIterator[transfer_pb2.TransferStatus]:
         """Stream status changes until the deadline."""
-        req = hs.WatchStatusRequest(peer_id=peer_id, rooms=list(rooms))
+        req = hs.WatchStatusRequest(peer_id=peer_id, rooms=list(rooms),
+                                    peer_credential=self._creds.of(peer_id, credential))
         call = self._stub.WatchStatus(req, timeout=self._s.timeout if timeout is None else timeout,
                                       metadata=self._s.metadata())
         try:
@@ -352,19 +410,18 @@ class AsyncHandshakeClient:
             call.cancel()
 
     async def abort(self, peer_id: str, room: int, generation: int | None = None, *,
-                    timeout: float | None = None) -> transfer_pb2.AbortAck:
+                    timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.AbortAck:
         """Abort a request generation."""
-        note = transfer_pb2.AbortNotification(room=room)
-        if generation is not None:
-            note.generation = generation
-        resp: hs.AbortResponse = await self._call(
-            self._stub.Abort, hs.AbortRequest(peer_id=peer_id, abort=note), timeout)
+        req = _abort_request(peer_id, self._creds.of(peer_id, credential), room, generation)
+        resp: hs.AbortResponse = await self._call(self._stub.Abort, req, timeout)
         return resp.ack
 
-    async def deregister(self, peer_id: str, *, timeout: float | None = None) -> int:
+    async def deregister(self, peer_id: str, *, timeout: float | None = None,
+                         credential: bytes | None = None) -> int:
         """Remove this peer."""
-        resp: hs.DeregisterResponse = await self._call(
-            self._stub.Deregister, hs.DeregisterRequest(peer_id=peer_id), timeout)
+        req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._creds.of(peer_id, credential))
+        resp: hs.DeregisterResponse = await self._call(self._stub.Deregister, req, timeout)
+        self._creds.forget(peer_id)
         return int(resp.failed_requests)
 
     async def close(self) -> None:

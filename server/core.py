@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from pdproto.errors import (
@@ -66,18 +66,26 @@ class HandshakeCore:
         if self.shutting_down:
             raise ShuttingDownError("the prefill is shutting down and takes no new work")
 
-    def peer(self, peer_id: str) -> Peer:
-        """The registered peer, or NOT_FOUND."""
-        peer = self.registry.peers.get(peer_id)
+    def peer(self, peer_id: str, credential: bytes) -> Peer:
+        """The registered peer whose credential this is; NOT_FOUND otherwise.
+
+        An unknown id, a missing credential and another peer's credential get one answer, so a
+        caller learns nothing about peers it did not register.
+        """
+        peer = self.registry.authorized(peer_id, credential)
         if peer is None:
-            raise NotFoundError(f"peer {peer_id!r} is not registered", reason=Reason.PEER_NOT_FOUND,
-                                metadata={"peerId": peer_id})
+            raise NotFoundError(f"peer {peer_id!r} is not registered, or the call does not carry its "
+                                "credential (RegisterResponse.peer_credential)",
+                                reason=Reason.PEER_NOT_FOUND, metadata={"peerId": peer_id})
         return peer
 
     # -- Register / Deregister -------------------------------------------------
 
-    async def register(self, request: hs.RegisterRequest) -> server_info_pb2.NegotiationResult:
-        """Negotiate, replace a restarted peer's stale state, connect the executor, admit."""
+    async def register(self, request: hs.RegisterRequest) -> hs.RegisterResponse:
+        """Negotiate, replace a restarted peer's stale state, connect the executor, admit.
+
+        The response carries the new peer's credential, which every later call for it must present.
+        """
         try:
             result = await self._register(request)
         except PdprotoError as exc:
@@ -86,7 +94,7 @@ class HandshakeCore:
         self.metrics.registrations.labels(outcome="ACCEPTED").inc()
         return result
 
-    async def _register(self, request: hs.RegisterRequest) -> server_info_pb2.NegotiationResult:
+    async def _register(self, request: hs.RegisterRequest) -> hs.RegisterResponse:
         self._accepting()
         reg = check_registration(request)
         started = time.perf_counter()
@@ -109,14 +117,15 @@ class HandshakeCore:
         finally:
             self._registering -= 1
         result = verdict.to_proto(peer_id)
+        credential = self.registry.new_credential()
         self.registry.add(Peer(peer_id=peer_id, registration=reg, decision=verdict, result=result,
-                               identity=identity))
+                               identity=identity, credential=credential))
         self.metrics.peers.set(self.registry.live())
-        return result
+        return hs.RegisterResponse(result=result, peer_credential=credential)
 
-    async def deregister(self, peer_id: str) -> int:
+    async def deregister(self, request: hs.DeregisterRequest) -> int:
         """Fail the peer's open requests with PEER_GONE, cancel them, disconnect, forget it."""
-        peer = self.peer(peer_id)
+        peer = self.peer(request.peer_id, request.peer_credential)
         return await self._drop(peer, Reason.PEER_GONE, "the decode deregistered")
 
     async def _drop(self, peer: Peer, reason: Reason, message: str) -> int:
@@ -167,7 +176,7 @@ class HandshakeCore:
     async def submit(self, request: hs.SubmitTransferRequest) -> transfer_pb2.TransferStatus:
         """Admit one request generation and start moving its chunks as they arrive."""
         self._accepting()
-        peer = self.peer(request.peer_id)
+        peer = self.peer(request.peer_id, request.peer_credential)
         _check_alive(peer)
         info, pages = check_transfer(request, peer)
         old = peer.requests.get(info.room)
@@ -200,7 +209,7 @@ class HandshakeCore:
 
     async def abort(self, request: hs.AbortRequest) -> transfer_pb2.AbortAck:
         """Abort a request generation; answers once its in-flight chunk has drained."""
-        peer = self.peer(request.peer_id)
+        peer = self.peer(request.peer_id, request.peer_credential)
         note = request.abort
         req = peer.requests.get(note.room)
         if req is None:
@@ -217,10 +226,10 @@ class HandshakeCore:
 
     # -- WatchStatus ------------------------------------------------------------
 
-    async def watch(self, peer_id: str, rooms: Collection[int]) -> AsyncIterator[transfer_pb2.TransferStatus]:
+    async def watch(self, request: hs.WatchStatusRequest) -> AsyncIterator[transfer_pb2.TransferStatus]:
         """Current statuses of the peer's (matching) requests, then every change until the peer goes."""
-        peer = self.peer(peer_id)
-        wanted = set(rooms)
+        peer = self.peer(request.peer_id, request.peer_credential)
+        wanted = set(request.rooms)
         queue: asyncio.Queue[transfer_pb2.TransferStatus | None] = asyncio.Queue()
         # Subscribe before the snapshot, with no await in between, so no change is missed.
         peer.watchers.add(queue)

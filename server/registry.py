@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
+import hmac
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -80,6 +80,8 @@ class Peer:
     decision: Decision
     result: server_info_pb2.NegotiationResult
     identity: tuple[str, ...]
+    credential: bytes = field(default=b"", repr=False)
+    """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
     requests: dict[int, Request] = field(default_factory=dict)
     open: dict[int, Request] = field(default_factory=dict)
     """The non-terminal subset of ``requests`` (kept separately: admission must not scan history)."""
@@ -118,20 +120,42 @@ def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...
     return tuple(keys)
 
 
+CREDENTIAL_BYTES = 32
+"""Random bytes in a peer credential (256 bits; the issue asks for at least 128)."""
+
+
 class PeerRegistry:
-    """Peers by id and by identity; enforces ``Limits.max_peers``."""
+    """Peers by id and by identity; enforces ``Limits.max_peers``; checks peer credentials."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.peers: dict[str, Peer] = {}
         self._by_identity: dict[str, str] = {}
-        # Random prefix so ids from a restarted server never collide with stale ones.
-        self._prefix = os.urandom(4).hex()
-        self._counter = itertools.count(1)
+        # Compared against when the peer id is unknown, so both refusals take the same time.
+        self._decoy = secrets.token_bytes(CREDENTIAL_BYTES)
 
     def new_id(self) -> str:
-        """A fresh peer id."""
-        return f"p-{self._prefix}-{next(self._counter)}"
+        """A fresh peer id: random, so one peer's id says nothing about another's (ids are not secrets)."""
+        while True:
+            peer_id = f"p-{secrets.token_hex(8)}"
+            if peer_id not in self.peers:
+                return peer_id
+
+    @staticmethod
+    def new_credential() -> bytes:
+        """A fresh peer credential from the OS's CSPRNG."""
+        return secrets.token_bytes(CREDENTIAL_BYTES)
+
+    def authorized(self, peer_id: str, credential: bytes) -> Peer | None:
+        """The peer named ``peer_id`` if ``credential`` is its own; None otherwise (unknown or wrong).
+
+        The comparison is constant-time, and an unknown id is compared against a decoy, so the
+        answer's timing does not tell a caller whether the id exists or how much of a guess matched.
+        """
+        peer = self.peers.get(peer_id)
+        expected = peer.credential if peer is not None else self._decoy
+        match = hmac.compare_digest(credential, expected)
+        return peer if match and peer is not None else None
 
     def stale_for(self, identity: tuple[str, ...]) -> list[Peer]:
         """Registered peers that share any identity key (a restarted decode rank)."""
@@ -165,4 +189,4 @@ class PeerRegistry:
         return peer
 
 
-__all__ = ["Limits", "Peer", "PeerRegistry", "Request", "TERMINAL", "identity_of"]
+__all__ = ["CREDENTIAL_BYTES", "Limits", "Peer", "PeerRegistry", "Request", "TERMINAL", "identity_of"]

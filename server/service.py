@@ -30,7 +30,7 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def Register(self, request: hs.RegisterRequest, context: Ctx) -> hs.RegisterResponse:
         """Negotiate a layout for one decode rank."""
-        return hs.RegisterResponse(result=await self.core.register(request))
+        return await self.core.register(request)
 
     @_status.unary
     async def SubmitTransfer(self, request: hs.SubmitTransferRequest, context: Ctx) -> hs.SubmitTransferResponse:
@@ -40,7 +40,7 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.stream
     async def WatchStatus(self, request: hs.WatchStatusRequest, context: Ctx) -> AsyncIterator[hs.WatchStatusResponse]:
         """Stream a peer's request statuses until it deregisters or the server drains."""
-        async for status in self.core.watch(request.peer_id, request.rooms):
+        async for status in self.core.watch(request):
             yield hs.WatchStatusResponse(status=status)
 
     @_status.unary
@@ -51,7 +51,7 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def Deregister(self, request: hs.DeregisterRequest, context: Ctx) -> hs.DeregisterResponse:
         """Free everything the peer held."""
-        return hs.DeregisterResponse(failed_requests=await self.core.deregister(request.peer_id))
+        return hs.DeregisterResponse(failed_requests=await self.core.deregister(request))
 
 
 __all__ = ["HandshakeServicer"]

@@ -105,7 +105,7 @@ def test_malformed_and_unknown_peer_keep_server_serving(server: ServerProcess) -
         peer = DecodeRank.for_spec(SPEC, pages=16)
         try:
             with pytest.raises(E.NotFoundError) as nf:
-                client.submit_transfer("p-unknown", peer.transfer_info(7, [0]))
+                client.submit_transfer("p-unknown", peer.transfer_info(7, [0]), credential=b"x" * 32)
             assert nf.value.reason is Reason.PEER_NOT_FOUND
             assert nf.value.metadata["grpcCode"] == "NOT_FOUND"
             # Still serving: a good peer transfers and every byte matches.
@@ -265,7 +265,7 @@ peer = DecodeRank.for_spec(SPEC, pages=32)
 with HandshakeClient(sys.argv[1]) as client:
     peer_id = client.register(peer.registration()).peer_id
     client.submit_transfer(peer_id, peer.transfer_info(1, peer.pages_for(SPEC.prompt_tokens)))
-    print(peer_id, flush=True)
+    print(peer_id, client.credential(peer_id).hex(), flush=True)
 os._exit(0)  # dies mid-transfer: no Deregister, arena left behind
 """
 
@@ -274,8 +274,9 @@ def test_dead_decode_is_detected_and_freed(server: ServerProcess) -> None:
     proc = subprocess.run([sys.executable, "-c", _DYING_DECODE, server.target], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    peer_id = proc.stdout.split()[-1]
+    peer_id, credential = proc.stdout.split()[-2:]
     with HandshakeClient(server.target) as client:
+        client.adopt(peer_id, bytes.fromhex(credential))
         final = None
         for status in client.watch_status(peer_id, [1], timeout=15):
             final = status  # the stream ends once the dead peer's requests are failed

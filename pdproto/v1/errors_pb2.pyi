@@ -111,7 +111,7 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_TOPOLOGY_STATE_COUNT_MISMATCH: _ErrorReason.ValueType  # 49
     """Prefill and decode register different numbers of state entries."""
     ERROR_REASON_PEER_NOT_FOUND: _ErrorReason.ValueType  # 50
-    """A request names a peer that is not registered."""
+    """A request names a peer that is not registered, or does not carry that peer's credential."""
     ERROR_REASON_REQUEST_NOT_FOUND: _ErrorReason.ValueType  # 51
     """A request id (room) is unknown."""
     ERROR_REASON_STALE_GENERATION: _ErrorReason.ValueType  # 52
@@ -263,7 +263,7 @@ ERROR_REASON_TOPOLOGY_AUX_SIZE_MISMATCH: ErrorReason.ValueType  # 48
 ERROR_REASON_TOPOLOGY_STATE_COUNT_MISMATCH: ErrorReason.ValueType  # 49
 """Prefill and decode register different numbers of state entries."""
 ERROR_REASON_PEER_NOT_FOUND: ErrorReason.ValueType  # 50
-"""A request names a peer that is not registered."""
+"""A request names a peer that is not registered, or does not carry that peer's credential."""
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason.ValueType  # 51
 """A request id (room) is unknown."""
 ERROR_REASON_STALE_GENERATION: ErrorReason.ValueType  # 52

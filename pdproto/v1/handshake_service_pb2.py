@@ -28,7 +28,7 @@ from pdproto.v1 import server_info_pb2 as pdproto_dot_v1_dot_server__info__pb2
 from pdproto.v1 import transfer_pb2 as pdproto_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdproto/v1/handshake_service.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x1dpdproto/v1/registration.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x19pdproto/v1/transfer.proto\"D\n\x14GetServerInfoRequest\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.PrefillServerInfo\"C\n\x0fRegisterRequest\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.KvRegistration\"A\n\x10RegisterResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\"T\n\x15SubmitTransferRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12*\n\x08transfer\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfo\"D\n\x16SubmitTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"4\n\x12WatchStatusRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\"A\n\x13WatchStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"M\n\x0c\x41\x62ortRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotification\"2\n\rAbortResponse\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.pdproto.v1.AbortAck\"$\n\x11\x44\x65registerRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"-\n\x12\x44\x65registerResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r2\xe5\x03\n\x10HandshakeService\x12T\n\rGetServerInfo\x12 .pdproto.v1.GetServerInfoRequest\x1a!.pdproto.v1.GetServerInfoResponse\x12\x45\n\x08Register\x12\x1b.pdproto.v1.RegisterRequest\x1a\x1c.pdproto.v1.RegisterResponse\x12W\n\x0eSubmitTransfer\x12!.pdproto.v1.SubmitTransferRequest\x1a\".pdproto.v1.SubmitTransferResponse\x12P\n\x0bWatchStatus\x12\x1e.pdproto.v1.WatchStatusRequest\x1a\x1f.pdproto.v1.WatchStatusResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdproto.v1.AbortRequest\x1a\x19.pdproto.v1.AbortResponse\x12K\n\nDeregister\x12\x1d.pdproto.v1.DeregisterRequest\x1a\x1e.pdproto.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdproto/v1/handshake_service.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x1dpdproto/v1/registration.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x19pdproto/v1/transfer.proto\"D\n\x14GetServerInfoRequest\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.PrefillServerInfo\"C\n\x0fRegisterRequest\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.KvRegistration\"Z\n\x10RegisterResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"m\n\x15SubmitTransferRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12*\n\x08transfer\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfo\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"D\n\x16SubmitTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"M\n\x12WatchStatusRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"A\n\x13WatchStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotification\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"2\n\rAbortResponse\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.pdproto.v1.AbortAck\"=\n\x11\x44\x65registerRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"-\n\x12\x44\x65registerResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r2\xe5\x03\n\x10HandshakeService\x12T\n\rGetServerInfo\x12 .pdproto.v1.GetServerInfoRequest\x1a!.pdproto.v1.GetServerInfoResponse\x12\x45\n\x08Register\x12\x1b.pdproto.v1.RegisterRequest\x1a\x1c.pdproto.v1.RegisterResponse\x12W\n\x0eSubmitTransfer\x12!.pdproto.v1.SubmitTransferRequest\x1a\".pdproto.v1.SubmitTransferResponse\x12P\n\x0bWatchStatus\x12\x1e.pdproto.v1.WatchStatusRequest\x1a\x1f.pdproto.v1.WatchStatusResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdproto.v1.AbortRequest\x1a\x19.pdproto.v1.AbortResponse\x12K\n\nDeregister\x12\x1d.pdproto.v1.DeregisterRequest\x1a\x1e.pdproto.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=303
   _globals['_REGISTERREQUEST']._serialized_end=370
   _globals['_REGISTERRESPONSE']._serialized_start=372
-  _globals['_REGISTERRESPONSE']._serialized_end=437
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_start=439
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=523
-  _globals['_SUBMITTRANSFERRESPONSE']._serialized_start=525
-  _globals['_SUBMITTRANSFERRESPONSE']._serialized_end=593
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=595
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=647
-  _globals['_WATCHSTATUSRESPONSE']._serialized_start=649
-  _globals['_WATCHSTATUSRESPONSE']._serialized_end=714
-  _globals['_ABORTREQUEST']._serialized_start=716
-  _globals['_ABORTREQUEST']._serialized_end=793
-  _globals['_ABORTRESPONSE']._serialized_start=795
-  _globals['_ABORTRESPONSE']._serialized_end=845
-  _globals['_DEREGISTERREQUEST']._serialized_start=847
-  _globals['_DEREGISTERREQUEST']._serialized_end=883
-  _globals['_DEREGISTERRESPONSE']._serialized_start=885
-  _globals['_DEREGISTERRESPONSE']._serialized_end=930
-  _globals['_HANDSHAKESERVICE']._serialized_start=933
-  _globals['_HANDSHAKESERVICE']._serialized_end=1418
+  _globals['_REGISTERRESPONSE']._serialized_end=462
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_start=464
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=573
+  _globals['_SUBMITTRANSFERRESPONSE']._serialized_start=575
+  _globals['_SUBMITTRANSFERRESPONSE']._serialized_end=643
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=645
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=722
+  _globals['_WATCHSTATUSRESPONSE']._serialized_start=724
+  _globals['_WATCHSTATUSRESPONSE']._serialized_end=789
+  _globals['_ABORTREQUEST']._serialized_start=791
+  _globals['_ABORTREQUEST']._serialized_end=893
+  _globals['_ABORTRESPONSE']._serialized_start=895
+  _globals['_ABORTRESPONSE']._serialized_end=945
+  _globals['_DEREGISTERREQUEST']._serialized_start=947
+  _globals['_DEREGISTERREQUEST']._serialized_end=1008
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1010
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1055
+  _globals['_HANDSHAKESERVICE']._serialized_start=1058
+  _globals['_HANDSHAKESERVICE']._serialized_end=1543
 # @@protoc_insertion_point(module_scope)

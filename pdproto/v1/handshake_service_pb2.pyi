@@ -96,11 +96,16 @@ Global___RegisterRequest: _TypeAlias = RegisterRequest  # noqa: Y015
 
 @_typing.final
 class RegisterResponse(_message.Message):
-    """RegisterResponse carries the negotiated layout."""
+    """RegisterResponse carries the negotiated layout and the peer's credential."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULT_FIELD_NUMBER: _builtins.int
+    PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    peer_credential: _builtins.bytes
+    """Secret capability of this peer (32 random bytes): every later call for result.peer_id
+    must carry it in its peer_credential field. Only this response reveals it.
+    """
     @_builtins.property
     def result(self) -> _server_info_pb2.NegotiationResult:
         """The decision; a rejection arrives as FAILED_PRECONDITION instead."""
@@ -109,10 +114,11 @@ class RegisterResponse(_message.Message):
         self,
         *,
         result: _server_info_pb2.NegotiationResult | None = ...,
+        peer_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_credential", b"peer_credential", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -126,8 +132,11 @@ class SubmitTransferRequest(_message.Message):
 
     PEER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_FIELD_NUMBER: _builtins.int
+    PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id from RegisterResponse."""
+    peer_credential: _builtins.bytes
+    """The credential RegisterResponse returned for peer_id (compared in constant time)."""
     @_builtins.property
     def transfer(self) -> _transfer_pb2.TransferInfo:
         """The request's destination."""
@@ -137,10 +146,11 @@ class SubmitTransferRequest(_message.Message):
         *,
         peer_id: _builtins.str = ...,
         transfer: _transfer_pb2.TransferInfo | None = ...,
+        peer_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_id", b"peer_id", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_credential", b"peer_credential", "peer_id", b"peer_id", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -178,8 +188,11 @@ class WatchStatusRequest(_message.Message):
 
     PEER_ID_FIELD_NUMBER: _builtins.int
     ROOMS_FIELD_NUMBER: _builtins.int
+    PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id from RegisterResponse."""
+    peer_credential: _builtins.bytes
+    """The credential RegisterResponse returned for peer_id (compared in constant time)."""
     @_builtins.property
     def rooms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Only report these rooms; empty means every room of the peer."""
@@ -189,10 +202,11 @@ class WatchStatusRequest(_message.Message):
         *,
         peer_id: _builtins.str = ...,
         rooms: _abc.Iterable[_builtins.int] | None = ...,
+        peer_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_id", b"peer_id", "rooms", b"rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_credential", b"peer_credential", "peer_id", b"peer_id", "rooms", b"rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -230,8 +244,11 @@ class AbortRequest(_message.Message):
 
     PEER_ID_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
+    PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id from RegisterResponse."""
+    peer_credential: _builtins.bytes
+    """The credential RegisterResponse returned for peer_id (compared in constant time)."""
     @_builtins.property
     def abort(self) -> _transfer_pb2.AbortNotification:
         """What to abort."""
@@ -241,10 +258,11 @@ class AbortRequest(_message.Message):
         *,
         peer_id: _builtins.str = ...,
         abort: _transfer_pb2.AbortNotification | None = ...,
+        peer_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "peer_id", b"peer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "peer_credential", b"peer_credential", "peer_id", b"peer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,16 +299,20 @@ class DeregisterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PEER_ID_FIELD_NUMBER: _builtins.int
+    PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id from RegisterResponse."""
+    peer_credential: _builtins.bytes
+    """The credential RegisterResponse returned for peer_id (compared in constant time)."""
     def __init__(
         self,
         *,
         peer_id: _builtins.str = ...,
+        peer_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_id", b"peer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_credential", b"peer_credential", "peer_id", b"peer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

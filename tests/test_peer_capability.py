@@ -1,0 +1,87 @@
+"""A registered peer is still untrusted: its credential acts on its own peer only.
+
+Two decode ranks register with a real ``pdproto serve`` (token-protected: both hold the
+shared bearer token). The hostile one knows the victim's peer id and tries, with its own
+credential, with none and with a guess, to write into the victim's pages, abort and watch
+its requests and deregister it. Every attempt answers PEER_NOT_FOUND, and the victim's
+transfers land byte-exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from pdproto import errors as E
+from pdproto.client import HandshakeClient
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2
+from pdproto_demo.decode import DecodeRank
+from pdproto_server.registry import CREDENTIAL_BYTES
+
+from ._server_harness import SERVE_ARGS, SPEC, running_server
+
+pytestmark = pytest.mark.process
+
+TOKEN = "shared-deployment-token"
+
+
+def _refused(call: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """The call answers PEER_NOT_FOUND (NOT_FOUND), whatever the other peer's state."""
+    with pytest.raises(E.NotFoundError) as info:
+        call(*args, **kwargs)
+    assert info.value.reason is Reason.PEER_NOT_FOUND, info.value
+    assert info.value.metadata["grpcCode"] == "NOT_FOUND"
+
+
+def test_hostile_peer_cannot_touch_another_peers_requests() -> None:
+    victim = DecodeRank.for_spec(SPEC, pages=64)
+    hostile = DecodeRank.for_spec(SPEC, pages=64)
+    args = [*SERVE_ARGS[:-4], "--chunk-delay-ms", "200", "--match-timeout", "10"]
+    try:
+        with running_server(*args, token=TOKEN) as srv, \
+                HandshakeClient(srv.target, token=TOKEN, timeout=10) as vc, \
+                HandshakeClient(srv.target, token=TOKEN, timeout=10) as hc:
+            vid = vc.register(victim.registration()).peer_id
+            hid = hc.register(hostile.registration()).peer_id
+            own = hc.credential(hid)
+            assert len(vc.credential(vid)) == len(own) == CREDENTIAL_BYTES
+            assert vc.credential(vid) != own and vid != hid
+            placed = {room: victim.pages_for(SPEC.prompt_tokens, first_page=i * 16)
+                      for i, room in enumerate((11, 12))}
+            for room, pages in placed.items():
+                vc.submit_transfer(vid, victim.transfer_info(room, pages))
+            seen: list[tuple[int, int, str]] = []
+            watcher = threading.Thread(target=lambda: seen.extend(
+                (s.room, s.state, s.failure_code) for s in vc.watch_status(vid, placed, timeout=20)
+                if s.state in (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED)
+                and len(seen) < 99))
+            watcher.start()
+            # The victim's requests are in flight (chunks 200 ms apart) while the hostile peer tries.
+            guesses = {"its own credential": own, "no credential": b"", "a guess": bytes(CREDENTIAL_BYTES)}
+            for credential in guesses.values():
+                into_victim = victim.transfer_info(13, placed[11])
+                _refused(hc.submit_transfer, vid, into_victim, credential=credential)
+                _refused(hc.abort, vid, 11, credential=credential)
+                _refused(lambda c=credential: list(hc.watch_status(vid, [11], timeout=2, credential=c)))
+                _refused(hc.deregister, vid, credential=credential)
+            # Its own peer still works with its own credential.
+            hc.submit_transfer(hid, hostile.transfer_info(21, hostile.pages_for(SPEC.prompt_tokens)))
+            assert hc.wait_for(hid, [21], timeout=20)[21].state == common_pb2.TRANSFER_STATE_SUCCESS
+            done = vc.wait_for(vid, placed, timeout=20)
+            assert {r: s.state for r, s in done.items()} == {r: common_pb2.TRANSFER_STATE_SUCCESS for r in placed}
+            victim.verify(placed, SPEC.prompt_tokens)  # nothing else landed in the victim's pool
+            hostile.verify({21: hostile.pages_for(SPEC.prompt_tokens)}, SPEC.prompt_tokens)
+            old = vc.credential(vid)
+            assert vc.deregister(vid) == 0
+            watcher.join(20)
+            assert sorted(seen) == [(11, common_pb2.TRANSFER_STATE_SUCCESS, ""),
+                                    (12, common_pb2.TRANSFER_STATE_SUCCESS, "")], seen
+            # A deregistered peer's credential is dead too, even for its own id.
+            _refused(vc.submit_transfer, vid, victim.transfer_info(14, placed[12]), credential=old)
+            assert hc.deregister(hid) == 0
+    finally:
+        victim.close()
+        hostile.close()
