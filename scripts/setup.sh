@@ -20,15 +20,25 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
+SGLANG_VERSION=0.5.23  # the SGLang release pdproto.integrations.sglang targets
 stamp=.venv/.pdproto-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing Python packages into .venv (first run takes a few minutes)"
   # Some machines list local wheel folders that do not exist; pip warns once per package.
-  quiet() { "$@" 2>&1 | { grep -v -e "WARNING: Location" -e "^ *!!" || true; }; }
+  # Once SGLang is in (without its GPU requirements, below), every later pip run reports
+  # those requirements as conflicts; they are expected, so they are dropped too.
+  quiet() {
+    "$@" 2>&1 | { grep -v -e "WARNING: Location" -e "^ *!!" \
+      -e "^ERROR: pip's dependency resolver does not currently take into account" \
+      -e "^sglang [0-9.]* requires " || true; }
+  }
   quiet .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
   quiet .venv/bin/python -m pip install -q "torch==2.13.0"
-  quiet .venv/bin/python -m pip install -q -e ".[dev,engines]"
+  quiet .venv/bin/python -m pip install -q -e ".[dev,engines,sglang]"
+  # SGLang for the integration tests, without its requirements (a CUDA torch, GPU
+  # kernels): the "sglang" extra above holds the ones its disaggregation modules import.
+  quiet .venv/bin/python -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
   echo "$want" > "$stamp"
 fi

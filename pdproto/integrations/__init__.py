@@ -1,0 +1,1 @@
+"""Engine adapters: pdproto behind an inference engine's own extension points."""

@@ -1,0 +1,246 @@
+"""The pdproto plugin inside SGLang 0.5.23: loaded by SGLang's own loader, checked by SGLang's own code.
+
+Each test runs in a fresh interpreter (tests/sglang/_run.py), the way SGLang loads plugins:
+``load_plugins()`` finds ``pdproto`` through the installed ``sglang.srt.plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.sglang._run import run_sglang
+from tests.sglang.pd_harness import write_model_config
+
+# Every KVClassType of SGLang 0.5.23 -> the class pdproto resolves it to.
+PDPROTO_CLASSES = {
+    "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
+    "manager": "pdproto.integrations.sglang.manager.PdprotoKVManager",
+    "sender": "pdproto.integrations.sglang.sender.PdprotoKVSender",
+    "receiver": "pdproto.integrations.sglang.receiver.PdprotoKVReceiver",
+    "bootstrap_server": "pdproto.integrations.sglang.bootstrap.PdprotoKVBootstrapServer",
+}
+SGLANG_CLASSES = {
+    backend: {
+        "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
+        "manager": f"sglang.srt.disaggregation.{backend}.conn.{prefix}KVManager",
+        "sender": f"sglang.srt.disaggregation.{backend}.conn.{prefix}KVSender",
+        "receiver": f"sglang.srt.disaggregation.{backend}.conn.{prefix}KVReceiver",
+        "bootstrap_server": f"sglang.srt.disaggregation.{backend}.conn.{prefix}KVBootstrapServer",
+    }
+    for backend, prefix in (("mooncake", "Mooncake"), ("nixl", "Nixl"))
+}
+
+RESOLVE = """
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import importlib.metadata
+from sglang.srt.disaggregation import decode, prefill, utils
+from sglang.srt.disaggregation.common import conn as common
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+from sglang.srt.managers import disagg_service
+from sglang.srt.server_args import DISAGG_TRANSFER_BACKEND_CHOICES
+
+def name(cls):
+    return None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+
+out = {
+    "entry_points": [f"{e.name}={e.value}" for e in importlib.metadata.entry_points(group="sglang.srt.plugins")],
+    "members": {m.name: m.value for m in TransferBackend},
+    "by_value_is_member": TransferBackend("pdproto") is TransferBackend.PDPROTO,
+    "choices": list(DISAGG_TRANSFER_BACKEND_CHOICES),
+    "classes": {b: {t.value: name(get_kv_class(TransferBackend(b), t)) for t in KVClassType}
+                for b in ("pdproto", "mooncake", "nixl")},
+    # `from utils import name` bindings taken before the hooks were applied
+    "rebound": all(
+        getattr(mod, attr) is getattr(utils, attr)
+        for mod in (prefill, decode, disagg_service)
+        for attr in ("TransferBackend", "get_kv_class")
+    ),
+    "bases": {
+        t: issubclass(get_kv_class(TransferBackend.PDPROTO, KVClassType(t)), base)
+        for t, base in (("manager", common.CommonKVManager), ("sender", common.CommonKVSender),
+                        ("receiver", common.CommonKVReceiver),
+                        ("bootstrap_server", common.CommonKVBootstrapServer))
+    },
+    "rust_registry_stands_in": disagg_service.rust_server_serves_kv_bootstrap("pdproto"),
+}
+try:
+    get_kv_class(TransferBackend.PDPROTO, KVClassType.MANAGER)(None, None, None, True)
+    out["placeholder"] = "constructed"
+except NotImplementedError as exc:
+    out["placeholder"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_plugin_resolves_every_kv_class_and_leaves_other_backends_alone() -> None:
+    """SGLang's loader runs the entry point; TransferBackend and get_kv_class then know pdproto."""
+    out = run_sglang(RESOLVE)
+    assert "pdproto=pdproto.integrations.sglang.plugin:register" in out["entry_points"]
+    assert out["members"] == {
+        "MOONCAKE": "mooncake",
+        "MORI": "mori",
+        "NIXL": "nixl",
+        "ASCEND": "ascend",
+        "FAKE": "fake",
+        "PDPROTO": "pdproto",
+    }
+    assert out["by_value_is_member"]
+    assert out["choices"].count("pdproto") == 1
+    assert out["classes"]["pdproto"] == PDPROTO_CLASSES
+    assert out["classes"]["mooncake"] == SGLANG_CLASSES["mooncake"]
+    assert out["classes"]["nixl"] == SGLANG_CLASSES["nixl"]
+    assert out["rebound"], "prefill/decode/disagg_service still hold SGLang's unhooked names"
+    assert out["bases"] == {
+        "manager": True,
+        "sender": True,
+        "receiver": True,
+        "bootstrap_server": True,
+    }
+    assert out["rust_registry_stands_in"]
+    # The manager, sender and receiver are placeholders and must say so.
+    assert "not implemented yet" in out["placeholder"]
+
+
+SERVER_ARGS = """
+import os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.arg_groups.overrides import resolving_view
+from sglang.srt.server_args import prepare_server_args
+
+MODEL = {model!r}
+
+def resolve(*flags, env=None):
+    os.environ.pop("SGLANG_DISAGG_STAGING_BUFFER", None)
+    os.environ.update(env or {{}})
+    argv = ["--model-path", MODEL, "--device", "cpu", "--skip-tokenizer-init", *flags]
+    try:
+        args = prepare_server_args(argv)
+    except SystemExit as exc:
+        return {{"rejected": "argparse", "code": exc.code}}
+    try:
+        args.resolve_once()
+    except ValueError as exc:
+        return {{"rejected": str(exc)}}
+    view = resolving_view(args)
+    return {{"backend": view.disaggregation_transfer_backend, "dcp": view.dcp_size,
+             "radix_disabled": view.disable_radix_cache}}
+
+def decode(backend, dcp=4):
+    return ["--disaggregation-mode", "decode", "--tp-size", str(dcp), "--dcp-size", str(dcp),
+            "--disaggregation-transfer-backend", backend]
+
+print(json.dumps({{
+    "pdproto_dcp4": resolve(*decode("pdproto")),
+    "mooncake_dcp4": resolve(*decode("mooncake")),
+    "pdproto_dcp1": resolve(*decode("pdproto", dcp=1)),
+    "pdproto_prefill": resolve("--disaggregation-mode", "prefill",
+                               "--disaggregation-transfer-backend", "pdproto"),
+    "pdproto_dcp4_staging": resolve(*decode("pdproto"), env={{"SGLANG_DISAGG_STAGING_BUFFER": "1"}}),
+}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSeek-V3 (MLA) config.json: what SGLang's argument checks read from a model."""
+    return write_model_config(tmp_path_factory.mktemp("mla"))
+
+
+def test_server_args_accept_dcp4_decode_with_plugin(model_dir: Path) -> None:
+    """SGLang's own resolution pipeline accepts a DCP 4 pdproto decode and keeps the name."""
+    out = run_sglang(SERVER_ARGS.format(model=str(model_dir)))
+    assert out["pdproto_dcp4"] == {"backend": "pdproto", "dcp": 4, "radix_disabled": True}
+    assert out["mooncake_dcp4"] == {"backend": "mooncake", "dcp": 4, "radix_disabled": True}
+    assert out["pdproto_dcp1"] == {"backend": "pdproto", "dcp": 1, "radix_disabled": True}
+    assert out["pdproto_prefill"]["backend"] == "pdproto"
+    # The stand-in name the hook uses for the DCP check must not let this through.
+    assert "SGLANG_DISAGG_STAGING_BUFFER requires" in out["pdproto_dcp4_staging"]["rejected"]
+
+
+WITHOUT_PLUGIN = """
+from sglang.srt.plugins import load_plugins
+load_plugins()  # as launch_server.py does; SGLANG_PLUGINS leaves pdproto out
+from sglang.srt.disaggregation.utils import TransferBackend
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+MODEL = {model!r}
+out = {{}}
+try:
+    TransferBackend("pdproto")
+    out["enum"] = "resolved"
+except ValueError as exc:
+    out["enum"] = str(exc)
+try:
+    prepare_server_args(["--model-path", MODEL, "--disaggregation-transfer-backend", "pdproto"])
+    out["cli"] = "parsed"
+except SystemExit as exc:
+    out["cli"] = exc.code
+args = ServerArgs(model_path=MODEL, device="cpu", skip_tokenizer_init=True, tp_size=4, dcp_size=4,
+                  disaggregation_mode="decode", disaggregation_transfer_backend="pdproto")
+try:
+    args.resolve_once()
+    out["dcp_check"] = "accepted"
+except ValueError as exc:
+    out["dcp_check"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_without_plugin_sglang_rejects_pdproto(model_dir: Path) -> None:
+    """With the plugin left out (SGLANG_PLUGINS), SGLang refuses the name at every gate."""
+    out = run_sglang(
+        WITHOUT_PLUGIN.format(model=str(model_dir)), env={"SGLANG_PLUGINS": "someone_else"}
+    )
+    assert "'pdproto' is not a valid TransferBackend" in out["enum"]
+    assert out["cli"] == 2  # argparse: invalid choice
+    assert "PD decode DCP requires --disaggregation-transfer-backend" in out["dcp_check"]
+
+
+BOOTSTRAP = """
+import socket, time, requests
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+server = get_kv_class(TransferBackend("pdproto"), KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+url = f"http://127.0.0.1:{{port}}"
+for _ in range(200):
+    try:
+        if requests.get(url + "/health", timeout=1).status_code == 200:
+            break
+    except requests.ConnectionError:
+        time.sleep(0.05)
+before = requests.get(url + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1").status_code
+# Two prefill TP ranks register as common/conn.py:1584-1612 does, each with a gRPC endpoint.
+for rank, grpc_port in ((0, 50051), (1, 50052)):
+    body = dict(attn_tp_size=2, attn_tp_rank=rank, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1,
+                attn_dp_rank=0, pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0,
+                rank_ip="10.0.0.7", rank_port=grpc_port, page_size=64, kv_cache_dtype="bfloat16")
+    assert requests.put(url + "/route", json=body).status_code == 200
+info = requests.get(url + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1").json()
+ranks = [requests.get(url + f"/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={{r}}&target_pp_rank=0").json()
+         for r in (0, 1)]
+missing = requests.get(url + "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=2&target_pp_rank=0").status_code
+server.close()
+print(json.dumps({{"before": before, "info": info, "ranks": ranks, "missing": missing}}))
+"""
+
+
+def test_bootstrap_server_resolves_each_prefill_rank_to_its_grpc_endpoint() -> None:
+    """The registry pdproto uses is SGLang's: ranks register ip:port, decodes look them up."""
+    out = run_sglang(BOOTSTRAP.format())
+    assert out["before"] == 503  # not every rank has registered yet
+    assert out["info"]["attn_tp_size"] == 2
+    assert out["info"]["page_size"] == 64
+    assert out["ranks"] == [
+        {"rank_ip": "10.0.0.7", "rank_port": 50051},
+        {"rank_ip": "10.0.0.7", "rank_port": 50052},
+    ]
+    assert out["missing"] == 404
