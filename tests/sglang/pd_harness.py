@@ -252,7 +252,7 @@ def _manager(server_args: Any, role: str, pool: Any, metadata: Any) -> Any:
     )
     kv_args.ib_device = get_disagg().disaggregation_ib_device
     kv_args.gpu_id = 0
-    setup_state_kv_args(kv_args, pool, None, LAYERS, req_to_token_pool=None)  # prefill.py:347
+    setup_state_kv_args(kv_args, pool, None, LAYERS, req_to_token_pool=None)  # prefill.py:350
     manager_class = get_kv_class(backend, KVClassType.MANAGER)  # prefill.py:358
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     return manager_class(kv_args, mode, server_args, is_mla_backend(pool))  # prefill.py:364
@@ -278,7 +278,7 @@ def _token_slots(pages: list[int], tokens: int, tokens_per_page: int) -> Any:
 
 
 def _aux_tensors(metadata: Any) -> list[Any]:
-    """The aux buffers, in get_buf_infos order (utils.py:545-565)."""
+    """The aux buffers, in get_buf_infos order (utils.py:524-544)."""
     by_ptr = {t.data_ptr(): t for t in vars(metadata).values() if hasattr(t, "data_ptr")}
     return [by_ptr[p] for p in metadata.get_buf_infos()[0]]
 
@@ -349,7 +349,7 @@ def run_prefill(args: argparse.Namespace) -> None:
         for req in requests
     ]
 
-    def poll() -> list[Any]:  # prefill.py:512 and 1160
+    def poll() -> list[Any]:  # prefill.py:517 and 1163
         return poll_and_all_reduce_attn_cp_tp_group(senders, cp_group, tp_group)
 
     # pop_bootstrapped (prefill.py:497-551) waits for WaitingForInput ...
@@ -368,14 +368,14 @@ def run_prefill(args: argparse.Namespace) -> None:
         for end in ends + [req.tokens]:
             last = end == req.tokens
             if not last:
-                end -= end % PAGE  # a partial page waits for the next send, prefill.py:1554
+                end -= end % PAGE  # a partial page waits for the next send, prefill.py:1546
             else:
-                _write_aux_row(metadata, index, req.room)  # set_buf, prefill.py:1580
-            state = [] if last else None  # one entry per kv_args.state_types, prefill.py:1700
+                _write_aux_row(metadata, index, req.room)  # set_buf, prefill.py:1568
+            state = [] if last else None  # one entry per kv_args.state_types, prefill.py:1709
             _send_kv_chunk(sender, slots, start, end, last, state, kv_to_page_indices)
             start = end
         results[req.room] = {"prefix": prefix, "aux_index": index}
-    # process_disagg_prefill_inflight_queue (prefill.py:1152-1233)
+    # process_disagg_prefill_inflight_queue (prefill.py:1151-1269)
     polls = _poll_until(poll, {SUCCESS, FAILED}, args.timeout)
     for req, sender, state in zip(requests, senders, polls):
         results[req.room]["poll"] = state
@@ -396,18 +396,18 @@ def run_prefill(args: argparse.Namespace) -> None:
 def _send_kv_chunk(
     sender: Any, slots: Any, start: int, end: int, last: bool, state: Any, to_pages: Any
 ) -> None:
-    """_send_kv_chunk (prefill.py:1536-1789): split at the sender's limit, send each segment."""
+    """_send_kv_chunk (prefill.py:1528-1786): split at the sender's limit, send each segment."""
     from sglang.srt.disaggregation.common.staging_buffer import compute_grid_segments
 
     if end < start:
-        return  # prefill.py:1568
+        return  # prefill.py:1557
     limit = sender.get_max_transfer_tokens()  # prefill.py:1713
     if limit is None:
         segments = [(start, end)]
     else:
         segments = compute_grid_segments(start, end, 0, limit)  # prefill.py:1723
     for seg_start, seg_end in segments:
-        pages = to_pages(slots[seg_start:seg_end], PAGE)  # prefill.py:1762
+        pages = to_pages(slots[seg_start:seg_end], PAGE)  # prefill.py:1763
         segment_is_last = last and seg_end == end
         if not sender.should_send_kv_chunk(len(pages), segment_is_last):  # prefill.py:1765
             continue
@@ -472,10 +472,10 @@ def run_decode(args: argparse.Namespace) -> None:
     if polls != [WAITING] * len(requests):
         raise SystemExit(f"decode: handshake polls {polls}")
     gated = []
-    for req, receiver in zip(requests, receivers):  # pop_preallocated (decode.py:1420-1880)
+    for req, receiver in zip(requests, receivers):  # pop_preallocated (decode.py:1333-1842)
         slots = _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp)
-        index = allocator.alloc()  # _send_kv_metadata, decode.py:1849
-        # only the pages after the prefix go to the prefill (decode.py:1620-1640, 2231-2235)
+        index = allocator.alloc()  # _send_kv_metadata, decode.py:1847-1848
+        # only the pages after the prefix go to the prefill (decode.py:1640-1660, 2231-2235)
         pages = kv_to_page_indices(slots[req.decode_prefix :], PAGE * args.dcp)
         receiver.send_metadata(pages, index, [], decode_prefix_len=req.decode_prefix)  # :1863
         gated.append(_GatedRequest(index))
