@@ -1,10 +1,13 @@
 """Stand-ins for GPU-kernel packages SGLang 0.5.23 imports but never runs on CPU (tests only).
 
 ``install()`` must run before the first ``import sglang``. A package that is really
-installed (a GPU machine) is never replaced. Each stub answers every attribute with a
-permissive placeholder: decorators return the function unchanged, anything else
-returns another placeholder, so module bodies that build kernels at import time load,
-and a kernel that is actually launched fails loudly (see ``_Placeholder.__call__``).
+installed (a GPU machine) is never replaced. Each stub answers every attribute: a
+CapWords name is an empty class (so ``isinstance`` checks work), anything else a
+permissive placeholder. Decorators return the function unchanged, so module bodies
+that define kernels at import time load, and launching one (``kernel[grid](...)``)
+raises TypeError because a plain function is not subscriptable. Importing the stubs
+also makes torch believe triton exists; keep SGLang out of processes that run other
+tests (tests/sglang/_run.py).
 """
 
 from __future__ import annotations
