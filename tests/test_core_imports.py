@@ -28,8 +28,8 @@ import pdproto
 FORBIDDEN = ("grpc", "asyncio", "threading", "socket", "concurrent.futures")
 # (importing package, forbidden module) pairs that are not ours to change.
 ALLOWED = {("google.protobuf", "threading")}
-# Edges: these talk to sockets, engines or gRPC by design.
-EDGES = ("pdproto.client", "pdproto.bridge", "pdproto.transfer")
+# Edges: these talk to sockets, engines or gRPC by design (integrations run inside an engine).
+EDGES = ("pdproto.client", "pdproto.bridge", "pdproto.transfer", "pdproto.integrations")
 
 PROBE = textwrap.dedent(
     """

@@ -9,7 +9,11 @@ built; when the backend lands, that test is where it is proven.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.sglang.pd_harness import REQUESTS, SUCCESS, run
+
+pytestmark = pytest.mark.process
 
 
 def test_sglang_mooncake_moves_every_byte() -> None:

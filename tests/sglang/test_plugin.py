@@ -13,6 +13,8 @@ import pytest
 from tests.sglang._run import run_sglang
 from tests.sglang.pd_harness import write_model_config
 
+pytestmark = pytest.mark.process
+
 # Every KVClassType of SGLang 0.5.23 -> the class pdproto resolves it to.
 PDPROTO_CLASSES = {
     "kvargs": "sglang.srt.disaggregation.base.conn.KVArgs",
