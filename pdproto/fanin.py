@@ -94,17 +94,22 @@ class FanInTracker:
             raise ValueError(f"room {room}: a request must wait for at least one prefill rank")
         self._rooms[room] = _Room(generation, frozenset(prefill_ranks))
 
-    def update(self, status: transfer_pb2.TransferStatus) -> Outcome | None:
-        """Apply one prefill rank's status; the room's new outcome, or None if it was ignored."""
+    def update(self, status: transfer_pb2.TransferStatus, *, sender: int | None = None) -> Outcome | None:
+        """Apply one prefill rank's status; the room's new outcome, or None if it was ignored.
+
+        ``sender`` names the rank when its ``prefill_rank`` does not tell the senders apart
+        (e.g. a DCP prefill group whose ranks share one TP rank); it must match ``expect``.
+        """
+        key = status.prefill_rank if sender is None else sender
         r = self._rooms.get(status.room)
-        if r is None or status.generation != r.generation or status.prefill_rank not in r.expected:
+        if r is None or status.generation != r.generation or key not in r.expected:
             return None
         if r.outcome.terminal:
             return r.outcome
-        r.latest[status.prefill_rank] = status
+        r.latest[key] = status
         if status.state == common_pb2.TRANSFER_STATE_FAILED:
             r.outcome = Outcome(common_pb2.TRANSFER_STATE_FAILED, status.failure_code,
-                                status.failure_reason, status.prefill_rank, r.outcome.reported)
+                                status.failure_reason, key, r.outcome.reported)
             return r.outcome
         done = frozenset(k for k, s in r.latest.items() if s.state == common_pb2.TRANSFER_STATE_SUCCESS)
         if done == r.expected:

@@ -11,8 +11,8 @@ objects, or ``Region`` values for memory some other engine registered. The build
 the rules both sides must agree on: a target entry's page holds ``page_size`` rows, a
 draft entry's page holds ``page_size * dcp_size`` rows (the draft pool is never
 DCP-sharded), the legacy ``kv_item_len`` is entry 0's, and the endpoint goes into the case
-``pdproto.backends`` names for it. Aux and state entries will join as further layout fields
-and region lists, built here the same way.
+``pdproto.backends`` names for it. Aux buffers and state entries (``AuxEntry``, ``StateEntry``)
+come the same way: sizes in the layout, one region per aux buffer and per state tensor.
 
 This module is core: no gRPC, threads or engines.
 """
@@ -72,6 +72,37 @@ class KvEntry:
     """Target or draft entry."""
 
 
+@dataclass(frozen=True)
+class AuxEntry:
+    """One aux (metadata) buffer of the decode: first output token, logprobs, ..."""
+
+    item_len: int
+    """Bytes per aux slot."""
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a decode state entry."""
+
+    item_len: int
+    """Bytes per slot (recurrent) or per page (sliding window) on this rank."""
+    dim: int | None = None
+    """Elements of the TP-split axis this rank holds; 0: whole on every rank; None: not sent
+    (then for every tensor of the entry; the prefill can only copy whole items)."""
+    layer_id: int | None = None
+    """Global model layer id; None for every tensor of the entry, or for none."""
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state entry of the decode (an SGLang state component)."""
+
+    kind: common_pb2.StateKind.ValueType
+    """How a request addresses it (``pdproto.v1.StateKind``)."""
+    tensors: tuple[StateTensor, ...]
+    """Its tensors, in pool order."""
+
+
 def kv_entries(count: int, token_bytes: int, *, first_layer: int = 0,
                layer_ids: bool = True) -> tuple[KvEntry, ...]:
     """``count`` target entries of ``token_bytes`` each, for layers ``first_layer`` on."""
@@ -114,6 +145,12 @@ class DecodeLayout:
     """Device index of the decode rank."""
     minor: int = PROTOCOL_MINOR
     """Protocol minor the registration claims (another value only in version-skew tests)."""
+    aux: tuple[AuxEntry, ...] = ()
+    """Aux buffers, in pool order (the order of the ``aux`` regions)."""
+    state: tuple[StateEntry, ...] = ()
+    """State entries, in pool order (the order of the ``state`` regions)."""
+    total_kv_heads: int = 0
+    """KV heads of the model before TP (MHA head slicing); 0: not sent."""
 
     def item_lens(self) -> tuple[int, ...]:
         """Bytes per page of each KV entry: draft pages are virtual (``page_size * dcp_size`` rows)."""
@@ -121,18 +158,41 @@ class DecodeLayout:
                      for e in self.kv)
 
 
+def _state_buffer(entry: StateEntry, regions: Sequence[KvRegion], e: int) -> registration_pb2.StateBuffer:
+    """One ``StateBuffer``: the entry's tensors with their regions."""
+    if len(regions) != len(entry.tensors):
+        raise InvalidFieldError(f"state[{e}]", f"{len(regions)} regions for {len(entry.tensors)} tensors",
+                                metadata={"regions": len(regions), "tensors": len(entry.tensors)})
+    dims = [t.dim for t in entry.tensors]
+    ids = [t.layer_id for t in entry.tensors]
+    for name, values in (("dim", dims), ("layer_id", ids)):
+        if any(v is None for v in values) and any(v is not None for v in values):
+            raise InvalidFieldError(f"state[{e}].{name}", f"every tensor of state entry {e} sets {name}, or none")
+    return registration_pb2.StateBuffer(
+        kind=entry.kind, data_ptrs=[r.ptr for r in regions], item_lens=[t.item_len for t in entry.tensors],
+        dim_per_tensors=[d for d in dims if d is not None], layer_ids=[i for i in ids if i is not None],
+        data_lens=[r.length for r in regions])
+
+
 def make_registration(layout: DecodeLayout, endpoint: backends.Endpoint | None,
-                      kv: Sequence[KvRegion]) -> registration_pb2.KvRegistration:
+                      kv: Sequence[KvRegion], *, aux: Sequence[KvRegion] = (),
+                      state: Sequence[Sequence[KvRegion]] = ()) -> registration_pb2.KvRegistration:
     """The ``KvRegistration`` of a decode rank: ``layout``, its engine's ``endpoint``, one region per KV entry.
 
+    ``aux`` holds one region per aux buffer and ``state`` one list of regions per state entry
+    (one per tensor), in layout order; their lengths bound the prefill's writes.
     ``endpoint`` None leaves the transport unset (examples; a prefill rejects such a peer).
-    Raises ``InvalidFieldError`` when the region count does not match the layout, and
+    Raises ``InvalidFieldError`` when the region counts do not match the layout, and
     ``TopologyError`` for an endpoint no backend owns. The layout's values are not judged
     here: negotiation does that, on both sides, with a reason for each rule.
     """
     if len(kv) != len(layout.kv):
         raise InvalidFieldError("kv", f"{len(kv)} KV regions for {len(layout.kv)} layout entries",
                                 metadata={"regions": len(kv), "entries": len(layout.kv)})
+    if len(aux) != len(layout.aux) or len(state) != len(layout.state):
+        raise InvalidFieldError("aux" if len(aux) != len(layout.aux) else "state",
+                                f"{len(aux)} aux and {len(state)} state regions for {len(layout.aux)} aux"
+                                f" and {len(layout.state)} state entries")
     item_lens = layout.item_lens()
     reg = registration_pb2.KvRegistration(
         version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR, minor=layout.minor),
@@ -153,10 +213,17 @@ def make_registration(layout: DecodeLayout, endpoint: backends.Endpoint | None,
                                       length=region.length)
             for entry, region, item_len in zip(layout.kv, kv, item_lens, strict=True)
         ],
+        aux_ptrs=[r.ptr for r in aux],
+        aux_item_lens=[a.item_len for a in layout.aux],
+        aux_data_lens=[r.length for r in aux],
+        state_buffers=[_state_buffer(entry, regions, e)
+                       for e, (entry, regions) in enumerate(zip(layout.state, state, strict=True))],
+        total_kv_heads=layout.total_kv_heads,
     )
     if endpoint is not None:
         backends.set_endpoint(reg, endpoint)
     return reg
 
 
-__all__ = ["DecodeLayout", "KvEntry", "KvRegion", "Region", "kv_entries", "make_registration"]
+__all__ = ["AuxEntry", "DecodeLayout", "KvEntry", "KvRegion", "Region", "StateEntry", "StateTensor",
+           "kv_entries", "make_registration"]

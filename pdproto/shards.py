@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from pdproto.errors import Reason, TopologyError
 from pdproto.v1 import common_pb2
 
@@ -171,6 +174,27 @@ def assign_writes(layout: Layout, *, src_tp: int, dst_tp: int, dst_rank: int,
     return out
 
 
+def local_bytes(layout: Layout, tp: int, rank: int) -> npt.NDArray[np.int64]:
+    """For every byte of ``rank``'s item, its offset in the whole (pre-TP) item: the layout as an index.
+
+    The whole item is ``[outer, sum(groups), element]``; ``whole[local_bytes(...)]`` is what
+    ``rank`` holds, which is how a reference (tests, the demo) projects one model-wide item
+    onto each rank. A ``Whole`` tensor's item is the same on every rank.
+    """
+    if isinstance(layout, Whole):
+        return np.arange(layout.item_bytes, dtype=np.int64)
+    total, base, elements = sum(layout.groups), 0, []
+    for g in layout.groups:
+        start, count = shard(g, tp, rank)
+        elements.append(np.arange(base + start, base + start + count, dtype=np.int64))
+        base += g
+    el = np.concatenate(elements)
+    rows = np.arange(layout.outer, dtype=np.int64)[:, None, None]
+    byte = np.arange(layout.element_bytes, dtype=np.int64)[None, None, :]
+    out: npt.NDArray[np.int64] = ((rows * total + el[None, :, None]) * layout.element_bytes + byte).reshape(-1)
+    return out
+
+
 def head_axis(total_heads: int, row_bytes: int, tp: int, *,
               reason: Reason = Reason.TOPOLOGY_KV_HEADS_MISMATCH) -> SplitAxis:
     """The split of an MHA token row of ``row_bytes`` holding this rank's share of ``total_heads``."""
@@ -182,4 +206,4 @@ def head_axis(total_heads: int, row_bytes: int, tp: int, *,
 
 
 __all__ = ["Layout", "Segment", "SplitAxis", "Whole", "assign_writes", "head_axis",
-           "local_width", "shard"]
+           "local_bytes", "local_width", "shard"]

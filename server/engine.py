@@ -1,9 +1,13 @@
-"""The prefill engine's in-process API: hand over the KV pool once, then report chunks.
+"""The prefill engine's in-process API: hand over the pools once, then report chunks and poll rooms.
 
-The engine (the prefill scheduler) builds a ``KvSource`` from its registered KV
-buffers and calls ``PrefillEngine.submit_chunk`` for every chunk it computes. The
-service matches each room's chunks with the decode peers' ``SubmitTransfer``; whichever
-side arrives first waits, with a deadline. ``submit_chunk`` is safe from any thread.
+The engine (the prefill scheduler) builds a ``KvSource`` from its registered KV, aux and
+state buffers and calls ``PrefillEngine.submit_chunk`` for every chunk it computes; the
+last chunk of a room also names the room's aux slot and state slots, which move after the
+last KV byte and before SUCCESS. The service matches each room's chunks with the decode
+peers' ``SubmitTransfer``; whichever side arrives first waits, with a deadline. The engine
+may ask a room's decode prefix length before it allocates (``decode_prefix_len``), poll a
+room through SGLang's KVPoll life cycle (``poll``), and abort a room with a reason the
+decodes see (``abort``). Every public method is safe from any thread.
 """
 
 from __future__ import annotations
@@ -12,27 +16,69 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pdproto.errors import DeadlineExceededError, InvalidFieldError, PlanError, Reason, ShuttingDownError
 from pdproto.transfer import Buffer, TransferExecutor
-from pdproto.v1 import server_info_pb2
+from pdproto.v1 import common_pb2, server_info_pb2
 
 I64 = npt.NDArray[np.int64]
 
 
+StateSlots = tuple[tuple[int, ...], ...]
+"""Per state entry (in ``info.state_entries`` order), the slot (recurrent) or pages (sliding window)."""
+
+_STATE = (common_pb2.TRANSFER_STATE_BOOTSTRAPPING, common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT,
+          common_pb2.TRANSFER_STATE_TRANSFERRING, common_pb2.TRANSFER_STATE_SUCCESS)
+
+
 @dataclass(frozen=True)
 class KvSource:
-    """The prefill KV pool: one registered buffer per ``info.kv_entries`` entry, and the topology."""
+    """The prefill pools: one registered buffer per KV entry, aux buffer and state tensor, and the topology."""
 
     buffers: tuple[Buffer, ...]
-    """Source buffers, in entry order, already registered with the executor."""
+    """KV source buffers, in entry order, already registered with the executor."""
     info: server_info_pb2.PrefillServerInfo
-    """Published topology; ``page_size`` and ``kv_entries`` describe ``buffers``."""
+    """Published topology; ``page_size`` and ``kv_entries`` describe ``buffers``, ``aux_entries``
+    and ``state_entries`` describe ``aux`` and ``state``."""
+    aux: tuple[Buffer, ...] = ()
+    """One registered buffer per ``info.aux_entries`` entry."""
+    state: tuple[tuple[Buffer, ...], ...] = ()
+    """Per ``info.state_entries`` entry, one registered buffer per tensor."""
 
     def __post_init__(self) -> None:
+        self._check_kv()
+        info = self.info
+        if len(self.aux) != len(info.aux_entries):
+            raise InvalidFieldError("aux", f"{len(self.aux)} buffers for {len(info.aux_entries)} aux entries")
+        for i, (a, buf) in enumerate(zip(info.aux_entries, self.aux, strict=True)):
+            if a.item_len == 0 or buf.length < a.item_len:
+                raise InvalidFieldError(f"info.aux_entries[{i}].item_len", "item_len must be > 0 and fit",
+                                        metadata={"itemLen": a.item_len, "bufferBytes": buf.length})
+        if len(self.state) != len(info.state_entries):
+            raise InvalidFieldError("state", f"{len(self.state)} buffer lists for"
+                                    f" {len(info.state_entries)} state entries")
+        for e, (entry, bufs) in enumerate(zip(info.state_entries, self.state, strict=True)):
+            if len(bufs) != len(entry.tensors):
+                raise InvalidFieldError(f"state[{e}]", f"{len(bufs)} buffers for {len(entry.tensors)} tensors")
+            for t, (tensor, buf) in enumerate(zip(entry.tensors, bufs, strict=True)):
+                if tensor.item_len == 0 or buf.length < tensor.item_len:
+                    raise InvalidFieldError(f"info.state_entries[{e}].tensors[{t}].item_len",
+                                            "item_len must be > 0 and fit in the buffer")
+
+    def aux_slots(self) -> int:
+        """Aux slots every aux buffer holds (the smallest decides)."""
+        return min(b.length // a.item_len for b, a in zip(self.aux, self.info.aux_entries, strict=True))
+
+    def state_items(self, entry: int) -> int:
+        """Slots (or pages) every tensor of state ``entry`` holds (the smallest decides)."""
+        return min(b.length // t.item_len
+                   for b, t in zip(self.state[entry], self.info.state_entries[entry].tensors, strict=True))
+
+    def _check_kv(self) -> None:
         entries = self.info.kv_entries
         if self.info.page_size <= 0:
             raise InvalidFieldError("info.page_size", "page_size must be > 0")
@@ -75,6 +121,19 @@ class Chunk:
     """Pages of the request before this chunk (the planner's ``src_page_offset``)."""
     last: bool
     """No chunk follows."""
+    state_slots: StateSlots | None = None
+    """Last chunk only: the room's state slots, per state entry."""
+    aux_slot: int | None = None
+    """Last chunk only: the room's aux slot."""
+
+
+class RequestView(Protocol):
+    """What a room needs to know of a decode's request for it: its transfer state."""
+
+    @property
+    def state(self) -> int:
+        """``TransferState`` value."""
+        ...
 
 
 @dataclass
@@ -89,6 +148,25 @@ class RoomLog:
     claimed: bool = False
     """A decode peer has submitted for this room (so it is not an orphan)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix_len: int | None = None
+    """The decode's prefix (tokens it already holds), from the first request for the room."""
+    expected: int = 1
+    """Decode ranks that submit for the room on this prefill rank (SGLang required_dst_info_num)."""
+    requests: dict[str, RequestView] = field(default_factory=dict)
+    """The decodes' requests for the room, by peer id."""
+    aborted: str = ""
+    """Why the engine aborted the room; empty unless it did."""
+
+    def poll(self) -> int:
+        """The room's ``TransferState`` over every decode's request (SGLang's KVPoll life cycle)."""
+        if self.aborted:
+            return common_pb2.TRANSFER_STATE_FAILED
+        states = [r.state for r in self.requests.values()]
+        if common_pb2.TRANSFER_STATE_FAILED in states:
+            return common_pb2.TRANSFER_STATE_FAILED
+        if len(states) < self.expected:
+            return common_pb2.TRANSFER_STATE_BOOTSTRAPPING
+        return min(states, key=lambda s: _STATE.index(s) if s in _STATE else 0)
 
     @property
     def finished(self) -> bool:
@@ -127,6 +205,8 @@ class PrefillEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_claim: Callable[[int], None] | None = None
         """Called (loop thread) the first time a decode submits for a room; synthetic sources use it."""
+        self.on_abort: Callable[[RoomLog], None] | None = None
+        """Called (loop thread) when the engine aborts a room; the service fails its requests."""
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the service's event loop (called by the service)."""
@@ -139,9 +219,15 @@ class PrefillEngine:
             log = self.rooms[room] = RoomLog(room)
         return log
 
-    def claim(self, room: int) -> RoomLog:
-        """The room's log, marked as wanted by a decode (loop thread only)."""
+    def claim(self, room: int, *, peer_id: str = "", request: RequestView | None = None,
+              prefix_len: int | None = None, expected: int = 1) -> RoomLog:
+        """The room's log, marked as wanted by a decode and tracking its request (loop thread only)."""
         log = self.room(room)
+        if request is not None:
+            log.requests[peer_id] = request
+        if log.prefix_len is None:
+            log.prefix_len = prefix_len
+        log.expected = max(log.expected, expected)
         if not log.claimed:
             log.claimed = True
             if self.on_claim is not None:
@@ -161,14 +247,46 @@ class PrefillEngine:
                             reason=Reason.PLAN_BAD_OFFSET,
                             metadata={"room": room, "numPages": self.source.num_pages})
 
-    def submit_chunk(self, room: int, src_pages: Sequence[int] | I64, num_tokens: int, last_chunk: bool) -> None:
-        """Report a computed chunk of ``room``; thread-safe; non-last chunks must fill their pages."""
+    def _validate_slots(self, room: int, state_slots: Sequence[Sequence[int]] | None,
+                        aux_slot: int | None) -> tuple[StateSlots | None, int | None]:
+        """Check the last chunk's aux and state slots against the prefill's own buffers."""
+        src = self.source
+        if aux_slot is not None and src.aux and not 0 <= aux_slot < src.aux_slots():
+            raise InvalidFieldError("aux_slot", f"room {room}: aux slot {aux_slot} is outside the prefill's"
+                                    f" aux buffers (0..{src.aux_slots() - 1})", metadata={"room": room})
+        if state_slots is None:
+            return None, aux_slot
+        slots = tuple(tuple(int(i) for i in entry) for entry in state_slots)
+        if len(slots) != len(src.state):
+            raise InvalidFieldError("state_slots", f"room {room}: {len(slots)} slot lists for"
+                                    f" {len(src.state)} state entries", metadata={"room": room})
+        for e, items in enumerate(slots):
+            recurrent = src.info.state_entries[e].kind == common_pb2.STATE_KIND_RECURRENT
+            n = src.state_items(e)
+            if (recurrent and len(items) != 1) or any(not 0 <= i < n for i in items):
+                raise InvalidFieldError(
+                    f"state_slots[{e}]", f"room {room}: state entry {e} takes "
+                    f"{'one slot' if recurrent else 'pages'} in 0..{n - 1}, got {list(items)}",
+                    metadata={"room": room, "entry": e})
+        return slots, aux_slot
+
+    def submit_chunk(self, room: int, src_pages: Sequence[int] | I64, num_tokens: int, last_chunk: bool, *,
+                     state_slots: Sequence[Sequence[int]] | None = None, aux_slot: int | None = None) -> None:
+        """Report a computed chunk of ``room``; thread-safe; non-last chunks must fill their pages.
+
+        The last chunk carries the room's ``state_slots`` (per state entry: one slot, or the
+        window's pages) and ``aux_slot``; they move after the room's last KV byte.
+        """
         pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
         self._validate(room, pages, num_tokens)
         if not last_chunk and num_tokens != pages.size * self.source.virtual_page:
             raise PlanError(f"room {room}: a non-last chunk must fill its pages ({num_tokens} tokens, "
                             f"{pages.size} pages of {self.source.virtual_page})",
                             reason=Reason.PLAN_BAD_OFFSET, metadata={"room": room, "numTokens": num_tokens})
+        if not last_chunk and (state_slots is not None or aux_slot is not None):
+            raise InvalidFieldError("state_slots" if state_slots is not None else "aux_slot",
+                                    f"room {room}: aux and state slots travel with the last chunk only")
+        extras = self._validate_slots(room, state_slots, aux_slot)
         loop = self._loop
         if loop is None:
             raise ShuttingDownError("prefill engine is not attached to a running service",
@@ -178,22 +296,48 @@ class PrefillEngine:
         except RuntimeError:
             running = None
         if running is loop:
-            self._append(room, pages, num_tokens, last_chunk)
+            self._append(room, pages, num_tokens, last_chunk, extras)
         else:
-            loop.call_soon_threadsafe(self._append, room, pages, num_tokens, last_chunk)
+            loop.call_soon_threadsafe(self._append, room, pages, num_tokens, last_chunk, extras)
 
-    def _append(self, room: int, pages: I64, num_tokens: int, last: bool) -> None:
+    def _append(self, room: int, pages: I64, num_tokens: int, last: bool,
+                extras: tuple[StateSlots | None, int | None] = (None, None)) -> None:
         """Loop-thread half of ``submit_chunk``."""
         log = self.room(room)
         if log.finished:
             # A new prefill of a finished room starts a new generation of its chunks.
             log = self.rooms[room] = RoomLog(room, claimed=log.claimed)
         page_offset = log.tokens // self.source.virtual_page
-        log.chunks.append(Chunk(len(log.chunks), pages, num_tokens, page_offset, last))
+        log.chunks.append(Chunk(len(log.chunks), pages, num_tokens, page_offset, last, *extras))
         log.tokens += num_tokens
         if last:
             log.finished_at = time.monotonic()
         log._notify()
+
+    def decode_prefix_len(self, room: int) -> int | None:
+        """Tokens the decode already holds for ``room`` (allocate only the rest); None until a decode submitted."""
+        log = self.rooms.get(room)
+        return None if log is None else log.prefix_len
+
+    def poll(self, room: int) -> int:
+        """The room's ``TransferState``: BOOTSTRAPPING until every expected decode submitted, then
+        WAITING_FOR_INPUT, TRANSFERRING, and SUCCESS or FAILED over all of its requests."""
+        log = self.rooms.get(room)
+        return common_pb2.TRANSFER_STATE_BOOTSTRAPPING if log is None else log.poll()
+
+    def abort(self, room: int, reason: str) -> None:
+        """Fail every decode request of ``room`` (now and later ones) with ABORTED and ``reason``."""
+        loop = self._loop
+        if loop is None:
+            raise ShuttingDownError("prefill engine is not attached to a running service")
+        loop.call_soon_threadsafe(self._abort, room, reason or "no reason given")
+
+    def _abort(self, room: int, reason: str) -> None:
+        log = self.room(room)
+        log.aborted = reason
+        log._notify()
+        if self.on_abort is not None:
+            self.on_abort(log)
 
     def release_room(self, room: int) -> None:
         """Forget a room's chunks (the engine freed its pages); thread-safe."""
@@ -213,4 +357,4 @@ class PrefillEngine:
         return dropped
 
 
-__all__ = ["Chunk", "KvSource", "PrefillEngine", "RoomLog"]
+__all__ = ["Chunk", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "StateSlots"]

@@ -97,3 +97,11 @@ def test_success_exactly_when_every_rank_succeeded_before_any_failed(events: lis
                 succeeded.discard(rank)
         assert (out.state == OK) == (not failed and len(succeeded) == 4)
         assert (out.state == FAIL) == failed
+
+
+def test_senders_can_be_named_by_the_caller() -> None:
+    t = FanInTracker()
+    t.expect(7, 1, {10, 11})  # two DCP prefill ranks that both report prefill_rank 0
+    assert t.update(status(0, OK), sender=10) is not None
+    out = t.update(status(0, OK), sender=11)
+    assert out is not None and out.state == OK

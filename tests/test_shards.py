@@ -15,6 +15,7 @@ from pdproto.shards import (
     Whole,
     assign_writes,
     head_axis,
+    local_bytes,
     local_width,
     shard,
 )
@@ -139,3 +140,12 @@ def test_any_sender_order_still_writes_every_byte_once(case: tuple[SplitAxis, in
     got, count = apply(writes, sources, want.size)
     assert (count == 1).all()
     np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts())
+def test_local_bytes_is_the_same_projection_as_the_model(case: tuple[SplitAxis, int, int]) -> None:
+    axis, src_tp, _ = case
+    for r in range(src_tp):
+        np.testing.assert_array_equal(local_bytes(axis, src_tp, r), local_item(axis, src_tp, r))
+    np.testing.assert_array_equal(local_bytes(Whole(7), 4, 3), np.arange(7))
