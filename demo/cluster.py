@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pdproto.senders import target_tp_ranks
+
 from . import data
 from .decode import DecodeConfig, DecodeProcess
 from .proc import Child, ChildError, Reply
@@ -26,21 +28,38 @@ _C = TypeVar("_C", bound=Child)
 
 @dataclass(frozen=True)
 class Topology:
-    """A prefill DCP group feeding a decode DCP group."""
+    """A prefill group (TP x DCP) feeding a decode group (TP, with DCP inside it as in SGLang)."""
 
     src_dcp: int
     dst_dcp: int
+    src_tp: int = 1
+    dst_tp: int = 1
 
     @property
     def name(self) -> str:
-        """Short label: dense->dcp4, dcp2->dcp4."""
-        src = "dense" if self.src_dcp == 1 else f"dcp{self.src_dcp}"
-        return f"{src}->dcp{self.dst_dcp}"
+        """Short label: dense->dcp4, dcp2->dcp4, tp4->tp4dcp4."""
+        src = f"tp{self.src_tp}" if self.src_tp > 1 else ("dense" if self.src_dcp == 1 else f"dcp{self.src_dcp}")
+        if self.src_tp > 1 and self.src_dcp > 1:
+            src += f"dcp{self.src_dcp}"
+        dst = f"tp{self.dst_tp}" if self.dst_tp > 1 else ""
+        return f"{src}->{dst}dcp{self.dst_dcp}" if self.dst_dcp > 1 else f"{src}->{dst or 'dense'}"
+
+    @property
+    def src_ranks(self) -> int:
+        """Prefill processes: member i is TP rank i // src_dcp, DCP rank i % src_dcp."""
+        return self.src_tp * self.src_dcp
+
+    @property
+    def dst_ranks(self) -> int:
+        """Decode processes of one group: TP ranks (DCP ranks are TP rank mod DCP size)."""
+        return max(self.dst_tp, self.dst_dcp)
 
     def sources_of(self, dst_rank: int) -> list[int]:
-        """Prefill ranks sharing tokens with a decode rank: s = d mod gcd(Ns, Nd)."""
+        """Prefill members feeding a decode rank: DCP ranks that share tokens with it (s = d mod
+        gcd(Ns, Nd)) within the TP ranks SGLang's rank mapping pairs it with."""
         g = math.gcd(self.src_dcp, self.dst_dcp)
-        return [s for s in range(self.src_dcp) if s % g == dst_rank % g]
+        tps = target_tp_ranks(self.src_tp, self.dst_tp, dst_rank % self.dst_tp)
+        return [t * self.src_dcp + s for t in tps for s in range(self.src_dcp) if s % g == dst_rank % g]
 
 
 @dataclass(frozen=True)
@@ -81,8 +100,13 @@ class RequestResult:
     descriptors: int = 0
     seconds: float = 0.0
     checked: int = 0
+    aux_bytes: int = 0
+    state_bytes: int = 0
+    aux_descriptors: int = 0
+    state_descriptors: int = 0
     failures: list[str] = field(default_factory=list)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    failure_codes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +124,8 @@ class Flight:
     sent: int = 0
     t0: float = 0.0
     waiting: list[int] = field(default_factory=list)
+    slot: int = 0
+    """The prefill's aux and state slot for the request (hybrid models)."""
 
 
 def free_port() -> int:
@@ -123,8 +149,13 @@ class Cluster:
     def __init__(self, backend: str, geometry: Geometry, *, dst_dcp: int = 4, dst_groups: int = 1,
                  src_groups: Sequence[int] = (1, 2), token: str | None = None,
                  env: dict[str, str] | None = None, log_dir: str | None = None,
-                 prefill_args: Sequence[str] = ()) -> None:
+                 prefill_args: Sequence[str] = (), model: str = "mla", src_tp: int = 1, dst_tp: int = 1,
+                 replicated_bytes: int = 0, slots: int = 8) -> None:
         self.backend = backend
+        self.model = model
+        self.src_tp, self.dst_tp = src_tp, dst_tp
+        self.replicated_bytes = replicated_bytes
+        self.slots = slots
         self.dst_groups = dst_groups
         self.prefill_args = list(prefill_args)
         self.notify_ports: list[int] = []
@@ -151,7 +182,9 @@ class Cluster:
         g = self.geo
         return self._track(Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill",
                            ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size),
-                            "--dcp-size", str(ns), "--dcp-rank", str(r),
+                            "--dcp-size", str(ns), "--dcp-rank", str(r % ns),
+                            "--model", self.model, "--tp-size", str(self.src_tp), "--tp-rank", str(r // ns),
+                            "--slots", str(self.slots), "--replicated-bytes", str(self.replicated_bytes),
                             "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
                             "--port", str(port), *self.prefill_args,
                             *(["--token", self.token] if self.token else [])],
@@ -161,16 +194,19 @@ class Cluster:
         g = self.geo
         config = DecodeConfig(backend=self.backend, layers=g.layers, page_size=g.page_size,
                               pages=g.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp, dcp_rank=d % self.dst_dcp,
-                              name=f"decode-{d}-{self.run_id}", notify_port=self.notify_ports[d])
+                              name=f"decode-{d}-{self.run_id}", notify_port=self.notify_ports[d],
+                              model=self.model, tp_size=self.dst_tp, tp_rank=d % self.dst_tp,
+                              slots=self.slots, replicated_bytes=self.replicated_bytes)
         return self._track(DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env,
                                                     log_dir=self.log_dir))
 
     def launch(self, timeout: float = 120.0) -> None:
         """Start every process and wait until each is ready."""
-        self.notify_ports = [free_port() for _ in range(self.dst_dcp * self.dst_groups)]
+        per_group = max(self.dst_dcp, self.dst_tp)
+        self.notify_ports = [free_port() for _ in range(per_group * self.dst_groups)]
         for ns in self._src_groups:
-            self.prefills[ns] = [self._prefill(ns, r) for r in range(ns)]
-        self.decodes = [self._decode(d) for d in range(self.dst_dcp * self.dst_groups)]
+            self.prefills[ns] = [self._prefill(ns, r) for r in range(ns * self.src_tp)]
+        self.decodes = [self._decode(d) for d in range(per_group * self.dst_groups)]
         for ns, group in self.prefills.items():
             self.ports[ns] = [int(c.recv(timeout)["port"]) for c in group]
         for c in self.decodes:
@@ -193,7 +229,7 @@ class Cluster:
 
     def targets(self, topo: Topology, dst_rank: int) -> list[str]:
         """host:port of each prefill rank a decode rank registers with."""
-        return [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(dst_rank % self.dst_dcp)]
+        return [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(dst_rank % topo.dst_ranks)]
 
     def connect(self, topo: Topology, timeout: float = 60.0, ranks: Sequence[int] | None = None,
                 **options: Any) -> list[Reply]:
@@ -227,13 +263,13 @@ class Cluster:
                    bounds=chunk_bounds(n, math.lcm(vs, g.page_size)),
                    src_pages=data.page_list(1 + slot * g.slot_pages(topo.src_dcp), max(1, math.ceil(n / vs)),
                                             scramble=True),
-                   decodes=list(range(self.dst_dcp) if decodes is None else decodes),
-                   sources=self.prefills[topo.src_dcp])
+                   decodes=list(range(topo.dst_ranks) if decodes is None else decodes),
+                   sources=self.prefills[topo.src_dcp], slot=1 + room % (self.slots - 1))
         pre_pages = list(range(0, math.ceil(prefix / vd)))
         dst_pages = data.page_list(len(pre_pages) + 1 + dst_offset, max(1, math.ceil(n / vd)), scramble=True)
         for i, c in enumerate(f.sources):
             c.send("prepare", room=room, prefix=prefix, total=tokens, pages=f.src_pages,
-                   corrupt=corrupt and i == 0)
+                   corrupt=corrupt and i == 0, slot=f.slot)
         for c in f.sources:
             c.recv(timeout)
         for d in f.decodes:
@@ -253,7 +289,8 @@ class Cluster:
             a, b = f.bounds[k]
             pages = f.src_pages[a // f.vs: math.ceil(b / f.vs)] if b > a else []
             for c in f.sources:
-                c.send("chunk", room=f.room, pages=pages, num_tokens=b - a, last=k == len(f.bounds) - 1)
+                c.send("chunk", room=f.room, pages=pages, num_tokens=b - a, last=k == len(f.bounds) - 1,
+                       slot=f.slot)
             for c in f.sources:
                 c.recv(timeout)
             f.sent += 1
@@ -284,8 +321,14 @@ class Cluster:
         for r in replies:
             res.bytes += int(r["bytes"])
             res.descriptors += int(r["descriptors"])
+            res.aux_bytes += int(r.get("aux_bytes", 0))
+            res.state_bytes += int(r.get("state_bytes", 0))
+            res.aux_descriptors += int(r.get("aux_descriptors", 0))
+            res.state_descriptors += int(r.get("state_descriptors", 0))
             res.checked += int(r["checked"])
             res.failures += r["failures"]
+            if r.get("failure_code"):
+                res.failure_codes.append(r["failure_code"])
             if r["mismatch"]:
                 res.mismatches.append(r["mismatch"])
         res.seconds = max((float(r["done_at"]) for r in replies), default=f.t0) - f.t0

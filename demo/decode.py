@@ -9,7 +9,7 @@ One program, two ways to use it:
   ========== ====================================================================
   connect    register with prefill ranks (host:port) through the handshake client
   request    lay down the decode prefix and submit the destination pages
-  wait       wait for every prefill rank's terminal status, check every pool byte
+  wait       wait for every (non-dummy) prefill rank's terminal status, check every byte
   abort      abort a request generation on every prefill rank
   deregister deregister from every prefill rank
   dump       write every KV buffer, back to back, to a file
@@ -23,7 +23,11 @@ One program, two ways to use it:
   ``pages_for()``, ``transfer_info()`` and ``verify()``.
 
 The registration comes from ``pdproto.registration.make_registration``; the expected bytes
-from a ``data.Reference`` (the demo's tokens, or ``SyntheticSpec`` for ``pdproto serve``).
+from a ``data.Reference`` (the demo's tokens, or ``SyntheticSpec`` for ``pdproto serve``) and,
+for aux and state, from ``model.ModelShape``. A rank fed by several prefill ranks learns from
+their answers which are dummies, submits to all, and folds the statuses of the others with
+``pdproto.fanin.FanInTracker``: SUCCESS only when each succeeded, FAILED with the first
+failing rank's reason (the others are then aborted so nothing writes into reused slots).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import queue
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,12 +47,15 @@ import numpy as np
 from pdproto import PROTOCOL_MINOR, backends
 from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError, Reason
-from pdproto.registration import DecodeLayout, kv_entries, make_registration
+from pdproto.fanin import FanInTracker, KindTotals
+from pdproto.registration import make_registration
+from pdproto.senders import SenderSet
 from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 from . import data
+from .model import ModelShape
 from .proc import Child, Reply, redirect_stdout_to_stderr, serve_commands
 from .synthetic import SyntheticSpec
 
@@ -61,7 +70,7 @@ class DecodeConfig:
     backend: str = "local"
     """Transfer backend (``pdproto.backends``)."""
     layers: int = 8
-    """KV entries, one per layer."""
+    """Model layers (KV entries for ``mla`` and ``mha``; a hybrid has one KV layer in four)."""
     pages: int = 64
     """Pages per entry."""
     page_size: int = 64
@@ -86,6 +95,16 @@ class DecodeConfig:
     """Register global layer ids (the prefill pairs entries by them)."""
     background: int = data.BACKGROUND
     """Byte every buffer starts with; rows nobody wrote must still hold it."""
+    model: str = "mla"
+    """Model shape (``model.KINDS``): KV only, Kimi-shaped hybrid with state and aux, or MHA."""
+    tp_size: int = 1
+    """Attention TP size of the decode."""
+    tp_rank: int = 0
+    """This rank's attention TP index."""
+    slots: int = 8
+    """Aux and state slots (hybrid); slot 0 is never used, as in SGLang."""
+    replicated_bytes: int = 0
+    """Bytes of a state tensor whole on every rank (hybrid); 0: none."""
 
     def argv(self) -> list[str]:
         """The command line that starts this rank as a process."""
@@ -120,6 +139,10 @@ class _Target:
     client: HandshakeClient
     peer_id: str
     mode: int
+    senders: SenderSet
+    """The sender set this prefill rank computed for us."""
+    dummy: bool
+    """This prefill rank writes nothing for us (submitted to with ``is_dummy``, not waited for)."""
 
 
 @dataclass
@@ -128,6 +151,8 @@ class _Pending:
 
     placements: list[data.Placement]
     generation: int
+    slot: int
+    """The aux and state slot (hybrid); 0 when none."""
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -138,20 +163,27 @@ class DecodeRank:
         self.config = c = config
         self.name = c.name or f"decode-{os.getpid()}"
         self.notify_port = c.notify_port or next(_notify_ports)
-        self.reference = reference or data.TokenReference(c.row_bytes)
-        rows = c.pages * c.page_size
+        self.model = m = ModelShape(kind=c.model, layers=c.layers, row_bytes=c.row_bytes,
+                                    replicated_bytes=c.replicated_bytes)
+        self.reference = reference or m.kv_reference(c.tp_size, c.tp_rank)
+        rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
+        layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)
+        extra_bytes = sum(a.item_len for a in layout.aux) + sum(t.item_len for e in layout.state for t in e.tensors)
         # The local backend names its /dev/shm arena itself (pid + uuid), so a restart never collides.
         self.executor: TransferExecutor = create_executor(
             c.backend, name=None if c.backend == "local" else self.name,
-            arena_bytes=c.layers * rows * c.row_bytes + (1 << 20))
+            arena_bytes=len(layout.kv) * rows * row_bytes + extra_bytes * c.slots + (2 << 20))
         vram = c.device.startswith("cuda")
         device = int(c.device.partition(":")[2] or 0) if vram else 0
         self.buffers: list[Buffer] = [
-            self.executor.allocate(rows * c.row_bytes, kind=VRAM, device=device) if vram
-            else self.executor.allocate(rows * c.row_bytes) for _ in range(c.layers)]
-        self.executor.register_memory(self.buffers)
-        self.pool = [] if vram else [np.asarray(b.array).reshape(rows, c.row_bytes) for b in self.buffers]
+            self.executor.allocate(rows * row_bytes, kind=VRAM, device=device) if vram
+            else self.executor.allocate(rows * row_bytes) for _ in layout.kv]
+        self.aux = [self.executor.allocate(a.item_len * c.slots) for a in layout.aux]
+        self.state = [[self.executor.allocate(t.item_len * c.slots) for t in e.tensors] for e in layout.state]
+        self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
+        self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
         """Host views of the buffers, one (rows x row_bytes) array per layer; empty for VRAM."""
+        self._free_slots = list(range(c.slots - 1, 0, -1))
         self.fill(c.background)
         self.shard = data.Shard(c.dcp_size, c.dcp_rank)
         self.targets: list[_Target] = []
@@ -172,13 +204,12 @@ class DecodeRank:
     def registration(self, minor: int = PROTOCOL_MINOR) -> registration_pb2.KvRegistration:
         """This rank's ``KvRegistration`` (call again after a restart of the engine: endpoints change)."""
         c = self.config
-        layout = DecodeLayout(
-            page_size=c.page_size, kv=kv_entries(c.layers, c.row_bytes, layer_ids=c.layer_ids),
-            kv_cache_dtype=c.kv_dtype, attention_kind=common_pb2.ATTENTION_KIND_MLA,
-            dcp_size=c.dcp_size, dcp_rank=c.dcp_rank, model_id=c.model_id,
+        layout = self.model.decode_layout(
+            tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size, dcp_size=c.dcp_size, dcp_rank=c.dcp_rank,
+            layer_ids=c.layer_ids, kv_cache_dtype=c.kv_dtype, model_id=c.model_id,
             notify_host="127.0.0.1", notify_port=self.notify_port, capabilities=("dcp-relayout", "packed"),
             gpu_id=self.buffers[0].device, minor=minor)
-        return make_registration(layout, self.executor.endpoint(), self.buffers)
+        return make_registration(layout, self.executor.endpoint(), self.buffers, aux=self.aux, state=self.state)
 
     def pages_for(self, tokens: int, first_page: int = 0) -> list[int]:
         """Destination pages this rank needs for ``tokens`` global tokens (reversed, to be non-trivial)."""
@@ -187,12 +218,41 @@ class DecodeRank:
         return list(range(first_page + n - 1, first_page - 1, -1))
 
     def transfer_info(self, room: int, pages: Sequence[int], generation: int = 0, prefix: int = 0,
-                      required: int = 1) -> transfer_pb2.TransferInfo:
-        """The ``TransferInfo`` of one request that ``required`` prefill ranks serve."""
-        return transfer_pb2.TransferInfo(
+                      required: int = 1, slot: int | None = None,
+                      dummy: bool = False) -> transfer_pb2.TransferInfo:
+        """The ``TransferInfo`` of one request; ``required`` decode ranks submit it to each prefill rank.
+
+        ``slot`` names the aux slot and every state entry's slot (hybrid models).
+        """
+        info = transfer_pb2.TransferInfo(
             room=room, generation=generation, peer_name=self.name, dst_kv_pages=pages,
-            required_dst_info_num=required, decode_prefix_len=prefix,
+            required_dst_info_num=required, decode_prefix_len=prefix, is_dummy=dummy,
             notify_endpoint=common_pb2.Endpoint(host="127.0.0.1", port=self.notify_port))
+        if slot is not None and self.aux:
+            info.dst_aux_index = slot
+        if slot is not None:
+            info.dst_state_indices.extend(transfer_pb2.StateIndices(indices=[slot]) for _ in self.state)
+        return info
+
+    def verify_extras(self, slots: Mapping[int, int]) -> tuple[int, str | None]:
+        """Check every aux and state byte: each room's slot holds the model's bytes, the rest background.
+
+        ``slots`` maps room -> slot; returns (bytes checked, first problem or None).
+        """
+        c, m = self.config, self.model
+        checked = 0
+        for name, bufs in (("aux", self.aux), ("state", [b for e in self.state for b in e])):
+            for i, buf in enumerate(bufs):
+                arr = np.asarray(buf.array)
+                expected = np.full(arr.shape, c.background, dtype=np.uint8)
+                for room, slot in slots.items():
+                    item = m.aux_item(room, i) if name == "aux" else m.state_item(room, i, c.tp_size, c.tp_rank)
+                    expected[slot * item.size:(slot + 1) * item.size] = item
+                checked += arr.nbytes
+                if not np.array_equal(arr, expected):
+                    at = int(np.argwhere(arr != expected)[0][0])
+                    return checked, f"{name} buffer {i}: byte {at} is {arr[at]}, expected {expected[at]}"
+        return checked, None
 
     def verify(self, rooms: Mapping[int, Sequence[int]], tokens: int) -> int:
         """Assert every pool byte: ``tokens`` tokens of each room on its pages, background elsewhere."""
@@ -222,8 +282,13 @@ class DecodeRank:
         for address in targets:
             client = self._reach(address, token, timeout, root_cert)
             result = client.register(reg)
-            self.targets.append(_Target(address, client, result.peer_id, int(result.mode)))
-        return {"peers": [t.peer_id for t in self.targets], "modes": [t.mode for t in self.targets]}
+            senders = SenderSet.from_proto(result.senders)
+            me = senders.senders[result.senders.self_index] if senders.senders else None
+            self.targets.append(_Target(address, client, result.peer_id, int(result.mode), senders,
+                                        dummy=me is not None and me.dummy))
+        return {"peers": [t.peer_id for t in self.targets], "modes": [t.mode for t in self.targets],
+                "dummies": [t.dummy for t in self.targets],
+                "required": [t.senders.required_responses for t in self.targets]}
 
     @staticmethod
     def _reach(address: str, token: str | None, timeout: float, root_cert: str | None) -> HandshakeClient:
@@ -242,41 +307,69 @@ class DecodeRank:
                 time.sleep(0.5)
 
     def request(self, room: int, prefix: int, total: int, prefix_pages: list[int],
-                dst_pages: list[int], generation: int = 0, timeout: float = 20.0) -> Reply:
-        """Lay down the decode prefix and hand every prefill rank this request's destination."""
+                dst_pages: list[int], generation: int = 0, timeout: float = 20.0,
+                slot: int | None = None) -> Reply:
+        """Lay down the decode prefix and hand every prefill rank this request's destination.
+
+        A hybrid model's aux and state go to a free slot (or ``slot``, which may even lie
+        outside the registered buffers: a prefill must refuse it).
+        """
         cached = data.Placement(room, 0, prefix, prefix_pages)
         if not self.pool:
             raise PdprotoError("requests need host memory; this rank's buffers are in VRAM",
                                reason=Reason.INVALID_FIELD)
+        if slot is None and (self.aux or self.state):
+            slot = self._free_slots.pop()
         data.fill(self.pool, self.shard, cached, page_size=self.config.page_size, reference=self.reference)
-        self.pending[room] = _Pending([cached, data.Placement(room, prefix, total, dst_pages)], generation)
-        info = self.transfer_info(room, dst_pages, generation, prefix, required=len(self.targets))
-        states = [int(t.client.submit_transfer(t.peer_id, info, timeout=timeout).state) for t in self.targets]
-        return {"states": states}
+        self.pending[room] = _Pending([cached, data.Placement(room, prefix, total, dst_pages)], generation,
+                                      slot or 0)
+        states = []
+        for t in self.targets:
+            info = self.transfer_info(room, dst_pages, generation, prefix,
+                                      required=t.senders.decode_ranks_per_prefill_rank or 1,
+                                      slot=slot, dummy=t.dummy)
+            try:
+                states.append(int(t.client.submit_transfer(t.peer_id, info, timeout=timeout).state))
+            except PdprotoError:
+                self._release(self.pending.pop(room))
+                raise
+        return {"states": states, "slot": slot}
+
+    def _release(self, p: _Pending) -> None:
+        """Put a request's KV pages, aux slot and state slots back to the background, and the slot back."""
+        c = self.config
+        data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=c.page_size,
+                   background=c.background)
+        if p.slot and p.slot < c.slots:
+            for buf in [*self.aux, *(b for e in self.state for b in e)]:
+                item = buf.length // c.slots
+                buf.array[p.slot * item:(p.slot + 1) * item] = c.background
+            self._free_slots.append(p.slot)
 
     def wait(self, room: int, timeout: float = 120.0, check: bool = True) -> Reply:
-        """Wait for every prefill rank's terminal status of ``room``, then check every pool byte."""
+        """Wait for the terminal status of every non-dummy prefill rank of ``room``, then check every byte.
+
+        The statuses are folded by a ``FanInTracker``: the first failure fails the request
+        with that rank's reason, and the other ranks are aborted (an abort answers once
+        their in-flight chunks drained, so the pages and slots are safe to reuse).
+        """
         p = self.pending.pop(room)
         deadline = time.monotonic() + timeout
-        nbytes = descriptors = chunks = 0
+        live = [i for i, t in enumerate(self.targets) if not t.dummy]
+        tracker = FanInTracker()
+        tracker.expect(room, p.generation, live)
+        finals = self._collect(room, p.generation, live, tracker, deadline)
+        outcome = tracker.outcome(room)
         failures: list[str] = []
-        for t in self.targets:
-            try:
-                st = t.client.wait_for(t.peer_id, [room], timeout=max(deadline - time.monotonic(), 0.1))[room]
-            except PdprotoError as exc:
-                failures.append(f"{t.address}: {exc.reason.name}: {exc.message}")
-                # Giving up is not enough: the prefill may still write into these pages.
-                # Abort answers only after in-flight chunks drained, so the pages are safe to reuse.
-                try:
-                    t.client.abort(t.peer_id, room, p.generation, timeout=30.0)
-                except PdprotoError as abort_exc:
-                    failures.append(f"{t.address}: abort after timeout: {abort_exc.reason.name}")
-                continue
-            if st.state != common_pb2.TRANSFER_STATE_SUCCESS:
-                failures.append(f"{t.address}: {st.failure_code}: {st.failure_reason}")
-            nbytes += st.bytes_transferred
-            descriptors += st.descriptors
-            chunks += st.chunks_done
+        if outcome is not None and outcome.state == common_pb2.TRANSFER_STATE_FAILED:
+            failed = self.targets[outcome.failed_rank] if outcome.failed_rank is not None else None
+            failures.append(f"{failed.address if failed else 'decode'}: {outcome.failure_code}: "
+                            f"{outcome.failure_reason}")
+            for i in live:
+                if i not in finals or finals[i].state != common_pb2.TRANSFER_STATE_SUCCESS:
+                    failures += self._abort_quietly(i, room, p.generation)
+        totals = KindTotals.of(finals.values())
+        chunks = sum(st.chunks_done for st in finals.values())
         done_at = time.monotonic()
         if not failures and backends.by_name(self.config.backend).notifications:
             # Every chunk must be announced through the engine, including chunks where this
@@ -285,12 +378,55 @@ class DecodeRank:
             if got != chunks:
                 failures.append(f"expected {chunks} chunk notices through {self.config.backend}, got {got}")
         checked, bad = self._check(p.placements) if check and not failures else (0, None)
-        data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=self.config.page_size,
-                   background=self.config.background)
+        extra_checked, extra_bad = self.verify_extras({room: p.slot}) if check and not failures and p.slot \
+            else (0, None)
+        if extra_bad is not None:
+            failures.append(extra_bad)
+        self._release(p)
         return {"room": room, "ok": not failures and bad is None, "failures": failures,
-                "mismatch": None if bad is None else bad.__dict__, "checked": checked,
-                "bytes": nbytes, "descriptors": descriptors, "seconds": done_at - p.submitted,
-                "done_at": done_at}
+                "mismatch": None if bad is None else bad.__dict__, "checked": checked + extra_checked,
+                "bytes": totals.kv_bytes, "descriptors": totals.kv_descriptors,
+                "aux_bytes": totals.aux_bytes, "state_bytes": totals.state_bytes,
+                "aux_descriptors": totals.aux_descriptors, "state_descriptors": totals.state_descriptors,
+                "failure_code": outcome.failure_code if outcome is not None else "",
+                "seconds": done_at - p.submitted, "done_at": done_at}
+
+    def _collect(self, room: int, generation: int, live: list[int], tracker: FanInTracker,
+                 deadline: float) -> dict[int, transfer_pb2.TransferStatus]:
+        """Terminal statuses of ``live`` targets, watched in parallel until one fails or all finished."""
+        got: queue.Queue[tuple[int, transfer_pb2.TransferStatus | PdprotoError]] = queue.Queue()
+
+        def watch(i: int) -> None:
+            t = self.targets[i]
+            try:
+                got.put((i, t.client.wait_for(t.peer_id, [room], timeout=max(deadline - time.monotonic(), 0.1))[room]))
+            except PdprotoError as exc:
+                got.put((i, exc))
+
+        for i in live:
+            threading.Thread(target=watch, args=(i,), name=f"wait-{room}-{i}", daemon=True).start()
+        finals: dict[int, transfer_pb2.TransferStatus] = {}
+        for _ in live:
+            i, item = got.get()
+            if isinstance(item, PdprotoError):
+                # No terminal status in time: the decode gives up on the request itself.
+                tracker.fail(room, item.reason.name, f"{self.targets[i].address}: {item.message}")
+                return finals
+            finals[i] = item
+            outcome = tracker.update(item, sender=i)
+            if outcome is not None and outcome.state == common_pb2.TRANSFER_STATE_FAILED:
+                return finals
+        return finals
+
+    def _abort_quietly(self, i: int, room: int, generation: int) -> list[str]:
+        """Abort ``room`` on target ``i``; a failure to do so is reported, not raised."""
+        t = self.targets[i]
+        try:
+            t.client.abort(t.peer_id, room, generation, timeout=30.0)
+        except PdprotoError as exc:
+            if exc.reason is not Reason.REQUEST_NOT_FOUND:
+                return [f"{t.address}: abort after failure: {exc.reason.name}"]
+        return []
 
     def _await_notices(self, room: int, generation: int, expected: int, deadline: float) -> int:
         """Count chunk notices of this generation of ``room`` until ``expected`` arrived or time ran out.
@@ -328,8 +464,8 @@ class DecodeRank:
         return {"bytes": sum(b.length for b in self.buffers)}
 
     def fill(self, value: int) -> Reply:
-        """Set every byte of every KV buffer to ``value``."""
-        for b in self.buffers:
+        """Set every byte of every KV, aux and state buffer to ``value``."""
+        for b in [*self.buffers, *self.aux, *(t for e in self.state for t in e)]:
             b.array[:] = value
         return {}
 

@@ -175,11 +175,12 @@ class ModelShape:
         return info
 
     def decode_layout(self, *, tp: int, rank: int, page_size: int, dcp_size: int = 1, dcp_rank: int = 0,
-                      **options: object) -> DecodeLayout:
+                      layer_ids: bool = True, kv_cache_dtype: str = "bfloat16", **options: object) -> DecodeLayout:
         """The ``DecodeLayout`` of decode TP rank ``rank`` of ``tp`` (``options``: the other layout fields)."""
+        kv = tuple(KvEntry(self.kv_row_bytes(tp), layer if layer_ids else None) for layer in self.kv_layers())
         return DecodeLayout(
-            page_size=page_size, kv=tuple(KvEntry(self.kv_row_bytes(tp), layer) for layer in self.kv_layers()),
-            kv_cache_dtype="bfloat16", attention_kind=self.attention_kind(), attn_tp_size=tp, attn_tp_rank=rank,
+            page_size=page_size, kv=kv, kv_cache_dtype=kv_cache_dtype, attention_kind=self.attention_kind(),
+            attn_tp_size=tp, attn_tp_rank=rank,
             dcp_size=dcp_size, dcp_rank=dcp_rank, aux=self.decode_aux(), state=self.decode_state(tp),
             total_kv_heads=self.total_kv_heads(), **options)  # type: ignore[arg-type]
 

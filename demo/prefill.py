@@ -1,9 +1,11 @@
 """A prefill rank as its own process: KV pool with known contents, the real handshake service.
 
-Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``.
+Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``
+(``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group).
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
-commands (``prepare`` writes a request's rows, ``chunk`` calls the engine's
-``submit_chunk``, ``stats`` reads the service's introspection counters).
+commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
+the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
+``abort_room`` call the engine's room API, ``stats`` reads the service's introspection counters.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from pdproto import backends
-from pdproto.topology import example_server_info
 from pdproto.transfer import create_executor
 from pdproto_server.app import ServerConfig, start_server
 from pdproto_server.core import HandshakeCore
@@ -27,6 +28,7 @@ from pdproto_server.engine import KvSource, PrefillEngine
 from pdproto_server.registry import Limits
 
 from . import data
+from .model import KINDS, ModelShape
 from .proc import Reply, redirect_stdout_to_stderr, serve_commands
 
 
@@ -36,22 +38,29 @@ class PrefillRank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.shard = data.Shard(args.dcp_size, args.dcp_rank)
-        rows = args.pages * args.page_size
+        self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes)
+        m, tp = self.model, args.tp_size
+        rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
         self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
                                         staging_bytes=args.staging_mb << 20)
-        self.bufs = [self.executor.allocate(rows * data.ROW_BYTES) for _ in range(args.layers)]
-        self.executor.register_memory(self.bufs)
-        self.pool = [np.asarray(b.array).reshape(rows, data.ROW_BYTES) for b in self.bufs]
-        self.info = example_server_info(page_size=args.page_size, dcp_size=args.dcp_size,
-                                        dcp_rank=args.dcp_rank, num_layers=args.layers, layer_ids=True,
-                                        backends=[backends.by_name(args.backend).enum], port=args.port)
+        self.bufs = [self.executor.allocate(rows * row_bytes) for _ in m.kv_layers()]
+        self.pool = [np.asarray(b.array).reshape(rows, row_bytes) for b in self.bufs]
+        self.info = m.server_info(tp=tp, rank=args.tp_rank, page_size=args.page_size, dcp_size=args.dcp_size,
+                                  dcp_rank=args.dcp_rank, backend=backends.by_name(args.backend).enum,
+                                  port=args.port)
+        # Aux and state pools hold ``slots`` requests each, like SGLang's per-request slots.
+        self.aux = [self.executor.allocate(a.item_len * args.slots) for a in self.info.aux_entries]
+        self.state = [[self.executor.allocate(t.item_len * args.slots) for t in e.tensors]
+                      for e in self.info.state_entries]
+        self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
             self.info.version.minor = args.info_minor
             self.info.capabilities.append(f"future-feature-{args.info_minor}")
             self.info.MergeFromString(data.FUTURE_FIELD)
-        self.engine = PrefillEngine(KvSource(tuple(self.bufs), self.info), self.executor,
-                                    prefill_rank=args.dcp_rank)
+        source = KvSource(tuple(self.bufs), self.info, aux=tuple(self.aux),
+                          state=tuple(tuple(e) for e in self.state))
+        self.engine = PrefillEngine(source, self.executor, prefill_rank=args.tp_rank * args.dcp_size + args.dcp_rank)
         self.loop = asyncio.new_event_loop()
         self.port = 0
         self.core: Any = None
@@ -91,19 +100,42 @@ class PrefillRank:
             raise self._error
         return self.port
 
-    def prepare(self, room: int, prefix: int, total: int, pages: list[int], corrupt: bool = False) -> Reply:
-        """Write this rank's rows of tokens [prefix, total) of a request into ``pages``."""
+    def prepare(self, room: int, prefix: int, total: int, pages: list[int], corrupt: bool = False,
+                slot: int = 0) -> Reply:
+        """Write this rank's rows of tokens [prefix, total) of a request into ``pages``, and its
+        state and aux into ``slot`` (hybrid models)."""
+        a, m = self.args, self.model
         rows = data.fill(self.pool, self.shard, data.Placement(room, prefix, total, pages),
-                         page_size=self.args.page_size, reference=data.TokenReference())
+                         page_size=a.page_size, reference=m.kv_reference(a.tp_size, a.tp_rank))
+        for i, buf in enumerate(self.aux):
+            n = m.aux_lens[i]
+            buf.array[slot * n:(slot + 1) * n] = m.aux_item(room, i)
+        for k, buf in enumerate(b for e in self.state for b in e):
+            item = m.state_item(room, k, a.tp_size, a.tp_rank)
+            buf.array[slot * item.size:(slot + 1) * item.size] = item
         if corrupt and rows:
             # Flip one byte in the middle of the request: the decode's check must catch it.
             row = int(data.local_rows(pages, rows, self.args.page_size)[rows // 2])
             self.pool[len(self.pool) // 2][row, 77] ^= 0xFF
         return {"rows": rows}
 
-    def chunk(self, room: int, pages: list[int], num_tokens: int, last: bool) -> Reply:
-        """Report one computed chunk to the engine (non-blocking)."""
-        self.engine.submit_chunk(room, pages, num_tokens, last)
+    def chunk(self, room: int, pages: list[int], num_tokens: int, last: bool, slot: int = 0) -> Reply:
+        """Report one computed chunk to the engine (non-blocking); the last one names the room's slots."""
+        extras: dict[str, Any] = {}
+        if last and self.info.aux_entries:
+            extras["aux_slot"] = slot
+        if last and self.info.state_entries:
+            extras["state_slots"] = [[slot] for _ in self.info.state_entries]
+        self.engine.submit_chunk(room, pages, num_tokens, last, **extras)
+        return {}
+
+    def poll(self, room: int) -> Reply:
+        """The engine's view of a room (KVPoll life cycle) and the decode's prefix length."""
+        return {"state": self.engine.poll(room), "prefix": self.engine.decode_prefix_len(room)}
+
+    def abort_room(self, room: int, reason: str) -> Reply:
+        """Abort a room from the prefill side; its decodes see ABORTED with ``reason``."""
+        self.engine.abort(room, reason)
         return {}
 
     def release(self, room: int) -> Reply:
@@ -162,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dcp-size", type=int, default=1)
     ap.add_argument("--dcp-rank", type=int, default=0)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--model", choices=KINDS, default="mla", help="KV only (mla), Kimi-shaped (hybrid), mha")
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
+    ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
     ap.add_argument("--pages", type=int, required=True)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--staging-mb", type=int, default=64)
@@ -175,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
         out.flush()
         serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,
+                        "poll": rank.poll, "abort_room": rank.abort_room,
                         "stats": rank.stats, "ping": lambda: {"pong": True}}, out)
     finally:
         rank.close()
