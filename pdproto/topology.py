@@ -23,8 +23,13 @@ Rules, checked in this order (the first failing rule is the one reported):
 12. SAME_LAYOUT needs equal page sizes (relayout does not) ....... TOPOLOGY_PAGE_SIZE_MISMATCH
 13. entries resolve by layer id or position (pdproto.dcp.layers)  LAYER_METADATA_ONE_SIDED,
     LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
-14. per-entry bytes per token equal, with no remainder .......... TOPOLOGY_ROW_SIZE_MISMATCH
+14. per-entry bytes per token equal, with no remainder (MHA with
+    different attention TP sizes: bytes per head, rule 16) ....... TOPOLOGY_ROW_SIZE_MISMATCH
 15. relayout destinations all in one memory kind ................ TOPOLOGY_MEMORY_KIND_MIXED
+16. TP mapping (``pdproto.tpmap``): TP sizes divide one another,
+    this prefill rank feeds the decode rank, aux and state entries
+    match and split consistently, MHA heads split evenly ......... TOPOLOGY_TP_NOT_DIVISIBLE,
+    NOT_A_SENDER, AUX_*, STATE_*, LAYER_* (state tensors), KV_HEADS_MISMATCH
 
 Bytes per token of an entry = item_len / rows per page, where a target entry's page
 holds ``page_size`` rows and a draft entry's page holds ``page_size * dcp_size`` rows
@@ -51,6 +56,7 @@ from pdproto._topology_examples import example_registration, example_server_info
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
+from pdproto.tpmap import TpPlan, plan_tp
 
 _MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
 
@@ -128,6 +134,9 @@ class Decision:
     """``pdproto.v1.Backend`` value that moves the bytes."""
     version: tuple[int, int]
     """Agreed (major, minor): the common major and the smaller minor."""
+    tp: TpPlan | None = None
+    """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices;
+    None only when read from a prefill that predates protocol 1.1."""
 
     @property
     def requires_relayout(self) -> bool:
@@ -136,7 +145,7 @@ class Decision:
 
     def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
         """The ``NegotiationResult`` message for this peer."""
-        return v1.NegotiationResult(
+        result = v1.NegotiationResult(
             peer_id=peer_id,
             mode=int(self.mode),  # type: ignore[arg-type]
             entries=[p.to_proto() for p in self.pairings],
@@ -147,6 +156,9 @@ class Decision:
             src_page_size=self.src.page_size,
             dst_page_size=self.dst.page_size,
         )
+        if self.tp is not None:
+            self.tp.fill(result)
+        return result
 
 
 @dataclass(frozen=True)
@@ -386,6 +398,9 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
     mapping = resolve_entries(src_refs, dst_refs, src_pp_size=src_pp.size,
                               dst_pp_size=dst_pp.size, src_start_layer=info.start_layer)
 
+    # MHA rows of different attention TP sizes hold different numbers of heads; rule 16
+    # compares their bytes per head instead.
+    heads_split = pk == v1.ATTENTION_KIND_MHA and (info.attn_tp.size or 1) != (reg.attn_tp.size or 1)
     pairings = []
     for i, (ref, j) in enumerate(zip(src_refs, mapping.dst_indices, strict=True)):
         if dst_refs[j].role is not ref.role:  # resolve_entries pairs within a role
@@ -394,7 +409,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
         sb = _token_bytes(info.kv_entries[i].item_len, src.page_size, src.dcp_size,
                           ref.role, "prefill", i)
         db = _token_bytes(dst_item, dst.page_size, dst.dcp_size, ref.role, "decode", j)
-        if sb != db:
+        if sb != db and not heads_split:
             raise _reject(Reason.TOPOLOGY_ROW_SIZE_MISMATCH,
                           f"{ref.role.name.lower()} entry {i} -> {j}: {sb} bytes per token on"
                           f" prefill, {db} on decode",
@@ -410,8 +425,9 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                           decodeMemoryKinds=",".join(
                               sorted(_enum_name(v1.MemoryKind, k) for k in kinds)))
 
+    tp = plan_tp(info, reg, kv_rows=[(p.src_token_bytes, p.dst_token_bytes) for p in pairings])
     return Decision(mode=mode, pairings=tuple(pairings), src=src, dst=dst,
-                    backend=backend, version=version)
+                    backend=backend, version=version, tp=tp)
 
 
 def _with_legacy_defaults(info: v1.PrefillServerInfo,
@@ -470,6 +486,7 @@ def from_result(result: v1.NegotiationResult) -> Decision | Rejection:
         dst=DcpLayout.from_proto(result.dst_page_size, result.dst_dcp),
         backend=result.backend,
         version=(result.version.major, result.version.minor),
+        tp=TpPlan.from_result(result),
     )
 
 

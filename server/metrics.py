@@ -37,6 +37,17 @@ class ServiceMetrics:
             "pdproto_pack_fallbacks",
             "Jobs that asked for packing but ran with per-row descriptors (staging too small).",
             registry=r)
+        self.aux_bytes = Counter("pdproto_aux_bytes", "Aux (metadata) bytes written into decode memory.",
+                                 registry=r)
+        self.state_bytes = Counter("pdproto_state_bytes", "State bytes written into decode memory.", registry=r)
+        self.extra_descriptors = Counter(
+            "pdproto_extra_descriptors", "Transfer descriptors issued for aux and state, by kind.", ["kind"],
+            registry=r)
+        self.state_items = Counter(
+            "pdproto_state_items",
+            "State items (one slot or page of one tensor) written, by how TP splits the tensor: whole"
+            " (equal TP sizes), sliced (this rank's part), replicated (whole on every prefill rank and"
+            " written by one of them per destination).", ["split"], registry=r)
         self.notifications = Counter(
             "pdproto_chunk_notifications", "Per-chunk completion notifications delivered through the engine.",
             registry=r)

@@ -51,6 +51,10 @@ class Request:
     failure_reason: str = ""
     bytes: int = 0
     descriptors: int = 0
+    aux_bytes: int = 0
+    state_bytes: int = 0
+    aux_descriptors: int = 0
+    state_descriptors: int = 0
     chunks_done: int = 0
     finished_at: float | None = None
     task: asyncio.Task[None] | None = None
@@ -68,7 +72,9 @@ class Request:
             room=self.room, generation=self.generation, state=self.state,  # type: ignore[arg-type]
             prefill_rank=self.prefill_rank, failure_reason=self.failure_reason,
             failure_code=self.failure_code, bytes_transferred=self.bytes,
-            chunks_done=self.chunks_done, descriptors=self.descriptors)
+            chunks_done=self.chunks_done, descriptors=self.descriptors, aux_bytes=self.aux_bytes,
+            state_bytes=self.state_bytes, aux_descriptors=self.aux_descriptors,
+            state_descriptors=self.state_descriptors)
 
 
 @dataclass

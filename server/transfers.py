@@ -1,4 +1,10 @@
-"""Per-request transfer tasks: match chunks, plan with ``plan_chunk``, run the executor off-loop."""
+"""Per-request transfer tasks: match chunks, plan with ``plan_chunk``, run the executor off-loop.
+
+A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when the TP
+sizes differ). After the request's last KV chunk come the state and the aux slot, each as
+its own job (so their bytes and descriptors are counted per kind), and the request is
+SUCCESS only when they landed. The chunk notice rides on the last job of the chunk.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
+
 from pdproto.dcp import plan_chunk
+from pdproto.dcp import runs as run_arith
 from pdproto.dcp.layers import EntryRole
-from pdproto.errors import PdprotoError, Reason
+from pdproto.errors import InvalidFieldError, PdprotoError, Reason, RequestFailedError
+from pdproto.slots import SlotCopy, aux_copies, state_copies
 from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, TransferResult
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
 from pdproto.v1 import common_pb2
 
-from .engine import Chunk, KvSource, PrefillEngine
+from .engine import Chunk, KvSource, PrefillEngine, RoomLog
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, Request
 
@@ -25,13 +35,29 @@ log = logging.getLogger("pdproto_server.transfers")
 _T = TypeVar("_T")
 
 
-def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> TransferJob:
+def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
+    """The span of KV pairing ``index``: whole rows, this rank's heads, or None (another rank writes them)."""
+    d = peer.decision
+    p = d.pairings[index]
+    cut = d.tp.row_slices[index] if d.tp is not None else None
+    src, dst = source.buffers[p.src_entry].addr, peer.registration.kv_buffers[p.dst_entry].ptr
+    if cut is None:
+        return LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=p.src_token_bytes)
+    if cut.length == 0:
+        return None
+    return LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=p.src_token_bytes, dst_row_bytes=p.dst_token_bytes,
+                     src_offset=cut.src_offset, dst_offset=cut.dst_offset, width=cut.length)
+
+
+def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk, *,
+              notify: bool = True) -> TransferJob:
     """The executor job that moves ``chunk`` into ``request``'s pages: one segment per entry role.
 
     The negotiated layouts go to the planner as they are, and its runs go to the
     executor as they are: nothing here is per token. The job carries the chunk's
-    completion notice; a rank that owns no rows of the chunk still gets a row-less job,
-    so an engine with notifications (NIXL) tells the decode the chunk finished.
+    completion notice unless ``notify`` is False (the extras that follow carry it); a
+    rank that owns no rows of the chunk still gets a row-less job, so an engine with
+    notifications (NIXL) tells the decode the chunk finished.
     """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
@@ -42,16 +68,62 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> T
     )
     segments = []
     for role, runs in ((EntryRole.TARGET, plan.target_runs), (EntryRole.DRAFT, plan.draft_runs)):
-        layers = tuple(
-            LayerSpan(src_ptr=source.buffers[p.src_entry].addr,
-                      dst_ptr=peer.registration.kv_buffers[p.dst_entry].ptr,
-                      row_bytes=p.src_token_bytes)
-            for p in d.pairings if p.role is role
-        )
+        layers = tuple(layer for i, p in enumerate(d.pairings) if p.role is role
+                       if (layer := _kv_layer(source, peer, i)) is not None)
         if layers and runs.shape[0]:
             segments.append(Segment(runs, layers))
-    notice = encode_chunk_notice(ChunkNotice(request.room, request.generation, chunk.index, chunk.last))
-    return TransferJob(segments=tuple(segments), pack=True, notification=notice)
+    return TransferJob(segments=tuple(segments), pack=True,
+                       notification=chunk_notice(request, chunk) if notify else None)
+
+
+def chunk_notice(request: Request, chunk: Chunk) -> bytes:
+    """The engine notice that tells the decode this chunk of the request landed."""
+    return encode_chunk_notice(ChunkNotice(request.room, request.generation, chunk.index, chunk.last))
+
+
+def slot_copies(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> tuple[list[SlotCopy], list[SlotCopy]]:
+    """(state, aux) copies of the request's last chunk: what this rank writes, item by item."""
+    tp = peer.decision.tp
+    if tp is None or request.transfer.is_dummy or not (tp.state or tp.aux):
+        return [], []
+    t = request.transfer
+    state: list[SlotCopy] = []
+    if any(p.writes for p in tp.state):
+        if chunk.state_slots is None:
+            raise InvalidFieldError("state_slots", f"room {request.room}: the prefill engine's last chunk"
+                                    " named no state slots, and this rank writes state")
+        state = state_copies(tp.state, src_slots=chunk.state_slots,
+                             dst_slots=[list(s.indices) for s in t.dst_state_indices])
+    aux: list[SlotCopy] = []
+    if tp.aux:
+        if chunk.aux_slot is None:
+            raise InvalidFieldError("aux_slot", f"room {request.room}: the prefill engine's last chunk"
+                                    " named no aux slot, and this rank writes aux")
+        aux = aux_copies(tp.aux, src_slot=chunk.aux_slot, dst_slot=t.dst_aux_index)
+    return state, aux
+
+
+def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification: bytes | None) -> TransferJob:
+    """One job for aux or state copies: a segment per tensor byte range, rows = items.
+
+    Every layer's destination is the base of the entry's registered region, so the
+    executor bounds each write by that entry's own length.
+    """
+    reg = peer.registration
+    segments = []
+    for c in copies:
+        if c.kind == "aux":
+            src, dst = source.aux[c.src_entry].addr, reg.aux_ptrs[c.dst_entry]
+        else:
+            src = source.state[c.src_entry][c.src_tensor].addr
+            dst = reg.state_buffers[c.dst_entry].data_ptrs[c.dst_tensor]
+        runs = run_arith.from_rows(np.array([i for i, _ in c.items], dtype=np.int64),
+                                   np.array([j for _, j in c.items], dtype=np.int64))
+        segments += [Segment(runs, (LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=c.src_item_len,
+                                              dst_row_bytes=c.dst_item_len, src_offset=g.src_offset,
+                                              dst_offset=g.dst_offset, width=g.length),))
+                     for g in c.segments]
+    return TransferJob(segments=tuple(segments), pack=False, notification=notification)
 
 
 def run_job(executor: TransferExecutor, peer_id: str, job: TransferJob) -> TransferResult:
@@ -70,6 +142,17 @@ class TransferRunner:
         self.pool = pool
         self.on_peer_gone: Callable[[Peer], None] | None = None
         """Called when the executor reports the peer dead, so its other requests fail now."""
+        self._aborts: set[asyncio.Task[None]] = set()
+        engine.on_abort = self._room_aborted
+
+    def _room_aborted(self, room: RoomLog) -> None:
+        """The engine aborted a room: fail each decode's open request for it with the engine's reason."""
+        for request in list(room.requests.values()):
+            if isinstance(request, Request) and not request.terminal:
+                task = asyncio.get_running_loop().create_task(self.stop(
+                    request, Reason.ABORTED, f"the prefill aborted room {room.room}: {room.aborted}"))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
 
     async def blocking(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run a blocking call on the pool; on cancellation, let it finish before re-raising."""
@@ -115,24 +198,19 @@ class TransferRunner:
 
     async def _run(self, peer: Peer, request: Request) -> None:
         """The request's life: wait for each chunk, plan, transfer, report."""
-        room_log = self.engine.claim(request.room)
+        tp = peer.decision.tp
+        room_log = self.engine.claim(request.room, peer_id=peer.peer_id, request=request,
+                                     prefix_len=request.prefix_len,
+                                     expected=tp.senders.decode_ranks_per_prefill_rank if tp else 1)
         index = 0
         try:
+            if room_log.aborted:
+                raise RequestFailedError(f"the prefill aborted room {request.room}: {room_log.aborted}",
+                                         reason=Reason.ABORTED, metadata={"room": request.room})
             while True:
                 chunk = await room_log.wait_chunk(index, time.monotonic() + self.limits.match_timeout)
                 if not request.transfer.is_dummy:
-                    job = build_job(self.engine.source, peer, request, chunk)
-                    if request.state != common_pb2.TRANSFER_STATE_TRANSFERRING:
-                        request.state = common_pb2.TRANSFER_STATE_TRANSFERRING
-                        peer.publish(request)
-                    result = await self.blocking(run_job, self.engine.executor, peer.peer_id, job)
-                    request.bytes += result.bytes
-                    request.descriptors += result.descriptors
-                    self.metrics.bytes_moved.inc(result.bytes)
-                    self.metrics.descriptors.inc(result.descriptors)
-                    self.metrics.chunks.inc()
-                    self.metrics.pack_fallbacks.inc(int(result.fallback))
-                    self.metrics.notifications.inc(int(result.notified))
+                    await self._move(peer, request, chunk)
                 request.chunks_done += 1
                 if chunk.last:
                     self.finish(peer, request, common_pb2.TRANSFER_STATE_SUCCESS)
@@ -152,6 +230,51 @@ class TransferRunner:
             self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, Reason.INTERNAL,
                         f"internal error: {type(exc).__name__}")
 
+    async def _move(self, peer: Peer, request: Request, chunk: Chunk) -> None:
+        """Move one chunk's KV rows; after the last, the state and then the aux slot."""
+        source = self.engine.source
+        state, aux = slot_copies(source, peer, request, chunk) if chunk.last else ([], [])
+        notice = chunk_notice(request, chunk)
+        job = build_job(source, peer, request, chunk, notify=not (state or aux))
+        if request.state != common_pb2.TRANSFER_STATE_TRANSFERRING:
+            request.state = common_pb2.TRANSFER_STATE_TRANSFERRING
+            peer.publish(request)
+        result = await self.blocking(run_job, self.engine.executor, peer.peer_id, job)
+        request.bytes += result.bytes
+        request.descriptors += result.descriptors
+        self.metrics.bytes_moved.inc(result.bytes)
+        self.metrics.descriptors.inc(result.descriptors)
+        self.metrics.chunks.inc()
+        self.metrics.pack_fallbacks.inc(int(result.fallback))
+        notified = result.notified
+        for kind, copies in (("state", state), ("aux", aux)):
+            if not copies:
+                continue
+            last = kind == "aux" or not aux
+            done = await self.blocking(run_job, self.engine.executor, peer.peer_id,
+                                       slot_job(source, peer, copies, notice if last else None))
+            notified = notified or done.notified
+            self._count(request, kind, copies, done)
+        self.metrics.notifications.inc(int(notified))
+
+    def _count(self, request: Request, kind: str, copies: list[SlotCopy], result: TransferResult) -> None:
+        """Per-kind bytes and descriptors of an aux or state job, on the request and in metrics."""
+        self.metrics.extra_descriptors.labels(kind=kind).inc(result.descriptors)
+        if kind == "aux":
+            request.aux_bytes += result.bytes
+            request.aux_descriptors += result.descriptors
+            self.metrics.aux_bytes.inc(result.bytes)
+            return
+        request.state_bytes += result.bytes
+        request.state_descriptors += result.descriptors
+        self.metrics.state_bytes.inc(result.bytes)
+        entries = self.engine.source.info.state_entries
+        for c in copies:
+            whole = len(c.segments) == 1 and c.segments[0].length == c.src_item_len == c.dst_item_len
+            split = ("replicated" if entries[c.src_entry].tensors[c.src_tensor].dim == 0
+                     else "whole" if whole else "sliced")
+            self.metrics.state_items.labels(split=split).inc(len(c.items))
+
     async def stop(self, request: Request, reason: Reason, message: str) -> None:
         """Cancel an open request with ``reason`` and wait until its in-flight chunk drained."""
         task = request.task
@@ -163,4 +286,4 @@ class TransferRunner:
         await asyncio.wait([task], timeout=self.limits.drain_timeout + 1.0)
 
 
-__all__ = ["TransferRunner", "build_job", "run_job"]
+__all__ = ["TransferRunner", "build_job", "chunk_notice", "run_job", "slot_copies", "slot_job"]

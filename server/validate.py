@@ -7,6 +7,7 @@ import numpy.typing as npt
 
 from pdproto import backends
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
+from pdproto.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import registration_pb2, transfer_pb2
 
@@ -47,7 +48,8 @@ def check_registration(request: hs.RegisterRequest) -> registration_pb2.KvRegist
 
 def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[transfer_pb2.TransferInfo,
                                                                           npt.NDArray[np.int64]]:
-    """The transfer info and its destination pages, checked against the memory the peer registered."""
+    """The transfer info and its destination pages, aux index and state slots, checked against the
+    memory the peer registered."""
     if not request.HasField("transfer"):
         raise InvalidFieldError.of([("transfer", "required")])
     t = request.transfer
@@ -61,6 +63,10 @@ def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[trans
         raise InvalidFieldError.of(bad)
     if pages.size:
         _check_bounds(peer, int(pages.max()))
+    tp = peer.decision.tp
+    if tp is not None:
+        # Refused here, before anything moves; the executor bounds every write again.
+        check_destination(tp.aux, tp.state, peer.registration, t)
     return t, pages
 
 

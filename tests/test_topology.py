@@ -184,6 +184,53 @@ def _mixed_memory(info: Info, reg: Reg) -> None:
     reg.kv_buffers[1].memory_kind = v1.MEMORY_KIND_DRAM
 
 
+def _state(kind: int = v1.STATE_KIND_RECURRENT, *, item_len: int = 256, dim: int = 4,
+           layer: int | None = None) -> v1.StateEntryInfo:
+    """One state entry with one tensor: ``dim`` heads of ``item_len / dim`` bytes (dim 0: whole)."""
+    return v1.StateEntryInfo(kind=kind, tensors=[v1.StateTensorInfo(item_len=item_len, dim=dim,
+                                                                    layer_id=layer)])
+
+
+def _buffer(kind: int = 0, *, item_len: int = 256, dims: list[int] | None = None,
+            layer: int | None = None) -> v1.StateBuffer:
+    return v1.StateBuffer(kind=kind, data_ptrs=[0x9000_0000], item_lens=[item_len],  # type: ignore[arg-type]
+                          dim_per_tensors=[4] if dims is None else dims,
+                          layer_ids=[] if layer is None else [layer])
+
+
+def _aux(prefill: list[int], decode: list[int]) -> Mutation:
+    def mutate(info: Info, reg: Reg) -> None:
+        info.aux_entries.extend(v1.AuxEntryInfo(item_len=n) for n in prefill)
+        reg.aux_ptrs.extend(0x8000_0000 + i for i in range(len(decode)))
+        reg.aux_item_lens.extend(decode)
+    return mutate
+
+
+def _states(prefill: list[v1.StateEntryInfo], decode: list[v1.StateBuffer]) -> Mutation:
+    def mutate(info: Info, reg: Reg) -> None:
+        info.state_entries.extend(prefill)
+        reg.state_buffers.extend(decode)
+    return mutate
+
+
+def _decode_tp(size: int, rank: int = 0) -> Mutation:
+    def mutate(info: Info, reg: Reg) -> None:
+        reg.attn_tp.size, reg.attn_tp.rank = size, rank
+    return mutate
+
+
+def _tp_states(prefill: list[v1.StateEntryInfo], decode: list[v1.StateBuffer], tp: int) -> Mutation:
+    def mutate(info: Info, reg: Reg) -> None:
+        _states(prefill, decode)(info, reg)
+        _decode_tp(tp)(info, reg)
+    return mutate
+
+
+def _unknown_heads(info: Info, reg: Reg) -> None:
+    info.attention_kind = reg.attention_kind = v1.ATTENTION_KIND_MHA
+    reg.attn_tp.size = 4
+
+
 # case -> (prefill keywords, decode keywords, mutation, expected reason)
 REJECTIONS: dict[str, tuple[dict[str, Any], dict[str, Any], Mutation, Reason]] = {
     "major differs": ({}, {}, _versions(PROTOCOL_MAJOR, PROTOCOL_MAJOR + 1), Reason.UNSUPPORTED_VERSION),
@@ -232,6 +279,26 @@ REJECTIONS: dict[str, tuple[dict[str, Any], dict[str, Any], Mutation, Reason]] =
     "source remainder": ({}, {}, _src_remainder, Reason.TOPOLOGY_ROW_SIZE_MISMATCH),
     "destination remainder": ({}, {}, _dst_remainder, Reason.TOPOLOGY_ROW_SIZE_MISMATCH),
     "mixed memory kinds": ({}, {"dcp_size": 2}, _mixed_memory, Reason.TOPOLOGY_MEMORY_KIND_MIXED),
+    "tp sizes do not divide": ({"tp_size": 4}, {}, _decode_tp(3), Reason.TOPOLOGY_TP_NOT_DIVISIBLE),
+    "prefill rank feeds another decode rank": ({"tp_size": 2, "tp_rank": 1}, {}, _decode_tp(2, 0),
+                                               Reason.TOPOLOGY_NOT_A_SENDER),
+    "aux count": ({}, {}, _aux([8, 64], [8]), Reason.TOPOLOGY_AUX_COUNT_MISMATCH),
+    "aux size": ({}, {}, _aux([8, 64], [8, 32]), Reason.TOPOLOGY_AUX_SIZE_MISMATCH),
+    "state count": ({}, {}, _states([_state()], []), Reason.TOPOLOGY_STATE_COUNT_MISMATCH),
+    "state kind": ({}, {}, _states([_state()], [_buffer(v1.STATE_KIND_SLIDING_WINDOW)]),
+                   Reason.TOPOLOGY_STATE_KIND_MISMATCH),
+    "state kind unknown": ({}, {}, _states([_state(v1.STATE_KIND_UNSPECIFIED)], [_buffer()]),
+                           Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED),
+    "state size": ({}, {}, _states([_state()], [_buffer(item_len=512)]), Reason.TOPOLOGY_STATE_SIZE_MISMATCH),
+    "state split on one side only": ({"tp_size": 2}, {}, _tp_states([_state(dim=0)], [_buffer(dims=[4])], 1),
+                                     Reason.TOPOLOGY_STATE_SLICE_MISMATCH),
+    "state dims missing": ({}, {}, _tp_states([_state()], [_buffer(item_len=128, dims=[])], 2),
+                           Reason.TOPOLOGY_STATE_DIMS_MISSING),
+    "state needs layer ids across pp": ({"pp_size": 2, "num_layers": 8}, {"num_layers": 8},
+                                        _states([_state()], [_buffer()]),
+                                        Reason.TOPOLOGY_STATE_LAYER_IDS_REQUIRED),
+    "mha heads unknown": ({"token_bytes": 1024}, {"token_bytes": 256}, _unknown_heads,
+                          Reason.TOPOLOGY_KV_HEADS_MISMATCH),
 }
 
 
@@ -244,23 +311,10 @@ def test_rejection(case: str) -> None:
     assert r.message and r.metadata
 
 
-# Aux, state and TP-mapping reasons come from pdproto.extras and pdproto.tpmap, each with its
-# own test in tests/test_extras.py and tests/test_tpmap.py; negotiate() starts calling them
-# when the executors move aux and state (issue 11, second half), and this set goes away.
-NOT_YET_NEGOTIATED = {
-    Reason.TOPOLOGY_AUX_COUNT_MISMATCH, Reason.TOPOLOGY_AUX_SIZE_MISMATCH,
-    Reason.TOPOLOGY_STATE_COUNT_MISMATCH, Reason.TOPOLOGY_STATE_KIND_MISMATCH,
-    Reason.TOPOLOGY_STATE_SIZE_MISMATCH, Reason.TOPOLOGY_STATE_SLICE_MISMATCH,
-    Reason.TOPOLOGY_STATE_DIMS_MISSING, Reason.TOPOLOGY_TP_NOT_DIVISIBLE,
-    Reason.TOPOLOGY_KV_HEADS_MISMATCH, Reason.TOPOLOGY_STATE_LAYER_IDS_REQUIRED,
-    Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, Reason.TOPOLOGY_NOT_A_SENDER,
-}
-
-
 def test_every_topology_reason_has_a_rejection_test() -> None:
     tested = {case[-1] for case in REJECTIONS.values()}
     topology = {r for r in Reason if r.name.startswith("TOPOLOGY_")}
-    assert topology - tested == NOT_YET_NEGOTIATED
+    assert topology - tested == set()
 
 
 def test_rejection_metadata_names_offending_values() -> None:

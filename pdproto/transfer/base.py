@@ -284,32 +284,44 @@ def byte_span(ptr: int, lo_row: int, hi_row: int, pitch: int, offset: int, nbyte
 
 def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]],
                  remote: Sequence[tuple[int, int]]) -> None:
-    """Raise unless every layer's rows lie inside one registered region on each side; O(runs) per segment.
+    """Raise unless every layer's rows lie inside its own registered region on each side; O(runs) per segment.
 
     Each segment's runs give its lowest and highest row on each side (strides are
-    positive), so one span per layer and side covers every row. ``remote`` regions with
-    length 0 (unknown) are not bounded, as the schema allows.
+    positive), so one span per layer and side covers every row. A layer's ``dst_ptr`` must
+    be the base of a region the peer registered (a KV buffer, an aux buffer, a state
+    tensor), and its rows must stay inside that region, not merely inside some region.
+    ``remote`` regions with length 0 (unknown) are not bounded, as the schema allows.
     """
-    bounded = [(b, n) for b, n in remote if n > 0]
-    unbounded = {b for b, n in remote if n == 0}
+    regions: dict[int, int] = {}
+    for base, n in remote:
+        # Two regions at one base: the looser bound wins (0, unknown, is the loosest).
+        old = regions.get(base)
+        regions[base] = n if old is None else (0 if 0 in (old, n) else max(old, n))
     for i, (seg, layer) in enumerate(job.units()):
         smin, smax, dmin, dmax = seg.extents
         if not _span_inside(*byte_span(layer.src_ptr, smin, smax, layer.row_bytes, layer.src_offset,
                                        layer.nbytes), local):
             raise InvalidFieldError("job.segments.layers.src_ptr", "source rows fall outside registered local memory",
                                     metadata={"layer": i, "src_ptr": hex(layer.src_ptr), "max_row": smax})
-        if layer.dst_ptr in unbounded:
-            continue
-        if not _span_inside(*byte_span(layer.dst_ptr, dmin, dmax, layer.dst_pitch, layer.dst_offset,
-                                       layer.nbytes), bounded):
+        length = regions.get(layer.dst_ptr)
+        if length is None:
             raise DestinationOutOfBoundsError(
-                "destination rows fall outside the memory the peer registered",
-                metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
+                "destination names no buffer the peer registered",
+                metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr)})
+        if length and not _span_inside(*byte_span(layer.dst_ptr, dmin, dmax, layer.dst_pitch, layer.dst_offset,
+                                                  layer.nbytes), [(layer.dst_ptr, length)]):
+            raise DestinationOutOfBoundsError(
+                "destination rows fall outside the buffer the peer registered for that entry",
+                metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax, "registered": length})
 
 
 def remote_regions(registration: registration_pb2.KvRegistration) -> list[tuple[int, int]]:
-    """The (ptr, length) pairs a peer registered for KV, as bounds for destination writes."""
-    return [(b.ptr, b.length) for b in registration.kv_buffers]
+    """The (ptr, length) pairs a peer registered for KV, aux and state, as bounds for destination writes."""
+    aux_lens = registration.aux_data_lens
+    return [*((b.ptr, b.length) for b in registration.kv_buffers),
+            *((p, aux_lens[i] if i < len(aux_lens) else 0) for i, p in enumerate(registration.aux_ptrs)),
+            *((p, s.data_lens[i] if i < len(s.data_lens) else 0)
+              for s in registration.state_buffers for i, p in enumerate(s.data_ptrs))]
 
 
 __all__ = [
