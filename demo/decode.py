@@ -15,6 +15,7 @@ One program, two ways to use it:
   dump       write every KV buffer, back to back, to a file
   fill       set every byte of every KV buffer to one value
   notices    rooms of the engine notifications received since the last call
+  untouched  check that every KV, aux and state byte still holds the background
   ping       liveness
   ========== ====================================================================
 
@@ -153,6 +154,8 @@ class _Pending:
     generation: int
     slot: int
     """The aux and state slot (hybrid); 0 when none."""
+    pooled: bool = False
+    """The slot came from the free list and goes back to it."""
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -308,32 +311,43 @@ class DecodeRank:
 
     def request(self, room: int, prefix: int, total: int, prefix_pages: list[int],
                 dst_pages: list[int], generation: int = 0, timeout: float = 20.0,
-                slot: int | None = None) -> Reply:
+                slot: int | None = None, aux_slot: int | None = None) -> Reply:
         """Lay down the decode prefix and hand every prefill rank this request's destination.
 
-        A hybrid model's aux and state go to a free slot (or ``slot``, which may even lie
-        outside the registered buffers: a prefill must refuse it).
+        A hybrid model's aux and state go to a free slot, or to ``slot`` (state) and
+        ``aux_slot`` (aux, default: ``slot``), which may even lie outside the registered
+        buffers: a prefill must refuse them and write nothing.
         """
         cached = data.Placement(room, 0, prefix, prefix_pages)
         if not self.pool:
             raise PdprotoError("requests need host memory; this rank's buffers are in VRAM",
                                reason=Reason.INVALID_FIELD)
-        if slot is None and (self.aux or self.state):
+        pooled = slot is None and bool(self.aux or self.state)
+        if pooled:
             slot = self._free_slots.pop()
         data.fill(self.pool, self.shard, cached, page_size=self.config.page_size, reference=self.reference)
         self.pending[room] = _Pending([cached, data.Placement(room, prefix, total, dst_pages)], generation,
-                                      slot or 0)
+                                      slot or 0, pooled)
         states = []
         for t in self.targets:
             info = self.transfer_info(room, dst_pages, generation, prefix,
                                       required=t.senders.decode_ranks_per_prefill_rank or 1,
                                       slot=slot, dummy=t.dummy)
+            if aux_slot is not None and self.aux:
+                info.dst_aux_index = aux_slot
             try:
                 states.append(int(t.client.submit_transfer(t.peer_id, info, timeout=timeout).state))
             except PdprotoError:
                 self._release(self.pending.pop(room))
                 raise
         return {"states": states, "slot": slot}
+
+    def untouched(self) -> Reply:
+        """Check that no request wrote anything: every KV, aux and state byte still holds the background."""
+        checked, bad = self._check([])
+        extra_checked, extra_bad = self.verify_extras({})
+        return {"ok": bad is None and extra_bad is None, "checked": checked + extra_checked,
+                "problem": extra_bad or (bad.__dict__ if bad is not None else None)}
 
     def _release(self, p: _Pending) -> None:
         """Put a request's KV pages, aux slot and state slots back to the background, and the slot back."""
@@ -344,6 +358,7 @@ class DecodeRank:
             for buf in [*self.aux, *(b for e in self.state for b in e)]:
                 item = buf.length // c.slots
                 buf.array[p.slot * item:(p.slot + 1) * item] = c.background
+        if p.pooled:
             self._free_slots.append(p.slot)
 
     def wait(self, room: int, timeout: float = 120.0, check: bool = True) -> Reply:
@@ -542,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         commands: dict[str, Any] = {
             "connect": rank.connect, "request": rank.request, "wait": rank.wait, "abort": rank.abort,
             "deregister": rank.deregister, "dump": rank.dump, "fill": rank.fill, "notices": rank.notices,
+            "untouched": rank.untouched,
             "ping": lambda: {"pong": True}}
         serve_commands(commands, out)
     finally:

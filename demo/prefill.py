@@ -171,7 +171,20 @@ class PrefillRank:
                          for r in requests},
             "outcomes": {s.labels["outcome"]: s.value for m in self.core.metrics.requests.collect()
                          for s in m.samples if s.name.endswith("_total")},
+            "moved": self._moved(),
         }
+
+    def _moved(self) -> Reply:
+        """What the service wrote, per kind (from its metrics)."""
+        m = self.core.metrics
+        out: Reply = {"kv_bytes": m.bytes_moved._value.get(), "aux_bytes": m.aux_bytes._value.get(),
+                      "state_bytes": m.state_bytes._value.get()}
+        for metric, label in ((m.state_items, "split"), (m.extra_descriptors, "kind")):
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        out[f"{family.name}_{sample.labels[label]}"] = sample.value
+        return out
 
     def close(self) -> None:
         """Stop the service and release the engine."""

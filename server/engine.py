@@ -21,7 +21,14 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.errors import DeadlineExceededError, InvalidFieldError, PlanError, Reason, ShuttingDownError
+from pdproto.errors import (
+    DeadlineExceededError,
+    InvalidFieldError,
+    PlanError,
+    Reason,
+    RequestFailedError,
+    ShuttingDownError,
+)
 from pdproto.transfer import Buffer, TransferExecutor
 from pdproto.v1 import common_pb2, server_info_pb2
 
@@ -179,8 +186,12 @@ class RoomLog:
         self.changed = asyncio.Event()
 
     async def wait_chunk(self, index: int, deadline: float) -> Chunk:
-        """The chunk at ``index``; raises MATCH_TIMEOUT if it does not arrive by ``deadline`` (monotonic)."""
-        while index >= len(self.chunks):
+        """The chunk at ``index``; raises MATCH_TIMEOUT if it does not arrive by ``deadline`` (monotonic),
+        and ABORTED with the engine's reason once the engine aborted the room."""
+        while index >= len(self.chunks) or self.aborted:
+            if self.aborted:
+                raise RequestFailedError(f"the prefill aborted room {self.room}: {self.aborted}",
+                                         reason=Reason.ABORTED, metadata={"room": self.room})
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceededError(
@@ -207,6 +218,8 @@ class PrefillEngine:
         """Called (loop thread) the first time a decode submits for a room; synthetic sources use it."""
         self.on_abort: Callable[[RoomLog], None] | None = None
         """Called (loop thread) when the engine aborts a room; the service fails its requests."""
+        self._aborted: dict[int, str] = {}
+        """Rooms the engine aborted, readable at once from any thread (the loop applies them later)."""
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the service's event loop (called by the service)."""
@@ -322,6 +335,8 @@ class PrefillEngine:
     def poll(self, room: int) -> int:
         """The room's ``TransferState``: BOOTSTRAPPING until every expected decode submitted, then
         WAITING_FOR_INPUT, TRANSFERRING, and SUCCESS or FAILED over all of its requests."""
+        if room in self._aborted:
+            return common_pb2.TRANSFER_STATE_FAILED
         log = self.rooms.get(room)
         return common_pb2.TRANSFER_STATE_BOOTSTRAPPING if log is None else log.poll()
 
@@ -330,17 +345,21 @@ class PrefillEngine:
         loop = self._loop
         if loop is None:
             raise ShuttingDownError("prefill engine is not attached to a running service")
-        loop.call_soon_threadsafe(self._abort, room, reason or "no reason given")
+        self._aborted[room] = reason or "no reason given"
+        loop.call_soon_threadsafe(self._abort, room, self._aborted[room])
 
     def _abort(self, room: int, reason: str) -> None:
         log = self.room(room)
         log.aborted = reason
+        if log.finished_at is None:
+            log.finished_at = time.monotonic()  # expires like a finished room
         log._notify()
         if self.on_abort is not None:
             self.on_abort(log)
 
     def release_room(self, room: int) -> None:
-        """Forget a room's chunks (the engine freed its pages); thread-safe."""
+        """Forget a room's chunks (the engine freed its pages), and an abort of it; thread-safe."""
+        self._aborted.pop(room, None)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.rooms.pop, room, None)
 
@@ -354,6 +373,7 @@ class PrefillEngine:
             if orphan or stale:
                 dropped.append(room)
                 del self.rooms[room]
+                self._aborted.pop(room, None)
         return dropped
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from pdproto.dcp import plan_chunk
 from pdproto.dcp import runs as run_arith
 from pdproto.dcp.layers import EntryRole
-from pdproto.errors import InvalidFieldError, PdprotoError, Reason, RequestFailedError
+from pdproto.errors import InvalidFieldError, PdprotoError, Reason
 from pdproto.slots import SlotCopy, aux_copies, state_copies
 from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, TransferResult
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
@@ -204,9 +204,6 @@ class TransferRunner:
                                      expected=tp.senders.decode_ranks_per_prefill_rank if tp else 1)
         index = 0
         try:
-            if room_log.aborted:
-                raise RequestFailedError(f"the prefill aborted room {request.room}: {room_log.aborted}",
-                                         reason=Reason.ABORTED, metadata={"room": request.room})
             while True:
                 chunk = await room_log.wait_chunk(index, time.monotonic() + self.limits.match_timeout)
                 if not request.transfer.is_dummy:

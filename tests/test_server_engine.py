@@ -113,3 +113,55 @@ def test_unmatched_request_fails_with_match_timeout_and_bad_chunks_are_refused()
             engine.submit_chunk(14, [0, 1], 20, last_chunk=False)  # a non-last chunk must fill its pages
 
     _run(scenario, Limits(match_timeout=0.5))
+
+
+def test_the_engine_polls_a_room_through_its_life_cycle_and_reads_the_decode_prefix() -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
+        room = 15
+        assert engine.poll(room) == common_pb2.TRANSFER_STATE_BOOTSTRAPPING
+        assert engine.decode_prefix_len(room) is None  # allocate nothing until a decode says
+        peer_id = (await client.register(peer.registration())).peer_id
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        await client.submit_transfer(peer_id, peer.transfer_info(room, pages))
+        for _ in range(100):
+            if engine.poll(room) != common_pb2.TRANSFER_STATE_BOOTSTRAPPING:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.poll(room) == common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
+        assert engine.decode_prefix_len(room) == 0
+        producer = _engine_thread(engine, room)
+        producer.start()
+        assert (await _final(client, peer_id, room)).state == common_pb2.TRANSFER_STATE_SUCCESS
+        producer.join(10)
+        assert engine.poll(room) == common_pb2.TRANSFER_STATE_SUCCESS
+
+    _run(scenario)
+
+
+def test_the_engine_aborts_a_room_and_the_decode_sees_its_reason() -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
+        peer_id = (await client.register(peer.registration())).peer_id
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        await client.submit_transfer(peer_id, peer.transfer_info(16, pages))
+        await asyncio.to_thread(engine.abort, 16, "out of KV pages")
+        assert engine.poll(16) == common_pb2.TRANSFER_STATE_FAILED  # at once, from the engine's thread
+        status = await _final(client, peer_id, 16)
+        assert (status.state, status.failure_code) == (common_pb2.TRANSFER_STATE_FAILED, "ABORTED")
+        assert "out of KV pages" in status.failure_reason
+        # A decode that submits after the abort fails at once, with the same reason.
+        await client.submit_transfer(peer_id, peer.transfer_info(16, pages, generation=1))
+        late = await _final(client, peer_id, 16)
+        assert late.failure_code == "ABORTED" and "out of KV pages" in late.failure_reason
+
+    _run(scenario)
+
+
+def test_aux_and_state_slots_travel_with_the_last_chunk_only() -> None:
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
+        with pytest.raises(E.InvalidFieldError) as info:
+            engine.submit_chunk(17, [0, 1], 2 * SPEC.page_size, last_chunk=False, aux_slot=1)
+        assert info.value.field == "aux_slot"
+        with pytest.raises(E.InvalidFieldError):  # this source has no state entries
+            engine.submit_chunk(17, [0], 8, last_chunk=True, state_slots=[[1]])
+
+    _run(scenario)

@@ -1,0 +1,128 @@
+"""Aux, state, fan-in and MHA heads end to end: real prefill and decode processes, real engines.
+
+Each case starts prefill ranks (the real handshake service over a real Mooncake or NIXL
+engine) and decode ranks as processes (``pdproto_demo``), runs requests through them, and
+has every decode rank compare every KV, aux and state byte with a monolithic reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdproto_demo.cluster import Cluster, Geometry, Topology
+from pdproto_demo.model import ModelShape
+from pdproto_demo.proc import ChildError
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(600)]
+
+GEO = Geometry(layers=8, page_size=16, max_tokens=512, max_prefix=64)
+
+
+@contextlib.contextmanager
+def cluster(backend: str, src_tp: int, dst_tp: int, *, model: str = "hybrid",
+            replicated_bytes: int = 0) -> Iterator[tuple[Cluster, Topology]]:
+    """Prefill TP ``src_tp`` (dense) feeding decode TP ``dst_tp`` (no DCP), connected."""
+    c = Cluster(backend, GEO, dst_dcp=1, src_groups=(1,), model=model, src_tp=src_tp, dst_tp=dst_tp,
+                replicated_bytes=replicated_bytes, log_dir=tempfile.mkdtemp(prefix="pdproto-extras-"))
+    try:
+        c.launch()
+        topo = Topology(1, 1, src_tp, dst_tp)
+        c.connect(topo)
+        yield c, topo
+    finally:
+        c.close()
+
+
+def moved(c: Cluster) -> list[dict[str, Any]]:
+    """Per prefill rank, what its service wrote per kind."""
+    stats = []
+    for child in c.prefills[1]:
+        child.send("stats")
+        stats.append(child.recv(30)["moved"])
+    return stats
+
+
+def ok(result: Any) -> None:
+    assert result.ok, (result.failures, result.mismatches)
+    assert result.checked > 0
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(4, 2), (2, 4)])
+def test_recurrent_state_is_sliced_by_head_and_channel_group(backend: str, src_tp: int, dst_tp: int) -> None:
+    with cluster(backend, src_tp, dst_tp) as (c, _):
+        for tokens in (65, 257):
+            r = c.run_request(tokens, 0)
+            ok(r)
+            # Each decode rank got its whole state (every byte compared) and one aux slot.
+            assert r.state_bytes > 0 and r.aux_bytes == dst_tp * sum(ModelShape(kind="hybrid").aux_lens)
+        sent = moved(c)
+        assert all(s["state_bytes"] > 0 for s in sent)
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2)])
+def test_mha_kv_rows_are_sliced_by_head(backend: str, src_tp: int, dst_tp: int) -> None:
+    with cluster(backend, src_tp, dst_tp, model="mha") as (c, _):
+        for tokens in (63, 256):
+            ok(c.run_request(tokens, 0))
+        # With fan-in every prefill rank writes its heads of every row.
+        assert all(s["kv_bytes"] > 0 for s in moved(c))
+
+
+def test_state_only_peer_writes_state_and_nothing_else() -> None:
+    # Hybrid MLA, prefill TP 2 -> decode TP 1: rank 0 sends KV, state and aux; rank 1 only state.
+    with cluster("mooncake", 2, 1) as (c, _):
+        replies = c.connect(Topology(1, 1, 2, 1))
+        assert replies[0]["dummies"] == [False, False] and replies[0]["required"] == [2, 2]
+        ok(c.run_request(257, 0))
+        first, second = moved(c)
+        assert first["kv_bytes"] > 0 and first["aux_bytes"] > 0 and first["state_bytes"] > 0
+        assert second["kv_bytes"] == 0 and second["aux_bytes"] == 0 and second["state_bytes"] > 0
+
+
+def test_a_failing_prefill_rank_fails_the_request_with_its_reason() -> None:
+    with cluster("mooncake", 2, 1) as (c, _):
+        f = c.begin(257, 0)
+        c.send_chunks(f, upto=1)
+        failing = c.prefills[1][1]
+        failing.send("abort_room", room=f.room, reason="rank 1 ran out of KV pages")
+        failing.recv(30)
+        failing.send("poll", room=f.room)
+        assert failing.recv(30)["state"] == 5  # TRANSFER_STATE_FAILED
+        c.send_chunks(f)
+        r = c.finish(f)
+        assert not r.ok and r.failure_codes == ["ABORTED"]
+        (failure,) = r.failures
+        assert "rank 1 ran out of KV pages" in failure and str(c.ports[1][1]) in failure
+        # The next request on the same ranks is unaffected.
+        ok(c.run_request(65, 0))
+
+
+@pytest.mark.parametrize("which", ["aux", "state"])
+def test_out_of_bounds_aux_index_or_state_slot_is_refused_and_nothing_is_written(which: str) -> None:
+    with cluster("mooncake", 1, 1) as (c, _):
+        decode = c.decodes[0]
+        slots = c.slots
+        bad = {"slot": 1, "aux_slot": slots + 3} if which == "aux" else {"slot": slots + 3, "aux_slot": 1}
+        f = c.begin(65, 0, decodes=[])  # the prefill side of a request, no decode submitted yet
+        with pytest.raises(ChildError, match="DESTINATION_OUT_OF_BOUNDS"):
+            decode.call("request", 30, room=f.room, prefix=0, total=65, prefix_pages=[],
+                        dst_pages=[1, 2, 3, 4, 5], **bad)
+        c.send_chunks(f)
+        untouched = decode.call("untouched", 60)
+        assert untouched["ok"], untouched["problem"]
+        ok(c.run_request(257, 0))
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp", "writes"), [(2, 1, 1), (1, 2, 2), (4, 2, 2)])
+def test_replicated_state_is_sent_once_per_destination(src_tp: int, dst_tp: int, writes: int) -> None:
+    with cluster("mooncake", src_tp, dst_tp, replicated_bytes=96) as (c, _):
+        ok(c.run_request(65, 0))
+        sent = moved(c)
+        assert sum(s.get("pdproto_state_items_replicated", 0) for s in sent) == writes
