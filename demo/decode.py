@@ -106,6 +106,10 @@ class DecodeConfig:
     """Aux and state slots (hybrid); slot 0 is never used, as in SGLang."""
     replicated_bytes: int = 0
     """Bytes of a state tensor whole on every rank (hybrid); 0: none."""
+    kda_heads: int = ModelShape.kda_heads
+    """KDA heads of the model before TP (hybrid)."""
+    kda_head_dim: int = ModelShape.kda_head_dim
+    """KDA head dimension (hybrid)."""
 
     def argv(self) -> list[str]:
         """The command line that starts this rank as a process."""
@@ -167,7 +171,8 @@ class DecodeRank:
         self.name = c.name or f"decode-{os.getpid()}"
         self.notify_port = c.notify_port or next(_notify_ports)
         self.model = m = ModelShape(kind=c.model, layers=c.layers, row_bytes=c.row_bytes,
-                                    replicated_bytes=c.replicated_bytes)
+                                    replicated_bytes=c.replicated_bytes, kda_heads=c.kda_heads,
+                                    kda_head_dim=c.kda_head_dim)
         self.reference = reference or m.kv_reference(c.tp_size, c.tp_rank)
         rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
         layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)

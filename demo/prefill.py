@@ -38,7 +38,8 @@ class PrefillRank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.shard = data.Shard(args.dcp_size, args.dcp_rank)
-        self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes)
+        self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes,
+                                kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim)
         m, tp = self.model, args.tp_size
         rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
         self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
     ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
+    ap.add_argument("--kda-heads", type=int, default=ModelShape.kda_heads, help="KDA heads before TP (hybrid)")
+    ap.add_argument("--kda-head-dim", type=int, default=ModelShape.kda_head_dim, help="KDA head dimension")
     ap.add_argument("--pages", type=int, required=True)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--staging-mb", type=int, default=64)

@@ -2,8 +2,12 @@
 
 For each backend it starts prefill ranks (dense, and a DCP 2 group) and four DCP 4 decode
 ranks on 127.0.0.1, then sends each prompt in several chunks with a decode prefix on the
-long ones. Each decode rank compares its whole KV pool with what a monolithic run would
-hold there, and the demo prints one row per (backend, topology, prompt).
+long ones. The Kimi-Linear-shaped case runs a hybrid model (MLA layers and KDA
+recurrent-state layers 1:3, two aux buffers) from prefill TP 4 (four processes, KDA heads
+split four ways, MLA KV on every rank) to decode TP 4 with DCP 4. Each decode rank compares
+its whole KV pool, and its aux and state slots, with what a monolithic run would hold there,
+and the demo prints one row per (backend, topology, prompt) with bytes and descriptors per
+kind (KV, aux, state).
 """
 
 from __future__ import annotations
@@ -14,13 +18,26 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from dataclasses import dataclass
+
 from pdproto import backends
 
 from .cluster import Cluster, Geometry, RequestResult, Topology
 from .proc import ChildError
 
 PROMPTS = (63, 64, 65, 255, 256, 257, 8191, 8192, 8193, 32768)
-TOPOLOGIES = {"dense-dcp4": Topology(1, 4), "dcp2-dcp4": Topology(2, 4)}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One demo topology and the model its ranks serve."""
+
+    topology: Topology
+    model: str = "mla"
+
+
+TOPOLOGIES = {"dense-dcp4": Case(Topology(1, 4)), "dcp2-dcp4": Case(Topology(2, 4)),
+              "kimi-tp4-dcp4": Case(Topology(1, 4, src_tp=4, dst_tp=4), "hybrid")}
 
 
 def prefix_for(tokens: int) -> int:
@@ -40,8 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prompt lengths in tokens")
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES),
                         help=f"comma-separated subset of {', '.join(TOPOLOGIES)}")
-    parser.add_argument("--layers", type=int, default=8, help="model layers (MLA rows of 1152 bytes)")
+    parser.add_argument("--layers", type=int, default=8, help="model layers (MLA rows of 1152 bytes; the Kimi case has one MLA layer in four)")
     parser.add_argument("--page-size", type=int, default=64, help="page size in tokens")
+    parser.add_argument("--kda-heads", type=int, default=32, help="Kimi case: KDA heads before TP")
+    parser.add_argument("--kda-head-dim", type=int, default=128,
+                        help="Kimi case: KDA head dimension (a temporal state is heads x dim x dim fp32)")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline per request in seconds")
     parser.add_argument("--corrupt-one-byte", action="store_true", help=argparse.SUPPRESS)
 
@@ -60,29 +80,45 @@ def _progress(label: str) -> Callable[[int, int], None]:
 
 
 def _row(backend: str, topo: str, r: RequestResult) -> str:
-    gbs = r.bytes / r.seconds / 1e9 if r.seconds > 0 else 0.0
+    total = r.bytes + r.aux_bytes + r.state_bytes
+    gbs = total / r.seconds / 1e9 if r.seconds > 0 else 0.0
     verdict = "ok" if r.ok else "FAIL"
-    return (f"{backend:<9}{topo:<12}{r.tokens:>7}{r.prefix:>7}{r.chunks:>7}{r.bytes:>13,}"
-            f"{r.descriptors:>9}{r.seconds:>9.3f}{gbs:>8.2f}{r.checked:>14,}  {verdict}")
+    return (f"{backend:<9}{topo:<14}{r.tokens:>7}{r.prefix:>7}{r.chunks:>7}{r.bytes:>13,}{r.aux_bytes:>7,}"
+            f"{r.state_bytes:>12,}{r.descriptors:>7}{r.aux_descriptors:>6}{r.state_descriptors:>6}"
+            f"{r.seconds:>9.3f}{gbs:>8.2f}{r.checked:>14,}  {verdict}")
 
 
-HEADER = (f"{'backend':<9}{'topology':<12}{'tokens':>7}{'prefix':>7}{'chunks':>7}{'bytes':>13}"
-          f"{'descr':>9}{'seconds':>9}{'GB/s':>8}{'verified':>14}  result")
+HEADER = (f"{'backend':<9}{'topology':<14}{'tokens':>7}{'prefix':>7}{'chunks':>7}{'KV bytes':>13}{'aux':>7}"
+          f"{'state':>12}{'d.KV':>7}{'d.aux':>6}{'d.st':>6}{'seconds':>9}{'GB/s':>8}{'verified':>14}  result")
 
 
 def run_backend(backend: str, args: argparse.Namespace, prompts: list[int], topos: list[str]) -> list[str]:
-    """Run every case of one backend; returns the failures (empty means PASS)."""
+    """Run every case of one backend, one cluster per model; returns the failures (empty means PASS)."""
+    failures: list[str] = []
+    for model in dict.fromkeys(TOPOLOGIES[t].model for t in topos):
+        names = [t for t in topos if TOPOLOGIES[t].model == model]
+        failures += _run_cluster(backend, args, prompts, names, model)
+    return failures
+
+
+def _run_cluster(backend: str, args: argparse.Namespace, prompts: list[int], topos: list[str],
+                 model: str) -> list[str]:
+    """Start the processes the topologies of one model need, then run every prompt over each."""
     geo = Geometry(layers=args.layers, page_size=args.page_size, max_tokens=max(prompts),
                    max_prefix=max(prefix_for(t) for t in prompts))
-    groups = sorted({TOPOLOGIES[t].src_dcp for t in topos})
-    cluster = Cluster(backend, geo, dst_dcp=4, src_groups=groups, log_dir=args.log_dir)
+    cases = [TOPOLOGIES[t].topology for t in topos]
+    groups = sorted({c.src_dcp for c in cases})
+    src_tp, dst_tp = max(c.src_tp for c in cases), max(c.dst_tp for c in cases)
+    cluster = Cluster(backend, geo, dst_dcp=4, src_groups=groups, log_dir=args.log_dir, model=model,
+                      src_tp=src_tp, dst_tp=dst_tp, kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim)
     failures: list[str] = []
     corrupt = args.corrupt_one_byte
     try:
-        print(f"starting {backend}: {sum(groups)} prefill and 4 decode processes", file=sys.stderr, flush=True)
+        print(f"starting {backend} ({model}): {sum(groups) * src_tp} prefill and {max(4, dst_tp)} decode"
+              " processes", file=sys.stderr, flush=True)
         cluster.launch()
         for tname in topos:
-            cluster.connect(TOPOLOGIES[tname])
+            cluster.connect(TOPOLOGIES[tname].topology)
             # One untimed request first: engine connections open and lazy imports (torch for
             # irregular packs) load on first use, which would otherwise land on one table row.
             warm = cluster.run_request(257, 0, timeout=args.timeout)

@@ -19,14 +19,20 @@ def _run(*extra: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(300)
 def test_demo_passes_and_checks_every_byte() -> None:
-    """Both topologies pass; every row of the table is ok and bytes were verified."""
+    """Every topology passes; every row of the table is ok and bytes were verified."""
     proc = _run()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("local ")]
-    assert len(rows) == 4  # 2 topologies x 2 prompts
+    assert len(rows) == 6  # 3 topologies x 2 prompts
     assert all(line.endswith("ok") for line in rows)
-    assert {"dense-dcp4", "dcp2-dcp4"} <= {line.split()[1] for line in rows}
+    assert {"dense-dcp4", "dcp2-dcp4", "kimi-tp4-dcp4"} == {line.split()[1] for line in rows}
+    # Bytes and descriptors per kind: KV only for MLA, KV + aux + state for the Kimi-shaped case.
+    for line in rows:
+        kv, aux, state, d_kv, d_aux, d_state = (int(x.replace(",", "")) for x in line.split()[5:11])
+        assert kv > 0 and d_kv > 0
+        kimi = line.split()[1] == "kimi-tp4-dcp4"
+        assert (aux > 0 and state > 0 and d_aux > 0 and d_state > 0) == kimi
 
 
 @pytest.mark.timeout(300)

@@ -123,7 +123,9 @@ class TransferInfo(_message.Message):
     dst_aux_index: _builtins.int
     """Destination aux slot; unset for dummy peers."""
     required_dst_info_num: _builtins.int
-    """Number of prefill ranks whose data this decode rank expects (SGLang required_dst_info_num)."""
+    """Decode ranks that submit this request to this prefill rank (SGLang required_dst_info_num;
+    SenderSet.decode_ranks_per_prefill_rank).
+    """
     decode_prefix_len: _builtins.int
     """Tokens already present on the decode (prefix); unset means "not sent"."""
     is_dummy: _builtins.bool
