@@ -131,6 +131,11 @@ def run_job(executor: TransferExecutor, peer_id: str, job: TransferJob) -> Trans
     return executor.execute(peer_id, job)
 
 
+def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> list[TransferResult]:
+    """Blocking: execute jobs in order (a chunk's KV, then state, then aux) in one worker hop."""
+    return [executor.execute(peer_id, job) for job in jobs]
+
+
 class TransferRunner:
     """Owns request tasks: starts them, finishes every one in SUCCESS or FAILED with a reason."""
 
@@ -228,31 +233,28 @@ class TransferRunner:
                         f"internal error: {type(exc).__name__}")
 
     async def _move(self, peer: Peer, request: Request, chunk: Chunk) -> None:
-        """Move one chunk's KV rows; after the last, the state and then the aux slot."""
+        """Move one chunk's KV rows; after the last, the state and then the aux slot (one worker hop)."""
         source = self.engine.source
         state, aux = slot_copies(source, peer, request, chunk) if chunk.last else ([], [])
         notice = chunk_notice(request, chunk)
-        job = build_job(source, peer, request, chunk, notify=not (state or aux))
+        jobs = [build_job(source, peer, request, chunk, notify=not (state or aux))]
+        extras = [(kind, copies) for kind, copies in (("state", state), ("aux", aux)) if copies]
+        jobs += [slot_job(source, peer, copies, notice if i == len(extras) - 1 else None)
+                 for i, (_, copies) in enumerate(extras)]
         if request.state != common_pb2.TRANSFER_STATE_TRANSFERRING:
             request.state = common_pb2.TRANSFER_STATE_TRANSFERRING
             peer.publish(request)
-        result = await self.blocking(run_job, self.engine.executor, peer.peer_id, job)
+        results = await self.blocking(run_jobs, self.engine.executor, peer.peer_id, jobs)
+        result = results[0]
         request.bytes += result.bytes
         request.descriptors += result.descriptors
         self.metrics.bytes_moved.inc(result.bytes)
         self.metrics.descriptors.inc(result.descriptors)
         self.metrics.chunks.inc()
         self.metrics.pack_fallbacks.inc(int(result.fallback))
-        notified = result.notified
-        for kind, copies in (("state", state), ("aux", aux)):
-            if not copies:
-                continue
-            last = kind == "aux" or not aux
-            done = await self.blocking(run_job, self.engine.executor, peer.peer_id,
-                                       slot_job(source, peer, copies, notice if last else None))
-            notified = notified or done.notified
+        self.metrics.notifications.inc(int(any(r.notified for r in results)))
+        for (kind, copies), done in zip(extras, results[1:], strict=True):
             self._count(request, kind, copies, done)
-        self.metrics.notifications.inc(int(notified))
 
     def _count(self, request: Request, kind: str, copies: list[SlotCopy], result: TransferResult) -> None:
         """Per-kind bytes and descriptors of an aux or state job, on the request and in metrics."""
@@ -283,4 +285,4 @@ class TransferRunner:
         await asyncio.wait([task], timeout=self.limits.drain_timeout + 1.0)
 
 
-__all__ = ["TransferRunner", "build_job", "chunk_notice", "run_job", "slot_copies", "slot_job"]
+__all__ = ["TransferRunner", "build_job", "chunk_notice", "run_job", "run_jobs", "slot_copies", "slot_job"]
