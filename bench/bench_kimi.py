@@ -22,11 +22,10 @@ import argparse
 import math
 import os
 import statistics
-import time
 
 import numpy as np
 
-from pdproto.errors import EngineUnavailableError
+from bench import per_backend
 from pdproto.transfer import LayerSpan, TransferJob
 from pdproto_demo import data
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
@@ -107,27 +106,17 @@ def _dense(rank: PrefillRank, peer: DecodeProcess, nbytes: int) -> float:
 
 def main() -> int:
     """Run the bench for each engine and print the ratio line; non-zero if a run failed."""
-    backends = os.environ.get("PDPROTO_BENCH_BACKENDS", "mooncake,nixl").split(",")
     print(f"Kimi-shaped request: {TOKENS} tokens, {LAYERS} layers (MLA 1:3 KDA, 32 heads x 128), prefill TP {TP}"
           f" rank {RANK} -> decode TP {TP} DCP {DCP} rank {RANK}, {CHUNKS} chunks", flush=True)
-    rc = 0
-    for backend in backends:
-        t0 = time.perf_counter()
-        try:
-            r = bench_backend(backend)
-        except EngineUnavailableError as exc:
-            print(f"{backend:<9} skipped: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - report and carry on with the next engine
-            print(f"{backend:<9} FAILED: {exc!r}")
-            rc = 1
-            continue
+
+    def report(backend: str, r: dict[str, float], seconds: float) -> None:
         req, dense = r["bytes"] / r["request_s"] / 1e9, r["bytes"] / r["dense_s"] / 1e9
         print(f"{backend:<9} kimi 32K request end to end {r['bytes'] / 1e6:.1f} MB (KV {r['kv'] / 1e6:.1f},"
-              f" state {r['state'] / 1e6:.2f}, aux {r['aux']} B; {int(r['desc'])} descriptors)"
+              f" state {r['state'] / 1e6:.2f}, aux {r['aux']:.0f} B; {int(r['desc'])} descriptors)"
               f" {r['request_s'] * 1e3:.1f} ms = {req:.2f} GB/s; dense same bytes {r['dense_s'] * 1e3:.1f} ms ="
-              f" {dense:.2f} GB/s; ratio {req / dense:.2f}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-    return rc
+              f" {dense:.2f} GB/s; ratio {req / dense:.2f}  [{seconds:.0f} s]", flush=True)
+
+    return per_backend(bench_backend, report)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 
 import numpy as np
 
+from bench import per_backend
 from pdproto.dcp import DcpLayout, plan_chunk
-from pdproto.errors import EngineUnavailableError
 from pdproto.transfer import DRAM, VRAM, LayerSpan, TransferJob, TransferResult, create_executor
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
@@ -118,23 +117,11 @@ def main() -> int:
     layers = int(os.environ.get("PDPROTO_BENCH_LAYERS", "8"))
     rows = int(os.environ.get("PDPROTO_BENCH_ROWS", "8192"))
     device = os.environ.get("PDPROTO_BENCH_DEVICE", "cpu")
-    backends = os.environ.get("PDPROTO_BENCH_BACKENDS", "mooncake,nixl").split(",")
     mb = layers * rows * ROW / 1e6
     print(f"payload: {layers} layers x {rows} rows x {ROW} B = {mb:.1f} MB per mode; "
           f"DCP {DCP} rank {RANK}, page {PAGE}; device {device}", flush=True)
     print(f"{'engine':<9} {'mode':<8} {'ms':>8} {'GB/s':>7} {'desc':>7}")
-    rc = 0
-    for backend in backends:
-        t0 = time.perf_counter()
-        try:
-            r = bench_backend(backend, layers=layers, rows=rows, device=device)
-        except EngineUnavailableError as exc:
-            print(f"{backend:<9} skipped: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - report and carry on with the next engine
-            print(f"{backend:<9} FAILED: {exc!r}")
-            rc = 1
-            continue
+    def report(backend: str, r: dict[str, float], seconds: float) -> None:
         for mode in ("dense", "packed", "per_row"):
             print(f"{backend:<9} {mode:<8} {r[mode + '_s'] * 1e3:8.1f} {r[mode + '_gbps']:7.2f} "
                   f"{int(r[mode + '_desc']):7d}")
@@ -142,9 +129,9 @@ def main() -> int:
         pd, pr = r["packed_gbps"] / r["dense_gbps"], r["packed_gbps"] / r["per_row_gbps"]
         print(f"{backend:<9} packed/dense {pd:.2f} (target >= 0.8)  packed/per_row {pr:.1f} "
               f"(target >= 10)  pack {r['pack_s'] * 1e3:.1f} ms, bound max(pack, dense) "
-              f"{bound * 1e3:.1f} ms = {bound / r['packed_s']:.2f} of packed  "
-              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-    return rc
+              f"{bound * 1e3:.1f} ms = {bound / r['packed_s']:.2f} of packed  [{seconds:.0f} s]", flush=True)
+
+    return per_backend(lambda backend: bench_backend(backend, layers=layers, rows=rows, device=device), report)
 
 
 if __name__ == "__main__":
