@@ -409,3 +409,19 @@ def test_unset_decode_page_size_reads_as_the_prefills() -> None:
     decision = negotiate(example_server_info(), reg)
     assert isinstance(decision, Decision)
     assert decision.dst.page_size == example_server_info().page_size
+
+
+def test_the_tp_plan_survives_the_negotiation_result() -> None:
+    # The decode reads back what the prefill decided: senders, aux, state segments, row slices.
+    info = example_server_info(tp_size=2, tp_rank=1, attention=v1.ATTENTION_KIND_MHA, token_bytes=1024)
+    info.total_kv_heads = 8
+    info.aux_entries.add(item_len=64)
+    info.state_entries.append(_state(dim=4))
+    reg = example_registration(tp_size=4, tp_rank=3, attention=v1.ATTENTION_KIND_MHA, token_bytes=512)
+    reg.aux_ptrs.append(0x8000_0000)
+    reg.state_buffers.append(_buffer(item_len=128, dims=[2]))
+    d = decide(info, reg)
+    assert d.tp is not None and d.tp.me.sends_kv and d.tp.me.sends_aux and d.tp.me.sends_state
+    assert all(cut is not None and cut.length == 512 for cut in d.tp.row_slices)
+    back = from_result(d.to_proto("p-1"))
+    assert isinstance(back, Decision) and back.tp == d.tp
