@@ -157,19 +157,15 @@ class PrefillRank:
     async def _snapshot(self) -> Reply:
         """Read the service state on its own loop (no locks needed there)."""
         peers = self.core.registry.peers
-        requests = [r for p in peers.values() for r in p.requests.values()]
+        statuses = {f"{pid}/{st.room}": [st.generation, st.state, st.failure_code]
+                    for pid, p in peers.items() for st in (f.status() for f in p.finished.values())}
+        statuses.update({f"{pid}/{r.room}": [r.generation, r.state, r.failure_code]
+                         for pid, p in peers.items() for r in p.open.values()})
         return {
-            "peers": len(peers),
-            # Peers the server has not written off as dead (their engine connection is kept).
-            "live_peers": sum(1 for p in peers.values() if getattr(p, "gone_at", None) is None),
+            **self.core.stats(),
             "peer_ids": sorted(peers),
             "versions": sorted(f"{p.result.version.major}.{p.result.version.minor}" for p in peers.values()),
-            "open_requests": sum(1 for r in requests if not r.terminal),
-            "running_tasks": sum(1 for r in requests if r.task is not None and not r.task.done()),
-            "watchers": sum(len(p.watchers) for p in peers.values()),
-            "rooms": len(self.engine.rooms),
-            "requests": {f"{r.peer_id}/{r.room}": [r.generation, r.state, r.failure_code]
-                         for r in requests},
+            "requests": statuses,
             "outcomes": {s.labels["outcome"]: s.value for m in self.core.metrics.requests.collect()
                          for s in m.samples if s.name.endswith("_total")},
             "moved": self._moved(),

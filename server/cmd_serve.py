@@ -46,10 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--max-message-bytes", type=int, default=4 << 20)
     net.add_argument("--keepalive-ms", type=int, default=30_000)
     lim = parser.add_argument_group("limits")
-    lim.add_argument("--max-peers", type=int, default=256)
+    lim.add_argument("--max-peers", type=int, default=256,
+                     help="decode peers held at once (gone ones count until released); one engine thread each")
     lim.add_argument("--max-inflight", type=int, default=1024, help="open requests per peer")
+    lim.add_argument("--max-finished", type=int, default=4096,
+                     help="final statuses kept per peer for late queries (oldest dropped first)")
+    lim.add_argument("--max-streams", type=int, default=8, help="open WatchStatus streams per peer")
     lim.add_argument("--match-timeout", type=float, default=30.0,
                      help="seconds a request waits for the next chunk")
+    lim.add_argument("--engine-timeout", type=float, default=30.0,
+                     help="seconds one engine call may take before its peer is written off")
+    lim.add_argument("--keep-finished", type=float, default=60.0,
+                     help="seconds final statuses and gone peers stay queryable")
     kv = parser.add_argument_group("synthetic KV source")
     kv.add_argument("--backend", choices=backends.NAMES, default="local")
     kv.add_argument("--staging-bytes", type=int, default=64 << 20,
@@ -101,7 +109,9 @@ async def _main(args: argparse.Namespace) -> int:
         metrics_port = serve_metrics(metrics, args.metrics_port) if args.metrics_port is not None else None
         core = HandshakeCore(engine, metrics=metrics, limits=Limits(
             max_peers=args.max_peers, max_inflight_per_peer=args.max_inflight,
-            match_timeout=args.match_timeout, drain_timeout=args.grace))
+            max_finished_per_peer=args.max_finished, max_streams_per_peer=args.max_streams,
+            match_timeout=args.match_timeout, engine_timeout=args.engine_timeout,
+            keep_finished=args.keep_finished, drain_timeout=args.grace))
         producer = SyntheticProducer(engine, spec)
 
         def ready(running: RunningServer) -> None:

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 from pdproto.errors import (
+    DeadlineExceededError,
     DuplicateRequestError,
     NotFoundError,
     PdprotoError,
@@ -26,9 +27,11 @@ from pdproto.v1 import (
 )
 
 from .engine import PrefillEngine
+from .feed import StatusFeed
+from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, PeerRegistry, Request, identity_of
-from .transfers import TransferRunner
+from .transfers import TransferRunner, drained
 from .validate import check_registration, check_transfer
 
 log = logging.getLogger("pdproto_server.core")
@@ -38,15 +41,16 @@ class HandshakeCore:
     """Everything the servicer does, as plain async methods raising ``PdprotoError``."""
 
     def __init__(self, engine: PrefillEngine, *, limits: Limits | None = None,
-                 metrics: ServiceMetrics | None = None, workers: int = 4) -> None:
+                 metrics: ServiceMetrics | None = None) -> None:
         self.engine = engine
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics()
         self.registry = PeerRegistry(self.limits)
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pdproto-xfer")
-        self.runner = TransferRunner(engine, self.metrics, self.limits, self.pool)
+        # One thread per peer the registry may hold: a stuck peer keeps only its own.
+        self.pool = LanePool(self.limits.max_peers)
+        self.runner = TransferRunner(engine, self.metrics, self.limits, self.registry.peers)
         self.runner.on_peer_gone = self._peer_gone
-        self._background: set[asyncio.Task[int]] = set()
+        self._background: set[asyncio.Task[object]] = set()
         self.shutting_down = False
         self._streams_closed = False
         self._registering = 0
@@ -79,6 +83,13 @@ class HandshakeCore:
                                 reason=Reason.PEER_NOT_FOUND, metadata={"peerId": peer_id})
         return peer
 
+    def _spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[object]:
+        """A background task the core owns (``close`` waits for it)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     # -- Register / Deregister -------------------------------------------------
 
     async def register(self, request: hs.RegisterRequest) -> hs.RegisterResponse:
@@ -103,25 +114,36 @@ class HandshakeCore:
         if isinstance(verdict, Rejection):
             raise verdict.to_error()
         identity = identity_of(reg)
-        stale = self.registry.stale_for(identity)
-        self.registry.check_capacity(sum(1 for p in stale if p.gone_at is None) - self._registering)
-        self._registering += 1
-        try:
+        # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
+        async with self.registry.serialized(identity):
+            self._accepting()
+            stale = self.registry.stale_for(identity)
+            self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
                 # Same notify endpoint or engine identity: the decode restarted. Its old
                 # requests can never complete; fail them and drop its engine connection.
                 log.info("peer %s re-registered as a new peer; dropping stale state", old.peer_id)
                 await self._drop(old, Reason.PEER_GONE, "the decode re-registered (restart)")
-            peer_id = self.registry.new_id()
-            await self.runner.blocking(self.engine.executor.connect, peer_id, reg)
-        finally:
-            self._registering -= 1
-        result = verdict.to_proto(peer_id)
-        credential = self.registry.new_credential()
-        self.registry.add(Peer(peer_id=peer_id, registration=reg, decision=verdict, result=result,
-                               identity=identity, credential=credential))
+            self.registry.check_capacity(self._registering)
+            self._registering += 1
+            try:
+                peer_id = self.registry.new_id()
+                peer = Peer(peer_id=peer_id, registration=reg, decision=verdict, result=verdict.to_proto(peer_id),
+                            identity=identity, lane=Lane(self.pool, peer_id),
+                            credential=self.registry.new_credential())
+                try:
+                    await peer.lane.run(self.engine.executor.connect, peer_id, reg,
+                                        timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
+                except BaseException:
+                    # Never admitted; its connect (maybe still running) is undone in the background.
+                    self.registry.remove(peer)
+                    self._disconnect_later(peer)
+                    raise
+                self.registry.add(peer)
+            finally:
+                self._registering -= 1
         self.metrics.peers.set(self.registry.live())
-        return hs.RegisterResponse(result=result, peer_credential=credential)
+        return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
 
     async def deregister(self, request: hs.DeregisterRequest) -> int:
         """Fail the peer's open requests with PEER_GONE, cancel them, disconnect, forget it."""
@@ -129,20 +151,39 @@ class HandshakeCore:
         return await self._drop(peer, Reason.PEER_GONE, "the decode deregistered")
 
     async def _drop(self, peer: Peer, reason: Reason, message: str) -> int:
-        """Remove a peer and free everything it held; returns how many requests were failed."""
+        """Remove a peer and free everything it held; returns how many requests were failed.
+
+        Its open requests end FAILED with ``reason`` (after their in-flight chunk drained,
+        unless the peer's engine is stuck), its streams end after sending that, and its
+        engine connection is dropped through its lane. The peer counts toward ``max_peers``
+        until that disconnect has returned.
+        """
         if peer.closed:
             return 0
-        self.registry.remove(peer.peer_id)
         peer.closed = True
+        self.registry.remove(peer)
         open_requests = peer.open_requests()
-        await asyncio.gather(*(self.runner.stop(r, reason, message) for r in open_requests))
-        peer.close_watchers()
-        try:
-            await self.runner.blocking(self.engine.executor.disconnect, peer.peer_id)
-        except PdprotoError as exc:
-            log.warning("disconnect of %s failed: %s", peer.peer_id, exc)
+        await asyncio.gather(*(self.runner.stop(peer, r, reason, message) for r in open_requests))
+        peer.end_streams()
+        done = self._disconnect_later(peer)
+        if not peer.lane.stuck:
+            await asyncio.wait([done], timeout=self.limits.drain_timeout)
         self.metrics.peers.set(self.registry.live())
         return len(open_requests)
+
+    def _disconnect_later(self, peer: Peer) -> asyncio.Task[object]:
+        """Drop the peer's engine connection once its lane is free; then it stops counting."""
+
+        async def disconnect() -> None:
+            try:
+                await peer.lane.run(self.engine.executor.disconnect, peer.peer_id, cleanup=True,
+                                    timeout=self.limits.engine_timeout, what=f"disconnect {peer.peer_id}")
+            except PdprotoError as exc:
+                log.warning("disconnect of %s failed: %s", peer.peer_id, exc)
+            finally:
+                peer.lane.when_idle(lambda: self.registry.release(peer))
+
+        return self._spawn(disconnect(), f"disconnect-{peer.peer_id}")
 
     def _peer_gone(self, peer: Peer) -> None:
         """The executor found the peer dead: free it in the background (once)."""
@@ -150,24 +191,19 @@ class HandshakeCore:
             return
         peer.gone_at = time.monotonic()
         log.warning("peer %s is gone (engine reported PEER_GONE); freeing its state", peer.peer_id)
-        task = asyncio.get_running_loop().create_task(self._release_gone(peer), name=f"gone-{peer.peer_id}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._release_gone(peer), f"gone-{peer.peer_id}")
 
     async def _release_gone(self, peer: Peer) -> int:
         """Fail a dead peer's open requests and drop its engine connection, but keep its record.
 
-        The record (requests with their final statuses) stays visible until the decode
-        re-registers (which replaces it) or ``keep_finished`` passes; it admits no new work.
+        The record (final statuses) stays visible, and counts toward ``max_peers``, until the
+        decode re-registers (which replaces it) or ``keep_finished`` passes; it admits no new work.
         """
         open_requests = peer.open_requests()
-        await asyncio.gather(*(self.runner.stop(r, Reason.PEER_GONE, "the decode process is gone")
+        await asyncio.gather(*(self.runner.stop(peer, r, Reason.PEER_GONE, "the decode process is gone")
                                for r in open_requests))
-        peer.close_watchers()
-        try:
-            await self.runner.blocking(self.engine.executor.disconnect, peer.peer_id)
-        except PdprotoError as exc:
-            log.warning("disconnect of %s failed: %s", peer.peer_id, exc)
+        peer.end_streams()
+        self._disconnect_later(peer)
         self.metrics.peers.set(self.registry.live())
         return len(open_requests)
 
@@ -179,16 +215,18 @@ class HandshakeCore:
         peer = self.peer(request.peer_id, request.peer_credential)
         _check_alive(peer)
         info, pages = check_transfer(request, peer)
-        old = peer.requests.get(info.room)
-        if old is not None:
-            if info.generation == old.generation:
+        current = peer.generation_of(info.room)
+        if current is not None:
+            if info.generation == current:
                 raise DuplicateRequestError(
                     f"room {info.room} generation {info.generation} was already submitted",
                     reason=Reason.DUPLICATE_REQUEST, metadata={"room": info.room, "generation": info.generation})
-            if info.generation < old.generation:
-                raise _stale(info.room, info.generation, old.generation)
+            if info.generation < current:
+                raise _stale(info.room, info.generation, current)
+        old = peer.open.get(info.room)
+        if old is not None:
             # A newer generation supersedes the old one (retraction, retry).
-            await self.runner.stop(old, Reason.ABORTED, f"superseded by generation {info.generation}")
+            await self.runner.stop(peer, old, Reason.ABORTED, f"superseded by generation {info.generation}")
         open_count = len(peer.open)
         if open_count >= self.limits.max_inflight_per_peer:
             raise ResourceLimitError(
@@ -202,70 +240,109 @@ class HandshakeCore:
         req = Request(peer_id=peer.peer_id, room=info.room, generation=info.generation, transfer=info,
                       dst_pages=pages, prefix_len=info.decode_prefix_len,
                       prefill_rank=self.engine.prefill_rank)
-        peer.requests[info.room] = req
         self.runner.start(peer, req)
         # WAITING_FOR_INPUT travels in this response; streams report changes from here on.
         return req.status()
 
     async def abort(self, request: hs.AbortRequest) -> transfer_pb2.AbortAck:
-        """Abort a request generation; answers once its in-flight chunk has drained."""
+        """Abort a request generation; answers once its in-flight chunk has drained.
+
+        If the chunk is still inside the engine after ``drain_timeout`` (a stuck peer), the
+        request is FAILED all the same but the call answers DEADLINE_EXCEEDED: its pages are
+        not safe to reuse until the engine returns (Abort again later to learn when).
+        """
         peer = self.peer(request.peer_id, request.peer_credential)
         note = request.abort
-        req = peer.requests.get(note.room)
-        if req is None:
+        current = peer.generation_of(note.room)
+        if current is None:
             raise NotFoundError(f"room {note.room} is unknown for peer {peer.peer_id}",
                                 reason=Reason.REQUEST_NOT_FOUND, metadata={"room": note.room})
-        if note.HasField("generation") and note.generation != req.generation:
-            if note.generation < req.generation:
-                raise _stale(note.room, note.generation, req.generation)
+        if note.HasField("generation") and note.generation != current:
+            if note.generation < current:
+                raise _stale(note.room, note.generation, current)
             raise NotFoundError(f"room {note.room} generation {note.generation} was never submitted",
                                 reason=Reason.REQUEST_NOT_FOUND,
                                 metadata={"room": note.room, "generation": note.generation})
-        await self.runner.stop(req, Reason.ABORTED, "aborted by the decode")
-        return transfer_pb2.AbortAck(room=req.room, prefill_rank=req.prefill_rank, generation=req.generation)
+        req = peer.open.get(note.room)
+        if req is not None:
+            safe = await self.runner.stop(peer, req, Reason.ABORTED, "aborted by the decode")
+        else:  # finished, maybe while its chunk was still inside the engine (DEADLINE_EXCEEDED)
+            safe = await drained(peer, note.room, current, self.limits.drain_timeout)
+        if not safe:
+            raise DeadlineExceededError(
+                f"room {note.room} is aborted, but a chunk is still inside the transfer engine after "
+                f"{self.limits.drain_timeout:g} s; its pages may still be written until the engine returns",
+                reason=Reason.DEADLINE_EXCEEDED, metadata={"room": note.room, "generation": current})
+        return transfer_pb2.AbortAck(room=note.room, prefill_rank=self.engine.prefill_rank, generation=current)
 
     # -- WatchStatus ------------------------------------------------------------
 
     async def watch(self, request: hs.WatchStatusRequest) -> AsyncIterator[transfer_pb2.TransferStatus]:
-        """Current statuses of the peer's (matching) requests, then every change until the peer goes."""
+        """Current statuses of the peer's (matching) requests, then every change until the peer goes.
+
+        Each request's terminal status is sent exactly once per stream (``server/feed.py``).
+        """
         peer = self.peer(request.peer_id, request.peer_credential)
-        wanted = set(request.rooms)
-        queue: asyncio.Queue[transfer_pb2.TransferStatus | None] = asyncio.Queue()
-        # Subscribe before the snapshot, with no await in between, so no change is missed.
-        peer.watchers.add(queue)
+        if len(peer.feeds) >= self.limits.max_streams_per_peer:
+            raise ResourceLimitError(
+                f"peer {peer.peer_id} has {len(peer.feeds)} status streams open "
+                f"(limit {self.limits.max_streams_per_peer})",
+                reason=Reason.TOO_MANY_STREAMS,
+                metadata={"limit": self.limits.max_streams_per_peer, "streams": len(peer.feeds)})
+        feed = StatusFeed(request.rooms)
+        # Snapshot and subscribe in one step (no await between): nothing is missed or sent twice.
+        for status in peer.snapshot():
+            feed.push(status)
+        if peer.streams_ended or self._streams_closed:
+            feed.close()
+        else:
+            peer.feeds.add(feed)
         try:
-            for req in list(peer.requests.values()):
-                if not wanted or req.room in wanted:
-                    yield req.status()
-            if peer.closed or peer.gone_at is not None or self._streams_closed:
-                return
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                if not wanted or item.room in wanted:
-                    yield item
+            async for status in feed:
+                yield status
         finally:
-            peer.watchers.discard(queue)
+            peer.feeds.discard(feed)
 
     # -- housekeeping and shutdown ---------------------------------------------
 
     async def _housekeeping(self) -> None:
-        """Expire orphan rooms and old finished requests, once a second."""
+        """Expire orphan rooms, old finished statuses and released gone peers, once a second."""
         while True:
             await asyncio.sleep(1.0)
-            dropped = self.engine.expire(orphan_after=self.limits.match_timeout,
-                                         keep_finished=self.limits.keep_finished)
-            if dropped:
-                log.warning("dropped %d prefill rooms no decode claimed in time: %s", len(dropped), dropped[:8])
-            now = time.monotonic()
-            for peer in list(self.registry.peers.values()):
-                if peer.gone_at is not None and now - peer.gone_at > self.limits.keep_finished and not peer.open:
-                    await self._drop(peer, Reason.PEER_GONE, "the decode process is gone")
-                    continue
-                for room, req in list(peer.requests.items()):
-                    if req.finished_at is not None and now - req.finished_at > self.limits.keep_finished:
-                        del peer.requests[room]
+            try:
+                await self._expire()
+            except Exception:  # noqa: BLE001 - housekeeping must outlive one bad tick
+                log.exception("housekeeping failed; retrying next tick")
+
+    async def _expire(self) -> None:
+        dropped = self.engine.expire(orphan_after=self.limits.match_timeout,
+                                     keep_finished=self.limits.keep_finished)
+        if dropped:
+            log.warning("dropped %d prefill rooms no decode claimed in time: %s", len(dropped), dropped[:8])
+        now = time.monotonic()
+        for peer in list(self.registry.peers.values()):
+            if peer.gone_at is not None and now - peer.gone_at > self.limits.keep_finished and not peer.open:
+                await self._drop(peer, Reason.PEER_GONE, "the decode process is gone")
+                continue
+            peer.expire_finished(now - self.limits.keep_finished)
+
+    def stats(self) -> dict[str, int]:
+        """What the service holds right now, as counts (loop thread; introspection for tests and operators)."""
+        peers = list(self.registry.peers.values())
+        held = [*peers, *self.registry.retired.values()]
+        return {
+            "peers": len(peers),
+            "live_peers": self.registry.live(),
+            "retired_peers": len(self.registry.retired),
+            "held_peers": self.registry.held(),
+            "open_requests": sum(len(p.open) for p in peers),
+            "running_tasks": sum(1 for p in peers for r in p.open.values() if r.task is not None and not r.task.done()),
+            "finished_statuses": sum(len(p.finished) for p in peers),
+            "streams": sum(len(p.feeds) for p in peers),
+            "busy_lanes": sum(1 for p in held if p.lane.busy),
+            "stuck_lanes": sum(1 for p in held if p.lane.stuck),
+            "rooms": len(self.engine.rooms),
+        }
 
     def open_requests(self) -> list[tuple[Peer, Request]]:
         """Every open request of every peer."""
@@ -279,23 +356,26 @@ class HandshakeCore:
             log.info("draining %d in-flight requests (up to %.1fs)", len(tasks), timeout)
             await asyncio.wait(tasks, timeout=timeout)
         leftovers = self.open_requests()
-        await asyncio.gather(*(self.runner.stop(r, Reason.SHUTTING_DOWN, "the prefill shut down")
-                               for _, r in leftovers))
+        await asyncio.gather(*(self.runner.stop(p, r, Reason.SHUTTING_DOWN, "the prefill shut down")
+                               for p, r in leftovers))
         self._streams_closed = True
         for peer in self.registry.peers.values():
-            peer.close_watchers()
+            peer.end_streams()
 
     async def close(self) -> None:
-        """Drop every peer and release the executor and worker pool."""
+        """Drop every peer and release the lanes (a thread stuck in an engine is left behind)."""
         if self._janitor is not None:
             self._janitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._janitor
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=self.limits.drain_timeout)
         for peer in list(self.registry.peers.values()):
             await self._drop(peer, Reason.SHUTTING_DOWN, "the prefill shut down")
-        self.pool.shutdown(wait=True)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self.limits.drain_timeout)
+        stuck = [p.peer_id for p in self.registry.retired.values() if p.lane.busy]
+        if stuck:
+            log.warning("closing with engine calls still out for %d peers: %s", len(stuck), stuck[:8])
+        self.pool.shutdown(wait=False)
 
 
 def _check_alive(peer: Peer) -> None:

@@ -40,6 +40,7 @@ StateSlots = tuple[tuple[int, ...], ...]
 
 _STATE = (common_pb2.TRANSFER_STATE_BOOTSTRAPPING, common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT,
           common_pb2.TRANSFER_STATE_TRANSFERRING, common_pb2.TRANSFER_STATE_SUCCESS)
+_DONE = (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,14 @@ class RequestView(Protocol):
     def state(self) -> int:
         """``TransferState`` value."""
         ...
+
+
+@dataclass(frozen=True)
+class FinalState:
+    """What a room keeps of a finished request: its terminal state, not the request."""
+
+    state: int
+    """``TransferState`` value (SUCCESS or FAILED)."""
 
 
 @dataclass
@@ -364,17 +373,21 @@ class PrefillEngine:
             self._loop.call_soon_threadsafe(self.rooms.pop, room, None)
 
     def expire(self, *, orphan_after: float, keep_finished: float) -> list[int]:
-        """Drop rooms no decode claimed within ``orphan_after`` s, or finished ``keep_finished`` s ago."""
+        """Drop rooms no decode claimed within ``orphan_after`` s, rooms finished ``keep_finished`` s ago,
+        and claimed rooms the prefill never finished whose every request is over (they waited
+        ``orphan_after`` for chunks): a decode naming rooms nobody computes must not grow the map."""
         now = time.monotonic()
         dropped = []
         for room, log in list(self.rooms.items()):
             orphan = not log.claimed and now - log.created > orphan_after
             stale = log.finished_at is not None and now - log.finished_at > keep_finished
-            if orphan or stale:
+            abandoned = (log.claimed and now - log.created > orphan_after + keep_finished
+                         and all(r.state in _DONE for r in log.requests.values()))
+            if orphan or stale or abandoned:
                 dropped.append(room)
                 del self.rooms[room]
                 self._aborted.pop(room, None)
         return dropped
 
 
-__all__ = ["Chunk", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "StateSlots"]
+__all__ = ["Chunk", "FinalState", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "StateSlots"]

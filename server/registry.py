@@ -1,12 +1,23 @@
-"""Registered decode peers, their open requests and status subscribers, with limits."""
+"""Registered decode peers, their open requests, finished statuses and status streams, with limits.
+
+What the service keeps, and what bounds it (``docs/security.md``, "Memory and threads"):
+an open request keeps its ``TransferInfo`` and destination pages until it ends; a
+finished one keeps only its final ``TransferStatus`` (at most ``max_finished_per_peer``
+per peer, each for ``keep_finished`` seconds); a peer counts toward ``max_peers`` from
+registration until it is released, gone peers and peers whose engine call has not
+returned yet included.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +27,9 @@ from pdproto.errors import Reason, ResourceLimitError
 from pdproto.topology import Decision
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
 
+from .feed import StatusFeed
+from .lanes import Lane
+
 TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 
@@ -24,13 +38,19 @@ class Limits:
     """Admission limits; exceeding one answers RESOURCE_EXHAUSTED with an ErrorInfo."""
 
     max_peers: int = 256
-    """Registered decode peers at once."""
+    """Decode peers held at once: registered, gone but not yet released, or with an engine call out."""
     max_inflight_per_peer: int = 1024
     """Open (non-terminal) requests per peer."""
+    max_finished_per_peer: int = 4096
+    """Final statuses kept per peer for late queries; the oldest goes first."""
+    max_streams_per_peer: int = 8
+    """Open WatchStatus streams per peer."""
     match_timeout: float = 30.0
     """Seconds a request waits for the prefill's next chunk (and a chunk for a decode)."""
+    engine_timeout: float = 30.0
+    """Seconds one engine call (a chunk's transfer, a connect) may take before the peer is written off."""
     keep_finished: float = 60.0
-    """Seconds finished requests and rooms stay queryable."""
+    """Seconds finished statuses, gone peers and rooms stay queryable."""
     drain_timeout: float = 10.0
     """Seconds Abort/Deregister/shutdown wait for in-flight chunks to drain."""
 
@@ -77,41 +97,95 @@ class Request:
             state_descriptors=self.state_descriptors)
 
 
+class Finished(NamedTuple):
+    """A finished request as kept for late queries: its final status, serialized (about 250 bytes)."""
+
+    at: float
+    """When it finished (monotonic)."""
+    generation: int
+    """Its generation (read without parsing ``blob``)."""
+    blob: bytes
+    """The serialized final ``TransferStatus``."""
+
+    def status(self) -> transfer_pb2.TransferStatus:
+        """The final status message."""
+        return transfer_pb2.TransferStatus.FromString(self.blob)
+
+
 @dataclass
 class Peer:
-    """A registered decode rank: its registration, negotiated decision and requests."""
+    """A registered decode rank: its registration, negotiated decision, requests and streams."""
 
     peer_id: str
     registration: registration_pb2.KvRegistration
     decision: Decision
     result: server_info_pb2.NegotiationResult
     identity: tuple[str, ...]
+    lane: Lane
+    """Where the peer's engine calls run, one at a time (``server/lanes.py``)."""
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
-    requests: dict[int, Request] = field(default_factory=dict)
     open: dict[int, Request] = field(default_factory=dict)
-    """The non-terminal subset of ``requests`` (kept separately: admission must not scan history)."""
-    watchers: set[asyncio.Queue[transfer_pb2.TransferStatus | None]] = field(default_factory=set)
+    """Open (non-terminal) requests by room."""
+    finished: dict[int, Finished] = field(default_factory=dict)
+    """The final status of each finished room, oldest first: all a late query needs, not the request."""
+    feeds: set[StatusFeed] = field(default_factory=set)
+    """Open WatchStatus streams."""
     registered_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     """Removed from the registry (deregistered, replaced or shut down)."""
     gone_at: float | None = None
-    """When the engine reported the peer's process dead; its record stays for inspection."""
+    """When the engine reported the peer's process dead (or stuck); its record stays for inspection."""
+    streams_ended: bool = False
+    """Every request is terminal and every stream was told so; a new stream ends after its snapshot."""
+
+    def __hash__(self) -> int:
+        return id(self)
 
     def open_requests(self) -> list[Request]:
         """Requests not yet SUCCESS or FAILED."""
         return list(self.open.values())
 
-    def publish(self, request: Request) -> None:
-        """Push the request's current status to every subscriber of this peer."""
-        status = request.status()
-        for queue in self.watchers:
-            queue.put_nowait(status)
+    def generation_of(self, room: int) -> int | None:
+        """The room's current generation (open or finished), None when the peer has no record of it."""
+        req = self.open.get(room)
+        if req is not None:
+            return req.generation
+        done = self.finished.get(room)
+        return None if done is None else done.generation
 
-    def close_watchers(self) -> None:
-        """End every status stream of this peer."""
-        for queue in self.watchers:
-            queue.put_nowait(None)
+    def snapshot(self) -> list[transfer_pb2.TransferStatus]:
+        """The current status of every request the peer has a record of (finished first)."""
+        return [*(f.status() for f in self.finished.values()), *(r.status() for r in self.open.values())]
+
+    def record_finished(self, status: transfer_pb2.TransferStatus, keep: int) -> None:
+        """Keep a finished request's final status (only that), at most ``keep`` of them, oldest out first."""
+        self.finished.pop(status.room, None)
+        self.finished[status.room] = Finished(time.monotonic(), int(status.generation), status.SerializeToString())
+        while len(self.finished) > keep:
+            del self.finished[next(iter(self.finished))]
+
+    def expire_finished(self, before: float) -> int:
+        """Forget final statuses recorded before ``before``; walks only what expires (oldest are first)."""
+        dropped = 0
+        while self.finished:
+            room = next(iter(self.finished))
+            if self.finished[room].at > before:
+                break
+            del self.finished[room]
+            dropped += 1
+        return dropped
+
+    def publish(self, status: transfer_pb2.TransferStatus) -> None:
+        """Push a status to every stream of this peer."""
+        for feed in self.feeds:
+            feed.push(status)
+
+    def end_streams(self) -> None:
+        """End every status stream once it sent what is queued; later streams end after their snapshot."""
+        self.streams_ended = True
+        for feed in self.feeds:
+            feed.close()
 
 
 def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...]:
@@ -130,13 +204,45 @@ CREDENTIAL_BYTES = 32
 """Random bytes in a peer credential (256 bits; the issue asks for at least 128)."""
 
 
+class _KeyLocks:
+    """One asyncio lock per key, held in sorted key order, kept only while someone uses it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def holding(self, keys: tuple[str, ...]) -> AsyncIterator[None]:
+        """Hold every key's lock (sorted, so two callers never wait on each other in a cycle)."""
+        ordered = sorted(set(keys))
+        entries = [self._locks.setdefault(k, (asyncio.Lock(), [0])) for k in ordered]
+        for _, users in entries:
+            users[0] += 1
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                for lock, _ in entries:
+                    await stack.enter_async_context(lock)
+                yield
+            finally:
+                for key, (_, users) in zip(ordered, entries, strict=True):
+                    users[0] -= 1
+                    if users[0] == 0:
+                        del self._locks[key]
+
+
 class PeerRegistry:
-    """Peers by id and by identity; enforces ``Limits.max_peers``; checks peer credentials."""
+    """Peers by id and by identity; enforces ``Limits.max_peers``; checks peer credentials.
+
+    ``peers`` holds registered peers, gone ones included until released. ``retired`` holds
+    peers already removed whose lane still has an engine call out: they count toward
+    ``max_peers`` until it returns, so stuck engine calls cannot pile up threads.
+    """
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.peers: dict[str, Peer] = {}
+        self.retired: dict[str, Peer] = {}
         self._by_identity: dict[str, str] = {}
+        self._identity_locks = _KeyLocks()
         # Compared against when the peer id is unknown, so both refusals take the same time.
         self._decoy = secrets.token_bytes(CREDENTIAL_BYTES)
 
@@ -144,7 +250,7 @@ class PeerRegistry:
         """A fresh peer id: random, so one peer's id says nothing about another's (ids are not secrets)."""
         while True:
             peer_id = f"p-{secrets.token_hex(8)}"
-            if peer_id not in self.peers:
+            if peer_id not in self.peers and peer_id not in self.retired:
                 return peer_id
 
     @staticmethod
@@ -163,6 +269,10 @@ class PeerRegistry:
         match = hmac.compare_digest(credential, expected)
         return peer if match and peer is not None else None
 
+    def serialized(self, identity: tuple[str, ...]) -> contextlib.AbstractAsyncContextManager[None]:
+        """Hold while registering ``identity``: registrations of one decode rank run one at a time."""
+        return self._identity_locks.holding(identity)
+
     def stale_for(self, identity: tuple[str, ...]) -> list[Peer]:
         """Registered peers that share any identity key (a restarted decode rank)."""
         ids = {self._by_identity[k] for k in identity if k in self._by_identity}
@@ -172,12 +282,20 @@ class PeerRegistry:
         """Registered peers whose process is not known to be gone."""
         return sum(1 for p in self.peers.values() if p.gone_at is None)
 
-    def check_capacity(self, replacing: int) -> None:
-        """Raise TOO_MANY_PEERS unless one more peer fits (after ``replacing`` are removed)."""
-        if self.live() - replacing >= self.limits.max_peers:
-            raise ResourceLimitError(f"too many registered peers (limit {self.limits.max_peers})",
-                                     reason=Reason.TOO_MANY_PEERS,
-                                     metadata={"limit": self.limits.max_peers, "peers": len(self.peers)})
+    def held(self) -> int:
+        """Peers counted toward ``max_peers``: registered (gone ones too) and retired with a call out."""
+        return len(self.peers) + len(self.retired)
+
+    def check_capacity(self, registering: int) -> None:
+        """Raise TOO_MANY_PEERS unless one more peer fits beside the ``registering`` ones in progress."""
+        held = self.held()
+        if held + registering >= self.limits.max_peers:
+            raise ResourceLimitError(
+                f"too many decode peers held (limit {self.limits.max_peers}: {len(self.peers)} registered, "
+                f"{len(self.retired)} released but with an engine call still out, {registering} registering)",
+                reason=Reason.TOO_MANY_PEERS,
+                metadata={"limit": self.limits.max_peers, "peers": len(self.peers),
+                          "retired": len(self.retired), "registering": registering})
 
     def add(self, peer: Peer) -> None:
         """Insert a peer (capacity already checked)."""
@@ -185,14 +303,20 @@ class PeerRegistry:
         for key in peer.identity:
             self._by_identity[key] = peer.peer_id
 
-    def remove(self, peer_id: str) -> Peer | None:
-        """Remove a peer and its identity keys; None if unknown."""
-        peer = self.peers.pop(peer_id, None)
-        if peer is not None:
-            for key in peer.identity:
-                if self._by_identity.get(key) == peer_id:
-                    del self._by_identity[key]
-        return peer
+    def remove(self, peer: Peer) -> None:
+        """Take a peer out of service: no call finds it, but it counts as retired until ``release``."""
+        if self.peers.get(peer.peer_id) is peer:
+            del self.peers[peer.peer_id]
+        for key in peer.identity:
+            if self._by_identity.get(key) == peer.peer_id:
+                del self._by_identity[key]
+        peer.finished.clear()  # a removed peer answers no status query
+        self.retired[peer.peer_id] = peer
+
+    def release(self, peer: Peer) -> None:
+        """A removed peer's engine connection is dropped: it no longer counts toward ``max_peers``."""
+        if self.retired.get(peer.peer_id) is peer:
+            del self.retired[peer.peer_id]
 
 
-__all__ = ["CREDENTIAL_BYTES", "Limits", "Peer", "PeerRegistry", "Request", "TERMINAL", "identity_of"]
+__all__ = ["CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "TERMINAL", "identity_of"]

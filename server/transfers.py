@@ -1,9 +1,10 @@
-"""Per-request transfer tasks: match chunks, plan with ``plan_chunk``, run the executor off-loop.
+"""Per-request transfer tasks: match chunks, plan with ``plan_chunk``, run the executor on the peer's lane.
 
 A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when the TP
 sizes differ). After the request's last KV chunk come the state and the aux slot, each as
 its own job (so their bytes and descriptors are counted per kind), and the request is
 SUCCESS only when they landed. The chunk notice rides on the last job of the chunk.
+Engine calls run on the peer's lane (``server/lanes.py``), with the engine deadline.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -26,13 +25,11 @@ from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, 
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
 from pdproto.v1 import common_pb2
 
-from .engine import Chunk, KvSource, PrefillEngine, RoomLog
+from .engine import Chunk, FinalState, KvSource, PrefillEngine, RoomLog
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, Request
 
 log = logging.getLogger("pdproto_server.transfers")
-
-_T = TypeVar("_T")
 
 
 def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
@@ -126,9 +123,14 @@ def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification:
     return TransferJob(segments=tuple(segments), pack=False, notification=notification)
 
 
-def run_job(executor: TransferExecutor, peer_id: str, job: TransferJob) -> TransferResult:
-    """Blocking: execute a chunk's job (runs on the worker pool, never on the loop)."""
-    return executor.execute(peer_id, job)
+async def drained(peer: Peer, room: int, generation: int, timeout: float) -> bool:
+    """True once no engine call for this request generation is out (waits up to ``timeout``, not when stuck)."""
+    lane = peer.lane
+    if not lane.busy or lane.tag != (room, generation):
+        return True
+    if lane.stuck:
+        return False
+    return await lane.wait_idle(timeout) or lane.tag != (room, generation)
 
 
 def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> list[TransferResult]:
@@ -140,35 +142,26 @@ class TransferRunner:
     """Owns request tasks: starts them, finishes every one in SUCCESS or FAILED with a reason."""
 
     def __init__(self, engine: PrefillEngine, metrics: ServiceMetrics, limits: Limits,
-                 pool: ThreadPoolExecutor) -> None:
+                 peers: Mapping[str, Peer]) -> None:
         self.engine = engine
+        self.peers = peers
+        """The registered peers by id (the registry's own map), to find a room's requests' peers."""
         self.metrics = metrics
         self.limits = limits
-        self.pool = pool
         self.on_peer_gone: Callable[[Peer], None] | None = None
         """Called when the executor reports the peer dead, so its other requests fail now."""
-        self._aborts: set[asyncio.Task[None]] = set()
+        self._aborts: set[asyncio.Task[bool]] = set()
         engine.on_abort = self._room_aborted
 
     def _room_aborted(self, room: RoomLog) -> None:
         """The engine aborted a room: fail each decode's open request for it with the engine's reason."""
         for request in list(room.requests.values()):
-            if isinstance(request, Request) and not request.terminal:
+            peer = self.peers.get(request.peer_id) if isinstance(request, Request) else None
+            if peer is not None and isinstance(request, Request) and not request.terminal:
                 task = asyncio.get_running_loop().create_task(self.stop(
-                    request, Reason.ABORTED, f"the prefill aborted room {room.room}: {room.aborted}"))
+                    peer, request, Reason.ABORTED, f"the prefill aborted room {room.room}: {room.aborted}"))
                 self._aborts.add(task)
                 task.add_done_callback(self._aborts.discard)
-
-    async def blocking(self, fn: Callable[..., _T], *args: object) -> _T:
-        """Run a blocking call on the pool; on cancellation, let it finish before re-raising."""
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            # A copy in progress cannot be interrupted; wait so the peer's memory
-            # is not disconnected (or reused by the next generation) under it.
-            await asyncio.wait([fut], timeout=self.limits.drain_timeout)
-            raise
 
     def start(self, peer: Peer, request: Request) -> None:
         """Start the request's task; the room is claimed so the engine knows a decode wants it."""
@@ -187,7 +180,7 @@ class TransferRunner:
 
     def finish(self, peer: Peer, request: Request, state: int, reason: Reason | None = None,
                message: str = "") -> None:
-        """Move a request to a terminal state once, publish it and count the outcome."""
+        """Move a request to a terminal state once, publish it, count it, and keep only its final status."""
         if request.terminal:
             return
         request.state = state
@@ -197,9 +190,14 @@ class TransferRunner:
         request.finished_at = time.monotonic()
         if peer.open.get(request.room) is request:
             del peer.open[request.room]
+        room_log = self.engine.rooms.get(request.room)
+        if room_log is not None and room_log.requests.get(peer.peer_id) is request:
+            room_log.requests[peer.peer_id] = FinalState(request.state)  # not the request and its pages
+        status = request.status()
+        peer.record_finished(status, self.limits.max_finished_per_peer)
         self.metrics.inflight.dec()
         self.metrics.requests.labels(outcome=reason.code if reason is not None else "SUCCESS").inc()
-        peer.publish(request)
+        peer.publish(status)
 
     async def _run(self, peer: Peer, request: Request) -> None:
         """The request's life: wait for each chunk, plan, transfer, report."""
@@ -217,7 +215,7 @@ class TransferRunner:
                 if chunk.last:
                     self.finish(peer, request, common_pb2.TRANSFER_STATE_SUCCESS)
                     return
-                peer.publish(request)
+                peer.publish(request.status())
                 index += 1
         except asyncio.CancelledError:
             reason, message = request.cancel_reason or (Reason.ABORTED, "request cancelled")
@@ -225,6 +223,7 @@ class TransferRunner:
             raise
         except PdprotoError as exc:
             self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, exc.reason, exc.message)
+            # A dead peer is written off whole; a stuck engine call fails only the requests it holds up.
             if exc.reason is Reason.PEER_GONE and self.on_peer_gone is not None:
                 self.on_peer_gone(peer)
         except Exception as exc:  # noqa: BLE001 - a request must never end silently
@@ -243,8 +242,10 @@ class TransferRunner:
                  for i, (_, copies) in enumerate(extras)]
         if request.state != common_pb2.TRANSFER_STATE_TRANSFERRING:
             request.state = common_pb2.TRANSFER_STATE_TRANSFERRING
-            peer.publish(request)
-        results = await self.blocking(run_jobs, self.engine.executor, peer.peer_id, jobs)
+            peer.publish(request.status())
+        results = await peer.lane.run(run_jobs, self.engine.executor, peer.peer_id, jobs,
+                                      timeout=self.limits.engine_timeout, what=f"room {request.room} chunk {chunk.index}",
+                                      drain=self.limits.drain_timeout, tag=(request.room, request.generation))
         result = results[0]
         request.bytes += result.bytes
         request.descriptors += result.descriptors
@@ -274,15 +275,24 @@ class TransferRunner:
                      else "whole" if whole else "sliced")
             self.metrics.state_items.labels(split=split).inc(len(c.items))
 
-    async def stop(self, request: Request, reason: Reason, message: str) -> None:
-        """Cancel an open request with ``reason`` and wait until its in-flight chunk drained."""
+    async def stop(self, peer: Peer, request: Request, reason: Reason, message: str) -> bool:
+        """Cancel an open request with ``reason``; True once no chunk of it is inside the engine.
+
+        It waits up to ``drain_timeout`` for an in-flight chunk (not at all when the peer's
+        lane is stuck), and then the request is terminal in any case: FAILED with ``reason``
+        is published exactly once, before any stream of the peer is ended. A request that
+        already failed while its chunk was still in the engine (DEADLINE_EXCEEDED) drains too.
+        """
         task = request.task
-        if request.terminal or task is None:
-            return
-        if request.cancel_reason is None:
-            request.cancel_reason = (reason, message)
-        task.cancel()
-        await asyncio.wait([task], timeout=self.limits.drain_timeout + 1.0)
+        if task is not None and not request.terminal:
+            if request.cancel_reason is None:
+                request.cancel_reason = (reason, message)
+            task.cancel()
+            if not peer.lane.stuck:
+                await asyncio.wait([task], timeout=self.limits.drain_timeout + 1.0)
+        if not request.terminal:
+            self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, reason, message)
+        return await drained(peer, request.room, request.generation, self.limits.drain_timeout)
 
 
-__all__ = ["TransferRunner", "build_job", "chunk_notice", "run_job", "run_jobs", "slot_copies", "slot_job"]
+__all__ = ["TransferRunner", "build_job", "chunk_notice", "drained", "run_jobs", "slot_copies", "slot_job"]

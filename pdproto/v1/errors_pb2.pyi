@@ -146,6 +146,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The server could not be reached or dropped the connection (client side; retried with backoff)."""
     ERROR_REASON_MATCH_TIMEOUT: _ErrorReason.ValueType  # 67
     """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
+    ERROR_REASON_TOO_MANY_STREAMS: _ErrorReason.ValueType  # 68
+    """Too many open status streams for one peer."""
     ERROR_REASON_CONFIG_INVALID: _ErrorReason.ValueType  # 70
     """A deployment setting violates a PD rule."""
     ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
@@ -298,6 +300,8 @@ ERROR_REASON_UNAVAILABLE: ErrorReason.ValueType  # 66
 """The server could not be reached or dropped the connection (client side; retried with backoff)."""
 ERROR_REASON_MATCH_TIMEOUT: ErrorReason.ValueType  # 67
 """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
+ERROR_REASON_TOO_MANY_STREAMS: ErrorReason.ValueType  # 68
+"""Too many open status streams for one peer."""
 ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
 """A deployment setting violates a PD rule."""
 ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80

@@ -1,0 +1,80 @@
+"""What one status stream still has to send: every change once, each request's terminal status exactly once.
+
+A stream starts with a snapshot of the peer's requests, taken in the same step that
+subscribes it (no await in between), so every later change is after the snapshot and
+none is missed. A request that was terminal in the snapshot never changes again, and one
+that was open sends its terminal status through the feed once: ``RequestRunner.finish``
+publishes it once. ``close`` marks the end, and the stream still sends everything queued
+before it: a peer deregistered while its stream is sending the snapshot still delivers
+every FAILED.
+
+A reader that falls behind does not make the feed grow with every progress update:
+above ``limit`` queued statuses the feed keeps only the newest status of each request
+generation, in the order of their last change. A terminal status is always the newest of
+its generation, so it is never dropped; the queue then holds at most one status per
+request generation the peer has (open or finished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Collection
+
+from pdproto.v1 import transfer_pb2
+
+Status = transfer_pb2.TransferStatus
+
+
+class StatusFeed:
+    """One subscriber's queue of statuses: in order, coalesced per request generation under backlog."""
+
+    def __init__(self, rooms: Collection[int] = (), *, limit: int = 1024) -> None:
+        self._rooms = frozenset(rooms)
+        self._items: deque[Status] = deque()
+        self._limit = max(1, limit)
+        self._closed = False
+        self._wake = asyncio.Event()
+
+    def push(self, status: Status) -> None:
+        """Queue a status (ignored when it is for a room this stream did not ask for)."""
+        if self._closed or (self._rooms and status.room not in self._rooms):
+            return
+        self._items.append(status)
+        if len(self._items) > self._limit:
+            self._compact()
+        self._wake.set()
+
+    def _compact(self) -> None:
+        """Keep the newest status per (room, generation), ordered by when each last changed."""
+        newest: dict[tuple[int, int], Status] = {}
+        for status in self._items:
+            key = (status.room, status.generation)
+            newest.pop(key, None)
+            newest[key] = status
+        self._items = deque(newest.values())
+        # Still above the limit: every queued status is a distinct request; let the bound follow.
+        self._limit = max(self._limit, 2 * len(self._items))
+
+    def close(self) -> None:
+        """No more statuses: the stream ends after sending what is queued."""
+        self._closed = True
+        self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        """Statuses queued and not yet sent."""
+        return len(self._items)
+
+    async def __aiter__(self) -> AsyncIterator[Status]:
+        """Every queued status, then each new one, until ``close`` and the queue is empty."""
+        while True:
+            while self._items:
+                yield self._items.popleft()
+            if self._closed:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+
+__all__ = ["StatusFeed"]

@@ -1,0 +1,117 @@
+"""Engine lanes and status feeds on their own: real threads and a real event loop, no server.
+
+A lane runs a peer's blocking calls one at a time and never lets a stuck call hold more
+than its own thread; a feed sends every request's terminal status exactly once however
+far its reader falls behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pdproto import errors as E
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2, transfer_pb2
+from pdproto_server.feed import StatusFeed
+from pdproto_server.lanes import Lane, LanePool
+
+FAILED, SUCCESS, MOVING = (common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_SUCCESS,
+                           common_pb2.TRANSFER_STATE_TRANSFERRING)
+
+
+def _status(room: int, state: int, generation: int = 0) -> transfer_pb2.TransferStatus:
+    return transfer_pb2.TransferStatus(room=room, generation=generation, state=state)  # type: ignore[arg-type]
+
+
+def test_stuck_call_fails_its_queue_and_frees_the_lane_when_it_returns() -> None:
+    pool = LanePool(4)
+    release = threading.Event()
+
+    async def main() -> None:
+        stuck, other = Lane(pool, "stuck"), Lane(pool, "other")
+        blocked = asyncio.ensure_future(stuck.run(release.wait, timeout=0.2, what="chunk 0"))
+        await asyncio.sleep(0)
+        queued = [asyncio.ensure_future(stuck.run(lambda: 1, timeout=5, what=f"chunk {i}")) for i in (1, 2)]
+        with pytest.raises(E.DeadlineExceededError) as first:
+            await blocked
+        assert first.value.reason is Reason.DEADLINE_EXCEEDED and stuck.stuck and stuck.busy
+        for q in queued:  # queued behind the stuck call: refused at once, not after their own deadline
+            with pytest.raises(E.DeadlineExceededError, match="not started"):
+                await q
+        # Another peer's lane is untouched; a cleanup call waits behind the stuck one.
+        assert await other.run(lambda: "ok", timeout=5, what="x") == "ok"
+        cleanup = asyncio.ensure_future(stuck.run(lambda: "gone", timeout=5, what="disconnect", cleanup=True))
+        await asyncio.sleep(0.05)
+        assert not cleanup.done()
+        release.set()
+        assert await cleanup == "gone"
+        assert not stuck.stuck and not stuck.busy
+        assert await stuck.run(lambda: 2, timeout=5, what="later") == 2  # served again
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        pool.shutdown()
+
+
+def test_lane_runs_calls_one_at_a_time_in_arrival_order() -> None:
+    pool = LanePool(8)
+    order: list[int] = []
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+
+    def call(i: int) -> int:
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        threading.Event().wait(0.002)
+        with lock:
+            inside -= 1
+            order.append(i)
+        return i
+
+    async def main() -> list[int]:
+        lane = Lane(pool, "p")
+        return list(await asyncio.gather(*(lane.run(call, i, timeout=5, what="c") for i in range(20))))
+
+    try:
+        assert asyncio.run(main()) == list(range(20))
+    finally:
+        pool.shutdown()
+    assert order == list(range(20)) and most == 1
+
+
+def test_feed_coalesces_progress_but_never_a_terminal_status() -> None:
+    async def main() -> list[transfer_pb2.TransferStatus]:
+        feed = StatusFeed(limit=8)
+        for room in range(50):
+            for _ in range(5):
+                feed.push(_status(room, MOVING))
+            feed.push(_status(room, SUCCESS if room % 2 else FAILED))
+        feed.push(_status(7, MOVING, generation=1))  # a newer generation of a finished room
+        assert feed.pending <= 2 * 51
+        feed.close()
+        return [s async for s in feed]
+
+    got = asyncio.run(main())
+    terminal = [(s.room, s.generation) for s in got if s.state in (SUCCESS, FAILED)]
+    assert sorted(terminal) == [(r, 0) for r in range(50)]
+    assert (7, 1) in {(s.room, s.generation) for s in got}
+
+
+def test_feed_filters_rooms_and_ends_after_what_was_queued() -> None:
+    async def main() -> list[int]:
+        feed = StatusFeed(rooms=[2, 3])
+        for room in range(5):
+            feed.push(_status(room, FAILED))
+        feed.close()
+        feed.push(_status(3, SUCCESS, generation=1))  # after close: dropped
+        return [s.room async for s in feed]
+
+    assert asyncio.run(main()) == [2, 3]

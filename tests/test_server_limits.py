@@ -1,0 +1,104 @@
+"""Memory stays inside the documented limits, against a real ``pdproto serve``.
+
+* A finished request keeps only its final status: a dozen 1 MB ``TransferInfo`` messages
+  leave the server's resident memory where it was once they completed.
+* Gone peers count toward ``--max-peers`` until they are released: a decode whose engine
+  is unreachable, registering again and again under a new identity, is refused after two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+
+from pdproto import errors as E
+from pdproto.client import HandshakeClient
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2, transfer_pb2
+from pdproto_demo.decode import DecodeRank
+
+from ._server_harness import SERVE_ARGS, SPEC, running_server
+
+pytestmark = pytest.mark.process
+
+PAGES_PER_REQUEST = 1 << 20
+"""Destination pages in one request: a page index below 128 is one byte on the wire, so about 1 MB."""
+
+
+def _rss(pid: int) -> int:
+    """Resident set size of a process, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+def test_finished_requests_keep_only_their_status() -> None:
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    # glibc otherwise raises its mmap threshold after the first big free and keeps later
+    # ones in the heap: the test would measure the allocator, not what the server keeps.
+    env = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+    try:
+        with running_server(*SERVE_ARGS, "--max-inflight", "64", env=env) as srv, \
+                HandshakeClient(srv.target, timeout=30) as client:
+            pid = client.register(peer.registration()).peer_id
+            pages = [i % 64 for i in range(PAGES_PER_REQUEST)]
+
+            def run(rooms: range) -> None:
+                for room in rooms:
+                    info = transfer_pb2.TransferInfo(room=room, dst_kv_pages=pages, is_dummy=True)
+                    assert info.ByteSize() > 1_000_000
+                    client.submit_transfer(pid, info)
+                done = client.wait_for(pid, rooms, timeout=60)
+                assert all(s.state == common_pb2.TRANSFER_STATE_SUCCESS for s in done.values()), done
+
+            run(range(1, 3))  # warm up: first-use allocations are not what is measured
+            before = _rss(srv.proc.pid)
+            run(range(100, 112))
+            grown = _rss(srv.proc.pid) - before
+            # Before the fix each finished request kept its TransferInfo and an int64 copy of
+            # its pages: about 12 MB each here, 140 MB for twelve. Their statuses are bytes.
+            assert grown < 48 << 20, f"resident memory grew by {grown >> 20} MiB after 12 finished 1 MB requests"
+            late = client.wait_for(pid, [100], timeout=5)[100]  # a late query still answers
+            assert late.state == common_pb2.TRANSFER_STATE_SUCCESS and late.chunks_done > 0
+    finally:
+        peer.close()
+
+
+def test_gone_peers_count_toward_max_peers_until_released() -> None:
+    spec = dataclasses.replace(SPEC, backend="mooncake")
+    peer = DecodeRank.for_spec(spec, pages=64, backend="mooncake")
+    accepted, refused = 0, 0
+    try:
+        with running_server(*SERVE_ARGS, "--backend", "mooncake", "--max-peers", "2", "--keep-finished", "3") as srv, \
+                HandshakeClient(srv.target, timeout=30) as client:
+            for i in range(60):
+                # A new identity each time (notify endpoint, engine session), and an engine
+                # session nothing listens on: the first transfer finds the peer gone.
+                reg = peer.registration()
+                reg.mooncake.session_id = f"127.0.0.1:{1 + i}"
+                reg.notify_endpoint.port = 30000 + i
+                try:
+                    pid = client.register(reg).peer_id
+                except E.ResourceLimitError as exc:
+                    assert exc.reason is Reason.TOO_MANY_PEERS, exc
+                    refused += 1
+                    continue
+                accepted += 1
+                client.submit_transfer(pid, peer.transfer_info(i, peer.pages_for(spec.prompt_tokens)))
+                assert client.wait_for(pid, [i], timeout=30)[i].failure_code == "PEER_GONE"
+            assert (accepted, refused) == (2, 58)
+            # Released once keep_finished has passed: a registration fits again.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    client.register(peer.registration())
+                    break
+                except E.ResourceLimitError:
+                    assert time.monotonic() < deadline, "gone peers were never released"
+                    time.sleep(0.5)
+    finally:
+        peer.close()
