@@ -41,7 +41,7 @@ class Routed:
 
 def route(frames: Sequence[bytes], *, legacy_backend: legacy.LegacyBackend | None = None) -> Routed:
     """Decode one multipart message in either dialect; raises WireError or LegacyFormatError only."""
-    frames = [bytes(f) for f in frames]
+    frames = _frames(frames)
     if frames and wire.is_envelope_frame(frames[0]):
         if len(frames) != 1:
             raise WireError(f"an Envelope travels as one frame, got {len(frames)}",
@@ -51,6 +51,25 @@ def route(frames: Sequence[bytes], *, legacy_backend: legacy.LegacyBackend | Non
     found, parsed = legacy.parse_any(frames, legacy_backend)
     backend = found.backend.value if found.backend is not None else None
     return Routed(LEGACY, parsed.message, type(parsed.message).__name__, backend, tuple(parsed.assumed))
+
+
+def _frames(frames: object) -> list[bytes]:
+    """The frames as bytes; WIRE_MALFORMED for anything that is not a sequence of bytes-like frames.
+
+    Each frame goes through ``memoryview``, never ``bytes(frame)``: ``bytes(10**9)`` would
+    allocate a gigabyte for an integer "frame", and ``bytes("x")`` raises a bare TypeError.
+    """
+    if isinstance(frames, (bytes, bytearray, memoryview, str)) or not isinstance(frames, Sequence):
+        raise WireError(f"expected a list of bytes-like frames, found {type(frames).__name__}",
+                        metadata={"type": type(frames).__name__})
+    out: list[bytes] = []
+    for i, frame in enumerate(frames):
+        try:
+            out.append(bytes(memoryview(frame)))
+        except TypeError:
+            raise WireError(f"frame {i} is {type(frame).__name__}, not bytes-like",
+                            metadata={"frame": i, "type": type(frame).__name__}) from None
+    return out
 
 
 @dataclass

@@ -39,3 +39,22 @@ def test_route_rejects_with_typed_errors(frames: list[bytes]) -> None:
     """Malformed messages raise WireError or LegacyFormatError, nothing else."""
     with pytest.raises((WireError, LegacyFormatError)):
         route(frames)
+
+
+@pytest.mark.parametrize("value", [None, 7, 10**9, 2**70, -1, "frames", b"one frame", [10**9], [b"None", 3],
+                                   ["text"], [None], 3.5])
+def test_non_frames_are_wire_errors_and_allocate_nothing(value: object) -> None:
+    """Whatever a caller hands route or wire.decode, the answer is a typed WireError, and an
+    integer "frame" is never turned into that many zero bytes."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        for call in (route, wire.decode):
+            with pytest.raises(WireError) as info:
+                call(value)  # type: ignore[arg-type]
+            assert info.value.reason.name == "WIRE_MALFORMED"
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated for a {type(value).__name__}"

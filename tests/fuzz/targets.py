@@ -1,9 +1,12 @@
-"""Fuzz targets: pdproto.wire decoders and every legacy parser, found by name.
+"""Fuzz targets: pdproto.wire decoders, the bridge, and every legacy parser, found by name.
 
 A target takes one bytes input. Wire targets read it as one frame; legacy
-targets read it as a frame list packed by ``pack_frames``. Legacy parsers are
-discovered with getattr (``parse_*`` in pdproto.legacy.mooncake / .nixl, plus
-``parse_any`` and ``classify``), so parsers added later are fuzzed too.
+targets and ``bridge.route`` read it as a frame list packed by ``pack_frames``;
+the ``*.any_value`` targets read it as a Python value of any type (``python_value``:
+None, a huge integer, a str, a float, a list mixing frames and non-frames...),
+because callers hand these functions whatever a socket or a caller produced.
+Legacy parsers are discovered with getattr (``parse_*`` in pdproto.legacy.mooncake
+/ .nixl, plus ``parse_any`` and ``classify``), so parsers added later are fuzzed too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from types import ModuleType
 
 from google.protobuf.message import Message
 
-from pdproto import wire
+from pdproto import bridge, wire
 from pdproto.errors import PdprotoError, WireError
 from pdproto.v1 import AbortNotification, Envelope
 from tests.fuzz.messages import random_message
@@ -56,6 +59,8 @@ class Target:
     """Exceptions that are expected answers to bad input; anything else is a finding."""
     frames: bool
     """True when the input is a packed frame list."""
+    values: bool = False
+    """True when the input is a ``python_value`` encoding (any Python object)."""
 
 
 def pack_frames(frames: list[bytes]) -> bytes:
@@ -83,6 +88,51 @@ def unpack_frames(data: bytes) -> list[bytes]:
         frames.append(data[pos:pos + size])
         pos += size
     return frames
+
+
+VALUE_KINDS = ("bytes", "int", "str", "none", "float", "list", "tuple", "bytearray")
+"""What ``python_value`` builds, chosen by the first input byte (modulo the count)."""
+
+
+def python_value(data: bytes, depth: int = 0) -> object:
+    """Any Python value from fuzz bytes: byte 0 picks the kind, the rest fills it (total on any input).
+
+    Integers run up to 2**64, so a decoder that calls ``bytes(n)`` on one tries to
+    allocate exabytes (a MemoryError, which the harness reports as a finding). Lists
+    hold one element per packed frame, each itself a value, so frames and non-frames mix.
+    """
+    if not data:
+        return b""
+    kind, rest = VALUE_KINDS[data[0] % len(VALUE_KINDS)], data[1:]
+    if kind == "bytes":
+        return rest
+    if kind == "int":
+        return int.from_bytes(rest[:8].ljust(8, b"\0"), "big", signed=bool(rest[8:9]))
+    if kind == "str":
+        return rest.decode("latin-1")
+    if kind == "none":
+        return None
+    if kind == "float":
+        return float(len(rest)) / 3
+    if kind == "bytearray":
+        return bytearray(rest)
+    items = [python_value(f, depth + 1) if depth < 3 else f for f in unpack_frames(rest)]
+    return items if kind == "list" else tuple(items)
+
+
+def value_input(value: object) -> bytes:
+    """The ``python_value`` encoding of bytes, or of a list of bytes frames (for seeds)."""
+    if isinstance(value, bytes):
+        return bytes([VALUE_KINDS.index("bytes")]) + value
+    assert isinstance(value, list)
+    return bytes([VALUE_KINDS.index("list")]) + pack_frames([value_input(f) for f in value])
+
+
+def _check_route(frames: object) -> object:
+    routed = bridge.route(frames)  # type: ignore[arg-type]
+    if not isinstance(routed.message, Message):
+        raise FuzzFinding(f"route returned a {type(routed.message).__name__}")
+    return routed
 
 
 def _check_wire_decode(data: bytes) -> object:
@@ -131,6 +181,11 @@ def discover() -> list[Target]:
     targets = [
         Target("wire.decode", _check_wire_decode, WireError, frames=False),
         Target("wire.decode_envelope", _check_wire_decode_envelope, WireError, frames=False),
+        Target("wire.decode.any_value", lambda data: _check_wire_decode(python_value(data)),  # type: ignore[arg-type]
+               WireError, frames=False, values=True),
+        Target("bridge.route", lambda data: _check_route(unpack_frames(data)), PdprotoError, frames=True),
+        Target("bridge.route.any_value", lambda data: _check_route(python_value(data)), PdprotoError,
+               frames=False, values=True),
     ]
     for module in _legacy_modules():
         short = module.__name__.rsplit(".", 1)[-1]
@@ -213,8 +268,15 @@ def legacy_seeds() -> list[bytes]:
 
 def seeds_for(target: Target) -> list[bytes]:
     """Seed corpus for one target: its own builder's frames when it has one."""
+    if target.values:
+        frame_lists = [unpack_frames(data) for data in legacy_seeds()]
+        return ([value_input(seed) for seed in wire_seeds()] + [value_input([s]) for s in wire_seeds()]
+                + [value_input(frames) for frames in frame_lists]
+                + [bytes([i]) + b"\xff" * 9 for i in range(len(VALUE_KINDS))])
     if not target.frames:
         return list(wire_seeds())
+    if target.name == "bridge.route":
+        return [pack_frames([seed]) for seed in wire_seeds()] + legacy_seeds()
     own = legacy_seeds_by_parser().get(target.name)
     if own:
         return list(own) + [pack_frames([frame]) for frame in INTERESTING_FRAMES]
