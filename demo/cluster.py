@@ -7,23 +7,19 @@ is laid out here (pages, chunks) and its bytes are checked by each decode rank.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import math
 import os
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from pdproto.senders import target_tp_ranks
 
 from . import data
 from .decode import DecodeConfig, DecodeProcess
 from .proc import Child, ChildError, Reply
-
-_C = TypeVar("_C", bound=Child)
 
 
 @dataclass(frozen=True)
@@ -162,7 +158,6 @@ class Cluster:
         self.notify_ports: list[int] = []
         self.peer_ids: dict[int, list[str]] = {}
         self.run_id = os.urandom(3).hex()
-        self._pids: list[int] = []
         self.log_dir = log_dir
         self.geo = geometry
         self.dst_dcp = dst_dcp
@@ -175,13 +170,9 @@ class Cluster:
         self._room = 1000
         self._src_groups = tuple(src_groups)
 
-    def _track(self, child: _C) -> _C:
-        self._pids.append(child.proc.pid)
-        return child
-
     def _prefill(self, ns: int, r: int, port: int = 0) -> Child:
         g = self.geo
-        return self._track(Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill",
+        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill",
                            ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size),
                             "--dcp-size", str(ns), "--dcp-rank", str(r % ns),
                             "--model", self.model, "--tp-size", str(self.src_tp), "--tp-rank", str(r // ns),
@@ -190,7 +181,7 @@ class Cluster:
                             "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
                             "--port", str(port), *self.prefill_args,
                             *(["--token", self.token] if self.token else [])],
-                           env=self.env, log_dir=self.log_dir))
+                           env=self.env, log_dir=self.log_dir)
 
     def _decode(self, d: int) -> DecodeProcess:
         g = self.geo
@@ -200,8 +191,7 @@ class Cluster:
                               model=self.model, tp_size=self.dst_tp, tp_rank=d % self.dst_tp,
                               slots=self.slots, replicated_bytes=self.replicated_bytes,
                               kda_heads=self.kda[0], kda_head_dim=self.kda[1])
-        return self._track(DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env,
-                                                    log_dir=self.log_dir))
+        return DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env, log_dir=self.log_dir)
 
     def launch(self, timeout: float = 120.0) -> None:
         """Start every process and wait until each is ready."""
@@ -351,8 +341,3 @@ class Cluster:
                 c.close()
             except (ChildError, OSError):
                 pass
-        # A killed local-backend process cannot unlink its /dev/shm arena; do it for it.
-        for pid in self._pids:
-            for path in glob.glob(f"/dev/shm/pdproto-{pid}-*"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)

@@ -177,7 +177,7 @@ class DecodeRank:
         rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
         layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)
         extra_bytes = sum(a.item_len for a in layout.aux) + sum(t.item_len for e in layout.state for t in e.tensors)
-        # The local backend names its /dev/shm arena itself (pid + uuid), so a restart never collides.
+        # The local backend names its arena itself (pid + uuid), so a restart never collides.
         self.executor: TransferExecutor = create_executor(
             c.backend, name=None if c.backend == "local" else self.name,
             arena_bytes=len(layout.kv) * rows * row_bytes + extra_bytes * c.slots + (2 << 20))

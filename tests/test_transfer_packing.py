@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -185,26 +184,6 @@ def test_missing_engine_names_the_package(backend: str, package: str) -> None:
     assert out.stdout.startswith("ENGINE_UNAVAILABLE"), out.stderr
     assert "pip install" in out.stdout
     assert issubclass(EngineUnavailableError, ImportError)
-
-
-@pytest.mark.process
-def test_stale_local_arenas_are_swept_but_named_ones_kept() -> None:
-    from pdproto.transfer.local import SHM_DIR, sweep_stale_arenas
-
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(timeout=60)
-    stale = os.path.join(SHM_DIR, f"pdproto-{dead.pid}-0123456789ab")
-    named = os.path.join(SHM_DIR, f"pdproto-{dead.pid}-custom-name")
-    for path in (stale, named):
-        with open(path, "wb"):
-            pass
-    try:
-        assert sweep_stale_arenas() >= 1
-        assert not os.path.exists(stale) and os.path.exists(named)
-    finally:
-        for path in (stale, named):
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 def test_staging_extents_are_disjoint_and_a_held_extent_does_not_block_others() -> None:

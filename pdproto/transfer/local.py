@@ -1,16 +1,16 @@
-"""The ``local`` backend: a single-host executor that copies rows through shared memory.
+"""The ``local`` backend: a single-host executor that copies rows into a decode's shared arena.
 
-The decode side allocates its KV buffers from an arena file under /dev/shm and
-advertises offsets into it (``LocalEndpoint``); the prefill side maps that file
-and copies rows with numpy, one strided copy per run. No engine is involved, so
-this backend is also the reference the engine executors are tested against.
+The decode side allocates its KV buffers from an arena (a sealed memfd, ``arena.py``) and
+advertises offsets into it (``LocalEndpoint``); the prefill side receives the arena's
+descriptor over the decode's Unix socket, maps it and copies rows with numpy, one strided
+copy per run. No engine is involved, so this backend is also the reference the engine
+executors are tested against. Nothing is ever opened, created or deleted under /dev/shm.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
 import threading
 import time
 import uuid
@@ -30,6 +30,7 @@ from pdproto.errors import (
 )
 from pdproto.v1 import registration_pb2
 
+from . import arena
 from .base import (
     DRAM,
     PAGE,
@@ -47,69 +48,35 @@ from .base import (
 from .memory import host_view
 from .packing import copy_runs
 
-SHM_DIR = "/dev/shm"
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs; an unreaped zombie counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    # The state letter follows the parenthesised command name, which may hold spaces.
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] not in (b"Z", b"X")
-
-
-_ARENA_NAME = re.compile(r"pdproto-(\d+)-[0-9a-f]{12}")
-
-
-def sweep_stale_arenas() -> int:
-    """Delete default-named arenas whose owner process is gone; returns how many.
-
-    A SIGKILLed decode cannot unlink its arena, and its prefill may be gone as well.
-    Only names this module generates (``pdproto-<pid>-<hex>``) are considered, so
-    arenas named by the caller are never touched.
-    """
-    removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        m = _ARENA_NAME.fullmatch(name)
-        if m is None or pid_alive(int(m.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed
-
 
 @dataclass
 class _Peer:
-    """A connected peer: its mapped arena and registered bounds."""
+    """A connected peer: its handed-over arena and registered bounds."""
 
-    endpoint: registration_pb2.LocalEndpoint
-    mapping: mmap.mmap
+    lease: arena.Lease
     view: np.ndarray
     regions: list[tuple[int, int]]
     lock: threading.Lock
 
 
 class LocalExecutor:
-    """Copies rows between processes of one host through a /dev/shm arena."""
+    """Copies rows between processes of one host through a decode's sealed memfd arena."""
 
     backend = "local"
 
-    def __init__(self, *, arena_bytes: int = 1 << 30, name: str | None = None) -> None:
-        """Create an executor; the arena (sparse, so only touched pages cost memory) is made lazily."""
+    def __init__(self, *, arena_bytes: int = 1 << 30, name: str | None = None,
+                 connect_timeout_s: float = 5.0) -> None:
+        """Create an executor; the arena (sparse, so only touched pages cost memory) is made lazily.
+
+        ``connect_timeout_s`` bounds how long ``connect`` waits for a decode to hand its arena over.
+        """
         self.stats = TransferStats()
         self._arena_bytes = arena_bytes
         self._name = name or f"pdproto-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._connect_timeout = connect_timeout_s
         self._arena: mmap.mmap | None = None
+        self._arena_fd = -1
+        self._server: arena.ArenaServer | None = None
         self._arena_view: np.ndarray | None = None
         self._next = 0
         self._local: list[tuple[int, int]] = []
@@ -119,14 +86,14 @@ class LocalExecutor:
 
     def _ensure_arena(self) -> np.ndarray:
         if self._arena_view is None:
-            sweep_stale_arenas()
-            path = os.path.join(SHM_DIR, self._name)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = arena.create(self._name, self._arena_bytes)
             try:
-                os.ftruncate(fd, self._arena_bytes)
                 self._arena = mmap.mmap(fd, self._arena_bytes)
-            finally:
+                self._server = arena.ArenaServer(fd, self._arena_bytes)
+            except BaseException:
                 os.close(fd)
+                raise
+            self._arena_fd = fd
             self._arena_view = np.frombuffer(self._arena, dtype=np.uint8)
         return self._arena_view
 
@@ -158,35 +125,35 @@ class LocalExecutor:
                 self._local.append((b.addr, b.length))
 
     def endpoint(self) -> Endpoint:
-        """The ``LocalEndpoint`` naming this process's arena."""
+        """The ``LocalEndpoint``: this process's arena, and the socket that hands it over."""
         with self._lock:
             self._ensure_arena()
-        return registration_pb2.LocalEndpoint(shm_name=self._name, size=self._arena_bytes,
-                                              pid=os.getpid())
+        assert self._server is not None
+        return registration_pb2.LocalEndpoint(shm_name=self._name, size=self._arena_bytes, pid=os.getpid(),
+                                              socket=self._server.name, secret=self._server.secret)
 
     def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
-        """Map the peer's arena; raises PEER_GONE when the arena or its owner is gone."""
+        """Receive and map the peer's arena; a typed error when it is unusable or its owner is gone.
+
+        Every KV buffer must lie inside the arena (a length of 0 means "to the arena's end").
+        """
         if registration.WhichOneof("transport") != "local":
             raise TopologyError("registration carries no local endpoint",
                                 reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
                                 metadata={"transport": registration.WhichOneof("transport")})
-        ep = registration.local
-        if "/" in ep.shm_name or not ep.shm_name:
-            raise InvalidFieldError("registration.local.shm_name", "bad arena name",
-                                    metadata={"shm_name": ep.shm_name})
-        try:
-            fd = os.open(os.path.join(SHM_DIR, ep.shm_name), os.O_RDWR)
-        except OSError as exc:
-            raise RequestFailedError("peer arena not found", reason=Reason.PEER_GONE,
-                                     metadata={"peer": peer_id, "shm_name": ep.shm_name}) from exc
-        try:
-            size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        regions = [(p, n) for p, n in remote_regions(registration)]
-        peer = _Peer(endpoint=ep, mapping=mapping, view=np.frombuffer(mapping, dtype=np.uint8),
-                     regions=[(p, n if n > 0 else size - p) for p, n in regions if p < size],
+        declared = remote_regions(registration)
+        # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
+        need = 0 if any(n == 0 for _, n in declared) else max((p + n for p, n in declared), default=0)
+        lease = arena.fetch(registration.local, need, timeout=self._connect_timeout)
+        regions = []
+        for i, (ptr, length) in enumerate(declared):
+            if ptr >= lease.size:
+                lease.close()
+                raise InvalidFieldError(f"registration.kv_buffers[{i}].ptr",
+                                        f"offset {ptr} is outside the {lease.size}-byte arena",
+                                        metadata={"ptr": ptr, "arena": lease.size})
+            regions.append((ptr, length or lease.size - ptr))
+        peer = _Peer(lease=lease, view=np.frombuffer(lease.mapping, dtype=np.uint8), regions=regions,
                      lock=threading.Lock())
         with self._lock:
             old = self._peers.pop(peer_id, None)
@@ -203,16 +170,19 @@ class LocalExecutor:
         return peer
 
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
-        """Copy every layer's rows into the peer's arena, one strided copy per run; PEER_GONE if its owner died."""
+        """Copy every layer's rows into the peer's arena, one strided copy per run.
+
+        PEER_GONE when the decode closed its arena socket (it exited or closed its
+        executor), checked before and after the copy. The copy itself cannot fault: the
+        arena is sealed against shrinking and the mapping lies inside its sealed size.
+        """
         t0 = time.perf_counter()
         validate_job(job)
         peer = self._peer(peer_id)
         ndesc = 0
         with peer.lock:
             try:
-                if not pid_alive(peer.endpoint.pid):
-                    raise RequestFailedError("peer process is gone", reason=Reason.PEER_GONE,
-                                             metadata={"peer": peer_id, "pid": peer.endpoint.pid})
+                _check_alive(peer_id, peer, "the decode closed its arena (it exited or closed its executor)")
                 with self._lock:
                     local = list(self._local)
                 check_bounds(job, local=local, remote=peer.regions)
@@ -224,10 +194,7 @@ class LocalExecutor:
                     copy_runs(src, layer.row_bytes, dst, layer.dst_pitch, seg.runs, layer.nbytes)
                     # What an engine would need: one descriptor per stretch adjacent on both sides.
                     ndesc += count_segments(seg.runs) if layer.whole_rows else seg.num_rows
-                if not pid_alive(peer.endpoint.pid):
-                    raise RequestFailedError("peer process died during the transfer",
-                                             reason=Reason.PEER_GONE,
-                                             metadata={"peer": peer_id, "pid": peer.endpoint.pid})
+                _check_alive(peer_id, peer, "the decode closed its arena during the transfer")
             except PdprotoError:
                 with self._lock:
                     self.stats.failures += 1
@@ -250,26 +217,23 @@ class LocalExecutor:
         return []
 
     def disconnect(self, peer_id: str) -> None:
-        """Unmap the peer's arena, and delete it if its owner died without doing so."""
+        """Unmap the peer's arena and close its socket; the memory stays the decode's."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
         if peer is None:
             return
         with peer.lock:
             _unmap(peer)
-            if not pid_alive(peer.endpoint.pid):
-                try:
-                    os.unlink(os.path.join(SHM_DIR, peer.endpoint.shm_name))
-                except OSError:
-                    pass
 
     def close(self) -> None:
-        """Disconnect every peer, then unmap and delete this process's arena."""
+        """Disconnect every peer, stop handing this arena out, and drop it (prefills see the hang-up)."""
         if self._closed:
             return
         self._closed = True
         for peer_id in list(self._peers):
             self.disconnect(peer_id)
+        if self._server is not None:
+            self._server.close()
         if self._arena is not None:
             self._arena_view = None
             try:
@@ -277,18 +241,20 @@ class LocalExecutor:
             except BufferError:
                 # Buffers handed out still reference the map; the OS frees it at exit.
                 pass
-            try:
-                os.unlink(os.path.join(SHM_DIR, self._name))
-            except OSError:
-                pass
+        if self._arena_fd >= 0:
+            os.close(self._arena_fd)
+            self._arena_fd = -1
+
+
+def _check_alive(peer_id: str, peer: _Peer, message: str) -> None:
+    if not peer.lease.alive():
+        raise RequestFailedError(message, reason=Reason.PEER_GONE,
+                                 metadata={"peer": peer_id, "pid": peer.lease.pid})
 
 
 def _unmap(peer: _Peer) -> None:
     peer.view = np.zeros(0, dtype=np.uint8)
-    try:
-        peer.mapping.close()
-    except BufferError:
-        pass
+    peer.lease.close()
 
 
-__all__ = ["LocalExecutor", "pid_alive", "sweep_stale_arenas"]
+__all__ = ["LocalExecutor"]

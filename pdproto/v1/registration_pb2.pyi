@@ -69,29 +69,50 @@ Global___NixlEndpoint: _TypeAlias = NixlEndpoint  # noqa: Y015
 
 @_typing.final
 class LocalEndpoint(_message.Message):
-    """LocalEndpoint identifies a decode's shared-memory arena for the single-host local backend."""
+    """LocalEndpoint identifies a decode's shared-memory arena for the single-host local backend.
+    The decode hands the arena over as a sealed memfd on `socket`; the prefill never opens
+    a file by name.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SHM_NAME_FIELD_NUMBER: _builtins.int
     SIZE_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    SOCKET_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
     shm_name: _builtins.str
-    """Name of the arena file under /dev/shm; KvBuffer.ptr values are offsets inside it."""
+    """Name of the arena (the memfd's name); it identifies the decode's arena across restarts.
+    KvBuffer.ptr values are offsets inside the arena. Older decodes named a /dev/shm file
+    here; a prefill no longer opens files by name, and refuses an endpoint without `socket`.
+    """
     size: _builtins.int
     """Size of the arena in bytes."""
     pid: _builtins.int
-    """Process id of the decode that owns the arena, so the prefill can tell it is gone."""
+    """Process id of the decode that owns the arena; the prefill checks it against the
+    credentials of the process on the other end of `socket` (SO_PEERCRED).
+    """
+    socket: _builtins.str
+    """Abstract Unix socket (Linux, without the leading NUL) on which the decode hands its arena
+    over with SCM_RIGHTS, named "pdproto-arena-<pid>-<32 hex digits>". The prefill keeps the
+    connection open: when it closes, the decode or its arena is gone.
+    """
+    secret: _builtins.bytes
+    """Random bytes (at least 16) the prefill presents on `socket`; the decode hands its arena
+    only to a holder of this registration.
+    """
     def __init__(
         self,
         *,
         shm_name: _builtins.str = ...,
         size: _builtins.int = ...,
         pid: _builtins.int = ...,
+        socket: _builtins.str = ...,
+        secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "secret", b"secret", "shm_name", b"shm_name", "size", b"size", "socket", b"socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
