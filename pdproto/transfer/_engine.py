@@ -1,8 +1,17 @@
-"""Shared machinery of the engine executors: registration bookkeeping, staging and the pipeline.
+"""Shared machinery of the engine executors: registration bookkeeping, staging, the pipeline, deadlines.
 
 Subclasses supply the engine calls (``_submit``, ``_wait``, ``_send_notification``
 and the registration hooks); this class turns a ``TransferJob``'s runs into
 per-layer descriptor batches, packing through staging where it can.
+
+Every engine call for a peer runs on that peer's own thread (its *lane*), and the
+caller waits at most ``transfer_timeout_s``. An engine call cannot be interrupted
+(Mooncake blocks in native code while a frozen or silent peer does not answer), so a
+call that overruns raises ``DEADLINE_EXCEEDED`` to its caller and leaves only the
+peer's own lane busy: that peer's next calls fail at once until the engine gives
+the stuck call up, and no other peer waits for anything it holds. The stuck call
+keeps its staging extent and engine handles until the engine returns, then frees
+them like any finished call.
 """
 
 from __future__ import annotations
@@ -12,12 +21,14 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pdproto.dcp.runs import source_rows
-from pdproto.errors import NotFoundError, PdprotoError, Reason
+from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason
 from pdproto.v1 import registration_pb2
 
 from .base import (
@@ -42,6 +53,8 @@ from .packing import Descs, Gatherer, StagingExtents, packed_descriptors, row_de
 Inflight = collections.deque[tuple[Any, int, int, int]]
 """Submitted batches: (engine handle, first staging byte read, end byte, descriptors)."""
 
+_T = TypeVar("_T")
+
 
 def rdma_present() -> bool:
     """True when the kernel lists an RDMA device (Mooncake "rdma", UCX's ib transports)."""
@@ -60,8 +73,16 @@ class PeerState:
     """Engine handle of the peer: Mooncake session id or NIXL agent name."""
     regions: list[tuple[int, int]]
     device: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
     extra: dict[str, Any] = field(default_factory=dict)
+    lane: ThreadPoolExecutor | None = None
+    """The peer's own thread: every engine call for this peer runs there, one at a time."""
+    deadline: float = 0.0
+    """``time.monotonic()`` by which the call running on the lane must finish (engine waits read it)."""
+    stuck: Future[Any] | None = None
+    """A call that overran its deadline and is still inside the engine."""
+    stuck_at: float = 0.0
+    retired: Future[Any] | None = None
+    """The disconnect queued on the lane; done once every earlier call on the lane ended."""
 
 
 class EngineExecutor:
@@ -73,8 +94,13 @@ class EngineExecutor:
     submit_blocks = False
     """True when ``_submit`` itself moves the bytes (NIXL over UCX shared memory)."""
 
-    def __init__(self, *, staging_bytes: int = 0, device: str = "cpu") -> None:
+    disconnect_waits = False
+    """True when ``_disconnect`` must not run before the peer's in-flight call ended (NIXL)."""
+
+    def __init__(self, *, staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0) -> None:
         """Set up bookkeeping; subclasses start their engine, then call ``_init_staging``."""
+        self.transfer_timeout_s = transfer_timeout_s
+        """Longest one ``execute`` or ``notify`` may take, waiting behind the peer's earlier calls included."""
         self.stats = TransferStats()
         self._device = device
         self._buffers: list[Buffer] = []
@@ -87,6 +113,9 @@ class EngineExecutor:
         self._staging_bytes = staging_bytes
         self._gatherer = Gatherer()
         self._pool: ThreadPoolExecutor | None = None
+        self._handles = 0
+        self._retiring: dict[str, PeerState] = {}
+        """Disconnected peers whose lane still runs (a stuck call, then the disconnect)."""
         self._closed = False
 
     # ---- hooks for subclasses ----------------------------------------------------------
@@ -161,11 +190,12 @@ class EngineExecutor:
         """Load the peer's transport from its registration; replaces an earlier connection."""
         state = self._connect(peer_id, registration)
         state.regions = remote_regions(registration)
+        state.lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-peer")
         with self._lock:
             old = self._peers.pop(peer_id, None)
             self._peers[peer_id] = state
-        if old is not None and old.remote != state.remote:
-            self._disconnect(old)
+        if old is not None:
+            self._retire(old)
 
     def _peer(self, peer_id: str) -> PeerState:
         with self._lock:
@@ -176,18 +206,112 @@ class EngineExecutor:
         return peer
 
     def disconnect(self, peer_id: str) -> None:
-        """Forget the peer and drop its engine connection; unknown peers are ignored."""
+        """Forget the peer and drop its engine connection; unknown peers are ignored.
+
+        Never waits for a stuck call: the connection is dropped on the peer's lane, after
+        whatever it is running (NIXL waits for that up to ``transfer_timeout_s``, so a
+        restarted decode's agent is unloaded before its new metadata arrives).
+        """
         with self._lock:
             peer = self._peers.pop(peer_id, None)
         if peer is not None:
-            with peer.lock:
-                self._disconnect(peer)
+            self._retire(peer)
+
+    def quiesce(self, peer_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` until no call for the peer is inside the engine; True once none is.
+
+        A call that overran its deadline may still be writing into the peer's pages; a
+        caller that lets the decode reuse them (an Abort acknowledgement) waits here first.
+        A disconnected peer counts until its lane finished; an unknown one is quiet.
+        """
+        with self._lock:
+            peer = self._peers.get(peer_id) or self._retiring.get(peer_id)
+        if peer is None or peer.lane is None:
+            return True
+        marker: Future[Any] | None
+        try:
+            marker = peer.lane.submit(lambda: None)
+        except RuntimeError:
+            marker = peer.retired  # shut down: the queued disconnect is its last task
+        if marker is None:
+            return True
+        try:
+            marker.result(timeout=max(0.0, timeout))
+        except FutureTimeout:
+            return False
+        except PdprotoError:
+            pass
+        return True
+
+    def _retire(self, peer: PeerState) -> None:
+        """Drop ``peer``'s engine connection on its lane, then let the lane's thread end."""
+        lane = peer.lane
+        if lane is None:
+            self._disconnect(peer)
+            return
+        try:
+            done = peer.retired = lane.submit(self._disconnect, peer)
+        except RuntimeError:
+            return  # already retired
+        lane.shutdown(wait=False)
+        with self._lock:
+            self._retiring[peer.peer_id] = peer
+
+        def forget(_: Future[Any]) -> None:
+            with self._lock:
+                if self._retiring.get(peer.peer_id) is peer:
+                    del self._retiring[peer.peer_id]
+
+        done.add_done_callback(forget)
+        if self.disconnect_waits:
+            try:
+                done.result(timeout=self.transfer_timeout_s + 1.0)
+            except (FutureTimeout, PdprotoError):
+                pass
 
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
         """Send a standalone notification (NIXL); False where the backend has none."""
         peer = self._peer(peer_id)
-        with peer.lock:
-            return self._send_notification(peer, encode_notification(room, payload))
+        return self._on_lane(peer, "notification", self._send_notification, peer,
+                             encode_notification(room, payload))
+
+    def _on_lane(self, peer: PeerState, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` on the peer's lane and wait for it at most ``transfer_timeout_s``."""
+        stuck = peer.stuck
+        if stuck is not None and not stuck.done():
+            raise DeadlineExceededError(
+                f"an earlier call to this peer has been stuck in the engine for "
+                f"{time.monotonic() - peer.stuck_at + self.transfer_timeout_s:.0f} s (the peer is frozen or "
+                f"not answering); its {what}s fail until the engine gives that call up",
+                reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
+        timeout = self.transfer_timeout_s
+        deadline = time.monotonic() + timeout
+
+        def run() -> _T:
+            peer.deadline = deadline
+            return fn(*args)
+
+        lane = peer.lane
+        if lane is None:
+            return run()
+        try:
+            fut = lane.submit(run)
+        except RuntimeError:
+            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
+                                metadata={"peer": peer.peer_id}) from None
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            if fut.cancel():
+                message = f"the {what} waited {timeout:g} s behind earlier calls to this peer and never started"
+            else:
+                peer.stuck, peer.stuck_at = fut, time.monotonic()
+                message = (f"the {what} did not complete within {timeout:g} s: the peer is frozen, overloaded "
+                           f"or not answering")
+            with self._lock:
+                self.stats.timeouts += 1
+            raise DeadlineExceededError(message, reason=Reason.DEADLINE_EXCEEDED,
+                                        metadata={"peer": peer.peer_id, "timeout_s": timeout}) from None
 
     def notifications(self) -> list[Notification]:
         """Notifications received since the last call; empty unless the engine has them."""
@@ -195,40 +319,48 @@ class EngineExecutor:
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
-        """Run the job layer by layer (pack the next while one is in flight); raises a ``PdprotoError``."""
+        """Run the job layer by layer (pack the next while one is in flight); raises a ``PdprotoError``.
+
+        The job runs on the peer's lane; a job that has not finished within
+        ``transfer_timeout_s`` raises ``DeadlineExceededError`` (see the module doc).
+        """
         t0 = time.perf_counter()
         validate_job(job)
         peer = self._peer(peer_id)
+        try:
+            return self._on_lane(peer, "transfer", self._execute, peer, job, t0)
+        except PdprotoError:
+            with self._lock:
+                self.stats.failures += 1
+            raise
+
+    def _execute(self, peer: PeerState, job: TransferJob, t0: float) -> TransferResult:
+        """The job itself, on the peer's lane."""
         units = job.units()
-        with peer.lock:
+        check_bounds(job, local=self._local_regions(), remote=peer.regions)
+        staging = self._staging
+        want = job.pack and bool(units)
+        widest = max((seg.num_rows * layer.nbytes for seg, layer in units), default=0)
+        # Packing needs staging on the same side (host or device) as every source layer.
+        fits = (staging is not None and widest <= staging.length
+                and all(self._kind_of(layer.src_ptr)[0] == staging.kind for _, layer in units))
+        extent = None
+        if want and fits and self._extents is not None:
+            total = sum(seg.num_rows * layer.nbytes for seg, layer in units)
+            wait = max(0.0, min(self.staging_wait_s, peer.deadline - time.monotonic()))
+            extent = self._extents.acquire(widest, total, wait)
+            fits = extent is not None
+        if extent is not None:
+            assert self._extents is not None
             try:
-                check_bounds(job, local=self._local_regions(), remote=peer.regions)
-                staging = self._staging
-                want = job.pack and bool(units)
-                widest = max((seg.num_rows * layer.nbytes for seg, layer in units), default=0)
-                # Packing needs staging on the same side (host or device) as every source layer.
-                fits = (staging is not None and widest <= staging.length
-                        and all(self._kind_of(layer.src_ptr)[0] == staging.kind for _, layer in units))
-                extent = None
-                if want and fits and self._extents is not None:
-                    total = sum(seg.num_rows * layer.nbytes for seg, layer in units)
-                    extent = self._extents.acquire(widest, total, self.staging_wait_s)
-                    fits = extent is not None
-                if extent is not None:
-                    assert self._extents is not None
-                    try:
-                        ndesc, pack_s = self._run_packed(peer, units, extent)
-                    finally:
-                        self._extents.release(*extent)
-                else:
-                    ndesc, pack_s = self._run_rows(peer, units), 0.0
-                notified = False
-                if job.notification is not None:
-                    notified = self._send_notification(peer, job.notification)
-            except PdprotoError:
-                with self._lock:
-                    self.stats.failures += 1
-                raise
+                ndesc, pack_s = self._run_packed(peer, units, extent)
+            finally:
+                self._extents.release(*extent)
+        else:
+            ndesc, pack_s = self._run_rows(peer, units), 0.0
+        notified = False
+        if job.notification is not None:
+            notified = self._send_notification(peer, job.notification)
         nbytes = job.nbytes
         fallback = want and not fits
         with self._lock:  # jobs for different peers finish concurrently
@@ -252,8 +384,11 @@ class EngineExecutor:
         for i in range(0, len(descs), self.max_batch):
             chunk = descs[i:i + self.max_batch]
             while inflight and sum(e[3] for e in inflight) + len(chunk) > cap:
-                self._wait(peer, inflight.popleft()[0])
-            inflight.append((self._submit(peer, chunk, mem[0], mem[1]), lo, hi, len(chunk)))
+                self._finish(peer, inflight.popleft()[0])
+            handle = self._submit(peer, chunk, mem[0], mem[1])
+            with self._lock:
+                self._handles += 1
+            inflight.append((handle, lo, hi, len(chunk)))
 
     def _run_rows(self, peer: PeerState, units: list[tuple[Segment, LayerSpan]]) -> int:
         """Per-row (run-merged) descriptors straight from the source buffers."""
@@ -265,7 +400,7 @@ class EngineExecutor:
                 self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
                 total += len(descs)
             while inflight:
-                self._wait(peer, inflight.popleft()[0])
+                self._finish(peer, inflight.popleft()[0])
         finally:
             self._drain(peer, [e[0] for e in inflight])
         return total
@@ -330,12 +465,12 @@ class EngineExecutor:
                     self._push(peer, inflight, descs, mem, lo, hi)
                 if nxt < len(units):
                     while any(overlaps(nxt, e) for e in inflight):
-                        self._wait(peer, inflight.popleft()[0])
+                        self._finish(peer, inflight.popleft()[0])
                     pending = self._pack_pool().submit(pack, nxt)
                 if late:
                     self._push(peer, inflight, descs, mem, lo, hi)
             while inflight:
-                self._wait(peer, inflight.popleft()[0])
+                self._finish(peer, inflight.popleft()[0])
         finally:
             if pending is not None:
                 pending.exception()  # never leave the pack thread writing staging behind us
@@ -348,13 +483,31 @@ class EngineExecutor:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-pack")
             return self._pool
 
+    def _finish(self, peer: PeerState, handle: Any) -> None:
+        """Wait for one submitted batch; it no longer counts as held, whatever the outcome."""
+        try:
+            self._wait(peer, handle)
+        finally:
+            with self._lock:
+                self._handles -= 1
+
     def _drain(self, peer: PeerState, handles: Any) -> None:
         """After a failure, still wait out submitted work so no engine read outlives its buffer."""
         for h in list(handles):
             try:
-                self._wait(peer, h)
+                self._finish(peer, h)
             except PdprotoError:
                 pass
+
+    def held(self) -> tuple[int, int]:
+        """(engine batches submitted and not yet waited out, staging bytes reserved by jobs).
+
+        Both are 0 once every call, stuck ones included, has left the engine.
+        """
+        with self._lock:
+            handles = self._handles
+        free = self._extents.free_bytes() if self._extents is not None else 0
+        return handles, (self._extents.length - free) if self._extents is not None else 0
 
     # ---- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
@@ -362,11 +515,17 @@ class EngineExecutor:
         if self._closed:
             return
         self._closed = True
-        for peer_id in list(self._peers):
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
             try:
-                self.disconnect(peer_id)
+                self.disconnect(peer.peer_id)
             except PdprotoError:
                 pass
+        if not self._lanes_idle(peers, self.transfer_timeout_s + 5.0):
+            # A call is still inside the engine and may read our buffers: deregistering
+            # or stopping the engine under it could crash the process. Leave both to exit.
+            return
         with self._lock:
             buffers, self._buffers = self._buffers, []
         for b in buffers:
@@ -377,6 +536,22 @@ class EngineExecutor:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._close_engine()
+
+
+    @staticmethod
+    def _lanes_idle(peers: list[PeerState], timeout: float) -> bool:
+        """Wait up to ``timeout`` for every retired peer's lane to finish; False if one is still busy."""
+        end = time.monotonic() + timeout
+        for peer in peers:
+            if peer.retired is None:
+                continue
+            try:
+                peer.retired.result(timeout=max(0.0, end - time.monotonic()))
+            except FutureTimeout:
+                return False
+            except PdprotoError:
+                pass
+        return True
 
 
 __all__ = ["EngineExecutor", "PeerState", "rdma_present"]

@@ -178,6 +178,8 @@ class TransferStats:
     packed_jobs: int = 0
     pack_fallbacks: int = 0
     failures: int = 0
+    timeouts: int = 0
+    """Calls that ran past the executor's ``transfer_timeout_s`` (also counted in ``failures``)."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,10 @@ class TransferExecutor(Protocol):
 
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
         """Send a standalone notification; False when the backend has none."""
+        ...
+
+    def quiesce(self, peer_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` until no engine call for the peer (a timed-out one included) runs."""
         ...
 
     def notifications(self) -> list[Notification]:

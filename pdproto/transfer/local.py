@@ -207,6 +207,10 @@ class LocalExecutor:
         return TransferResult(bytes=nbytes, descriptors=ndesc,
                               seconds=time.perf_counter() - t0, packed=False, fallback=False)
 
+    def quiesce(self, peer_id: str, timeout: float) -> bool:
+        """True: a copy never outlives its ``execute`` call here."""
+        return True
+
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
         """The local backend has no notification channel; always False."""
         self._peer(peer_id)

@@ -6,19 +6,38 @@ only at a batch's first descriptor, so it cannot tell that a batch is done.)
 A stock TCP transport fails a batch of 4,096 descriptors with "lane
 queue-full". So batches stay at 2,048, and at most that many descriptors are
 queued per job.
+
+Mooncake's calls block in native code for as long as a peer does not answer: a
+frozen decode holds a batch until the TCP transport's progress timeout (30 s by
+default) and then a probe for up to 60 s more; a session that accepts connections
+and never answers holds the first submit, under a lock every other peer's submit
+needs, for 60 s. So the executor (1) runs every call on the peer's own lane with a
+deadline (``_engine.py``), (2) starts the engine with its progress and transfer
+timeouts set to ``transfer_timeout_s`` (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
+``MC_TRANSFER_TIMEOUT``; an operator's own values win), so a stuck call ends soon
+after its deadline, and (3) probes a session and fetches its segment descriptor before
+accepting it (``connect``), on a helper thread it waits for at most
+``connect_timeout_s`` and off the engine's shared lock: a black-holed session is
+refused at registration, and a peer that stops answering later stalls only its own
+lane (measured: with the descriptor fetched at connect, a second peer's transfer took
+4 ms while the first, frozen, held its own; without it, the second peer timed out too).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from typing import Any
 
 from pdproto.errors import (
+    DeadlineExceededError,
     EngineUnavailableError,
     InvalidFieldError,
     PdprotoError,
     Reason,
+    RequestFailedError,
     TopologyError,
     TransferError,
     error_for,
@@ -30,6 +49,8 @@ from .base import VRAM, Buffer, Endpoint, MemoryKind
 from .packing import Descs
 
 _INIT_LOCK = threading.Lock()
+MAX_PENDING_PROBES = 16
+"""Probes that may wait on silent sessions at once; past that, registrations are refused at once."""
 
 
 def _import_engine() -> Any:
@@ -53,16 +74,23 @@ class MooncakeExecutor(EngineExecutor):
     max_batch = 2048
 
     def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 staging_bytes: int = 0, device: str = "cpu",
-                 transfer_timeout_s: float | None = None, **_: Any) -> None:
-        """Start the engine on ``host`` with ``protocol`` ("tcp", "rdma" or "auto") and P2P handshakes."""
-        super().__init__(staging_bytes=staging_bytes, device=device)
+                 staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 5.0, **_: Any) -> None:
+        """Start the engine on ``host`` with ``protocol`` ("tcp", "rdma" or "auto") and P2P handshakes.
+
+        ``transfer_timeout_s`` bounds every ``execute``; ``connect_timeout_s`` bounds the
+        probe of a new peer's session in ``connect``.
+        """
+        super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
         engine_cls = _import_engine()
         if protocol == "auto":
             protocol = "rdma" if rdma_present() else "tcp"
-        if transfer_timeout_s is not None:
-            # The engine reads its per-transfer timeout from the environment at start-up.
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, int(transfer_timeout_s)))
+        self.connect_timeout_s = connect_timeout_s
+        self._probing = 0
+        # The engine reads these once, when it starts; the first executor of a process sets them.
+        seconds = str(max(1, math.ceil(transfer_timeout_s)))
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", seconds)
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
         with _INIT_LOCK:
             self._engine = engine_cls()
             rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
@@ -97,7 +125,48 @@ class MooncakeExecutor(EngineExecutor):
         if not session or ":" not in session:
             raise InvalidFieldError("registration.mooncake.session_id", "bad Mooncake session id",
                                     metadata={"session_id": session})
+        # Probe the session, then fetch its segment descriptor: the engine's first submit
+        # would fetch it under a lock every peer's submit takes, and block them all while
+        # a silent session does not answer. Fetched here, off that lock and bounded.
+        answered = self._probe(session, self.connect_timeout_s, warm=True)
+        if answered is None:
+            raise DeadlineExceededError(
+                f"the decode's Mooncake session {session} did not complete a handshake within "
+                f"{self.connect_timeout_s:g} s (frozen, or not a Mooncake engine)",
+                reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer_id, "session_id": session})
+        if not answered:
+            raise RequestFailedError(f"the decode's Mooncake session {session} does not answer its handshake port",
+                                     reason=Reason.PEER_GONE, metadata={"peer": peer_id, "session_id": session})
         return PeerState(peer_id=peer_id, remote=session, regions=[])
+
+    def _probe(self, session: str, timeout: float, *, warm: bool = False) -> bool | None:
+        """Whether ``session`` answers Mooncake's probe (and, with ``warm``, hands over its segment).
+
+        None if it did not within ``timeout``. Both calls block in native code for up to
+        a minute on a silent session, so they run on a daemon thread of their own; at most
+        ``MAX_PENDING_PROBES`` may be waiting at once (past that, None at once).
+        """
+        with self._lock:
+            if self._probing >= MAX_PENDING_PROBES:
+                return None
+            self._probing += 1
+        result: list[bool] = []
+
+        def probe() -> None:
+            try:
+                ok = self._engine.send_probe(session) == 0
+                # A live engine has registered memory, so its first buffer is not at 0.
+                result.append(ok and (not warm or self._engine.get_first_buffer_address(session) != 0))
+            except Exception:  # noqa: BLE001 - a probe that raises means the same as one that fails
+                result.append(False)
+            finally:
+                with self._lock:
+                    self._probing -= 1
+
+        thread = threading.Thread(target=probe, name="pdproto-mooncake-probe", daemon=True)
+        thread.start()
+        thread.join(max(0.0, timeout))
+        return result[0] if result else None
 
     def _disconnect(self, peer: PeerState) -> None:
         # The engine pools endpoints itself and has no per-session teardown call.
@@ -116,11 +185,8 @@ class MooncakeExecutor(EngineExecutor):
             raise self._failure(peer, "Mooncake batch failed", rc)
 
     def _failure(self, peer: PeerState, message: str, rc: object) -> PdprotoError:
-        """Map a bare engine rc to a reason: PEER_GONE when the peer no longer answers a probe."""
-        try:
-            alive = self._engine.send_probe(peer.remote) == 0
-        except Exception:  # noqa: BLE001 - a probe that raises means the same as one that fails
-            alive = False
+        """Map a bare engine rc to a reason: PEER_GONE when the peer does not answer a probe in time."""
+        alive = self._probe(peer.remote, min(self.connect_timeout_s, peer.deadline - time.monotonic()))
         reason = Reason.TRANSFER_FAILED if alive else Reason.PEER_GONE
         return error_for(reason, message if alive else f"{message}: peer unreachable",
                          metadata={"peer": peer.peer_id, "session_id": peer.remote, "rc": rc})

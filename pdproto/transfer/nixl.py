@@ -1,16 +1,23 @@
 """NIXL executor: one ``nixl_agent`` with the UCX backend per process, DRAM or VRAM.
 
-The peer is loaded from ``NixlEndpoint.agent_metadata``. Descriptor lists are
-built from N×3 numpy arrays, because a tuple list costs 170 ms or more per 58k
-descriptors. A job's completion notification goes out only after every WRITE
-of the job is DONE, so a notification never overtakes data; it is sent even
-when the job has no rows.
+The peer is loaded from ``NixlEndpoint.agent_metadata``, and its identity is the agent
+name NIXL reads from that metadata: it must equal the registered ``agent_name``
+(otherwise the registration is refused and the agent unloaded again, unless another
+peer uses it). Several peers may reach one agent; it is unloaded when the last of them
+disconnects, so one peer's Deregister never cuts off another's transfers. Descriptor
+lists are built from N×3 numpy arrays, because a tuple list costs 170 ms or more per
+58k descriptors. A job's completion notification goes out only after every WRITE of
+the job is DONE, so a notification never overtakes data; it is sent even when the job
+has no rows. A transfer still running at its deadline is released (UCX cancels it);
+a handle NIXL will not release yet is retried later, never dropped.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -20,8 +27,10 @@ import numpy as np
 
 from pdproto.errors import (
     DeadlineExceededError,
+    DestinationOutOfBoundsError,
     EngineUnavailableError,
     InvalidFieldError,
+    PdprotoError,
     Reason,
     RequestFailedError,
     TopologyError,
@@ -39,14 +48,32 @@ PROGRESS_DELAY_US = 1000
 
 
 def _import_api() -> Any:
+    # UCX logs to stdout unless told otherwise, and reads that when its library loads.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     # nixl-cu12 imports as nixl_cu12; other builds (nixl, nixl-cu13) as nixl.
     for module in ("nixl_cu12._api", "nixl._api"):
         try:
-            return importlib.import_module(module)
+            api = importlib.import_module(module)
         except ImportError as exc:
             error = exc
+        else:
+            _logs_to_stderr()
+            return api
     raise EngineUnavailableError("NIXL is not installed: pip install nixl-cu12 (needs torch)",
                                  metadata={"package": "nixl-cu12", "error": error}) from error
+
+
+def _logs_to_stderr() -> None:
+    """Point NIXL's Python log handlers at stderr: the wrapper logs INFO lines to stdout.
+
+    (UCX's own log goes to stderr through ``UCX_LOG_FILE``, set before the import.)
+
+    A process whose stdout is a protocol (``pdproto serve`` prints its JSON ``listening``
+    line there; the demo's child processes answer on it) must not get engine chatter in it.
+    """
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
 
 
 def _skip_verbs_modules() -> None:
@@ -111,12 +138,14 @@ class NixlExecutor(EngineExecutor):
     # UCX's shared-memory transport (cma) copies inside postXferReq, so packing the next
     # layer is overlapped with the submit call itself.
     submit_blocks = True
+    # Unloading an agent under an in-flight request frees the request inside NIXL.
+    disconnect_waits = True
 
     def __init__(self, *, name: str | None = None, staging_bytes: int = 0, device: str = "cpu",
                  transfer_timeout_s: float = 30.0, progress_delay_us: int = PROGRESS_DELAY_US,
                  **_: Any) -> None:
         """Create the agent ``name`` (a uuid when omitted) with the UCX backend."""
-        super().__init__(staging_bytes=staging_bytes, device=device)
+        super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
         self._api = _import_api()
         self._name = name or f"pdproto-{uuid.uuid4()}"
         try:
@@ -124,8 +153,13 @@ class NixlExecutor(EngineExecutor):
         except Exception as exc:  # noqa: BLE001 - the binding raises bare RuntimeErrors
             raise TransferError("NIXL agent failed to start", reason=Reason.TRANSFER_FAILED,
                                 metadata={"name": self._name, "error": exc}) from exc
-        self._timeout = transfer_timeout_s
         self._reg: dict[int, Any] = {}
+        self._agents: dict[str, set[int]] = {}
+        """Loaded remote agent -> the connections (one per ``connect``) that reach it; unloaded when none is left."""
+        self._agent_lock = threading.Lock()
+        self._connections = 0
+        self._unreleased: list[Any] = []
+        """Transfer handles NIXL would not release yet (still cancelling); retried later."""
         self._inbox_lock = threading.Lock()
         self._init_staging()
 
@@ -161,27 +195,64 @@ class NixlExecutor(EngineExecutor):
             raise TopologyError("registration carries no NIXL endpoint",
                                 reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
                                 metadata={"transport": registration.WhichOneof("transport")})
+        with self._agent_lock:  # loading, checking and counting one agent is one step
+            name = self._load_agent(peer_id, registration.nixl)
+            self._connections += 1
+            conn = self._connections
+            self._agents.setdefault(name, set()).add(conn)
+        kinds = {b.memory_kind for b in registration.kv_buffers}
+        # An unset kind reads as VRAM, as legacy SGLang does.
+        kind = common_pb2.MEMORY_KIND_DRAM if kinds == {common_pb2.MEMORY_KIND_DRAM} else VRAM
+        state = PeerState(peer_id=peer_id, remote=name, regions=[], device=registration.gpu_id)
+        state.extra["mem"] = self._mem(kind)
+        state.extra["conn"] = conn
+        return state
+
+    def _load_agent(self, peer_id: str, endpoint: registration_pb2.NixlEndpoint) -> str:
+        """Load the peer's metadata; the agent name inside it, which must be the one registered."""
         try:
-            remote = self._agent.add_remote_agent(registration.nixl.agent_metadata)
+            loaded = self._agent.add_remote_agent(endpoint.agent_metadata)
         except Exception as exc:  # noqa: BLE001
             raise InvalidFieldError("registration.nixl.agent_metadata",
                                     "NIXL could not load the peer's agent metadata",
                                     metadata={"peer": peer_id, "error": exc}) from exc
-        if isinstance(remote, bytes):
-            remote = remote.decode()
-        kinds = {b.memory_kind for b in registration.kv_buffers}
-        # An unset kind reads as VRAM, as legacy SGLang does.
-        kind = common_pb2.MEMORY_KIND_DRAM if kinds == {common_pb2.MEMORY_KIND_DRAM} else VRAM
-        state = PeerState(peer_id=peer_id, remote=str(remote), regions=[],
-                          device=registration.gpu_id)
-        state.extra["mem"] = self._mem(kind)
-        return state
+        raw = loaded if isinstance(loaded, bytes) else str(loaded).encode()
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self._unload_unless_used(raw)
+            raise InvalidFieldError("registration.nixl.agent_metadata",
+                                    "the agent name inside the metadata is not UTF-8",
+                                    metadata={"peer": peer_id, "agent_hex": raw[:64].hex()}) from None
+        if name != endpoint.agent_name:
+            self._unload_unless_used(raw)
+            raise InvalidFieldError("registration.nixl.agent_name",
+                                    f"the metadata describes agent {name[:80]!r}, not {endpoint.agent_name[:80]!r}; "
+                                    "a peer is the agent its metadata loads",
+                                    metadata={"peer": peer_id, "agent_name": endpoint.agent_name[:80],
+                                              "metadata_agent": name[:80]})
+        return name
+
+    def _unload_unless_used(self, agent: bytes) -> None:
+        """Unload an agent a refused registration loaded, unless a connected peer reaches it (lock held)."""
+        if self._agents.get(agent.decode("utf-8", "replace")):
+            return
+        try:
+            self._agent.remove_remote_agent(agent)
+        except Exception:  # noqa: BLE001 - not loaded is fine
+            pass
 
     def _disconnect(self, peer: PeerState) -> None:
-        try:
-            self._agent.remove_remote_agent(peer.remote)
-        except Exception:  # noqa: BLE001 - already gone is fine
-            pass
+        with self._agent_lock:
+            holders = self._agents.get(peer.remote, set())
+            holders.discard(peer.extra["conn"])
+            if holders:
+                return  # another peer still reaches this agent
+            self._agents.pop(peer.remote, None)
+            try:
+                self._agent.remove_remote_agent(peer.remote)
+            except Exception:  # noqa: BLE001 - already gone is fine
+                pass
 
     def _submit(self, peer: PeerState, descs: Descs, kind: MemoryKind, device: int) -> Any:
         n = len(descs)
@@ -195,8 +266,12 @@ class NixlExecutor(EngineExecutor):
             handle = self._agent.initialize_xfer(
                 "WRITE", self._agent.get_xfer_descs(local, self._mem(kind)),
                 self._agent.get_xfer_descs(remote, peer.extra["mem"]), peer.remote)
+        except Exception as exc:  # noqa: BLE001
+            raise self._refused(peer, exc) from exc
+        try:
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001
+            self._release(handle)
             raise RequestFailedError("NIXL could not post the transfer", reason=Reason.PEER_GONE,
                                      metadata={"peer": peer.peer_id, "error": exc}) from exc
         if state == "ERR":
@@ -205,8 +280,22 @@ class NixlExecutor(EngineExecutor):
                                      metadata={"peer": peer.peer_id})
         return handle
 
+    def _refused(self, peer: PeerState, exc: Exception) -> PdprotoError:
+        """Why NIXL would not build a transfer: the peer's agent is gone, or the rows lie outside its memory.
+
+        NIXL says NOT_FOUND in both cases. With the agent still loaded, the descriptors
+        fall outside every region the peer registered with NIXL (its ``KvBuffer.length``
+        said more, or 0): that request is refused and the peer stays connected.
+        """
+        if self._agent.check_remote_metadata(peer.remote):
+            return DestinationOutOfBoundsError(
+                "destination rows fall outside the memory the peer registered with NIXL",
+                reason=Reason.DESTINATION_OUT_OF_BOUNDS, metadata={"peer": peer.peer_id, "error": exc})
+        return RequestFailedError("NIXL no longer knows the peer's agent", reason=Reason.PEER_GONE,
+                                  metadata={"peer": peer.peer_id, "error": exc})
+
     def _wait(self, peer: PeerState, handle: Any) -> None:
-        deadline = time.monotonic() + self._timeout
+        deadline = peer.deadline or time.monotonic() + self.transfer_timeout_s
         spins = 0
         try:
             while True:
@@ -224,7 +313,7 @@ class NixlExecutor(EngineExecutor):
                 if time.monotonic() > deadline:
                     raise DeadlineExceededError("NIXL transfer did not complete in time",
                                                 reason=Reason.DEADLINE_EXCEEDED,
-                                                metadata={"peer": peer.peer_id, "timeout_s": self._timeout})
+                                                metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
                 spins += 1
                 # Spin briefly for short transfers, then yield the core to the progress thread.
                 if spins > 50:
@@ -233,10 +322,21 @@ class NixlExecutor(EngineExecutor):
             self._release(handle)
 
     def _release(self, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - releasing a failed request may itself fail
-            pass
+        """Release (and so cancel) a transfer; one NIXL cannot cancel yet is kept and retried later."""
+        with self._lock:
+            pending, self._unreleased = [*self._unreleased, handle], []
+        for h in pending:
+            try:
+                self._agent.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - NIXL_ERR_REPOST_ACTIVE: the cancel is still under way
+                with self._lock:
+                    self._unreleased.append(h)
+
+    def held(self) -> tuple[int, int]:
+        """As ``EngineExecutor.held``, counting handles NIXL has not released yet (cancels under way)."""
+        handles, staging = super().held()
+        with self._lock:
+            return handles + len(self._unreleased), staging
 
     def _send_notification(self, peer: PeerState, data: bytes) -> bool:
         try:
@@ -260,7 +360,7 @@ class NixlExecutor(EngineExecutor):
         return out
 
     def _close_engine(self) -> None:
-        # Dropping the agent tears down UCX; its destructor releases leaked handles.
+        # Dropping the agent tears down UCX; its destructor releases what is left.
         self._agent = None
 
 

@@ -168,6 +168,11 @@ class StagingExtents:
                     return None
                 self._cond.wait(left)
 
+    def free_bytes(self) -> int:
+        """Bytes no job holds right now."""
+        with self._cond:
+            return sum(size for _, size in self._free)
+
     def release(self, offset: int, length: int) -> None:
         """Return a range from ``acquire`` and merge it with free neighbours."""
         with self._cond:

@@ -1,0 +1,290 @@
+"""Engine executors against stuck, black-holed and misregistered peers, in a process of their own.
+
+``python -m tests._engine_rig SCENARIO BACKEND`` prints one JSON report on stdout
+(everything else goes to stderr). It runs in its own process because NIXL wants one agent
+per process, and because UCX must be told to use TCP (where a frozen peer really stalls a
+transfer; over shared memory UCX writes into a stopped process at once) before its first
+agent starts.
+
+* ``frozen``: decodes A and B; A is SIGSTOPped; a transfer to A must fail with
+  DEADLINE_EXCEEDED at ``transfer_timeout_s`` while a transfer to B, started after A's
+  call entered the engine, completes; A's next call fails at once; once the engine gives
+  A's call up, nothing is held (no engine handle, no staging byte); after SIGCONT, A is
+  served byte-exact again.
+* ``blackhole`` (Mooncake): a socket that accepts and never answers is registered as a
+  session: ``connect`` fails with DEADLINE_EXCEEDED within ``connect_timeout_s``, and B is
+  served while that connect is still waiting.
+* ``identity`` (NIXL): registrations whose metadata loads another agent than the one they
+  name, or an agent whose name is not UTF-8, are refused and leave nothing loaded; a
+  registration naming another live peer's agent does not cut that peer off.
+* ``shared`` (NIXL): two peers reaching one agent; one disconnects, the other is still served.
+* ``bounds`` (NIXL): a peer whose ``KvBuffer.length`` says nothing (0) is sent a row past the
+  memory it registered with NIXL: that job fails DESTINATION_OUT_OF_BOUNDS, the peer stays
+  connected and its next job lands byte-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pdproto.errors import PdprotoError
+from pdproto.transfer import LayerSpan, TransferJob, create_executor
+from pdproto.transfer._engine import EngineExecutor
+from pdproto.v1 import registration_pb2
+from pdproto_demo.decode import DecodeConfig, DecodeProcess
+from pdproto_demo.proc import redirect_stdout_to_stderr
+
+ROW, ROWS = 4096, 2048
+TIMEOUT = 3.0
+ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "MC_TCP_PROGRESS_TIMEOUT_SEC": "8", "MC_TRANSFER_TIMEOUT": "8"}
+"""NIXL over TCP on loopback, in this process and in the decodes; Mooncake gives a stuck batch up
+after 8 s, well after the executor's 3 s deadline (as an operator's own setting would)."""
+
+
+def _outcome(fn: Any) -> dict[str, Any]:
+    """Run ``fn``; what came of it (ok, or the error's class and reason) and how long it took."""
+    t = time.monotonic()
+    try:
+        fn()
+        out: dict[str, Any] = {"ok": True}
+    except PdprotoError as exc:
+        out = {"ok": False, "error": type(exc).__name__, "reason": exc.reason.name, "message": exc.message}
+    out["seconds"] = round(time.monotonic() - t, 3)
+    return out
+
+
+class Rig:
+    """A prefill executor with one filled source buffer, and decode processes to write into."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        ex = create_executor(backend, staging_bytes=32 << 20, transfer_timeout_s=TIMEOUT, connect_timeout_s=2.0)
+        assert isinstance(ex, EngineExecutor)
+        self.ex = ex
+        self.src = ex.allocate(ROWS * ROW)
+        self.src.array[:] = np.random.default_rng(3).integers(0, 256, ROWS * ROW, dtype=np.uint8)
+        ex.register_memory([self.src])
+        self.peers: dict[str, DecodeProcess] = {}
+
+    def add(self, name: str) -> DecodeProcess:
+        peer = DecodeProcess.launch(DecodeConfig(backend=self.backend, layers=1, pages=ROWS, page_size=1,
+                                                 row_bytes=ROW, background=0), label=name, env=ENV)
+        self.peers[name] = peer
+        self.ex.connect(name, peer.registration)
+        return peer
+
+    def job(self, name: str) -> TransferJob:
+        """Every source row into the same row of the peer, packed."""
+        runs = np.array([[0, 1, 0, 1, ROWS]], dtype=np.int64)
+        dst = self.peers[name].registration.kv_buffers[0].ptr
+        return TransferJob.of_runs([LayerSpan(self.src.addr, dst, ROW)], runs, pack=True)
+
+    def exact(self, name: str) -> bool:
+        """Whether the peer's buffer holds every source row."""
+        path = os.path.join(tempfile.mkdtemp(), "dump.bin")
+        self.peers[name].dump(path)
+        return bool(np.array_equal(np.fromfile(path, dtype=np.uint8), np.asarray(self.src.array)))
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.kill(signal.SIGCONT)
+            peer.close()
+        self.ex.close()
+
+
+def frozen(rig: Rig, report: dict[str, Any]) -> None:
+    """A frozen decode fails its own transfers at the deadline and holds nothing anyone else needs."""
+    rig.add("A")
+    rig.add("B")
+    report["warm"] = [_outcome(lambda n=n: rig.ex.execute(n, rig.job(n))) for n in ("A", "B")]
+    rig.peers["B"].fill(0)
+    rig.peers["A"].kill(signal.SIGSTOP)
+    result: dict[str, Any] = {}
+    stuck = threading.Thread(target=lambda: result.update(_outcome(lambda: rig.ex.execute("A", rig.job("A")))))
+    stuck.start()
+    time.sleep(0.5)  # A's call is inside the engine by now
+    report["other"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))
+    report["other_done_while_stuck"] = stuck.is_alive()
+    report["other_exact"] = rig.exact("B")
+    stuck.join(TIMEOUT + 30)
+    report["stuck"] = result
+    report["quiet_while_stuck"] = rig.ex.quiesce("A", 0.1)
+    report["next"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    report["quiet_later"] = rig.ex.quiesce("A", 120)
+    waited = time.monotonic()
+    while rig.ex.held() != (0, 0) and time.monotonic() - waited < 120:
+        time.sleep(0.2)
+    report["held_after"] = list(rig.ex.held())
+    report["released_after_s"] = round(time.monotonic() - waited, 1)
+    rig.peers["A"].kill(signal.SIGCONT)
+    rig.peers["A"].fill(0)
+    # The engine may still be tearing the stuck call down: retry a few times.
+    for _ in range(20):
+        report["resumed"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+        if report["resumed"]["ok"]:
+            break
+        time.sleep(0.5)
+    report["resumed_exact"] = rig.exact("A")
+    report["stats_timeouts"] = rig.ex.stats.timeouts
+
+
+def blackhole(rig: Rig, report: dict[str, Any]) -> None:
+    """A session that accepts connections and never answers is refused at connect; B is served meanwhile."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(silent.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        rig.add("B")
+        report["warm"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))  # torch loads on the first pack
+        rig.peers["B"].fill(0)
+        reg = registration_pb2.KvRegistration()
+        reg.mooncake.session_id = f"127.0.0.1:{silent.getsockname()[1]}"
+        reg.kv_buffers.add(ptr=1 << 40, length=ROWS * ROW)
+        result: dict[str, Any] = {}
+        connecting = threading.Thread(target=lambda: result.update(_outcome(lambda: rig.ex.connect("hole", reg))))
+        connecting.start()
+        time.sleep(0.3)
+        report["other"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))
+        report["other_done_while_connecting"] = connecting.is_alive()
+        report["other_exact"] = rig.exact("B")
+        connecting.join(30)
+        report["connect"] = result
+        report["held_after"] = list(rig.ex.held())
+    finally:
+        silent.close()
+        for s in held:
+            s.close()
+
+
+def _refused(fn: Any) -> dict[str, Any]:
+    """``_outcome`` plus the field an InvalidFieldError names."""
+    try:
+        fn()
+    except PdprotoError as exc:
+        return {"ok": False, "error": type(exc).__name__, "reason": exc.reason.name,
+                "field": getattr(exc, "field", None), "message": exc.message}
+    return {"ok": True}
+
+
+def _loaded(rig: Rig, agent: str | bytes) -> bool:
+    """Whether the prefill's NIXL agent still has ``agent``'s metadata loaded."""
+    return bool(rig.ex._agent.check_remote_metadata(agent))  # type: ignore[attr-defined]
+
+
+def identity(rig: Rig, report: dict[str, Any]) -> None:
+    """A NIXL peer is the agent its metadata loads; mismatches and non-UTF-8 names are refused."""
+    a = rig.add("A")
+    own = a.registration.nixl.agent_name
+    # Names another agent than the one its metadata loads (A's): refused, A untouched.
+    liar = registration_pb2.KvRegistration()
+    liar.CopyFrom(a.registration)
+    liar.nixl.agent_name = "not-" + own
+    report["mismatch"] = _refused(lambda: rig.ex.connect("liar", liar))
+    rig.ex.disconnect("liar")
+    report["a_after_mismatch"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    # Metadata of an agent nobody connected: refused and unloaded again.
+    stranger = rig.add("S")
+    rig.ex.disconnect("S")
+    report["stranger_unloaded_on_disconnect"] = not _loaded(rig, stranger.registration.nixl.agent_name)
+    odd = registration_pb2.KvRegistration()
+    odd.CopyFrom(stranger.registration)
+    odd.nixl.agent_name = "someone-else"
+    report["mismatch_unknown"] = _refused(lambda: rig.ex.connect("odd", odd))
+    report["mismatch_left_loaded"] = _loaded(rig, stranger.registration.nixl.agent_name)
+    # The agent name inside the metadata is not UTF-8 (same length, so the metadata still parses).
+    name = stranger.registration.nixl.agent_name.encode()
+    bad_name = name[:-4] + b"\xff\xfe\xfd\xfc"
+    mangled = registration_pb2.KvRegistration()
+    mangled.CopyFrom(stranger.registration)
+    mangled.nixl.agent_metadata = stranger.registration.nixl.agent_metadata.replace(name, bad_name)
+    report["not_utf8"] = _refused(lambda: rig.ex.connect("mangled", mangled))
+    report["not_utf8_left_loaded"] = _loaded(rig, bad_name)
+    report["a_at_end"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    report["a_exact"] = rig.exact("A")
+
+
+def shared(rig: Rig, report: dict[str, Any]) -> None:
+    """Two peers reach one agent; the first one's disconnect leaves the second one served."""
+    a = rig.add("A")
+    rig.ex.connect("A2", a.registration)
+    rig.peers["A2"] = a
+    rig.ex.disconnect("A")
+    report["after_other_left"] = _outcome(lambda: rig.ex.execute("A2", rig.job("A2")))
+    report["exact"] = rig.exact("A2")
+    report["loaded_while_used"] = _loaded(rig, a.registration.nixl.agent_name)
+    rig.ex.disconnect("A2")
+    report["unloaded_when_unused"] = not _loaded(rig, a.registration.nixl.agent_name)
+    del rig.peers["A2"]
+
+
+def bounds(rig: Rig, report: dict[str, Any]) -> None:
+    """A row past the peer's NIXL region refuses that job only."""
+    a = rig.add("A")
+    unbounded = registration_pb2.KvRegistration()
+    unbounded.CopyFrom(a.registration)
+    unbounded.kv_buffers[0].length = 0  # "unknown": only the engine can tell
+    rig.ex.connect("A", unbounded)
+    dst = a.registration.kv_buffers[0].ptr
+    past = TransferJob.of_runs([LayerSpan(rig.src.addr, dst, ROW)],
+                               np.array([[0, 1, ROWS - 2, 1, 4]], dtype=np.int64), pack=False)
+    report["past"] = _refused(lambda: rig.ex.execute("A", past))
+    report["connected_after"] = "A" in rig.ex._peers
+    report["inside"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    report["exact"] = rig.exact("A")
+
+
+SCENARIOS: dict[str, Callable[[Rig, dict[str, Any]], None]] = {
+    "frozen": frozen, "blackhole": blackhole, "identity": identity, "shared": shared, "bounds": bounds}
+
+
+def run_scenario(scenario: str, backend: str, timeout: float = 240.0) -> dict[str, Any]:
+    """Parent side: run one scenario in a fresh process and return its report."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tests._engine_rig", scenario, backend], cwd=repo,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise RuntimeError(f"{scenario} ({backend}) exited {proc.returncode}: {proc.stderr[-3000:]}")
+    report: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return report
+
+
+def main(argv: list[str]) -> int:
+    """Run one scenario and print its report as one JSON line on the real stdout."""
+    os.environ.update(ENV)  # before the first NIXL agent of this process starts
+    out = redirect_stdout_to_stderr()
+    scenario, backend = argv
+    rig = Rig(backend)
+    report: dict[str, Any] = {}
+    try:
+        SCENARIOS[scenario](rig, report)
+    finally:
+        rig.close()
+    out.write(json.dumps(report) + "\n")
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
