@@ -102,7 +102,11 @@ async def _main(args: argparse.Namespace) -> int:
     config = _config(args)
     spec = _spec(args)
     # The local backend's arena holds only what this process advertises as a destination (nothing).
-    executor = create_executor(args.backend, arena_bytes=1 << 20, staging_bytes=args.staging_bytes)
+    # The executor bounds each engine call by the same deadline as the server's lanes, and a
+    # new Mooncake session's probe by half of it, so its own error (naming the handshake) comes first.
+    executor = create_executor(args.backend, arena_bytes=1 << 20, staging_bytes=args.staging_bytes,
+                               transfer_timeout_s=args.engine_timeout,
+                               connect_timeout_s=max(1.0, args.engine_timeout / 2))
     try:
         engine = PrefillEngine(build_source(spec, executor), executor)
         metrics = ServiceMetrics()

@@ -268,6 +268,8 @@ class HandshakeCore:
             safe = await self.runner.stop(peer, req, Reason.ABORTED, "aborted by the decode")
         else:  # finished, maybe while its chunk was still inside the engine (DEADLINE_EXCEEDED)
             safe = await drained(peer, note.room, current, self.limits.drain_timeout)
+        # The executor may have given a call up at its own deadline while the engine still runs it.
+        safe = safe and await asyncio.to_thread(self.engine.executor.quiesce, peer.peer_id, self.limits.drain_timeout)
         if not safe:
             raise DeadlineExceededError(
                 f"room {note.room} is aborted, but a chunk is still inside the transfer engine after "
