@@ -2,8 +2,9 @@
 
 * A finished request keeps only its final status: a dozen 1 MB ``TransferInfo`` messages
   leave the server's resident memory where it was once they completed.
-* Gone peers count toward ``--max-peers`` until they are released: a decode whose engine
-  is unreachable, registering again and again under a new identity, is refused after two.
+* Gone peers count toward ``--max-peers`` until they are released: decodes whose engine
+  dies right after Register, registering again and again under a new identity, are refused
+  after two.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pdproto import errors as E
 from pdproto.client import HandshakeClient
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, transfer_pb2
-from pdproto_demo.decode import DecodeRank
+from pdproto_demo.decode import DecodeConfig, DecodeProcess, DecodeRank
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
@@ -71,15 +72,22 @@ def test_finished_requests_keep_only_their_status() -> None:
 def test_gone_peers_count_toward_max_peers_until_released() -> None:
     spec = dataclasses.replace(SPEC, backend="mooncake")
     peer = DecodeRank.for_spec(spec, pages=64, backend="mooncake")
+    # Mooncake decodes that die right after they registered: the prefill probed their
+    # engine at Register, and their first transfer finds them gone.
+    doomed = [DecodeProcess.launch(DecodeConfig(backend="mooncake", layers=spec.layers, pages=64,
+                                                page_size=spec.page_size, row_bytes=spec.row_bytes),
+                                   label=f"doomed-{k}") for k in range(2)]
     accepted, refused = 0, 0
     try:
         with running_server(*SERVE_ARGS, "--backend", "mooncake", "--max-peers", "2", "--keep-finished", "3") as srv, \
                 HandshakeClient(srv.target, timeout=30) as client:
             for i in range(60):
-                # A new identity each time (notify endpoint, engine session), and an engine
-                # session nothing listens on: the first transfer finds the peer gone.
+                # A new identity each time (notify endpoint, engine session). Past --max-peers
+                # the capacity check refuses before the engine is asked, so any session will do.
                 reg = peer.registration()
-                reg.mooncake.session_id = f"127.0.0.1:{1 + i}"
+                victim = doomed[accepted] if accepted < len(doomed) else None
+                reg.mooncake.session_id = (victim.registration.mooncake.session_id if victim is not None
+                                           else f"127.0.0.1:{1 + i}")
                 reg.notify_endpoint.port = 30000 + i
                 try:
                     pid = client.register(reg).peer_id
@@ -88,6 +96,8 @@ def test_gone_peers_count_toward_max_peers_until_released() -> None:
                     refused += 1
                     continue
                 accepted += 1
+                assert victim is not None, "registered past --max-peers"
+                victim.kill_and_reap()
                 client.submit_transfer(pid, peer.transfer_info(i, peer.pages_for(spec.prompt_tokens)))
                 assert client.wait_for(pid, [i], timeout=30)[i].failure_code == "PEER_GONE"
             assert (accepted, refused) == (2, 58)
@@ -102,3 +112,5 @@ def test_gone_peers_count_toward_max_peers_until_released() -> None:
                     time.sleep(0.5)
     finally:
         peer.close()
+        for d in doomed:
+            d.close()
