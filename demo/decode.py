@@ -110,6 +110,8 @@ class DecodeConfig:
     """KDA heads of the model before TP (hybrid)."""
     kda_head_dim: int = ModelShape.kda_head_dim
     """KDA head dimension (hybrid)."""
+    advertise_host: str = ""
+    """Address the engine advertises to prefills (empty: ``PDPROTO_ADVERTISE_HOST``, else a routable one)."""
 
     def argv(self) -> list[str]:
         """The command line that starts this rank as a process."""
@@ -179,7 +181,7 @@ class DecodeRank:
         extra_bytes = sum(a.item_len for a in layout.aux) + sum(t.item_len for e in layout.state for t in e.tensors)
         # The local backend names its arena itself (pid + uuid), so a restart never collides.
         self.executor: TransferExecutor = create_executor(
-            c.backend, name=None if c.backend == "local" else self.name,
+            c.backend, name=None if c.backend == "local" else self.name, host=c.advertise_host or None,
             arena_bytes=len(layout.kv) * rows * row_bytes + extra_bytes * c.slots + (2 << 20))
         vram = c.device.startswith("cuda")
         device = int(c.device.partition(":")[2] or 0) if vram else 0

@@ -45,6 +45,9 @@ class BackendSpec:
     """``module:Class`` of the executor; imported only when one is created."""
     single_host: bool = False
     """True when the engine copies within one host only (tests, demos, single-node setups)."""
+    host_in: str = ""
+    """Endpoint field that starts with the host the engine advertises (``host:port``); "" when
+    the endpoint carries none a prefill can read (NIXL's metadata is opaque)."""
     notifications: bool = False
     """True when the engine delivers notifications to the decode (chunk notices arrive there)."""
 
@@ -55,7 +58,7 @@ class BackendSpec:
 
 ALL: tuple[BackendSpec, ...] = (
     BackendSpec("mooncake", common_pb2.BACKEND_MOONCAKE, "mooncake", registration_pb2.MooncakeEndpoint,
-                "session_id", "pdproto.transfer.mooncake:MooncakeExecutor"),
+                "session_id", "pdproto.transfer.mooncake:MooncakeExecutor", host_in="session_id"),
     BackendSpec("nixl", common_pb2.BACKEND_NIXL, "nixl", registration_pb2.NixlEndpoint,
                 "agent_name", "pdproto.transfer.nixl:NixlExecutor", notifications=True),
     BackendSpec("local", common_pb2.BACKEND_LOCAL, "local", registration_pb2.LocalEndpoint,

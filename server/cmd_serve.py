@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds final statuses and gone peers stay queryable")
     kv = parser.add_argument_group("synthetic KV source")
     kv.add_argument("--backend", choices=backends.NAMES, default="local")
+    kv.add_argument("--advertise-host", default=None,
+                    help="address the transfer engine advertises (default: PDPROTO_ADVERTISE_HOST, else a "
+                         "routable address of this host)")
     kv.add_argument("--staging-bytes", type=int, default=64 << 20,
                     help="packing region of mooncake/nixl executors (0 disables packing)")
     kv.add_argument("--layers", type=int, default=4)
@@ -105,7 +108,7 @@ async def _main(args: argparse.Namespace) -> int:
     # The executor bounds each engine call by the same deadline as the server's lanes, and a
     # new Mooncake session's probe by half of it, so its own error (naming the handshake) comes first.
     executor = create_executor(args.backend, arena_bytes=1 << 20, staging_bytes=args.staging_bytes,
-                               transfer_timeout_s=args.engine_timeout,
+                               transfer_timeout_s=args.engine_timeout, host=args.advertise_host,
                                connect_timeout_s=max(1.0, args.engine_timeout / 2))
     try:
         engine = PrefillEngine(build_source(spec, executor), executor)

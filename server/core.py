@@ -92,22 +92,23 @@ class HandshakeCore:
 
     # -- Register / Deregister -------------------------------------------------
 
-    async def register(self, request: hs.RegisterRequest) -> hs.RegisterResponse:
+    async def register(self, request: hs.RegisterRequest, origin: str = "") -> hs.RegisterResponse:
         """Negotiate, replace a restarted peer's stale state, connect the executor, admit.
 
         The response carries the new peer's credential, which every later call for it must present.
+        ``origin`` is the gRPC peer string of the call (validation reads where it came from).
         """
         try:
-            result = await self._register(request)
+            result = await self._register(request, origin)
         except PdprotoError as exc:
             self.metrics.registrations.labels(outcome=exc.reason.code).inc()
             raise
         self.metrics.registrations.labels(outcome="ACCEPTED").inc()
         return result
 
-    async def _register(self, request: hs.RegisterRequest) -> hs.RegisterResponse:
+    async def _register(self, request: hs.RegisterRequest, origin: str) -> hs.RegisterResponse:
         self._accepting()
-        reg = check_registration(request)
+        reg = check_registration(request, origin)
         started = time.perf_counter()
         verdict = negotiate(self.info, reg)
         self.metrics.negotiation_seconds.observe(time.perf_counter() - started)

@@ -30,7 +30,7 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def Register(self, request: hs.RegisterRequest, context: Ctx) -> hs.RegisterResponse:
         """Negotiate a layout for one decode rank."""
-        return await self.core.register(request)
+        return await self.core.register(request, context.peer())
 
     @_status.unary
     async def SubmitTransfer(self, request: hs.SubmitTransferRequest, context: Ctx) -> hs.SubmitTransferResponse:

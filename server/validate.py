@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto import backends
+from pdproto.reach import unreachable
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
 from pdproto.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
@@ -16,8 +17,12 @@ from .registry import Peer
 _MAX_PAGE = (1 << 31) - 1
 
 
-def check_registration(request: hs.RegisterRequest) -> registration_pb2.KvRegistration:
-    """The registration, or an ``InvalidFieldError`` naming every malformed field."""
+def check_registration(request: hs.RegisterRequest, origin: str = "") -> registration_pb2.KvRegistration:
+    """The registration, or an ``InvalidFieldError`` naming every malformed field.
+
+    ``origin`` is the gRPC peer of the call: an engine advertising loopback to a prefill it
+    reached from another host is refused here (``pdproto.reach.unreachable``).
+    """
     bad: list[tuple[str, str]] = []
     if not request.HasField("registration"):
         raise InvalidFieldError.of([("registration", "required")])
@@ -41,6 +46,7 @@ def check_registration(request: hs.RegisterRequest) -> registration_pb2.KvRegist
     for i, buf in enumerate(reg.kv_buffers):
         if buf.length and buf.item_len and buf.length < buf.item_len:
             bad.append((f"registration.kv_buffers[{i}].length", "smaller than one page (item_len)"))
+    bad += unreachable(reg, origin)
     if bad:
         raise InvalidFieldError.of(bad)
     return reg

@@ -40,7 +40,11 @@ def create_executor(backend: str, *, name: str | None = None, **options: Any) ->
       name: engine identity (NIXL agent name; local arena file name).
       staging_bytes: size of the registered packing region (0 disables packing).
       device: "cpu" or "cuda"; chooses DRAM or VRAM staging and torch packing on the GPU.
-      host, protocol: Mooncake local hostname and transport ("tcp" or "rdma").
+      host: the address the engine advertises to peers (Mooncake's session id; NIXL keeps UCX
+        to that address's interface); default: ``PDPROTO_ADVERTISE_HOST``, else a routable
+        address of this host (``pdproto.transfer.address``).
+      protocol: Mooncake transport ("tcp", "rdma" or "auto").
+      transfer_timeout_s, connect_timeout_s: deadlines of engine calls and of connecting a peer.
       arena_bytes: size of the local backend's shared-memory arena.
 
     An unknown name raises ``TopologyError`` (TOPOLOGY_BACKEND_UNSUPPORTED); the engine's

@@ -45,6 +45,7 @@ from pdproto.errors import (
 from pdproto.v1 import registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
+from .address import advertise_host
 from .base import VRAM, Buffer, Endpoint, MemoryKind
 from .packing import Descs
 
@@ -73,14 +74,17 @@ class MooncakeExecutor(EngineExecutor):
     backend = "mooncake"
     max_batch = 2048
 
-    def __init__(self, *, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+    def __init__(self, *, host: str | None = None, protocol: str = "tcp", device_name: str = "",
                  staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
                  connect_timeout_s: float = 5.0, **_: Any) -> None:
         """Start the engine on ``host`` with ``protocol`` ("tcp", "rdma" or "auto") and P2P handshakes.
 
+        ``host`` is the address the session id advertises; by default ``address.advertise_host()``
+        (``PDPROTO_ADVERTISE_HOST``, else a routable address of this host, not 127.0.0.1).
         ``transfer_timeout_s`` bounds every ``execute``; ``connect_timeout_s`` bounds the
         probe of a new peer's session in ``connect``.
         """
+        host = host or advertise_host()
         super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
         engine_cls = _import_engine()
         if protocol == "auto":

@@ -36,9 +36,11 @@ from pdproto.errors import (
     TopologyError,
     TransferError,
 )
+from pdproto.reach import ADVERTISE_ENV
 from pdproto.v1 import common_pb2, registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
+from .address import interface_of
 from .base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification
 from .packing import Descs
 
@@ -143,9 +145,18 @@ class NixlExecutor(EngineExecutor):
 
     def __init__(self, *, name: str | None = None, staging_bytes: int = 0, device: str = "cpu",
                  transfer_timeout_s: float = 30.0, progress_delay_us: int = PROGRESS_DELAY_US,
-                 **_: Any) -> None:
-        """Create the agent ``name`` (a uuid when omitted) with the UCX backend."""
+                 host: str | None = None, **_: Any) -> None:
+        """Create the agent ``name`` (a uuid when omitted) with the UCX backend.
+
+        UCX advertises every usable interface itself. When an address is set (``host``, or
+        ``PDPROTO_ADVERTISE_HOST``), UCX's network transports are kept to the interface that
+        holds it (``UCX_NET_DEVICES``, unless set).
+        """
         super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
+        advertised = host or os.environ.get(ADVERTISE_ENV, "").strip()
+        device_name = interface_of(advertised) if advertised else None
+        if device_name is not None:
+            os.environ.setdefault("UCX_NET_DEVICES", device_name)
         self._api = _import_api()
         self._name = name or f"pdproto-{uuid.uuid4()}"
         try:
@@ -214,7 +225,9 @@ class NixlExecutor(EngineExecutor):
             loaded = self._agent.add_remote_agent(endpoint.agent_metadata)
         except Exception as exc:  # noqa: BLE001
             raise InvalidFieldError("registration.nixl.agent_metadata",
-                                    "NIXL could not load the peer's agent metadata",
+                                    "NIXL could not load the peer's agent metadata: a malformed blob, or no "
+                                    "transport this host shares with the peer (a decode on another host whose "
+                                    "UCX is kept to loopback by PDPROTO_ADVERTISE_HOST or UCX_NET_DEVICES)",
                                     metadata={"peer": peer_id, "error": exc}) from exc
         raw = loaded if isinstance(loaded, bytes) else str(loaded).encode()
         try:
