@@ -48,3 +48,13 @@ def test_fault_scenario(scenario: str, backend: str) -> None:
     assert out.faults == 1 and out.failed_expected == 1, out.notes
     assert out.ok >= 2 and out.bytes_verified > 0
     assert any(r in " ".join(out.notes) for r in ("PEER_GONE", "TRANSFER_FAILED")), out.notes
+
+
+@pytest.mark.timeout(240)
+def test_crashing_peer_row_local() -> None:
+    """The crashing-peer row of the local backend: every fault reported with a reason, nothing lost."""
+    from tests.reliability import crash
+
+    out = crash.crashing_peer("local")
+    assert out.problems == [] and out.lost == 0 and out.corrupted == 0, out.problems
+    assert out.faults == out.failed_expected == 13 and out.ok == 3, (out.faults, out.failed_expected, out.ok)

@@ -33,11 +33,20 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    skipped: str = ""
+    """Why the row could not run on this machine (it then neither passes nor fails)."""
 
     @property
     def passed(self) -> bool:
         """No request lost or corrupted and no problem recorded."""
         return self.lost == 0 and self.corrupted == 0 and not self.problems
+
+    @property
+    def result(self) -> str:
+        """PASS, FAIL, or SKIP with the reason."""
+        if self.skipped:
+            return f"SKIP ({self.skipped})"
+        return "PASS" if self.passed else "FAIL"
 
     def count(self, res: RequestResult, *, expect_ok: bool = True) -> None:
         """Classify one request seen by the decode ranks that waited for it."""
@@ -68,7 +77,7 @@ HEADER = (f"{'scenario':<38}{'backend':<9}{'runs':>6}{'faults':>7}{'ok':>6}{'fai
 def row(o: Outcome) -> str:
     """One formatted table row."""
     return (f"{o.scenario:<38}{o.backend:<9}{o.runs:>6}{o.faults:>7}{o.ok:>6}{o.failed_expected:>12}"
-            f"{o.lost:>6}{o.corrupted:>8}{o.bytes_verified:>17,}  {'PASS' if o.passed else 'FAIL'}")
+            f"{o.lost:>6}{o.corrupted:>8}{o.bytes_verified:>17,}  {o.result}")
 
 
 def wait_until(probe: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:

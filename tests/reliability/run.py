@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import faults, limits, load, skew
+from . import crash, faults, limits, load, skew
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
@@ -33,6 +33,10 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
     rows.append(("limits", "local", lambda: limits.resource_limits("local")))
     rows.append(("auth", "local", lambda: limits.auth("local")))
     rows.append(("tls", "local", lambda: limits.tls("local")))
+    for b in dict.fromkeys(["local", *backends]):
+        rows.append(("crashing_peer", b, lambda b=b: crash.crashing_peer(b)))  # type: ignore[misc]
+    for b in [b for b in backends if b in ("mooncake", "nixl")]:
+        rows.append(("multihost", b, lambda b=b: crash.multihost(b)))  # type: ignore[misc]
     for b in backends:
         rows.append(("load", b, lambda b=b: load.load(b, requests)))  # type: ignore[misc]
     return rows
@@ -55,7 +59,7 @@ def write_doc(outcomes: list[Outcome], elapsed: float) -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         lines.append(f"| {o.scenario} | {o.backend} | {o.runs} | {o.faults} | {o.ok} | {o.failed_expected} | "
-                     f"{o.lost} | {o.corrupted} | {o.bytes_verified:,} | {'PASS' if o.passed else 'FAIL'} |")
+                     f"{o.lost} | {o.corrupted} | {o.bytes_verified:,} | {o.result} |")
     lines += ["", "Reasons and measurements reported by the run:", ""]
     for o in outcomes:
         for n in dict.fromkeys(o.notes[:4]):
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         o = _guard(name, backend, fn)
         outcomes.append(o)
-        print(f"    {'PASS' if o.passed else 'FAIL'} in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        print(f"    {o.result} in {time.monotonic() - started:.1f} s", file=sys.stderr)
         for p in o.problems:
             print(f"    problem: {p}", file=sys.stderr)
     elapsed = time.monotonic() - t0
