@@ -11,10 +11,8 @@ the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ import numpy as np
 
 from pdproto import backends
 from pdproto.transfer import create_executor
-from pdproto_server.app import ServerConfig, start_server
+from pdproto_server.app import ServerConfig, ServiceThread
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import KvSource, PrefillEngine
 from pdproto_server.registry import Limits
@@ -62,44 +60,16 @@ class PrefillRank:
         source = KvSource(tuple(self.bufs), self.info, aux=tuple(self.aux),
                           state=tuple(tuple(e) for e in self.state))
         self.engine = PrefillEngine(source, self.executor, prefill_rank=args.tp_rank * args.dcp_size + args.dcp_rank)
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        self.core: Any = None
-        self._started = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run_loop, name="service", daemon=True)
-        self._error: BaseException | None = None
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._serve())
-        except BaseException as exc:  # reported to the parent through start()
-            self._error = exc
-            self._started.set()
-
-    async def _serve(self) -> None:
-        self._stop = asyncio.Event()
         a = self.args
-        limits = Limits(**json.loads(a.limits)) if a.limits else Limits()
-        self.core = HandshakeCore(self.engine, limits=limits)
+        self.core = HandshakeCore(self.engine, limits=Limits(**json.loads(a.limits)) if a.limits else Limits())
         config = ServerConfig(listen=f"{a.host}:{a.port}", token=a.token, grace=2.0,
                               tls_cert=Path(a.tls_cert).read_bytes() if a.tls_cert else None,
                               tls_key=Path(a.tls_key).read_bytes() if a.tls_key else None)
-        running = await start_server(self.core, config)
-        self.port = running.port
-        self._started.set()
-        await self._stop.wait()
-        await running.shutdown()
+        self.service = ServiceThread(self.core, config, name="service")
 
     def launch_service(self) -> int:
         """Start the service thread and return the bound port."""
-        self._thread.start()
-        if not self._started.wait(60):
-            raise TimeoutError("handshake service did not start within 60 s")
-        if self._error is not None:
-            raise self._error
-        return self.port
+        return self.service.start(60)
 
     def prepare(self, room: int, prefix: int, total: int, pages: list[int], corrupt: bool = False,
                 slot: int = 0) -> Reply:
@@ -146,8 +116,7 @@ class PrefillRank:
 
     def stats(self) -> Reply:
         """Introspection: what the service still holds and what the executor did."""
-        fut = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop)
-        out: Reply = fut.result(10)
+        out: Reply = self.service.call(self._snapshot(), 10)
         st = self.executor.stats
         out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
                            "packed_jobs": st.packed_jobs, "pack_fallbacks": st.pack_fallbacks,
@@ -185,9 +154,7 @@ class PrefillRank:
 
     def close(self) -> None:
         """Stop the service and release the engine."""
-        if self._stop is not None and self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(15)
+        self.service.stop(15)
         self.executor.close()
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -15,6 +17,7 @@ from grpc_health.v1.health import aio as _health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdproto.client import ChannelConfig
+from pdproto.errors import DeadlineExceededError, Reason
 from pdproto.v1 import SERVICE_NAME, handshake_service_pb2_grpc
 
 from .auth import BearerTokenInterceptor, require_token_policy
@@ -112,4 +115,68 @@ async def serve(core: HandshakeCore, config: ServerConfig, *,
     return 0
 
 
-__all__ = ["RunningServer", "ServerConfig", "serve", "start_server"]
+_T = TypeVar("_T")
+
+
+class ServiceThread:
+    """The service on its own event loop in a daemon thread, for a host that is not asyncio.
+
+    A prefill scheduler (SGLang's, a demo rank) builds the ``HandshakeCore`` over its
+    ``PrefillEngine``, calls ``start`` for the bound port and keeps reporting chunks from
+    its own thread (the engine API is thread-safe); ``stop`` drains and shuts down.
+    """
+
+    def __init__(self, core: HandshakeCore, config: ServerConfig, *, name: str = "pdproto-service") -> None:
+        self.core = core
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        """The service's loop; ``call`` runs a coroutine on it."""
+        self.port = 0
+        """The bound port, once ``start`` returned."""
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self, timeout: float = 60.0) -> int:
+        """Start serving; returns the bound port, or raises what stopped the server from starting."""
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise DeadlineExceededError(f"the handshake service did not start within {timeout:g} s",
+                                        reason=Reason.DEADLINE_EXCEEDED, metadata={"listen": self.config.listen})
+        if self._error is not None:
+            raise self._error
+        return self.port
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve())
+        except BaseException as exc:  # handed to start(), or logged once the service was up
+            if self._started.is_set():
+                log.exception("the handshake service stopped")
+            self._error = exc
+            self._started.set()
+        finally:
+            self.loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        running = await start_server(self.core, self.config)
+        self.port = running.port
+        self._started.set()
+        await self._stop.wait()
+        await running.shutdown()
+
+    def call(self, coro: Coroutine[Any, Any, _T], timeout: float = 10.0) -> _T:
+        """Run ``coro`` on the service's loop (where its state may be read without locks)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Drain and shut the service down (``ServerConfig.grace``); safe to call twice or before start."""
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout)
+
+
+__all__ = ["RunningServer", "ServerConfig", "ServiceThread", "serve", "start_server"]

@@ -136,20 +136,75 @@ class Chunk:
 
 
 class RequestView(Protocol):
-    """What a room needs to know of a decode's request for it: its transfer state."""
+    """What a room needs to know of a decode's request for it: its state, why it failed, what moved."""
 
     @property
     def state(self) -> int:
         """``TransferState`` value."""
         ...
 
+    @property
+    def failure_code(self) -> str:
+        """Reason code (``pdproto.errors.Reason`` name) once FAILED; empty otherwise."""
+        ...
+
+    @property
+    def failure_reason(self) -> str:
+        """Reason text once FAILED; empty otherwise."""
+        ...
+
+    @property
+    def bytes(self) -> int:
+        """KV bytes written so far."""
+        ...
+
+    @property
+    def aux_bytes(self) -> int:
+        """Aux bytes written so far."""
+        ...
+
+    @property
+    def state_bytes(self) -> int:
+        """State bytes written so far."""
+        ...
+
+
+@dataclass(frozen=True)
+class RoomStatus:
+    """A room over every decode request for it: its state, the first failure's reason, the bytes moved."""
+
+    state: int
+    """``TransferState`` value, as ``PrefillEngine.poll`` returns it."""
+    failure_code: str = ""
+    """Reason code of the failure (``ABORTED`` for an engine abort); empty unless FAILED."""
+    failure_reason: str = ""
+    """Reason text a person can act on; empty unless FAILED."""
+    kv_bytes: int = 0
+    """KV bytes written into every decode so far."""
+    aux_bytes: int = 0
+    """Aux bytes written so far."""
+    state_bytes: int = 0
+    """State bytes written so far."""
+    requests: int = 0
+    """Decode requests for the room (fan-out: one per decode rank the room feeds)."""
+
 
 @dataclass(frozen=True)
 class FinalState:
-    """What a room keeps of a finished request: its terminal state, not the request."""
+    """What a room keeps of a finished request: its outcome (a ``RequestView``), not the request."""
 
     state: int
     """``TransferState`` value (SUCCESS or FAILED)."""
+    failure_code: str = ""
+    """Reason code once FAILED."""
+    failure_reason: str = ""
+    """Reason text once FAILED."""
+    bytes: int = 0
+    """KV bytes written."""
+    aux_bytes: int = 0
+    """Aux bytes written."""
+    state_bytes: int = 0
+    """State bytes written."""
 
 
 @dataclass
@@ -175,14 +230,28 @@ class RoomLog:
 
     def poll(self) -> int:
         """The room's ``TransferState`` over every decode's request (SGLang's KVPoll life cycle)."""
+        return self.status().state
+
+    def status(self) -> RoomStatus:
+        """The room's state, the first failed request's reason and the bytes moved, over every request."""
+        # One C-level copy: the engine's thread reads while the loop adds requests.
+        requests = list(self.requests.values())
+        failed = common_pb2.TRANSFER_STATE_FAILED
+        code = reason = ""
+        state: int
         if self.aborted:
-            return common_pb2.TRANSFER_STATE_FAILED
-        states = [r.state for r in self.requests.values()]
-        if common_pb2.TRANSFER_STATE_FAILED in states:
-            return common_pb2.TRANSFER_STATE_FAILED
-        if len(states) < self.expected:
-            return common_pb2.TRANSFER_STATE_BOOTSTRAPPING
-        return min(states, key=lambda s: _STATE.index(s) if s in _STATE else 0)
+            state, code = failed, Reason.ABORTED.name
+            reason = f"the prefill aborted room {self.room}: {self.aborted}"
+        elif any(r.state == failed for r in requests):
+            first = next(r for r in requests if r.state == failed)
+            state, code, reason = failed, first.failure_code, first.failure_reason
+        elif len(requests) < self.expected:
+            state = common_pb2.TRANSFER_STATE_BOOTSTRAPPING
+        else:
+            state = min((r.state for r in requests), key=lambda s: _STATE.index(s) if s in _STATE else 0)
+        return RoomStatus(state, code, reason, kv_bytes=sum(r.bytes for r in requests),
+                          aux_bytes=sum(r.aux_bytes for r in requests),
+                          state_bytes=sum(r.state_bytes for r in requests), requests=len(requests))
 
     @property
     def finished(self) -> bool:
@@ -344,10 +413,17 @@ class PrefillEngine:
     def poll(self, room: int) -> int:
         """The room's ``TransferState``: BOOTSTRAPPING until every expected decode submitted, then
         WAITING_FOR_INPUT, TRANSFERRING, and SUCCESS or FAILED over all of its requests."""
-        if room in self._aborted:
-            return common_pb2.TRANSFER_STATE_FAILED
+        return self.status(room).state
+
+    def status(self, room: int) -> RoomStatus:
+        """``poll`` with why the room failed (the first failed request's reason, or the engine's abort)
+        and the bytes moved so far; thread-safe."""
+        aborted = self._aborted.get(room)
+        if aborted is not None:
+            return RoomStatus(common_pb2.TRANSFER_STATE_FAILED, Reason.ABORTED.name,
+                              f"the prefill aborted room {room}: {aborted}")
         log = self.rooms.get(room)
-        return common_pb2.TRANSFER_STATE_BOOTSTRAPPING if log is None else log.poll()
+        return RoomStatus(common_pb2.TRANSFER_STATE_BOOTSTRAPPING) if log is None else log.status()
 
     def abort(self, room: int, reason: str) -> None:
         """Fail every decode request of ``room`` (now and later ones) with ABORTED and ``reason``."""
@@ -390,4 +466,4 @@ class PrefillEngine:
         return dropped
 
 
-__all__ = ["Chunk", "FinalState", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "StateSlots"]
+__all__ = ["Chunk", "FinalState", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "RoomStatus", "StateSlots"]

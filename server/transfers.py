@@ -192,7 +192,10 @@ class TransferRunner:
             del peer.open[request.room]
         room_log = self.engine.rooms.get(request.room)
         if room_log is not None and room_log.requests.get(peer.peer_id) is request:
-            room_log.requests[peer.peer_id] = FinalState(request.state)  # not the request and its pages
+            # Not the request and its pages: its outcome, which PrefillEngine.status reports.
+            room_log.requests[peer.peer_id] = FinalState(
+                request.state, request.failure_code, request.failure_reason, request.bytes,
+                request.aux_bytes, request.state_bytes)
         status = request.status()
         peer.record_finished(status, self.limits.max_finished_per_peer)
         self.metrics.inflight.dec()

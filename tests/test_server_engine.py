@@ -106,6 +106,10 @@ def test_unmatched_request_fails_with_match_timeout_and_bad_chunks_are_refused()
         await client.submit_transfer(peer_id, peer.transfer_info(13, peer.pages_for(SPEC.prompt_tokens)))
         status = await _final(client, peer_id, 13)
         assert (status.state, status.failure_code) == (common_pb2.TRANSFER_STATE_FAILED, "MATCH_TIMEOUT")
+        # The engine reads the same reason for the room, from its own thread.
+        room = await asyncio.to_thread(engine.status, 13)
+        assert (room.state, room.failure_code, room.failure_reason) == (
+            common_pb2.TRANSFER_STATE_FAILED, "MATCH_TIMEOUT", status.failure_reason)
         with pytest.raises(E.PlanError) as info:
             engine.submit_chunk(14, [SPEC.pages + 5], 16, last_chunk=True)
         assert info.value.reason is Reason.PLAN_BAD_OFFSET
@@ -131,9 +135,13 @@ def test_the_engine_polls_a_room_through_its_life_cycle_and_reads_the_decode_pre
         assert engine.decode_prefix_len(room) == 0
         producer = _engine_thread(engine, room)
         producer.start()
-        assert (await _final(client, peer_id, room)).state == common_pb2.TRANSFER_STATE_SUCCESS
+        final = await _final(client, peer_id, room)
+        assert final.state == common_pb2.TRANSFER_STATE_SUCCESS
         producer.join(10)
         assert engine.poll(room) == common_pb2.TRANSFER_STATE_SUCCESS
+        status = engine.status(room)
+        assert (status.requests, status.failure_code, status.failure_reason) == (1, "", "")
+        assert status.kv_bytes == final.bytes_transferred > 0  # what the decode was told moved
 
     _run(scenario)
 
@@ -145,6 +153,8 @@ def test_the_engine_aborts_a_room_and_the_decode_sees_its_reason() -> None:
         await client.submit_transfer(peer_id, peer.transfer_info(16, pages))
         await asyncio.to_thread(engine.abort, 16, "out of KV pages")
         assert engine.poll(16) == common_pb2.TRANSFER_STATE_FAILED  # at once, from the engine's thread
+        aborted = engine.status(16)
+        assert aborted.failure_code == "ABORTED" and "out of KV pages" in aborted.failure_reason
         status = await _final(client, peer_id, 16)
         assert (status.state, status.failure_code) == (common_pb2.TRANSFER_STATE_FAILED, "ABORTED")
         assert "out of KV pages" in status.failure_reason
