@@ -30,7 +30,7 @@ from .base import (
     encode_notification,
     set_endpoint,
 )
-from .memory import aligned_dram, allocate, external
+from .memory import aligned_dram, allocate, at_address, external
 
 
 def create_executor(backend: str, *, name: str | None = None, **options: Any) -> TransferExecutor:
@@ -76,6 +76,7 @@ __all__ = [
     "TransferStats",
     "aligned_dram",
     "allocate",
+    "at_address",
     "create_executor",
     "decode_notification",
     "encode_notification",

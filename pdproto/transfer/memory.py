@@ -72,4 +72,22 @@ def external(array: Any, *, kind: MemoryKind | None = None, device: int = 0) -> 
                   device=device, array=array)
 
 
-__all__ = ["aligned_dram", "allocate", "array_addr", "external", "host_view", "torch_module"]
+class _DeviceRegion:
+    """A CUDA byte range described by ``__cuda_array_interface__``, so torch can view it without a copy."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "version": 3, "strides": None}
+
+
+def at_address(addr: int, nbytes: int, *, kind: MemoryKind = DRAM, device: int = 0) -> Buffer:
+    """A ``Buffer`` over memory some other component owns and knows only by address (an engine's
+    KV pool given as pointers): a numpy view for DRAM, a torch view for VRAM; the owner keeps it alive."""
+    if kind == VRAM:
+        torch = torch_module()
+        view = torch.as_tensor(_DeviceRegion(addr, nbytes), device=f"cuda:{device}")
+        return Buffer(addr=addr, length=nbytes, ptr=addr, kind=VRAM, device=device, array=view)
+    return Buffer(addr=addr, length=nbytes, ptr=addr, kind=DRAM, device=0, array=host_view(addr, nbytes))
+
+
+__all__ = ["aligned_dram", "allocate", "array_addr", "at_address", "external", "host_view", "torch_module"]

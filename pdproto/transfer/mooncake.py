@@ -76,21 +76,37 @@ class MooncakeExecutor(EngineExecutor):
 
     def __init__(self, *, host: str | None = None, protocol: str = "tcp", device_name: str = "",
                  staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 5.0, **_: Any) -> None:
+                 connect_timeout_s: float = 5.0, engine: Any = None, session_id: str = "", **_: Any) -> None:
         """Start the engine on ``host`` with ``protocol`` ("tcp", "rdma" or "auto") and P2P handshakes.
 
         ``host`` is the address the session id advertises; by default ``address.advertise_host()``
         (``PDPROTO_ADVERTISE_HOST``, else a routable address of this host, not 127.0.0.1).
         ``transfer_timeout_s`` bounds every ``execute``; ``connect_timeout_s`` bounds the
         probe of a new peer's session in ``connect``.
+
+        ``engine`` adopts a ``mooncake.engine.TransferEngine`` that something else in the
+        process already initialized (an inference engine's shared one), so the process runs
+        one engine, not two; ``session_id`` is its "host:rpc_port". Its transport timeouts are
+        its owner's (the deadlines here still bound every call), and ``close`` leaves it
+        running for its owner.
         """
         host = host or advertise_host()
         super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
+        self.connect_timeout_s = connect_timeout_s
+        self._probing = 0
+        self.adopted = engine is not None
+        """The engine belongs to someone else in this process (``engine`` was given)."""
+        if engine is not None:
+            if not session_id or ":" not in session_id:
+                raise InvalidFieldError("session_id", "an adopted Mooncake engine needs its session id (host:port)",
+                                        metadata={"session_id": session_id})
+            self._engine = engine
+            self._session = session_id
+            self._init_staging()
+            return
         engine_cls = _import_engine()
         if protocol == "auto":
             protocol = "rdma" if rdma_present() else "tcp"
-        self.connect_timeout_s = connect_timeout_s
-        self._probing = 0
         # The engine reads these once, when it starts; the first executor of a process sets them.
         seconds = str(max(1, math.ceil(transfer_timeout_s)))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", seconds)
@@ -199,7 +215,8 @@ class MooncakeExecutor(EngineExecutor):
         return self.max_batch
 
     def _close_engine(self) -> None:
-        # Dropping the last reference stops the engine's threads and closes its sockets.
+        # Dropping the last reference stops the engine's threads and closes its sockets; an
+        # adopted engine keeps running, its owner holds another reference.
         self._engine = None
 
 
