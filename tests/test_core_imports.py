@@ -150,3 +150,32 @@ def test_the_probe_catches_a_forbidden_import(tmp_path: Path, name: str) -> None
     (tmp_path / f"{name}.py").write_text(source)
     assert expected in violations(*probe(name, path=tmp_path))
 
+
+
+SERVER_PACKAGE = "pdproto_server"
+SERVER_IMPORTERS = ("pdproto.integrations",)
+"""The only part of ``pdproto`` that may import the prefill service: an engine adapter embeds it."""
+
+
+def server_imports(root: Path, package: str) -> list[str]:
+    """``module: line`` for every import of ``pdproto_server`` in ``root`` (a package named ``package``)."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join((package, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            if any(n == SERVER_PACKAGE or n.startswith(SERVER_PACKAGE + ".") for n in names):
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_only_the_engine_adapters_import_the_prefill_service(tmp_path: Path) -> None:
+    """DESIGN section 2: ``pdproto`` never imports ``pdproto_server``, except the integrations."""
+    found = server_imports(Path(pdproto.__path__[0]), "pdproto")
+    assert [f for f in found if not f.startswith(SERVER_IMPORTERS)] == []
+    assert any(f.startswith("pdproto.integrations.sglang.") for f in found)  # the scan sees them
+    (tmp_path / "bad.py").write_text("from pdproto_server.engine import PrefillEngine\n")
+    assert server_imports(tmp_path, "pdproto") == ["pdproto.bad:1"]

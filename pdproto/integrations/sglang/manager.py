@@ -1,18 +1,176 @@
-"""The pdproto KV manager for SGLang (placeholder until issue 13 is finished)."""
+"""The pdproto KV manager: one per SGLang scheduler rank, in prefill or decode mode.
+
+It derives from SGLang's ``CommonKVManager`` because ``prefill.py`` and ``decode.py`` call
+members only that class has (the room status table, ``try_ensure_parallel_info``,
+``prefill_info_table``, the deferred-abort acknowledgements, the heartbeat; see
+docs/sglang-notes.md). What it adds is a translation, no protocol:
+
+* **prefill**: before the rank registers with SGLang's bootstrap server (``PUT /route``,
+  from the base constructor), it builds its ``PrefillSide`` (pools registered, engine,
+  handshake service) and publishes the service's gRPC port as the rank's ``rank_port``.
+  SGLang's sends become ``PrefillEngine.submit_chunk`` (``add_transfer_request``); the
+  engine's room status becomes SGLang's ``KVPoll`` and failure reason (``refresh_room``).
+* **decode**: it builds its ``DecodeSide`` (pools registered, one client and status stream
+  per prefill rank); outcomes folded over a request's prefill ranks become SGLang's room
+  status and failure reason (``_on_outcome``).
+"""
 
 from __future__ import annotations
 
-from sglang.srt.disaggregation.common.conn import CommonKVManager
+import logging
+from typing import Any
 
-from pdproto.integrations.sglang import NOT_IMPLEMENTED
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from pdproto.errors import ConfigError, PdprotoError, Reason
+from pdproto.fanin import Outcome
+from pdproto.v1 import common_pb2
+
+from . import layout
+from .decode_side import DecodeSide
+from .prefill_side import PrefillSide
+from .settings import BackendSettings
+
+log = logging.getLogger(__name__)
+
+_KVPOLL: dict[int, int] = {
+    common_pb2.TRANSFER_STATE_BOOTSTRAPPING: KVPoll.Bootstrapping,
+    common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    common_pb2.TRANSFER_STATE_TRANSFERRING: KVPoll.Transferring,
+    common_pb2.TRANSFER_STATE_SUCCESS: KVPoll.Success,
+    common_pb2.TRANSFER_STATE_FAILED: KVPoll.Failed,
+}
+"""pdproto ``TransferState`` -> SGLang ``KVPoll`` (only FAILED differs in value)."""
+
+
+def rank_address(info: dict[str, Any]) -> str:
+    """host:port of the prefill rank a ``/route`` answer names (its handshake service, for pdproto)."""
+    ip = str(info["rank_ip"])
+    return f"[{ip}]:{int(info['rank_port'])}" if ":" in ip else f"{ip}:{int(info['rank_port'])}"
 
 
 class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
-    """Placeholder: one per scheduler rank in SGLang, in both modes; not implemented yet.
+    """SGLang's KV manager for ``--disaggregation-transfer-backend pdproto`` (module docstring)."""
 
-    It derives from ``CommonKVManager`` because ``decode.py`` and ``prefill.py`` call
-    members only that class has (see docs/sglang-notes.md).
-    """
+    # A failed decode transfer may hold its pages until every prefill rank acknowledged the
+    # abort: pdproto's Abort answers once the request's in-flight chunk drained.
+    supports_deferred_decode_kv_release = True
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(NOT_IMPLEMENTED)
+    def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: bool | None = False, **_ascend_only: Any) -> None:
+        self.settings = BackendSettings.from_env()
+        if getattr(server_args, "enable_memory_saver", False):
+            # Releasing and resuming GPU memory needs the engine's registrations redone, which
+            # this backend does not do (register_buffer_to_engine is not provided).
+            raise ConfigError("--enable-memory-saver is not supported with --disaggregation-transfer-backend "
+                              "pdproto; use mooncake for it", reason=Reason.CONFIG_INVALID,
+                              metadata={"setting": "enable_memory_saver"})
+        self.prefill_side: PrefillSide | None = None
+        self.decode_side: DecodeSide | None = None
+        super().__init__(args, disaggregation_mode, server_args, bool(is_mla_backend))
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self.decode_side = DecodeSide(
+                args, self._ranks(), is_mla_backend=self.is_mla_backend, settings=self.settings,
+                host=self.local_ip, notify_port=self.rank_port, device=_device(), on_outcome=self._on_outcome)
+            self._start_heartbeat_checker_thread()
+
+    def _ranks(self) -> layout.Ranks:
+        return layout.Ranks(
+            attn_tp=(self.attn_tp_size, self.attn_tp_rank), attn_cp=(self.attn_cp_size, self.attn_cp_rank),
+            attn_dp=(self.attn_dp_size, self.attn_dp_rank), system_dp=(self.system_dp_size, self.system_dp_rank),
+            pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size)
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def register_to_bootstrap(self) -> None:
+        """Start this rank's handshake service, then ``PUT /route`` with its gRPC port as ``rank_port``."""
+        if self.prefill_side is None:
+            from sglang.srt.environ import envs
+
+            match_timeout = max(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get(),
+                                envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+            self.prefill_side = PrefillSide(
+                self.kv_args, self._ranks(), is_mla_backend=bool(self.is_mla_backend), settings=self.settings,
+                host=self.local_ip, device=_device(), prefill_rank=self._prefill_unique_rank(),
+                match_timeout_s=float(match_timeout))
+            # SGLang's PULL socket carries nothing for this backend; do not hold its port.
+            self.server_socket.close(linger=0)
+        self.rank_port = self.prefill_side.port
+        super().register_to_bootstrap()
+
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
+                             aux_index: int | None = None, state_indices: Any = None,
+                             num_kv_tokens: int | None = None, wait_event: Any = None,
+                             **_unused: Any) -> None:
+        """One send of ``CommonKVSender.send`` (pages after the decode prefix, in order) -> one engine chunk."""
+        assert self.prefill_side is not None
+        if wait_event is not None:
+            # SGLang's early send of a cached prefix: the KV is written by work still queued on
+            # the GPU; nothing may read it before that work is done.
+            wait_event.synchronize()
+        if num_kv_tokens is None:
+            num_kv_tokens = len(kv_indices) * self.kv_args.page_size
+        try:
+            self.prefill_side.submit(bootstrap_room, kv_indices, num_kv_tokens, is_last_chunk, state_indices,
+                                     aux_index)
+        except PdprotoError as exc:
+            # A refused chunk fails this room only; the scheduler thread never sees the raise.
+            reason = f"{exc.reason.name}: {exc.message}"
+            self.fail_room(bootstrap_room, reason)
+            self.prefill_side.abort(bootstrap_room, reason)
+
+    def refresh_room(self, room: int) -> None:
+        """Copy the engine's view of ``room`` into SGLang's status table (and its reason, once failed)."""
+        if self.prefill_side is None or room not in self.request_status:
+            return
+        status = self.prefill_side.status(room)
+        if status.state == common_pb2.TRANSFER_STATE_FAILED:
+            self.fail_room(room, f"{status.failure_code}: {status.failure_reason}")
+        elif status.state in _KVPOLL and status.state != common_pb2.TRANSFER_STATE_BOOTSTRAPPING:
+            self.update_status(room, _KVPOLL[status.state])
+
+    # -- decode -------------------------------------------------------------------------
+
+    def _on_outcome(self, room: int, outcome: Outcome) -> None:
+        """A request's outcome over its prefill ranks (decode loop thread) -> SGLang's status."""
+        if outcome.state == common_pb2.TRANSFER_STATE_SUCCESS:
+            self.update_status(room, KVPoll.Success)
+        else:
+            self.fail_room(room, f"{outcome.failure_code}: {outcome.failure_reason}")
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """SGLang's heartbeat lost a prefill server: its rooms fail (SGLang), its ranks are forgotten (here)."""
+        with self.connection_lock:
+            addresses = [rank_address(info) for key, infos in self.connection_pool.items()
+                         if key.startswith(failed_bootstrap_addr) for info in infos]
+        super()._handle_node_failure(failed_bootstrap_addr)
+        if self.decode_side is not None:
+            self.decode_side.drop(addresses)
+
+    # -- both ---------------------------------------------------------------------------
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Mark ``room`` Failed, keeping the first reason recorded for it (the root cause)."""
+        with self.failure_lock:
+            self.failure_records.setdefault(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def close(self) -> None:
+        """Stop this rank's service or streams and release its engine (tests, shutdown)."""
+        if getattr(self, "_heartbeat_shutdown", None) is not None:
+            self._heartbeat_shutdown.set()
+        for side in (self.prefill_side, self.decode_side):
+            if side is not None:
+                side.close()
+
+
+def _device() -> str:
+    """"cuda" when SGLang runs this rank on a GPU, else "cpu"."""
+    from sglang.srt.runtime_context import get_device
+
+    return "cuda" if str(get_device().device).startswith("cuda") else "cpu"
+
+
+__all__ = ["PdprotoKVManager", "rank_address"]

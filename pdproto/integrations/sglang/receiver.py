@@ -1,14 +1,94 @@
-"""The pdproto KV receiver for SGLang (placeholder until issue 13 is finished)."""
+"""The pdproto KV receiver: one per request on a decode rank (``decode_req.kv_receiver``).
+
+``CommonKVReceiver`` keeps SGLang's own logic: the prefill ranks of a request come from
+SGLang's bootstrap server (``init`` -> ``_setup_bootstrap_infos`` -> ``GET /route``), its
+room status and failure records, the waiting timeout, the abort bookkeeping. This class
+replaces the three places where Mooncake or NIXL would send ZMQ frames:
+
+=============================  ===========================================================
+``_register_kv_args``          ``Register`` with each prefill rank, once per rank per
+                               process (the manager's ``DecodeSide`` keeps the peers)
+``send_metadata``              ``SubmitTransfer`` to every prefill rank of the request,
+                               dummies included (marked ``is_dummy``)
+``_send_abort_notification``   ``Abort`` on every prefill rank; each answer (the rank's
+                               in-flight chunk drained) is SGLang's ABORT_ACK
+=============================  ===========================================================
+
+Statuses arrive on the manager's per-rank streams, not here.
+"""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
-from pdproto.integrations.sglang import NOT_IMPLEMENTED
+from pdproto.errors import PdprotoError
+
+from .manager import rank_address
 
 
 class PdprotoKVReceiver(CommonKVReceiver):  # type: ignore[misc]
-    """Placeholder: one per request on a decode rank; not implemented yet."""
+    """SGLang's KV receiver for the pdproto backend (module docstring)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(NOT_IMPLEMENTED)
+    def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        self._generation: int | None = None
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
+
+    def _addresses(self) -> list[str]:
+        return [rank_address(info) for info in self.bootstrap_infos or ()]
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.fail_room(self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+
+    def _register_kv_args(self) -> bool:
+        """Register this decode rank with every prefill rank of the request (each only once)."""
+        if self.bootstrap_infos is None:
+            return False
+        for address in self._addresses():
+            try:
+                self.kv_mgr.decode_side.connect(address)
+            except PdprotoError as exc:
+                self._fail(f"{exc.reason.name}: registration with prefill rank {address} failed: {exc.message}")
+                return False
+        return True
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None,
+                      decode_prefix_len: int | None = None,
+                      destination: Any = KVTransferDestination.DEVICE, device_kv_indices: Any = None) -> None:
+        """Hand every prefill rank of the request its destination pages, aux slot and state slots."""
+        if self.bootstrap_infos is None:
+            self._fail(f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}")
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("the pdproto backend receives into device KV pools only")
+        try:
+            self._generation = self.kv_mgr.decode_side.submit(
+                self.bootstrap_room, self._addresses(), kv_indices, aux_index, state_indices, decode_prefix_len)
+        except PdprotoError as exc:
+            self._fail(f"{exc.reason.name}: {exc.message}")
+            self.invalidate_cached_bootstrap_infos()
+            return
+        self.init_time = time.time()
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        """Abort the request on every prefill rank; arm SGLang's acknowledgement count first."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        if mgr.enable_deferred_decode_kv_release and (force_arm or self.init_time is not None):
+            self._abort_generation = mgr.register_deferred_abort_room(room)
+        armed = self._abort_generation
+
+        def acked(position: int) -> None:
+            if armed is not None:
+                mgr.note_abort_ack(room, position, armed)
+
+        mgr.decode_side.abort(room, self._addresses(), self._generation, acked)
+
+    def clear(self) -> None:
+        """SGLang's cleanup, and the room's fan-in forgotten."""
+        super().clear()
+        if self.bootstrap_room is not None:
+            self.kv_mgr.decode_side.forget(self.bootstrap_room)

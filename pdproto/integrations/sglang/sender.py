@@ -1,14 +1,82 @@
-"""The pdproto KV sender for SGLang (placeholder until issue 13 is finished)."""
+"""The pdproto KV sender: one per request on a prefill rank (``req.disagg_kv_sender``).
+
+``CommonKVSender`` keeps SGLang's own bookkeeping (page counting, the last-chunk test, CP
+filtering, the bootstrap timeout, failure records); every send reaches the engine through
+the manager's ``add_transfer_request``. What this class adds maps SGLang's calls onto the
+engine API (``server/README.md``):
+
+=========================  ================================================================
+``poll()``                 ``PrefillEngine.status(room)`` copied into SGLang's table, then
+                           SGLang's poll (Bootstrapping -> WaitingForInput -> Transferring ->
+                           Success, or Failed with the engine's reason)
+``pop_decode_prefix_len``  ``PrefillEngine.decode_prefix_len(room)``
+``abort()``                SGLang's abort, and ``PrefillEngine.abort``: the decodes are told
+``clear()``                ``release_room`` after Success; after a failure the room stays
+                           aborted (a late decode is told at once) until the service expires it
+``get_transfer_metric``    the bytes the service wrote (KV, aux and state), not an estimate
+=========================  ================================================================
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVTransferMetric
 from sglang.srt.disaggregation.common.conn import CommonKVSender
 
-from pdproto.integrations.sglang import NOT_IMPLEMENTED
+from pdproto.v1 import common_pb2
+from pdproto_server.engine import RoomStatus
 
 
 class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
-    """Placeholder: one per request on a prefill rank; not implemented yet."""
+    """SGLang's KV sender for the pdproto backend (module docstring)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(NOT_IMPLEMENTED)
+    def __init__(self, mgr: Any, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self._final: RoomStatus | None = None
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+
+    @property
+    def _engine_room(self) -> bool:
+        """Whether this rank's engine serves the room (a non-sending CP rank's does not)."""
+        return not self.kv_mgr.is_dummy_cp_rank
+
+    def poll(self) -> Any:
+        """SGLang's ``KVPoll`` of the room, after reading the engine's state of it."""
+        if self.conclude_state is None and self._engine_room:
+            self.kv_mgr.refresh_room(self.bootstrap_room)
+        return super().poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens the decode holds already (``decode_prefix_len`` of its request); 0 if none."""
+        if not self._engine_room:
+            return 0
+        return int(self.kv_mgr.prefill_side.decode_prefix_len(self.bootstrap_room))
+
+    def abort(self) -> None:
+        """Fail the room here and for every decode request of it; never raises."""
+        super().abort()
+        if self._engine_room:
+            self.kv_mgr.prefill_side.abort(self.bootstrap_room, "Aborted by AbortReq.")
+
+    def clear(self) -> None:
+        """Free the room: forgotten after Success, left aborted (with its reason) after a failure."""
+        side, room = self.kv_mgr.prefill_side, self.bootstrap_room
+        if self._engine_room and self._final is None:
+            self._final = side.status(room)
+            with self.kv_mgr.failure_lock:
+                reason = self.kv_mgr.failure_records.get(room)
+            if self._final.state == common_pb2.TRANSFER_STATE_SUCCESS:
+                side.release(room)
+            elif self._final.state != common_pb2.TRANSFER_STATE_FAILED or reason is not None:
+                # SGLang ended the room (bootstrap timeout, abort): decodes still waiting are told why.
+                side.abort(room, reason or "the prefill ended the request")
+        super().clear()
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """SGLang's metric with the bytes the service actually wrote for the room."""
+        metric: KVTransferMetric = self._transfer_metric
+        if self._engine_room:
+            status = self._final or self.kv_mgr.prefill_side.status(self.bootstrap_room)
+            metric.transfer_total_bytes = status.kv_bytes + status.aux_bytes + status.state_bytes
+        return metric

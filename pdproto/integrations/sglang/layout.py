@@ -1,0 +1,213 @@
+"""SGLang's ``KVArgs`` as pdproto sees them: a prefill rank's ``PrefillServerInfo``, a decode rank's layout.
+
+SGLang hands every backend the same ``KVArgs`` (``disaggregation/base/conn.py``), filled by
+``prefill.py:257-353`` and ``decode.py:608-700`` and then ``setup_state_kv_args``
+(``utils.py:1462``): per KV entry a pointer, a length and bytes per page; per aux buffer the
+same; per state component (``state_types``) one list per field, one value per tensor. This
+module reads them, and nothing else of SGLang, so it runs without SGLang (tests build the
+arguments by hand):
+
+* ``kv_item_lens`` are bytes per **physical** page; the last ``num_draft_entries`` entries
+  are the speculative draft's, whose decode pages are virtual (``page_size * dcp`` rows).
+* Layer ids: SGLang sends them for hybrid pools only (``build_kv_layer_ids``). Otherwise a
+  plain pool holds its stage's layers in order, so the prefill numbers them from
+  ``prefill_start_layer`` and a single-stage decode from 0 (draft entries after the target's
+  layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
+* State: ``mamba`` components are recurrent (one slot per request), ``swa`` ones sliding
+  windows (pages); SGLang's other state types are refused with
+  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
+from pdproto.dcp.layers import EntryRole
+from pdproto.errors import Reason, TopologyError
+from pdproto.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
+from pdproto.v1 import common_pb2
+
+STATE_KINDS: dict[str, common_pb2.StateKind.ValueType] = {"mamba": v1.STATE_KIND_RECURRENT, "swa": v1.STATE_KIND_SLIDING_WINDOW}
+"""SGLang ``StateType`` value -> ``pdproto.v1.StateKind``, for the state types pdproto moves."""
+
+CAPABILITIES = ("dcp-relayout", "packed")
+"""What a decode rank of this backend announces."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where one SGLang scheduler rank sits: the groups ``CommonKVManager`` reads from SGLang."""
+
+    attn_tp: tuple[int, int]
+    """(size, rank) of attention tensor parallelism."""
+    attn_cp: tuple[int, int] = (1, 0)
+    """(size, rank) of attention context parallelism."""
+    attn_dp: tuple[int, int] = (1, 0)
+    """(size, rank) of attention data parallelism."""
+    system_dp: tuple[int, int] = (1, 0)
+    """(size, rank) of system data parallelism."""
+    pp: tuple[int, int] = (1, 0)
+    """(size, rank) of pipeline parallelism."""
+    dcp: tuple[int, int] = (1, 0)
+    """(size, rank) of decode context parallelism."""
+    state_tp_size: int = 0
+    """TP size that splits state tensors (SGLang ``linear_attn_tp_size``); 0: attention TP."""
+
+
+def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
+    return v1.ParallelGroup(size=pair[0], rank=pair[1])
+
+
+def attention_kind(is_mla_backend: bool, is_hybrid_mla_backend: bool) -> common_pb2.AttentionKind.ValueType:
+    """The ``AttentionKind`` of an SGLang pool (Kimi Linear: hybrid MLA, passed as not MLA)."""
+    if is_hybrid_mla_backend:
+        return v1.ATTENTION_KIND_HYBRID_MLA
+    return v1.ATTENTION_KIND_MLA if is_mla_backend else v1.ATTENTION_KIND_MHA
+
+
+def _num_draft(kv_args: Any) -> int:
+    return int(getattr(kv_args, "num_draft_entries", 0) or 0)
+
+
+def kv_layer_ids(kv_args: Any, *, prefill: bool, pp_size: int) -> list[int | None]:
+    """Global layer id of every KV entry (module docstring); all None: pairing by position."""
+    n = len(kv_args.kv_item_lens)
+    given = list(getattr(kv_args, "kv_layer_ids", None) or [])
+    if given:
+        if len(given) != n:
+            raise TopologyError(f"SGLang sent {len(given)} layer ids for {n} KV entries",
+                                reason=Reason.TOPOLOGY_LAYER_METADATA_PARTIAL,
+                                metadata={"layerIds": len(given), "entries": n})
+        return list(given)
+    if prefill:
+        start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
+    elif pp_size == 1:
+        start = 0
+    else:
+        return [None] * n
+    return [start + i for i in range(n)]  # drafts follow the target layers, on the last stage
+
+
+def _roles(kv_args: Any) -> list[EntryRole]:
+    n = len(kv_args.kv_item_lens)
+    targets = n - _num_draft(kv_args)
+    return [EntryRole.TARGET if i < targets else EntryRole.DRAFT for i in range(n)]
+
+
+def _state_components(kv_args: Any) -> list[tuple[str, common_pb2.StateKind.ValueType, list[dict[str, Any]]]]:
+    """(type name, kind, per tensor its fields) of every state component SGLang registered."""
+    out = []
+    types = list(getattr(kv_args, "state_types", None) or [])
+
+    def column(name: str, k: int, count: int) -> list[Any]:
+        lists = getattr(kv_args, name, None) or []
+        values = list(lists[k]) if k < len(lists) and lists[k] is not None else []
+        return values if len(values) == count else [None] * count
+
+    for k, state_type in enumerate(types):
+        name = str(getattr(state_type, "value", state_type))
+        kind = STATE_KINDS.get(name)
+        if kind is None:
+            raise TopologyError(
+                f"the pdproto backend moves SGLang state of types {sorted(STATE_KINDS)}; this model also "
+                f"needs {name!r}: use --disaggregation-transfer-backend mooncake or nixl for it",
+                reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={"stateType": name})
+        ptrs = list(kv_args.state_data_ptrs[k])
+        count = len(ptrs)
+        tensors = [
+            {"ptr": p, "length": ln, "item_len": it, "dim": d, "outer": o, "groups": g, "layer": lid}
+            for p, ln, it, d, o, g, lid in zip(
+                ptrs, column("state_data_lens", k, count), column("state_item_lens", k, count),
+                column("state_dim_per_tensor", k, count), column("state_slice_outer_counts", k, count),
+                column("state_conv_shard_groups", k, count), column("state_layer_ids", k, count), strict=True)
+        ]
+        out.append((name, kind, tensors))
+    return out
+
+
+def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, port: int,
+                backend: int) -> v1.PrefillServerInfo:
+    """The ``PrefillServerInfo`` a prefill rank publishes for the ``KVArgs`` SGLang gave its manager."""
+    hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
+    ids = kv_layer_ids(kv_args, prefill=True, pp_size=ranks.pp[0])
+    info = v1.PrefillServerInfo(
+        version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
+        attn_tp=_group(ranks.attn_tp), attn_cp=_group(ranks.attn_cp), attn_dp=_group(ranks.attn_dp),
+        system_dp=_group(ranks.system_dp), pp=_group(ranks.pp), dcp=_group(ranks.dcp),
+        rank_endpoint=v1.Endpoint(host=host, port=port), page_size=int(kv_args.page_size),
+        kv_cache_dtype=str(kv_args.kv_cache_dtype_str), kv_layout=str(getattr(kv_args, "kv_layout", None) or ""),
+        attention_kind=attention_kind(is_mla_backend, hybrid),
+        start_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),
+        backends=[backend],  # type: ignore[list-item]
+        total_kv_heads=int(getattr(kv_args, "total_kv_head_num", 0) or 0))
+    for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
+        info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
+    info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
+    for name, kind, tensors in _state_components(kv_args):
+        entry = info.state_entries.add(kind=kind, type_name=name)
+        for t in tensors:
+            entry.tensors.add(item_len=int(t["item_len"]), dim=int(t["dim"] or 0), outer_count=int(t["outer"] or 0),
+                              shard_groups=[int(w) for w in t["groups"] or ()],
+                              layer_id=None if t["layer"] is None else int(t["layer"]))
+    if ranks.state_tp_size and info.state_entries:
+        info.state_tp.CopyFrom(v1.ParallelGroup(size=ranks.state_tp_size,
+                                                rank=ranks.attn_tp[1] % ranks.state_tp_size))
+    return info
+
+
+def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_host: str,
+                  notify_port: int) -> DecodeLayout:
+    """The ``DecodeLayout`` of a decode rank for the ``KVArgs`` SGLang gave its manager."""
+    page, dcp = int(kv_args.page_size), ranks.dcp[0]
+    ids = kv_layer_ids(kv_args, prefill=False, pp_size=ranks.pp[0])
+    kv = tuple(KvEntry(int(item_len) // (page * (dcp if role is EntryRole.DRAFT else 1)), layer_id, role)
+               for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True))
+    state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
+                                                     None if t["layer"] is None else int(t["layer"]))
+                                         for t in tensors))
+                  for _, kind, tensors in _state_components(kv_args))
+    return DecodeLayout(
+        page_size=page, kv=kv, kv_cache_dtype=str(kv_args.kv_cache_dtype_str),
+        attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
+        attn_tp_size=ranks.attn_tp[0], attn_tp_rank=ranks.attn_tp[1], dcp_size=dcp, dcp_rank=ranks.dcp[1],
+        pp_size=ranks.pp[0], pp_rank=ranks.pp[1], notify_host=notify_host, notify_port=notify_port,
+        capabilities=CAPABILITIES, gpu_id=int(getattr(kv_args, "gpu_id", 0) or 0),
+        aux=tuple(AuxEntry(int(n)) for n in kv_args.aux_item_lens), state=state,
+        total_kv_heads=int(getattr(kv_args, "total_kv_head_num", 0) or 0))
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Every buffer of a rank's pools as (address, length, memory kind): what gets registered."""
+
+    kv: tuple[Region, ...]
+    """One per KV entry."""
+    aux: tuple[Region, ...]
+    """One per aux buffer."""
+    state: tuple[tuple[Region, ...], ...]
+    """Per state component, one per tensor."""
+
+    def all(self) -> list[Region]:
+        """Every region, KV first."""
+        return [*self.kv, *self.aux, *(r for entry in self.state for r in entry)]
+
+
+def regions(kv_args: Any, *, on_device: bool) -> Regions:
+    """The regions behind ``kv_args``. On a GPU, KV and state live in device memory and aux in host
+    memory (SGLang's ``MetadataBuffers``); on a CPU host all of it is host memory."""
+    pool = v1.MEMORY_KIND_VRAM if on_device else v1.MEMORY_KIND_DRAM
+
+    def of(ptrs: Sequence[int], lens: Sequence[int], kind: int) -> tuple[Region, ...]:
+        return tuple(Region(int(p), int(n), kind) for p, n in zip(ptrs, lens, strict=True))  # type: ignore[arg-type]
+
+    return Regions(kv=of(kv_args.kv_data_ptrs, kv_args.kv_data_lens, pool),
+                   aux=of(kv_args.aux_data_ptrs, kv_args.aux_data_lens, v1.MEMORY_KIND_DRAM),
+                   state=tuple(of([t["ptr"] for t in tensors], [t["length"] for t in tensors], pool)
+                               for _, _, tensors in _state_components(kv_args)))
+
+
+__all__ = ["CAPABILITIES", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout", "kv_layer_ids",
+           "regions", "server_info"]

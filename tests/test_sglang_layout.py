@@ -1,0 +1,156 @@
+"""SGLang's KVArgs as the pdproto backend reads them: both sides' translations agree under negotiation.
+
+The KVArgs here carry the values SGLang 0.5.23's own pools produce (docs/sglang-notes.md
+section 4, dumped from ``MLATokenToKVPool`` and ``HybridLinearKVPool`` over a Kimi
+``MambaPool``); the end-to-end runs with SGLang's real pools are tests/sglang/test_harness.py.
+Pure: no SGLang, no network.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pdproto import v1
+from pdproto.errors import ConfigError, Reason, TopologyError
+from pdproto.integrations.sglang import layout
+from pdproto.integrations.sglang.settings import BackendSettings
+from pdproto.registration import make_registration
+from pdproto.topology import Decision, Mode, Rejection, negotiate
+
+PAGE = 64
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 512, 64]  # MetadataBuffers.get_buf_infos item lengths
+
+
+def kv_args(*, layers: int = 4, layer_ids: list[int] | None = None, draft: int = 0, draft_item: int = 0,
+            start: int = 0, state: list[dict[str, Any]] | None = None, hybrid: bool = False,
+            base: int = 0x10_0000) -> SimpleNamespace:
+    """A KVArgs as prefill.py/decode.py fill it, with made-up addresses."""
+    items = [PAGE * 1152] * layers + [draft_item] * draft
+    state = state or []
+    return SimpleNamespace(
+        kv_data_ptrs=[base + i * 0x100_0000 for i in range(len(items))],
+        kv_data_lens=[it * 97 for it in items], kv_item_lens=items, kv_layer_ids=layer_ids or [],
+        num_draft_entries=draft, prefill_start_layer=start, page_size=PAGE, kv_cache_dtype_str="bfloat16",
+        kv_layout=None, aux_data_ptrs=[base + 0x8000_0000 + i * 0x1_0000 for i in range(len(AUX))],
+        aux_data_lens=[n * 16 for n in AUX], aux_item_lens=AUX, gpu_id=0, is_hybrid_mla_backend=hybrid,
+        state_types=[s["type"] for s in state], state_data_ptrs=[s["ptrs"] for s in state],
+        state_data_lens=[[n * 5 for n in s["items"]] for s in state], state_item_lens=[s["items"] for s in state],
+        state_dim_per_tensor=[s["dims"] for s in state], state_slice_outer_counts=[s["outer"] for s in state],
+        state_conv_shard_groups=[s["groups"] for s in state], state_layer_ids=[s["layers"] for s in state])
+
+
+def kimi_state(tp: int) -> dict[str, Any]:
+    """Kimi Linear's one Mamba component: 6 conv tensors (bf16 [3, 3*64/tp]) then 6 temporal
+    tensors (fp32 [4/tp, 16, 16]), for KDA layers 0-2 and 4-6."""
+    kda = [0, 1, 2, 4, 5, 6]
+    return {"type": "mamba", "ptrs": [0x9000_0000 + i * 0x1_0000 for i in range(12)],
+            "items": [1152 // tp] * 6 + [4096 // tp] * 6, "dims": [192 // tp] * 6 + [4 // tp] * 6,
+            "outer": [3] * 6 + [1] * 6, "groups": [[64, 64, 64]] * 6 + [None] * 6, "layers": kda + kda}
+
+
+def _pair(prefill: SimpleNamespace, p_ranks: layout.Ranks, decode: SimpleNamespace, d_ranks: layout.Ranks, *,
+          mla: bool = True) -> Decision | Rejection:
+    """Both sides' translations, negotiated as the prefill's service does."""
+    info = layout.server_info(prefill, p_ranks, is_mla_backend=mla, host="10.0.0.1", port=50051,
+                              backend=v1.BACKEND_MOONCAKE)
+    dec = layout.decode_layout(decode, d_ranks, is_mla_backend=mla, notify_host="10.0.0.2", notify_port=7000)
+    regions = layout.regions(decode, on_device=True)
+    reg = make_registration(dec, v1.MooncakeEndpoint(session_id="10.0.0.2:15000"), list(regions.kv),
+                            aux=list(regions.aux), state=[list(e) for e in regions.state])
+    return negotiate(info, reg)
+
+
+def test_dense_mla_prefill_and_a_dcp4_decode_rank_agree() -> None:
+    for rank in range(4):
+        decision = _pair(kv_args(), layout.Ranks(attn_tp=(1, 0)), kv_args(),
+                         layout.Ranks(attn_tp=(4, rank), dcp=(4, rank)))
+        assert isinstance(decision, Decision), decision
+        assert decision.mode is Mode.DENSE_TO_DCP
+        assert [(p.src_entry, p.dst_entry, p.src_token_bytes) for p in decision.pairings] == [
+            (i, i, 1152) for i in range(4)]
+        assert decision.tp is not None and decision.tp.senders.decode_ranks_per_prefill_rank == 4
+
+
+def test_a_plain_pool_numbers_its_layers_from_its_stage_so_pp_stages_pair() -> None:
+    # Prefill stage 1 of 2 holds layers 2 and 3; a one-stage decode holds all four.
+    stage = kv_args(layers=2, start=2)
+    info = layout.server_info(stage, layout.Ranks(attn_tp=(1, 0), pp=(2, 1)), is_mla_backend=True,
+                              host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    assert [e.layer_id for e in info.kv_entries] == [2, 3]
+    decision = _pair(stage, layout.Ranks(attn_tp=(1, 0), pp=(2, 1)), kv_args(), layout.Ranks(attn_tp=(1, 0)))
+    assert isinstance(decision, Decision), decision
+    assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(0, 2), (1, 3)]
+
+
+def test_draft_entries_keep_virtual_pages_on_a_dcp_decode() -> None:
+    # The draft pool is never DCP-sharded: its decode page holds PAGE * dcp rows.
+    prefill = kv_args(draft=1, draft_item=PAGE * 1152)
+    decode = kv_args(draft=1, draft_item=PAGE * 2 * 1152)
+    dec = layout.decode_layout(decode, layout.Ranks(attn_tp=(2, 1), dcp=(2, 1)), is_mla_backend=True,
+                               notify_host="h", notify_port=1)
+    assert [(e.token_bytes, e.layer_id) for e in dec.kv] == [(1152, i) for i in range(5)]
+    decision = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(2, 1), dcp=(2, 1)))
+    assert isinstance(decision, Decision), decision
+    assert decision.pairings[-1].dst_token_bytes == 1152
+
+
+def test_kimi_linear_prefill_tp1_and_decode_tp2_dcp2_agree_on_kv_state_and_aux() -> None:
+    prefill = kv_args(layers=2, layer_ids=[3, 7], state=[kimi_state(1)], hybrid=True)
+    info = layout.server_info(prefill, layout.Ranks(attn_tp=(1, 0), state_tp_size=1), is_mla_backend=False,
+                              host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    assert info.attention_kind == v1.ATTENTION_KIND_HYBRID_MLA
+    (entry,) = info.state_entries
+    assert (entry.kind, entry.type_name, len(entry.tensors)) == (v1.STATE_KIND_RECURRENT, "mamba", 12)
+    conv, temporal = entry.tensors[0], entry.tensors[6]
+    assert (conv.item_len, conv.dim, conv.outer_count, list(conv.shard_groups)) == (1152, 192, 3, [64, 64, 64])
+    assert (temporal.item_len, temporal.dim, temporal.outer_count, temporal.layer_id) == (4096, 4, 1, 0)
+    for rank in range(2):
+        decode = kv_args(layers=2, layer_ids=[3, 7], state=[kimi_state(2)], hybrid=True)
+        decision = _pair(prefill, layout.Ranks(attn_tp=(1, 0), state_tp_size=1), decode,
+                         layout.Ranks(attn_tp=(2, rank), dcp=(2, rank), state_tp_size=2), mla=False)
+        assert isinstance(decision, Decision), decision
+        assert decision.mode is Mode.DENSE_TO_DCP
+        tp = decision.tp
+        assert tp is not None and len(tp.aux) == len(AUX)
+        (state,) = tp.state
+        # Each of the 12 tensors moves this rank's share of a slot: half of it.
+        assert [sum(s.length for s in t.segments) for t in state.tensors] == [576] * 6 + [2048] * 6
+
+
+def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:
+    dsa = {**kimi_state(1), "type": SimpleNamespace(value="dsa")}
+    with pytest.raises(TopologyError) as info:
+        layout.server_info(kv_args(state=[dsa]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
+                           port=1, backend=v1.BACKEND_MOONCAKE)
+    assert info.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
+    assert "'dsa'" in info.value.message and "mooncake" in info.value.message
+
+
+def test_layer_ids_that_do_not_cover_every_entry_are_refused() -> None:
+    with pytest.raises(TopologyError) as info:
+        layout.kv_layer_ids(kv_args(layer_ids=[3]), prefill=True, pp_size=1)
+    assert info.value.reason is Reason.TOPOLOGY_LAYER_METADATA_PARTIAL
+
+
+def test_on_a_gpu_kv_and_state_are_device_memory_and_aux_host_memory() -> None:
+    regions = layout.regions(kv_args(layers=2, state=[kimi_state(1)]), on_device=True)
+    assert {r.kind for r in regions.kv} | {r.kind for e in regions.state for r in e} == {v1.MEMORY_KIND_VRAM}
+    assert {r.kind for r in regions.aux} == {v1.MEMORY_KIND_DRAM}
+    assert {r.kind for r in layout.regions(kv_args(), on_device=False).all()} == {v1.MEMORY_KIND_DRAM}
+
+
+def test_settings_come_from_the_environment_and_bad_values_name_their_variable(tmp_path: Any) -> None:
+    assert BackendSettings.from_env({}) == BackendSettings()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    got = BackendSettings.from_env({"PDPROTO_ENGINE": "nixl", "PDPROTO_TOKEN_FILE": str(token),
+                                    "PDPROTO_PORT": "50100", "PDPROTO_STAGING_MB": "0"})
+    assert (got.engine, got.token, got.port, got.staging_mb) == ("nixl", "s3cret", 50100, 0)
+    for name, value in (("PDPROTO_ENGINE", "local"), ("PDPROTO_PORT", "70000"), ("PDPROTO_STAGING_MB", "x"),
+                        ("PDPROTO_TOKEN_FILE", str(tmp_path / "missing"))):
+        with pytest.raises(ConfigError) as info:
+            BackendSettings.from_env({name: value})
+        assert info.value.reason is Reason.CONFIG_INVALID and name in info.value.message
