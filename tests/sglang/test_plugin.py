@@ -1,17 +1,19 @@
 """The pdproto plugin inside SGLang 0.5.23: loaded by SGLang's own loader, checked by SGLang's own code.
 
-Each test runs in a fresh interpreter (tests/sglang/_run.py), the way SGLang loads plugins:
+The checks run in fresh interpreters (tests/sglang/_run.py), the way SGLang loads plugins:
 ``load_plugins()`` finds ``pdproto`` through the installed ``sglang.srt.plugins`` entry point.
+The checks with the plugin share one interpreter; the one without it has its own.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.sglang._models import write_config
 from tests.sglang._run import run_sglang
-from tests.sglang.pd_harness import write_model_config
 
 pytestmark = pytest.mark.process
 
@@ -68,18 +70,16 @@ out = {
     },
     "rust_registry_stands_in": disagg_service.rust_server_serves_kv_bootstrap("pdproto"),
 }
-try:
-    get_kv_class(TransferBackend.PDPROTO, KVClassType.MANAGER)(None, None, None, True)
-    out["placeholder"] = "constructed"
-except NotImplementedError as exc:
-    out["placeholder"] = str(exc)
-print(json.dumps(out))
+# decode.py:2897 holds a failed transfer's pages until every prefill rank acked the abort
+# only when the manager class says its backend acknowledges aborts.
+out["deferred_release"] = get_kv_class(TransferBackend.PDPROTO, KVClassType.MANAGER).supports_deferred_decode_kv_release
+results["resolve"] = out
 """
 
 
-def test_plugin_resolves_every_kv_class_and_leaves_other_backends_alone() -> None:
+def test_plugin_resolves_every_kv_class_and_leaves_other_backends_alone(with_plugin: dict[str, Any]) -> None:
     """SGLang's loader runs the entry point; TransferBackend and get_kv_class then know pdproto."""
-    out = run_sglang(RESOLVE)
+    out = with_plugin["resolve"]
     assert "pdproto=pdproto.integrations.sglang.plugin:register" in out["entry_points"]
     assert out["members"] == {
         "MOONCAKE": "mooncake",
@@ -102,8 +102,7 @@ def test_plugin_resolves_every_kv_class_and_leaves_other_backends_alone() -> Non
         "bootstrap_server": True,
     }
     assert out["rust_registry_stands_in"]
-    # The manager, sender and receiver are placeholders and must say so.
-    assert "not implemented yet" in out["placeholder"]
+    assert out["deferred_release"] is True
 
 
 SERVER_ARGS = """
@@ -135,26 +134,33 @@ def decode(backend, dcp=4):
     return ["--disaggregation-mode", "decode", "--tp-size", str(dcp), "--dcp-size", str(dcp),
             "--disaggregation-transfer-backend", backend]
 
-print(json.dumps({{
+results["server_args"] = {{
     "pdproto_dcp4": resolve(*decode("pdproto")),
     "mooncake_dcp4": resolve(*decode("mooncake")),
     "pdproto_dcp1": resolve(*decode("pdproto", dcp=1)),
     "pdproto_prefill": resolve("--disaggregation-mode", "prefill",
                                "--disaggregation-transfer-backend", "pdproto"),
     "pdproto_dcp4_staging": resolve(*decode("pdproto"), env={{"SGLANG_DISAGG_STAGING_BUFFER": "1"}}),
-}}))
+}}
 """
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DeepSeek-V3 (MLA) config.json: what SGLang's argument checks read from a model."""
-    return write_model_config(tmp_path_factory.mktemp("mla"))
+    return write_config("mla", tmp_path_factory.mktemp("mla"))
 
 
-def test_server_args_accept_dcp4_decode_with_plugin(model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def with_plugin(model_dir: Path) -> dict[str, Any]:
+    """The plugin's checks in one fresh interpreter (an SGLang import costs seconds on two cores)."""
+    return run_sglang("results = {}\n" + RESOLVE + SERVER_ARGS.format(model=str(model_dir)) + BOOTSTRAP.format()
+                      + "print(json.dumps(results))\n")
+
+
+def test_server_args_accept_dcp4_decode_with_plugin(with_plugin: dict[str, Any]) -> None:
     """SGLang's own resolution pipeline accepts a DCP 4 pdproto decode and keeps the name."""
-    out = run_sglang(SERVER_ARGS.format(model=str(model_dir)))
+    out = with_plugin["server_args"]
     assert out["pdproto_dcp4"] == {"backend": "pdproto", "dcp": 4, "radix_disabled": True}
     assert out["mooncake_dcp4"] == {"backend": "mooncake", "dcp": 4, "radix_disabled": True}
     assert out["pdproto_dcp1"] == {"backend": "pdproto", "dcp": 1, "radix_disabled": True}
@@ -230,14 +236,19 @@ info = requests.get(url + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_t
 ranks = [requests.get(url + f"/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={{r}}&target_pp_rank=0").json()
          for r in (0, 1)]
 missing = requests.get(url + "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=2&target_pp_rank=0").status_code
+# Several prefill DP ranks: a sender files its room's DP rank (common/conn.py:2183-2199), and the
+# decode asks for it through SGLang's own class, as decode.py:1256 does.
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+assert requests.post(url + "/register_dp_rank", json={{"bootstrap_room": 77, "dp_rank": 1}}).status_code == 200
+dp_ranks = CommonKVReceiver.query_prefill_dp_ranks(f"127.0.0.1:{{port}}", [77, 78])
 server.close()
-print(json.dumps({{"before": before, "info": info, "ranks": ranks, "missing": missing}}))
+results["bootstrap"] = {{"before": before, "info": info, "ranks": ranks, "missing": missing, "dp_ranks": dp_ranks}}
 """
 
 
-def test_bootstrap_server_resolves_each_prefill_rank_to_its_grpc_endpoint() -> None:
+def test_bootstrap_server_resolves_each_prefill_rank_to_its_grpc_endpoint(with_plugin: dict[str, Any]) -> None:
     """The registry pdproto uses is SGLang's: ranks register ip:port, decodes look them up."""
-    out = run_sglang(BOOTSTRAP.format())
+    out = with_plugin["bootstrap"]
     assert out["before"] == 503  # not every rank has registered yet
     assert out["info"]["attn_tp_size"] == 2
     assert out["info"]["page_size"] == 64
@@ -246,3 +257,4 @@ def test_bootstrap_server_resolves_each_prefill_rank_to_its_grpc_endpoint() -> N
         {"rank_ip": "10.0.0.7", "rank_port": 50052},
     ]
     assert out["missing"] == 404
+    assert out["dp_ranks"] == {"77": 1}  # room 78 was never filed

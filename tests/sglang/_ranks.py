@@ -1,0 +1,503 @@
+"""One prefill or decode rank of the SGLang harness (``tests/sglang/pd_harness.py``), in its own process.
+
+Each rank boots SGLang (ServerArgs, ``publish``, ``init_parallel_runtime``), builds the
+model's pools (``_models.py``) and its backend's manager from ``get_kv_class``, then makes
+the calls ``disaggregation/prefill.py`` or ``disaggregation/decode.py`` make, in their
+order; each call cites the line it mirrors (paths under ``sglang/srt/`` of the 0.5.23
+wheel). It talks to the driver in JSON lines on stdout and waits on stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tests.sglang._models import (
+    AUX_SLOTS,
+    LAYERS,
+    PAGE,
+    SEED,
+    build_pools,
+    check_state,
+    fill_prefill,
+    fill_random,
+    server_flags,
+    state_indices,
+)
+from tests.sglang.pd_harness import (
+    FAILED,
+    KILL,
+    POLL_S,
+    SUCCESS,
+    WAITING,
+    Request,
+    Spec,
+    decode_pages,
+    expected_rows,
+    prefill_pages,
+    state_slots,
+)
+
+
+# --------------------------------------------------------------------- SGLang set-up
+
+
+def _boot(args: argparse.Namespace, role: str, tp: int, rank: int) -> Any:
+    """Parse, resolve and publish ServerArgs for one rank, then build its process groups."""
+    from tests.sglang import _stubs
+
+    _stubs.install()
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()  # launch_server.py:79; again in each scheduler (scheduler.py:6323)
+    argv = [
+        "--model-path", args.model_dir, "--device", "cpu", "--host", "127.0.0.1",
+        "--skip-tokenizer-init", "--page-size", str(PAGE),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", args.backend,
+        "--disaggregation-bootstrap-port", str(args.bootstrap_port),
+        *server_flags(args.spec.model, role),
+    ]  # fmt: skip
+    if tp > 1:
+        argv += ["--tp-size", str(tp), "--dcp-size", str(tp)]
+    server_args = prepare_server_args(argv)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    # What the scheduler's model runner does first: gloo groups on CPU and the shared
+    # Mooncake engine (distributed/bootstrap.py:92-143). SGLang builds a DCP group only on
+    # GPU platforms (distributed/parallel_state.py:2651-2659); the transfer path reads the
+    # DCP size and rank from the published config and never uses that group, so on CPU
+    # the groups are built without the DCP split (the override its docstring asks for).
+    parallel = get_parallel()
+    with parallel.override(attn_dcp_size=1) if tp > 1 else contextlib.nullcontext():
+        init_parallel_runtime(server_args=server_args, device="cpu", dist_port=args.dist_port)
+    if args.spec.shared_engine:
+        # maybe_init_shared_mooncake_transfer_engine (mooncake_transfer_engine.py:315-365) starts
+        # it for HiCache's Mooncake store, elastic EP or encoder disaggregation too.
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            init_mooncake_transfer_engine,
+        )
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        init_mooncake_transfer_engine(hostname=get_local_ip_auto(), gpu_id=rank)
+    return server_args
+
+
+def _engine_report(manager: Any) -> dict[str, Any]:
+    """Which transfer engine the rank's backend uses: SGLang's shared one, or its own."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        get_mooncake_transfer_engine,
+    )
+
+    shared = get_mooncake_transfer_engine()
+    side = getattr(manager, "prefill_side", None) or getattr(manager, "decode_side", None)
+    executor = getattr(side, "executor", None)
+    return {
+        "shared": None if shared is None else shared.get_session_id(),
+        "adopted": getattr(executor, "adopted", None),
+        "session": executor.endpoint().session_id if executor is not None else None,
+    }
+
+
+def _metadata() -> tuple[Any, Any]:
+    import torch
+
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
+
+    buffers = MetadataBuffers(
+        AUX_SLOTS, hidden_size=256, hidden_states_dtype=torch.bfloat16,
+        max_sampling_mask_tokens=16,
+    )  # fmt: skip
+    return buffers, ReqToMetadataIdxAllocator(AUX_SLOTS)
+
+
+def _manager(server_args: Any, role: str, pool: Any, metadata: Any, layers: int) -> Any:
+    """KVArgs filled as prefill.py:257-353 / decode.py:608-700 fill them, then the manager."""
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+        build_kv_layer_ids,
+        get_kv_class,
+        get_kv_transfer_buf_infos,
+        get_pd_kv_layout,
+        is_mla_backend,
+        setup_state_kv_args,
+    )
+    from sglang.srt.runtime_context import get_disagg, get_parallel
+
+    backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
+    kv_args = get_kv_class(backend, KVClassType.KVARGS)()  # prefill.py:258, decode.py:609
+    kv_args.engine_rank = get_parallel().tp_rank % get_parallel().attn_tp_size  # decode.py:613
+    kv_args.pp_rank = get_parallel().pp_rank
+    kv_args.system_dp_rank = get_parallel().dp_rank
+    kv_args.rust_http_port = None  # prefill.py:263 (no Rust server)
+    kv_args.kv_cache_dtype_str = "bfloat16"  # model_runner.kv_cache_dtype_str
+    kv_args.kv_layout = get_pd_kv_layout(pool)
+    kv_args.prefill_start_layer = pool.start_layer  # prefill.py:275-286
+    ptrs, lens, item_lens = get_kv_transfer_buf_infos(pool)  # prefill.py:287
+    kv_args.prefill_end_layer = getattr(pool, "end_layer", None)
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, item_lens
+    kv_args.num_draft_entries = 0  # no speculative draft pool
+    kv_args.kv_layer_ids = build_kv_layer_ids(  # prefill.py:326
+        token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+        num_draft_entries=0, num_hidden_layers=layers,
+    )  # fmt: skip
+    kv_args.page_size = pool.page_size  # prefill.py:337, decode.py:670
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = (
+        metadata.get_buf_infos()  # prefill.py:339, decode.py:672
+    )
+    kv_args.ib_device = get_disagg().disaggregation_ib_device
+    kv_args.gpu_id = 0
+    setup_state_kv_args(kv_args, pool, None, layers, req_to_token_pool=None)  # prefill.py:350
+    manager_class = get_kv_class(backend, KVClassType.MANAGER)  # prefill.py:358
+    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    # A hybrid pool is not "MLA" here even with MLA layers (prefill.py:195, utils.py:865).
+    return manager_class(kv_args, mode, server_args, is_mla_backend(pool))  # prefill.py:364
+
+
+def _token_slots(pages: list[int], tokens: int, tokens_per_page: int) -> Any:
+    """A req_to_token row, int32 like ReqToTokenPool's (memory_pool.py:406): page indices
+    derived from it are int32, which the frames require (decode.py:2234)."""
+    import torch
+
+    t = torch.arange(tokens, dtype=torch.int32)
+    return torch.tensor(pages, dtype=torch.int32)[t // tokens_per_page] * tokens_per_page + (
+        t % tokens_per_page
+    )
+
+
+def _aux_tensors(metadata: Any) -> list[Any]:
+    """The aux buffers, in get_buf_infos order (utils.py:524-544)."""
+    by_ptr = {t.data_ptr(): t for t in vars(metadata).values() if hasattr(t, "data_ptr")}
+    return [by_ptr[p] for p in metadata.get_buf_infos()[0]]
+
+
+def _write_aux_row(metadata: Any, index: int, room: int) -> None:
+    """Stand-in for MetadataBuffers.set_buf (utils.py:584): seeded bytes in every buffer,
+    and the room in bootstrap_room, which the decode's gate waits for (utils.py:245-260)."""
+    for k, buf in enumerate(_aux_tensors(metadata)):
+        if buf is metadata.bootstrap_room:
+            buf[index].zero_()
+            buf[index, 0] = room
+        else:
+            fill_random(buf[index], SEED * 1000 + room * 16 + k)
+
+
+def _poll_until(poll: Callable[[], list[Any]], done: set[int], timeout_s: float) -> list[int]:
+    """Repeat one of SGLang's reduced polls until every state is in ``done``.
+
+    Every rank of a group stops on the same iteration: the states are all-reduced.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        polls = [int(p) for p in poll()]
+        if all(p in done for p in polls) or time.monotonic() > deadline:
+            return polls
+        time.sleep(POLL_S)
+
+
+def _emit(obj: Any) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+# --------------------------------------------------------------------- prefill
+
+
+@dataclass
+class _Prefill:
+    """One prefill rank's SGLang objects and what it computed."""
+
+    args: argparse.Namespace
+    manager: Any
+    sender_class: Any
+    pools: Any
+    metadata: Any
+    allocator: Any
+    tp_group: Any
+    cp_group: Any
+    src_pages: dict[int, list[int]] = field(default_factory=dict)
+
+    def senders(self, requests: list[Request]) -> list[Any]:
+        return [
+            self.sender_class(  # create_sender, prefill.py:409-414
+                mgr=self.manager,
+                bootstrap_addr=f"127.0.0.1:{self.args.bootstrap_port}",
+                bootstrap_room=req.room,
+                req_has_disagg_prefill_dp_rank=False,
+            )
+            for req in requests
+        ]
+
+    def poll(self, senders: list[Any]) -> list[Any]:  # prefill.py:517 and 1163
+        from sglang.srt.disaggregation.utils import poll_and_all_reduce_attn_cp_tp_group
+
+        return poll_and_all_reduce_attn_cp_tp_group(senders, self.cp_group, self.tp_group)
+
+    def start(self, req: Request, sender: Any) -> dict[str, Any]:
+        """finalize_bootstrap (prefill.py:429-444), once the poll said WaitingForInput."""
+        prefix = sender.pop_decode_prefix_len()  # prefill.py:437
+        index = self.allocator.alloc()  # ensure_metadata_buffer, prefill.py:424
+        sender.init(-(-(req.tokens - prefix) // PAGE), index)  # prefill.py:442, 446-450
+        return {"prefix": prefix, "aux_index": index}
+
+    def send(self, req: Request, sender: Any, started: dict[str, Any], upto: int | None = None) -> None:
+        """The request's chunks from where the last send stopped (``req.start_send_idx``) to ``upto``
+        tokens, or to its end; the last one carries the aux row and the state."""
+        from sglang.srt.mem_cache.common import kv_to_page_indices
+
+        slots = _token_slots(self.src_pages[req.room], req.tokens, PAGE)
+        start = started.setdefault("sent", started["prefix"])  # req.start_send_idx, prefill.py:438
+        stop = req.tokens if upto is None else upto
+        while start < stop:
+            end = min(start + (req.chunk or req.tokens), req.tokens)
+            last = end == req.tokens
+            if not last:
+                end -= end % PAGE  # a partial page waits for the next send, prefill.py:1546
+            else:
+                _write_aux_row(self.metadata, started["aux_index"], req.room)  # set_buf, prefill.py:1568
+            # One entry per kv_args.state_types on the last chunk only (prefill.py:1577-1709).
+            state = state_indices(self.pools, state_slots(self.args.spec)[req.room][0]) if last else None
+            _send_kv_chunk(sender, slots, start, end, last, state, started["prefix"], kv_to_page_indices)
+            started["sent"] = start = end
+
+
+def run_prefill(args: argparse.Namespace) -> None:
+    """One dense prefill rank: bootstrap server, manager, a sender per request, chunked sends."""
+    server_args = _boot(args, "prefill", tp=1, rank=0)
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    from sglang.srt.managers.disagg_service import start_disagg_service
+    from sglang.srt.runtime_context import get_disagg, get_parallel
+
+    spec: Spec = args.spec
+    # tokenizer_manager.py:806 starts it in the prefill's main process; the ranks'
+    # managers register with it (retrying until it answers, common/conn.py:1635-1662).
+    bootstrap = start_disagg_service()
+    pools = build_pools(spec.model, spec.pool_pages, args.model_dir)
+    fill_prefill(pools)
+    metadata, allocator = _metadata()
+    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS[spec.model])
+    backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
+    rank = _Prefill(
+        args, manager, get_kv_class(backend, KVClassType.SENDER), pools, metadata, allocator,  # prefill.py:407
+        get_parallel().attn_tp_group.cpu_group, get_parallel().attn_cp_group.cpu_group,  # scheduler.py:1248-1250
+        prefill_pages(spec),
+    )  # fmt: skip
+    _emit({"ready": True, "engine": _engine_report(manager)})
+
+    requests = list(spec.requests)
+    senders = rank.senders(requests)
+    # pop_bootstrapped (prefill.py:497-551) waits for WaitingForInput ...
+    polls = _poll_until(lambda: rank.poll(senders), {WAITING, FAILED}, args.timeout)
+    if polls != [WAITING] * len(requests):
+        raise SystemExit(f"prefill: bootstrap polls {polls}")
+    results: dict[int, dict[str, Any]] = {}
+    began = time.perf_counter()
+    for req, sender in zip(requests, senders):
+        results[req.room] = rank.start(req, sender)  # ... then finalize_bootstrap
+        rank.send(req, sender, results[req.room])
+    # process_disagg_prefill_inflight_queue (prefill.py:1151-1269)
+    polls = _poll_until(lambda: rank.poll(senders), {SUCCESS, FAILED}, args.timeout)
+    seconds = time.perf_counter() - began
+    for req, sender, state in zip(requests, senders, polls):
+        results[req.room].update(_conclude(sender, state))
+    _emit({"results": results, "seconds": seconds})
+    if spec.kill:
+        _emit({"kill": _killed_mid_transfer(args, rank)})
+    sys.stdin.readline()  # keep the engine and bootstrap server up until the driver is done
+    del bootstrap
+
+
+def _conclude(sender: Any, state: int) -> dict[str, Any]:
+    """What the inflight queue does with a finished sender (prefill.py:1160-1311)."""
+    out: dict[str, Any] = {"poll": state}
+    if state == FAILED:
+        try:
+            sender.failure_exception()  # prefill.py:1292
+        except Exception as exc:  # its message is the failure reason
+            out["reason"] = str(exc)
+            out["failure_reason"] = getattr(exc, "failure_reason", None)
+    elif state == SUCCESS:
+        sender.clear()  # prefill.py:1233
+        metric = sender.get_transfer_metric()  # prefill.py:1256
+        out["metric_bytes"] = metric.transfer_total_bytes
+    return out
+
+
+def _killed_mid_transfer(args: argparse.Namespace, rank: _Prefill) -> dict[str, Any]:
+    """The ``KILL`` request: its first chunk moves, the driver kills every decode rank, then
+    the prefill sends the rest; the sender must turn Failed with a reason."""
+    (sender,) = senders = rank.senders([KILL])
+    polls = _poll_until(lambda: rank.poll(senders), {WAITING, FAILED}, args.timeout)
+    if polls != [WAITING]:
+        return {"bootstrap_polls": polls}
+    started = rank.start(KILL, sender)
+    rank.send(KILL, sender, started, upto=KILL.chunk)  # the first chunk only
+    deadline = time.monotonic() + args.timeout
+    while (sender.get_transfer_metric().transfer_total_bytes or 0) == 0 and time.monotonic() < deadline:
+        rank.poll(senders)
+        time.sleep(POLL_S)
+    moved = sender.get_transfer_metric().transfer_total_bytes
+    _emit({"transferring": moved, "poll": int(rank.poll(senders)[0])})
+    sys.stdin.readline()  # the driver killed the decode ranks
+    rank.send(KILL, sender, started)  # the rest, with the aux row and the state
+    (state,) = _poll_until(lambda: rank.poll(senders), {SUCCESS, FAILED}, args.timeout)
+    return {"moved_before_kill": moved, **_conclude(sender, state)}
+
+
+def _send_kv_chunk(
+    sender: Any, slots: Any, start: int, end: int, last: bool, state: Any, prefix: int, to_pages: Any
+) -> None:
+    """_send_kv_chunk (prefill.py:1528-1786): split at the sender's limit, send each segment."""
+    from sglang.srt.disaggregation.common.staging_buffer import compute_grid_segments
+
+    if end < start:
+        return  # prefill.py:1557
+    limit = sender.get_max_transfer_tokens()  # prefill.py:1713
+    if limit is None:
+        segments = [(start, end)]
+    else:
+        segments = compute_grid_segments(start, end, prefix, limit)  # prefill.py:1723
+    for seg_start, seg_end in segments:
+        pages = to_pages(slots[seg_start:seg_end], PAGE)  # prefill.py:1763
+        segment_is_last = last and seg_end == end
+        if not sender.should_send_kv_chunk(len(pages), segment_is_last):  # prefill.py:1765
+            continue
+        sender.send(  # prefill.py:1776-1781
+            pages, state if segment_is_last else None, num_kv_tokens=seg_end - seg_start
+        )
+
+
+# --------------------------------------------------------------------- decode
+
+
+@dataclass
+class _GatedRequest:
+    """What _apply_metadata_gate reads of a DecodeRequest and its Req (utils.py:238-260)."""
+
+    metadata_buffer_index: int
+    bootstrap_host: str = "127.0.0.1"
+
+    @property
+    def req(self) -> _GatedRequest:
+        return self
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    """One decode rank: manager, a receiver per request, metadata, then every byte checked."""
+    server_args = _boot(args, "decode", tp=args.dcp, rank=args.rank)
+    from sglang.srt.disaggregation.utils import (
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+        poll_and_all_reduce,
+    )
+    from sglang.srt.runtime_context import get_disagg, get_parallel
+
+    spec: Spec = args.spec
+    pools = build_pools(spec.model, spec.pool_pages, args.model_dir)
+    metadata, allocator = _metadata()
+    manager = _manager(server_args, "decode", pools.pool, metadata, LAYERS[spec.model])
+    backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
+    receiver_class = get_kv_class(backend, KVClassType.RECEIVER)  # decode.py:905
+    group = get_parallel().attn_tp_group.cpu_group  # gloo_group, decode.py:421 and 2545
+    addr = f"127.0.0.1:{args.bootstrap_port}"
+    dst_pages = decode_pages(spec, args.dcp)
+
+    def prepare(requests: list[Request]) -> tuple[list[Any], list[_GatedRequest]]:
+        """From receiver creation to send_metadata (decode.py:900-1877) for ``requests``."""
+        receivers = [  # _create_receiver_and_enqueue, decode.py:907-911
+            receiver_class(mgr=manager, bootstrap_addr=addr, bootstrap_room=req.room) for req in requests
+        ]
+        # _resolve_pending_reqs -> _ensure_prefill_info (decode.py:1200): retried each
+        # scheduling cycle until every prefill rank has registered.
+        deadline = time.monotonic() + args.timeout
+        while not manager.try_ensure_parallel_info(addr):
+            if time.monotonic() > deadline:
+                raise SystemExit("decode: the prefill never registered with the bootstrap server")
+            time.sleep(0.2)
+        for receiver in receivers:
+            receiver.init(0)  # _init_receiver, decode.py:1105 (one prefill DP rank)
+        # _update_handshake_waiters (decode.py:1124-1170)
+        polls = _poll_until(lambda: poll_and_all_reduce(receivers, group), {WAITING, FAILED}, args.timeout)
+        if polls != [WAITING] * len(requests):
+            raise SystemExit(f"decode: handshake polls {polls}")
+        gated = []
+        for req, receiver in zip(requests, receivers):  # pop_preallocated (decode.py:1333-1842)
+            from sglang.srt.mem_cache.common import kv_to_page_indices
+
+            slots = _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp)
+            index = allocator.alloc()  # _send_kv_metadata, decode.py:1847-1848
+            # only the pages after the prefix go to the prefill (decode.py:1640-1660, 2231-2235)
+            pages = kv_to_page_indices(slots[req.decode_prefix :], PAGE * args.dcp)
+            state = state_indices(pools, state_slots(spec)[req.room][1])  # decode.py:1660-1786
+            receiver.send_metadata(pages, index, state, decode_prefix_len=req.decode_prefix)  # :1863
+            gated.append(_GatedRequest(index))
+        return receivers, gated
+
+    requests = list(spec.requests)
+    receivers, gated = prepare(requests)
+    # pop_transferred (decode.py:2833-2900): Success waits for the aux row to land.
+    polls = _poll_until(
+        lambda: poll_and_all_reduce(receivers, group, decode_reqs=gated, metadata_buffers=metadata),
+        {SUCCESS, FAILED},
+        args.timeout,
+    )
+    report: dict[str, Any] = {"rank": args.rank, "polls": polls, "reasons": {}, "engine": _engine_report(manager)}
+    for req, receiver, state in zip(requests, receivers, polls):
+        if state == FAILED:
+            try:
+                receiver.failure_exception()  # decode.py:2870
+            except Exception as exc:  # its message is the failure reason
+                report["reasons"][req.room] = str(exc)
+        elif state == SUCCESS:
+            receiver.clear()  # _commit_transfer_to_req, decode.py:2774
+    indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
+    report["mismatches"] = _check(args, pools, metadata, indices)
+    _emit(report)
+    if spec.kill:
+        prepare([KILL])
+        _emit({"submitted": KILL.room})
+        sys.stdin.readline()  # the driver kills this rank here, mid-transfer
+
+
+def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[int, int]) -> list[str]:
+    """Every byte of this rank's KV pool, aux buffers and state against what it must hold."""
+    import torch
+
+    spec: Spec = args.spec
+    src_pools = build_pools(spec.model, spec.pool_pages, args.model_dir, tp=1)
+    fill_prefill(src_pools)
+    src_pages, dst_pages = prefill_pages(spec), decode_pages(spec, args.dcp)
+    pairs = [
+        pair
+        for req in spec.requests
+        for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank,
+                                  whole_pages=args.backend != "pdproto")
+    ]
+    src_rows = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+    dst_rows = torch.tensor([d for _, d in pairs], dtype=torch.int64)
+    mismatches = []
+    for layer, (got_layer, src_layer) in enumerate(zip(pools.kv, src_pools.kv)):
+        expected = torch.zeros_like(got_layer)
+        expected[dst_rows] = src_layer[src_rows]
+        got = got_layer.view(torch.uint8).reshape(expected.shape[0], -1)
+        want = expected.view(torch.uint8).reshape(expected.shape[0], -1)
+        bad = (got != want).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            mismatches.append(f"KV layer {layer}: {len(bad)} rows differ, first {bad[:5]}")
+    src_meta, _ = _metadata()
+    for req in spec.requests:
+        _write_aux_row(src_meta, indices[req.room], req.room)
+    for k, (got, want) in enumerate(zip(_aux_tensors(metadata), _aux_tensors(src_meta))):
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            mismatches.append(f"aux buffer {k} differs")
+    slots = {room: pair for room, pair in state_slots(spec).items() if room != KILL.room}
+    return mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)
