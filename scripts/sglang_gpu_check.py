@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""GPU check of the SGLang backend: a real ``sglang.launch_server`` prefill/decode pair with pdproto.
+
+Runs on a machine with an NVIDIA GPU and, installed with pip, ``sglang==0.5.23`` (with its
+own GPU requirements), ``mooncake-transfer-engine`` (the CUDA build) and this repository
+(``pip install -e .``); nothing is downloaded: the model must already be on disk
+(``--model-path``; any small causal LM SGLang serves, e.g. Qwen2.5-0.5B-Instruct).
+
+1. A plain (not disaggregated) server answers each prompt greedily: the reference.
+2. A prefill and a decode server start with ``--disaggregation-transfer-backend pdproto``;
+   this script is their router: it posts each prompt to both with one
+   ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, as SGLang's router does.
+3. The decode's first ``--tokens`` generated token ids must equal the reference's.
+
+Prints one line per prompt and ``PASS`` or ``FAIL``; exits 0 on PASS. Every server log is
+kept under ``--log-dir``. ``--dry-run`` prints the three server command lines and exits.
+
+    python scripts/sglang_gpu_check.py --model-path /models/Qwen2.5-0.5B-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "In one sentence, a transformer language model is",
+    "List three prime numbers:",
+]
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(args: argparse.Namespace, port: int, *extra: str) -> list[str]:
+    """``python -m sglang.launch_server`` for one server on this host's GPU(s)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model_path, "--host", HOST,
+           "--port", str(port), "--mem-fraction-static", str(args.mem_fraction), "--random-seed", "0", *extra]
+    return cmd + (["--disable-cuda-graph"] if not args.cuda_graph else [])
+
+
+def commands(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[str]]:
+    """The reference server, the prefill and the decode, as they are started."""
+    pd = ["--disaggregation-transfer-backend", "pdproto", "--disaggregation-bootstrap-port", str(ports["bootstrap"])]
+    decode = ["--disaggregation-mode", "decode", *pd, "--base-gpu-id", str(args.decode_gpu)]
+    if args.decode_tp > 1:
+        decode += ["--tp-size", str(args.decode_tp), "--dcp-size", str(args.decode_tp)]
+    return {
+        "reference": server_command(args, ports["reference"]),
+        "prefill": server_command(args, ports["prefill"], "--disaggregation-mode", "prefill", *pd),
+        "decode": server_command(args, ports["decode"], *decode),
+    }
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait until the server answers ``/health``; raise if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server on port {port} not healthy within {timeout:.0f} s")
+
+
+def generate(port: int, prompt: str, tokens: int, **bootstrap: Any) -> list[int]:
+    """Greedy ``tokens`` output token ids for ``prompt`` from the server on ``port``."""
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": tokens}, **bootstrap}
+    out = _post(f"http://{HOST}:{port}/generate", body, timeout=600)
+    ids = out.get("output_ids") or out.get("meta_info", {}).get("output_ids")
+    if ids is None:
+        raise RuntimeError(f"no output_ids in the answer of port {port}: {json.dumps(out)[:300]}")
+    return [int(i) for i in ids]
+
+
+class Servers:
+    """Started servers, each in its own process group, stopped together."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        print(f"starting {name}: {shlex.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+def main() -> int:
+    """Run the check; 0 on PASS."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", required=True, help="a model directory on this machine (nothing is downloaded)")
+    ap.add_argument("--tokens", type=int, default=8, help="generated tokens compared per prompt")
+    ap.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each server")
+    ap.add_argument("--decode-gpu", type=int, default=0, help="--base-gpu-id of the decode (0: share the GPU)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode TP = DCP size (MLA models, that many GPUs)")
+    ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs (slower start)")
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--log-dir", default="")
+    ap.add_argument("--dry-run", action="store_true", help="print the server commands and exit")
+    args = ap.parse_args()
+    ports = {name: free_port() for name in ("reference", "prefill", "decode", "bootstrap")}
+    cmds = commands(args, ports)
+    if args.dry_run:
+        print(json.dumps(cmds, indent=1))
+        return 0
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdproto-gpu-check-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, SGLANG_HOST_IP=HOST, PDPROTO_TOKEN=os.environ.get("PDPROTO_TOKEN", os.urandom(16).hex()))
+    servers = Servers(log_dir, env)
+    try:
+        ref = servers.start("reference", cmds["reference"])
+        wait_healthy(ports["reference"], ref, args.start_timeout)
+        expected = [generate(ports["reference"], p, args.tokens) for p in PROMPTS]
+        servers.stop()
+        prefill = servers.start("prefill", cmds["prefill"])
+        decode = servers.start("decode", cmds["decode"])
+        wait_healthy(ports["prefill"], prefill, args.start_timeout)
+        wait_healthy(ports["decode"], decode, args.start_timeout)
+        ok = True
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            for prompt, want in zip(PROMPTS, expected):
+                boot = {"bootstrap_host": HOST, "bootstrap_port": ports["bootstrap"],
+                        "bootstrap_room": random.getrandbits(63)}
+                p = pool.submit(generate, ports["prefill"], prompt, args.tokens, **boot)
+                d = pool.submit(generate, ports["decode"], prompt, args.tokens, **boot)
+                p.result()
+                got = d.result()
+                same = got[:args.tokens] == want[:args.tokens]
+                ok &= same
+                print(f"{'same' if same else 'DIFFERENT'}  {prompt!r}: pd={got[:args.tokens]} reference={want}",
+                      flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported as the check's verdict
+        print(f"FAIL: {type(exc).__name__}: {exc} (logs: {log_dir})")
+        return 1
+    finally:
+        servers.stop()
+    print(("PASS" if ok else "FAIL") + f" (logs: {log_dir})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
