@@ -294,15 +294,19 @@ def run_prefill(args: argparse.Namespace) -> None:
 
     requests = list(spec.requests)
     senders = rank.senders(requests)
-    # pop_bootstrapped (prefill.py:497-551) waits for WaitingForInput ...
+    # pop_bootstrapped (prefill.py:497-551) waits for WaitingForInput (or Failed: a decode abort) ...
     polls = _poll_until(lambda: rank.poll(senders), {WAITING, FAILED}, args.timeout)
-    if polls != [WAITING] * len(requests):
+    if [p for req, p in zip(requests, polls) if req.abort != "decode" and p != WAITING]:
         raise SystemExit(f"prefill: bootstrap polls {polls}")
     results: dict[int, dict[str, Any]] = {}
     began = time.perf_counter()
     for req, sender in zip(requests, senders):
-        results[req.room] = rank.start(req, sender)  # ... then finalize_bootstrap
-        rank.send(req, sender, results[req.room])
+        results[req.room] = {}
+        if req.abort == "prefill":
+            sender.abort()  # an aborted request in the waiting queue: scheduler.py:3813, prefill.py:598-599
+        elif req.abort == "":
+            results[req.room] = rank.start(req, sender)  # ... then finalize_bootstrap
+            rank.send(req, sender, results[req.room])
     # process_disagg_prefill_inflight_queue (prefill.py:1151-1269)
     polls = _poll_until(lambda: rank.poll(senders), {SUCCESS, FAILED}, args.timeout)
     seconds = time.perf_counter() - began
@@ -444,19 +448,36 @@ def run_decode(args: argparse.Namespace) -> None:
 
     requests = list(spec.requests)
     receivers, gated = prepare(requests)
+    for req, receiver in zip(requests, receivers):
+        if req.abort == "decode":
+            receiver.abort()  # an aborted request in the transfer queue: scheduler.py:5780
     # pop_transferred (decode.py:2833-2900): Success waits for the aux row to land.
     polls = _poll_until(
         lambda: poll_and_all_reduce(receivers, group, decode_reqs=gated, metadata_buffers=metadata),
         {SUCCESS, FAILED},
         args.timeout,
     )
-    report: dict[str, Any] = {"rank": args.rank, "polls": polls, "reasons": {}, "engine": _engine_report(manager)}
+    report: dict[str, Any] = {"rank": args.rank, "polls": polls, "reasons": {}, "release_safe": {},
+                              "engine": _engine_report(manager)}
     for req, receiver, state in zip(requests, receivers, polls):
         if state == FAILED:
             try:
                 receiver.failure_exception()  # decode.py:2870
             except Exception as exc:  # its message is the failure reason
                 report["reasons"][req.room] = str(exc)
+            if manager.enable_deferred_decode_kv_release:
+                # The pages stay held until every prefill rank acknowledged an abort
+                # (decode.py:2894-2912 arms it for a failure the decode did not start, 3056-3071
+                # waits for the acknowledgements, 3027 drops the tracker).
+                if not receiver.abort_notified:
+                    receiver.ensure_abort_notified(force_arm=True)
+                deadline = time.monotonic() + args.timeout
+                while not (safe := manager.is_abort_release_safe(req.room, len(receiver.bootstrap_infos))):
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(POLL_S)
+                report["release_safe"][req.room] = safe
+                manager.clear_deferred_abort_state(req.room)
         elif state == SUCCESS:
             receiver.clear()  # _commit_transfer_to_req, decode.py:2774
     indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
@@ -479,6 +500,7 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
     pairs = [
         pair
         for req in spec.requests
+        if not req.abort
         for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank,
                                   whole_pages=args.backend != "pdproto")
     ]
@@ -495,9 +517,11 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
             mismatches.append(f"KV layer {layer}: {len(bad)} rows differ, first {bad[:5]}")
     src_meta, _ = _metadata()
     for req in spec.requests:
-        _write_aux_row(src_meta, indices[req.room], req.room)
+        if not req.abort:
+            _write_aux_row(src_meta, indices[req.room], req.room)
     for k, (got, want) in enumerate(zip(_aux_tensors(metadata), _aux_tensors(src_meta))):
         if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
             mismatches.append(f"aux buffer {k} differs")
-    slots = {room: pair for room, pair in state_slots(spec).items() if room != KILL.room}
+    moved = {req.room for req in spec.requests if not req.abort}
+    slots = {room: pair for room, pair in state_slots(spec).items() if room in moved}
     return mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)

@@ -64,6 +64,7 @@ class Request:
     tokens: int
     decode_prefix: int = 0  # a multiple of the decode's (virtual) page
     chunk: int = 0  # 0: one send; else chunked prefill of this many tokens
+    abort: str = ""  # "decode" or "prefill": that side aborts the request once it is bootstrapped
 
 
 REQUESTS = (
@@ -71,6 +72,10 @@ REQUESTS = (
     Request(room=102, tokens=64),  # exactly one page
     Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # decode holds a prefix
     Request(room=104, tokens=5),  # shorter than a page
+)
+ABORTS = (
+    Request(room=105, tokens=200, abort="decode"),  # the decode aborts it after sending its metadata
+    Request(room=106, tokens=150, abort="prefill"),  # the prefill aborts it before computing it
 )
 KILL = Request(room=999, tokens=1536, chunk=1024)
 """The request a ``--kill`` run kills its decode ranks in: after the first chunk moved."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.pd_harness import FAILED, REQUESTS, SUCCESS, TRANSFERRING, run
+from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, TRANSFERRING, run
 
 pytestmark = pytest.mark.process
 
@@ -25,12 +25,12 @@ TOKEN = {"PDPROTO_TOKEN": "harness-token"}
 KV_ROW = 1152  # bytes of one MLA row (576 bf16)
 
 
-def _assert_ranks_ok(out: dict[str, Any], ranks: int, rooms: int) -> None:
+def _assert_ranks_ok(out: dict[str, Any], ranks: int, rooms: int, failed: int = 0) -> None:
     assert out["prefill_rc"] == 0, out["prefill_stderr"]
     assert len(out["decode"]) == ranks
     for decode, err in zip(out["decode"], out.get("decode_stderr", [])):
         assert decode is not None, err
-        assert decode["polls"] == [SUCCESS] * rooms, decode["reasons"]
+        assert decode["polls"] == [SUCCESS] * rooms + [FAILED] * failed, decode["reasons"]
         assert decode["mismatches"] == []
 
 
@@ -49,13 +49,14 @@ def test_sglang_mooncake_moves_every_byte() -> None:
 
 
 def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
-    """pdproto relays a dense MLA prefill into four DCP ranks' shards, every byte where it belongs."""
-    out = run("pdproto", dcp=4, env=TOKEN)
-    _assert_ranks_ok(out, 4, len(REQUESTS))
+    """pdproto relays a dense MLA prefill into four DCP ranks' shards, every byte where it belongs;
+    a request either side aborts fails on the other side too, with the reason, and moves nothing."""
+    out = run("pdproto", REQUESTS + ABORTS, dcp=4, env=TOKEN)
+    _assert_ranks_ok(out, 4, len(REQUESTS), failed=len(ABORTS))  # mismatches: aborted rooms stay zero
     assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
     results = {int(room): r for room, r in out["prefill"]["results"].items()}
-    assert {room: r["poll"] for room, r in results.items()} == {r.room: SUCCESS for r in REQUESTS}
-    assert {room: r["prefix"] for room, r in results.items()} == {r.room: r.decode_prefix for r in REQUESTS}
+    assert {r.room: results[r.room]["poll"] for r in REQUESTS} == {r.room: SUCCESS for r in REQUESTS}
+    assert {r.room: results[r.room]["prefix"] for r in REQUESTS} == {r.room: r.decode_prefix for r in REQUESTS}
     # The metric is what moved: each token row after the prefix once (4 layers), and one aux row
     # per decode rank, the same for every room.
     aux = set()
@@ -64,7 +65,17 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
         assert extra > 0 and extra % 4 == 0
         aux.add(extra)
     assert len(aux) == 1
-    # Every rank registered with the prefill's gRPC service through the bootstrap server's /route.
+    # The decode aborted 105: the prefill's sender fails with pdproto's reason; every decode rank
+    # got each prefill rank's acknowledgement, so SGLang may release the pages at once.
+    decode_abort, prefill_abort = (r.room for r in ABORTS)
+    assert results[decode_abort]["poll"] == FAILED
+    assert results[decode_abort]["failure_reason"].startswith("ABORTED: ")
+    # The prefill aborted 106: every decode rank fails with the prefill's reason.
+    assert results[prefill_abort]["failure_reason"] == "Aborted by AbortReq."
+    for decode in out["decode"]:
+        assert decode["release_safe"] == {str(decode_abort): True, str(prefill_abort): True}
+        assert "Aborted by AbortReq." in decode["reasons"][str(decode_abort)]
+        assert "ABORTED: the prefill aborted room 106: Aborted by AbortReq." in decode["reasons"][str(prefill_abort)]
     assert out["ready"]["engine"]["adopted"] is False  # no shared Mooncake engine in this run
 
 

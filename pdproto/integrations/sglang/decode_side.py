@@ -18,6 +18,7 @@ an outcome or an unacknowledged abort).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -30,7 +31,7 @@ import numpy as np
 
 from pdproto import backends
 from pdproto.client import AsyncHandshakeClient
-from pdproto.errors import PdprotoError, Reason
+from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
 from pdproto.fanin import FanInTracker, Outcome
 from pdproto.registration import make_registration
 from pdproto.senders import SenderSet
@@ -88,13 +89,19 @@ class DecodeSide:
         self.name = backends.by_name(settings.engine).identity_of(self.registration)
         """This rank's engine identity (``TransferInfo.peer_name``)."""
         self._peers: dict[str, Peer] = {}
+        self._peers_lock = threading.Lock()
+        """Guards ``_peers``; never held while waiting for the loop (the loop takes it too)."""
         self._connecting = threading.Lock()
+        """Serializes registrations (callers' threads only), so a rank is registered once."""
         self._numbers = itertools.count()
         self._generations = itertools.count(1)
         self._tracker = FanInTracker()
         self._lock = threading.Lock()
         """Guards the tracker and the peers' room sets (scheduler thread and loop thread)."""
         self._done: set[int] = set()
+        self._submits: dict[int, dict[str, concurrent.futures.Future[None]]] = {}
+        """Submits by room and rank: an abort of the room waits for its submit, so the rank never
+        sees the abort first (calls on one channel may be served out of order)."""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pdproto-decode", daemon=True)
         self._thread.start()
@@ -104,10 +111,12 @@ class DecodeSide:
     def connect(self, address: str) -> Peer:
         """The peer at ``address``, registering with it first if needed; raises ``PdprotoError``."""
         with self._connecting:
-            peer = self._peers.get(address)
+            with self._peers_lock:
+                peer = self._peers.get(address)
             if peer is None:
                 peer = self._run(self._register(address))
-                self._peers[address] = peer
+                with self._peers_lock:
+                    self._peers[address] = peer
             return peer
 
     async def _register(self, address: str) -> Peer:
@@ -140,6 +149,10 @@ class DecodeSide:
                     continue  # the stream's own deadline: open it again (it starts with a snapshot)
                 self._lost(peer, exc.reason.name, exc.message)
                 return
+            except Exception as exc:  # noqa: BLE001 - the rooms waiting on this rank must still end
+                log.exception("pdproto: status stream of %s broke", peer.address)
+                self._lost(peer, Reason.INTERNAL.name, repr(exc))
+                return
             # The server ends a stream only when it dropped the peer or shuts down.
             self._lost(peer, Reason.UNAVAILABLE.name, "the prefill rank ended its status stream")
             return
@@ -157,7 +170,7 @@ class DecodeSide:
     def _lost(self, peer: Peer, code: str, message: str) -> None:
         """The peer's stream broke: fail what waits on it, and register again on next use."""
         log.warning("pdproto: status stream of prefill rank %s ended: %s: %s", peer.address, code, message)
-        with self._connecting:
+        with self._peers_lock:
             if self._peers.get(peer.address) is peer:
                 del self._peers[peer.address]
         with self._lock:
@@ -176,7 +189,7 @@ class DecodeSide:
 
     def drop(self, addresses: Sequence[str]) -> None:
         """Forget these prefill ranks (SGLang found their server dead); their streams are cancelled."""
-        with self._connecting:
+        with self._peers_lock:
             gone = [self._peers.pop(a) for a in addresses if a in self._peers]
         for peer in gone:
             self.loop.call_soon_threadsafe(self._cancel, peer)
@@ -204,6 +217,7 @@ class DecodeSide:
                 if not p.dummy:
                     p.rooms.add(room)
         pages = np.asarray(kv_pages).reshape(-1).tolist()
+        futures = self._submits[room] = {}
         for p in peers:
             info = transfer_pb2.TransferInfo(
                 room=room, generation=generation, peer_name=self.name, dst_kv_pages=pages,
@@ -214,7 +228,7 @@ class DecodeSide:
                 info.dst_aux_index = int(aux_index)
             for s in state_indices or ():
                 info.dst_state_indices.add(indices=[] if s is None else np.asarray(s).reshape(-1).tolist())
-            asyncio.run_coroutine_threadsafe(self._submit(p, info), self.loop)
+            futures[p.address] = asyncio.run_coroutine_threadsafe(self._submit(p, info), self.loop)
         return generation
 
     async def _submit(self, peer: Peer, info: transfer_pb2.TransferInfo) -> None:
@@ -223,6 +237,10 @@ class DecodeSide:
         except PdprotoError as exc:
             self._fail(info.room, exc.reason.name, f"prefill rank {peer.address} refused room {info.room}: "
                                                    f"{exc.message}")
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the request, not vanish in a future
+            log.exception("pdproto: submit of room %d to %s failed", info.room, peer.address)
+            self._fail(info.room, Reason.INTERNAL.name, f"submit to prefill rank {peer.address} failed: {exc!r}")
             return
         self._apply(peer, status)
 
@@ -238,29 +256,44 @@ class DecodeSide:
                 on_ack(i)
             else:
                 acked = functools.partial(on_ack, i)
-                asyncio.run_coroutine_threadsafe(self._abort(peer, room, generation, acked), self.loop)
+                submitted = self._submits.get(room, {}).get(address)
+                asyncio.run_coroutine_threadsafe(self._abort(peer, room, generation, acked, submitted), self.loop)
 
-    async def _abort(self, peer: Peer, room: int, generation: int, acked: Callable[[], None]) -> None:
+    async def _abort(self, peer: Peer, room: int, generation: int, acked: Callable[[], None],
+                     submitted: concurrent.futures.Future[None] | None) -> None:
+        if submitted is not None:
+            await asyncio.wait([asyncio.wrap_future(submitted)])
         try:
             await peer.client.abort(peer.peer_id, room, generation)
         except PdprotoError as exc:
             if exc.reason not in (Reason.REQUEST_NOT_FOUND, Reason.STALE_GENERATION, Reason.PEER_NOT_FOUND):
                 log.warning("pdproto: abort of room %d on %s failed: %s", room, peer.address, exc)
                 return  # not acknowledged: SGLang holds the pages until its release timeout
+        except Exception:  # noqa: BLE001 - logged; unacknowledged, as above
+            log.exception("pdproto: abort of room %d on %s failed", room, peer.address)
+            return
         acked()
 
     def forget(self, room: int) -> None:
         """Stop tracking ``room`` (SGLang cleared it)."""
+        self._submits.pop(room, None)
         with self._lock:
             self._tracker.forget(room)
             self._done.discard(room)
-            for peer in self._peers.values():
+            for peer in list(self._peers.values()):
                 peer.rooms.discard(room)
 
     # -- life cycle -----------------------------------------------------------------------
 
     def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.settings.rpc_timeout_s * 3)
+        """Run ``coro`` on the loop and wait for it; a wait past the deadline is DEADLINE_EXCEEDED."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(self.settings.rpc_timeout_s * 3)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DeadlineExceededError("the pdproto decode loop did not answer in time",
+                                        reason=Reason.DEADLINE_EXCEEDED) from None
 
     def close(self) -> None:
         """Deregister from every prefill rank, stop the loop, release the engine."""
