@@ -102,7 +102,8 @@ def _engine_report(manager: Any) -> dict[str, Any]:
     return {
         "shared": None if shared is None else shared.get_session_id(),
         "adopted": getattr(executor, "adopted", None),
-        "session": executor.endpoint().session_id if executor is not None else None,
+        # Mooncake names an engine by session id, NIXL by agent name.
+        "session": getattr(executor.endpoint(), "session_id", None) if executor is not None else None,
     }
 
 
