@@ -17,7 +17,7 @@ from grpc_health.v1.health import aio as _health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdproto.client import ChannelConfig
-from pdproto.errors import DeadlineExceededError, Reason
+from pdproto.errors import ConfigError, DeadlineExceededError, Reason
 from pdproto.v1 import SERVICE_NAME, handshake_service_pb2_grpc
 
 from .auth import BearerTokenInterceptor, require_token_policy
@@ -67,8 +67,12 @@ class RunningServer:
 
 async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServer:
     """Build and start the server; returns once it accepts calls."""
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("TLS needs both tls_cert and tls_key; with one the server would serve plaintext",
+                          metadata={"setting": "tls_key" if config.tls_key is None else "tls_cert"})
     require_token_policy(config.listen, config.token, allow_insecure=config.allow_unauthenticated)
-    interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+    # An empty token is refused by the interceptor, never read as "no authentication".
+    interceptors = [BearerTokenInterceptor(config.token)] if config.token is not None else []
     server = grpc.aio.server(interceptors=interceptors, options=config.channel.server_options())
     handshake_service_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(core), server)
     health = _health_aio.HealthServicer()

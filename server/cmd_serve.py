@@ -13,12 +13,13 @@ import argparse
 import asyncio
 import json
 import logging
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdproto.client import ChannelConfig
-from pdproto.errors import PdprotoError
+from pdproto.errors import ConfigError, PdprotoError
 from pdproto import backends
 from pdproto.transfer import create_executor
 
@@ -78,12 +79,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="WARNING")
 
 
+def _read_file(path: Path, flag: str) -> bytes:
+    """A regular file's bytes, or CONFIG_INVALID saying why it cannot be used."""
+    try:
+        info = path.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"{flag} {path} is a directory, not a file", metadata={"setting": flag})
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{flag} {path} is not a regular file", metadata={"setting": flag})
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{flag} {path}: no such file", metadata={"setting": flag}) from None
+    except PermissionError:
+        raise ConfigError(f"{flag} {path}: permission denied; the service's user must be able to read it",
+                          metadata={"setting": flag}) from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot read it ({exc.strerror})", metadata={"setting": flag}) from None
+
+
+def _token(path: Path) -> str:
+    """The bearer token in ``path``: one word of printable ASCII; warns when others may read the file."""
+    raw = _read_file(path, "--token-file")
+    token = raw.decode("ascii", errors="replace").strip()
+    if not token:
+        raise ConfigError(f"--token-file {path} is empty: an empty token would turn authentication off; "
+                          "write the token into it", metadata={"setting": "--token-file"})
+    if not all(c.isascii() and c.isprintable() and not c.isspace() for c in token):
+        raise ConfigError(f"--token-file {path} must hold one token of printable ASCII without spaces",
+                          metadata={"setting": "--token-file"})
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        who = "everyone" if mode & stat.S_IROTH else "its group"
+        print(f"pdproto serve: warning: --token-file {path} is readable by {who} (mode {stat.S_IMODE(mode):o}); "
+              f"run chmod 600 {path}", file=sys.stderr, flush=True)
+    return token
+
+
 def _config(args: argparse.Namespace) -> ServerConfig:
-    token = args.token_file.read_text().strip() if args.token_file else None
+    """Server settings from the flags; CONFIG_INVALID for any setting that would weaken security."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        given, missing = ("--tls-cert", "--tls-key") if args.tls_key is None else ("--tls-key", "--tls-cert")
+        raise ConfigError(f"{given} without {missing}: TLS needs both, and with one the server would serve "
+                          "plaintext; pass both", metadata={"setting": missing})
+    token = _token(args.token_file) if args.token_file else None
     return ServerConfig(
         listen=args.listen, token=token, allow_unauthenticated=args.allow_unauthenticated,
-        tls_cert=args.tls_cert.read_bytes() if args.tls_cert else None,
-        tls_key=args.tls_key.read_bytes() if args.tls_key else None,
+        tls_cert=_read_file(args.tls_cert, "--tls-cert") if args.tls_cert else None,
+        tls_key=_read_file(args.tls_key, "--tls-key") if args.tls_key else None,
         channel=ChannelConfig(max_message_bytes=args.max_message_bytes, keepalive_time_ms=args.keepalive_ms,
                               min_ping_interval_ms=min(10_000, args.keepalive_ms)),
         grace=args.grace)
@@ -99,10 +141,9 @@ def _spec(args: argparse.Namespace) -> SyntheticSpec:
                          model_id=args.model_id)
 
 
-async def _main(args: argparse.Namespace) -> int:
+async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
     from pdproto_demo.synthetic import SyntheticProducer, build_source
 
-    config = _config(args)
     spec = _spec(args)
     # The local backend's arena holds only what this process advertises as a destination (nothing).
     # The executor bounds each engine call by the same deadline as the server's lanes, and a
@@ -138,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(_main(args))
+        return asyncio.run(_main(args, _config(args)))
     except PdprotoError as exc:
         print(f"pdproto serve: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,12 @@
-"""Request validation: malformed input becomes INVALID_ARGUMENT with BadRequest field violations."""
+"""Request validation: malformed input becomes INVALID_ARGUMENT with BadRequest field violations.
+
+Besides what must hold for a request to mean anything (a page size, a transport, ranks
+inside their groups), every size, count, rank and name a peer sends has a sanity bound
+(``Bounds``), far above any real deployment and far below what would make the service
+allocate or compute without bound. A value past one is refused at the call that carries it
+(Register or SubmitTransfer), with the field named, instead of being accepted and failing
+every transfer later (DCP size 2^31 used to be).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,83 @@ from pdproto.v1 import registration_pb2, transfer_pb2
 from .registry import Peer
 
 _MAX_PAGE = (1 << 31) - 1
+
+
+class Bounds:
+    """Sanity bounds on what a peer may send (docs/security.md, "What is checked, where")."""
+
+    GROUP = 1 << 12
+    """Ranks in a TP, DCP or PP group."""
+    PAGE_SIZE = 1 << 20
+    """Tokens per page."""
+    ENTRIES = 1 << 14
+    """KV buffers, aux buffers, state entries, tensors of one state entry, slots in one request."""
+    NAME = 256
+    """Characters in a name: engine identity, host, dtype, model id, capability, peer name."""
+    CAPABILITIES = 64
+    """Capabilities one message lists."""
+    HEADS = 1 << 16
+    """KV heads of a model."""
+    DEVICE = 1 << 16
+    """A GPU index."""
+    SLOTS = 1 << 24
+    """Request slots (``num_slots``)."""
+    PREFIX = 1 << 62
+    """Tokens of a decode prefix (the planner's own limit on row arithmetic)."""
+    ADDRESS = 1 << 64
+    """End of a registered region (pointer + length) in a 64-bit address space."""
+
+
+def _name(field: str, value: str, bad: list[tuple[str, str]], *, required: bool = False) -> None:
+    """A name: at most Bounds.NAME printable characters (no NUL or control characters)."""
+    if required and not value:
+        bad.append((field, "must be non-empty"))
+    elif len(value) > Bounds.NAME:
+        bad.append((field, f"longer than {Bounds.NAME} characters ({len(value)})"))
+    elif not value.isprintable():
+        bad.append((field, "must be printable (no NUL or control characters)"))
+
+
+def _count(field: str, n: int, limit: int, bad: list[tuple[str, str]]) -> None:
+    if n > limit:
+        bad.append((field, f"{n} entries, more than the {limit} this server accepts"))
+
+
+def _most(field: str, value: int, limit: int, bad: list[tuple[str, str]]) -> None:
+    if value > limit:
+        bad.append((field, f"{value} is more than the {limit} this server accepts"))
+
+
+def _sanity(reg: registration_pb2.KvRegistration, bad: list[tuple[str, str]]) -> None:
+    """Every size, count, rank and name of a registration inside ``Bounds``."""
+    _most("registration.page_size", reg.page_size, Bounds.PAGE_SIZE, bad)
+    for name in ("attn_tp", "dcp", "pp"):
+        _most(f"registration.{name}.size", getattr(reg, name).size, Bounds.GROUP, bad)
+    for field, value in (("registration.kv_cache_dtype", reg.kv_cache_dtype), ("registration.model_id", reg.model_id),
+                         ("registration.notify_endpoint.host", reg.notify_endpoint.host)):
+        _name(field, value, bad)
+    _count("registration.capabilities", len(reg.capabilities), Bounds.CAPABILITIES, bad)
+    for i, cap in enumerate(reg.capabilities[:Bounds.CAPABILITIES]):
+        _name(f"registration.capabilities[{i}]", cap, bad)
+    transport = reg.WhichOneof("transport")
+    if transport is not None:
+        endpoint = getattr(reg, transport)
+        for fd in endpoint.DESCRIPTOR.fields:
+            if fd.type == fd.TYPE_STRING:
+                _name(f"registration.{transport}.{fd.name}", getattr(endpoint, fd.name), bad)
+    for field, n in (("registration.kv_buffers", len(reg.kv_buffers)), ("registration.aux_ptrs", len(reg.aux_ptrs)),
+                     ("registration.aux_item_lens", len(reg.aux_item_lens)),
+                     ("registration.aux_data_lens", len(reg.aux_data_lens)),
+                     ("registration.state_buffers", len(reg.state_buffers))):
+        _count(field, n, Bounds.ENTRIES, bad)
+    for i, sb in enumerate(reg.state_buffers[:Bounds.ENTRIES]):
+        _count(f"registration.state_buffers[{i}].data_ptrs", len(sb.data_ptrs), Bounds.ENTRIES, bad)
+    for i, buf in enumerate(reg.kv_buffers[:Bounds.ENTRIES]):
+        if buf.ptr + buf.length > Bounds.ADDRESS:
+            bad.append((f"registration.kv_buffers[{i}].length", "ptr + length runs past the 64-bit address space"))
+    _most("registration.total_kv_heads", reg.total_kv_heads, Bounds.HEADS, bad)
+    _most("registration.gpu_id", reg.gpu_id, Bounds.DEVICE, bad)
+    _most("registration.num_slots", reg.num_slots, Bounds.SLOTS, bad)
 
 
 def check_registration(request: hs.RegisterRequest, origin: str = "") -> registration_pb2.KvRegistration:
@@ -43,10 +128,11 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
         group = getattr(reg, name)
         if group.size and group.rank >= group.size:
             bad.append((f"registration.{name}.rank", f"rank {group.rank} is outside size {group.size}"))
-    for i, buf in enumerate(reg.kv_buffers):
+    for i, buf in enumerate(reg.kv_buffers[:Bounds.ENTRIES]):
         if buf.length and buf.item_len and buf.length < buf.item_len:
             bad.append((f"registration.kv_buffers[{i}].length", "smaller than one page (item_len)"))
     bad += unreachable(reg, origin)
+    _sanity(reg, bad)
     if bad:
         raise InvalidFieldError.of(bad)
     return reg
@@ -65,6 +151,15 @@ def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[trans
         bad.append(("transfer.dst_kv_pages", "a non-dummy request needs destination pages"))
     if pages.size and int(pages.min()) < 0:
         bad.append(("transfer.dst_kv_pages", "page indexes must be >= 0"))
+    _most("transfer.decode_prefix_len", t.decode_prefix_len, Bounds.PREFIX, bad)
+    _most("transfer.required_dst_info_num", t.required_dst_info_num, Bounds.GROUP, bad)
+    _count("transfer.dst_state_indices", len(t.dst_state_indices), Bounds.ENTRIES, bad)
+    for i, slots in enumerate(t.dst_state_indices[:Bounds.ENTRIES]):
+        _count(f"transfer.dst_state_indices[{i}].indices", len(slots.indices), Bounds.ENTRIES, bad)
+    _name("transfer.peer_name", t.peer_name, bad)
+    _name("transfer.notify_endpoint.host", t.notify_endpoint.host, bad)
+    if t.notify_endpoint.port > 65535:
+        bad.append(("transfer.notify_endpoint.port", "must be <= 65535"))
     if bad:
         raise InvalidFieldError.of(bad)
     if pages.size:
@@ -92,4 +187,4 @@ def _check_bounds(peer: Peer, max_page: int) -> None:
         raise InvalidFieldError.of([("transfer.dst_kv_pages", "page index too large")])
 
 
-__all__ = ["check_registration", "check_transfer"]
+__all__ = ["Bounds", "check_registration", "check_transfer"]
