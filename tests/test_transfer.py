@@ -8,6 +8,7 @@ against the per-token formula (``tests/_per_token.py``), never against the runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -37,9 +38,12 @@ from pdproto.transfer import (
     Segment,
     TransferExecutor,
     TransferJob,
+    TransferResult,
     create_executor,
     encode_notification,
 )
+from pdproto.transfer._engine import EngineExecutor
+from pdproto.transfer._paths import INLINE_BYTES
 from pdproto.v1 import registration_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
@@ -57,6 +61,12 @@ SRC_ROWS = SRC_PAGES * PAGE
 DST_ROWS = SRC_ROWS // DCP
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
+
+ENGINES = [b for b in BACKENDS if b != "local"]
+MODES = ["inline", "pipelined", "per_row"]
+"""How an engine executor may run a packed job (the local backend has one path: numpy copies)."""
+EXTENT = DST_ROWS * ROW
+"""The most staging one job of ``Pair`` takes: half its region, while another job may come."""
 
 
 class Prefill:
@@ -120,6 +130,23 @@ def pair(request: pytest.FixtureRequest, pairs: dict[str, Pair]) -> Iterator[Pai
         pairs[backend] = Pair(backend)
     yield pairs[backend]
     pairs[backend].peer.fill(0)
+    _use(pairs[backend].pre.ex, "default")
+
+
+def _use(ex: TransferExecutor, mode: str) -> bool:
+    """Make an engine executor run packed jobs ``mode``'s way; the job's ``pack`` flag for it.
+
+    "inline" lifts the threshold (a job still needs one staging extent that holds all of it),
+    "pipelined" sets it to 0, "default" restores the executor's own.
+    """
+    if isinstance(ex, EngineExecutor):
+        ex.inline_bytes = {"inline": 1 << 40, "default": INLINE_BYTES}.get(mode, 0)
+    return mode != "per_row"
+
+
+def _path(res: TransferResult) -> str:
+    """Which path a job took, as ``MODES`` names it."""
+    return "inline" if res.inline else "pipelined" if res.packed else "per_row"
 
 
 def _peer(backend: str) -> DecodeProcess:
@@ -160,14 +187,18 @@ def _check(pre: Prefill, peer: DecodeProcess, tmp: str, src_rows: np.ndarray,
     _check_layers(pre, _dump(peer, tmp), {layer: (src_rows, dst_rows) for layer in range(LAYERS)})
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
-def test_dcp_relayout_lands_every_byte(pair: Pair, pack: bool, tmp_path: object) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_dcp_relayout_lands_every_byte(pair: Pair, mode: str, tmp_path: object) -> None:
     pre, peer = pair.pre, pair.peer
     runs, src_rows, dst_rows = _dcp(seed=1)
+    pack = _use(pre.ex, mode)
     res = pre.ex.execute("d0", pre.job(peer, runs, pack=pack))
     assert res.bytes == src_rows.size * ROW * LAYERS
     if pre.ex.backend != "local":
-        assert res.packed is pack and not res.fallback
+        # The whole relayout is more than one staging extent holds, so even with inline
+        # allowed it runs the pipeline, its second layer reusing the first one's bytes.
+        assert res.bytes > EXTENT
+        assert _path(res) == ("pipelined" if mode == "inline" else mode) and not res.fallback
         # Packed: one descriptor per destination page run, far fewer than rows.
         assert (res.descriptors < src_rows.size // 4) is pack
     _check(pre, peer, str(tmp_path), src_rows, dst_rows)
@@ -239,7 +270,7 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
         # Transfer to the victim until it fails; the kill lands while one is in flight.
         try:
             for i in range(100_000):
-                ex.execute("victim", pre.job(victim, runs, pack=i % 2 == 1))
+                ex.execute("victim", pre.job(victim, runs, pack=_use(ex, MODES[i % 3])))
                 first_done.set()
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome.append(exc)
@@ -259,9 +290,109 @@ def test_peer_killed_mid_transfer_fails_with_reason_then_other_peer_served(
         assert outcome[0].reason in (Reason.PEER_GONE, Reason.TRANSFER_FAILED,
                                      Reason.DEADLINE_EXCEEDED)
         assert type(outcome[0]) is error_class(outcome[0].reason)
+        _holds_nothing(ex, "victim")
         ex.disconnect("victim")
         res = ex.execute("d0", pre.job(other, runs, pack=True))
         assert res.bytes == src_rows.size * ROW * LAYERS
+        _check(pre, other, str(tmp_path), src_rows, dst_rows)
+    finally:
+        ex.disconnect("victim")
+        victim.close()
+
+
+def _holds_nothing(ex: TransferExecutor, peer_id: str) -> None:
+    """Once no call for the peer is inside the engine, no engine batch and no staging byte is held."""
+    assert ex.quiesce(peer_id, 30)
+    if isinstance(ex, EngineExecutor):
+        assert ex.held() == (0, 0)
+
+
+def _chunk(seed: int, rows: int, rank: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first ``rows`` rows of a dense -> DCP relayout (one chunk), and its rows by the per-token formula."""
+    rng = np.random.default_rng(seed)
+    tokens = rows * DCP
+    src_pages = rng.permutation(SRC_PAGES)[:-(-tokens // PAGE)]
+    dst_pages = rng.permutation(DST_ROWS // PAGE)[:-(-tokens // (PAGE * DCP))]
+    plan = plan_chunk(DcpLayout(PAGE), DcpLayout(PAGE, DCP, rank), src_pages, dst_pages, num_kv_tokens=tokens)
+    src_rows, dst_rows, _, _ = reference(src_pages.tolist(), dst_pages.tolist(), Ps=PAGE, Ns=1, s=0,
+                                         Pd=PAGE, Nd=DCP, d=rank, off=0, N=tokens)
+    assert src_rows.size == rows
+    return plan.target_runs, src_rows, dst_rows
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), rows=st.sampled_from([1, 7, 16, 64, DST_ROWS // 2]),
+       rank=st.integers(0, DCP - 1))
+def test_inline_pipelined_and_per_row_write_the_same_bytes(pair: Pair, tmp_path: object, seed: int, rows: int,
+                                                          rank: int) -> None:
+    # From one row to the largest job one staging extent holds (half the peer's buffers).
+    pre, peer = pair.pre, pair.peer
+    runs, src_rows, dst_rows = _chunk(seed, rows, rank)
+    dumps = []
+    for mode in MODES:
+        peer.fill(0)
+        res = pre.ex.execute("d0", pre.job(peer, runs, pack=_use(pre.ex, mode)))
+        assert res.bytes == rows * ROW * LAYERS <= EXTENT
+        if pre.ex.backend != "local":
+            assert _path(res) == mode and not res.fallback
+        dumps.append(_dump(peer, str(tmp_path)))
+    assert all(np.array_equal(dumps[0], d) for d in dumps[1:])
+    _check_layers(pre, dumps[0], {layer: (src_rows, dst_rows) for layer in range(LAYERS)})
+
+
+@pytest.mark.parametrize("pair", ENGINES, indirect=True)
+def test_a_job_right_at_the_inline_threshold_takes_each_path(pair: Pair, tmp_path: object) -> None:
+    pre, peer = pair.pre, pair.peer
+    ex = pre.ex
+    assert isinstance(ex, EngineExecutor)
+    runs, src_rows, dst_rows = _chunk(seed=8, rows=16)
+    job = pre.job(peer, runs, pack=True)
+    expected = {  # threshold -> (packed, inline) counted for the job, and the path it took
+        job.nbytes: (1, 1, "inline"),
+        job.nbytes - 1: (1, 0, "pipelined"),
+    }
+    for threshold, (packed, inline, path) in expected.items():
+        ex.inline_bytes = threshold
+        before = dataclasses.replace(ex.stats)
+        res = ex.execute("d0", job)
+        assert _path(res) == path
+        assert (ex.stats.packed_jobs - before.packed_jobs, ex.stats.inline_jobs - before.inline_jobs) == (packed,
+                                                                                                          inline)
+        assert ex.stats.pack_fallbacks == before.pack_fallbacks and ex.stats.jobs == before.jobs + 1
+        _check(pre, peer, str(tmp_path), src_rows, dst_rows)
+        peer.fill(0)
+    # Per-row is neither packed nor inline, and is no fallback: packing was not asked for.
+    ex.inline_bytes = job.nbytes
+    before = dataclasses.replace(ex.stats)
+    res = ex.execute("d0", pre.job(peer, runs, pack=False))
+    assert _path(res) == "per_row"
+    assert (ex.stats.packed_jobs, ex.stats.inline_jobs, ex.stats.pack_fallbacks) == (
+        before.packed_jobs, before.inline_jobs, before.pack_fallbacks)
+    _check(pre, peer, str(tmp_path), src_rows, dst_rows)
+
+
+@pytest.mark.parametrize("pair", ENGINES, indirect=True)
+def test_an_inline_job_to_a_killed_peer_fails_typed_and_holds_nothing(pair: Pair, tmp_path: object) -> None:
+    pre, other = pair.pre, pair.peer
+    ex = pre.ex
+    runs, src_rows, dst_rows = _chunk(seed=9, rows=16, rank=2)
+    victim = _peer(ex.backend)
+    try:
+        ex.connect("victim", victim.registration)
+        _use(ex, "inline")
+        assert ex.execute("victim", pre.job(victim, runs)).inline  # the peer was reachable inline
+        victim.kill_and_reap()  # gone, its memory unmapped
+        before = dataclasses.replace(ex.stats)
+        with pytest.raises(PdprotoError) as info:
+            for _ in range(50):  # an engine may take a write or two before it notices the peer is gone
+                ex.execute("victim", pre.job(victim, runs))
+        assert info.value.reason in (Reason.PEER_GONE, Reason.TRANSFER_FAILED, Reason.DEADLINE_EXCEEDED)
+        assert type(info.value) is error_class(info.value.reason)
+        assert ex.stats.failures == before.failures + 1
+        _holds_nothing(ex, "victim")
+        # The staging extent came back: the next inline job (another peer) gets one at once.
+        res = ex.execute("d0", pre.job(other, runs))
+        assert res.inline
         _check(pre, other, str(tmp_path), src_rows, dst_rows)
     finally:
         ex.disconnect("victim")
@@ -333,10 +464,10 @@ def chunks(draw: st.DrawFn) -> dict[str, object]:
     return dict(Ps=Ps, Ns=Ns, s=s, Pd=Pd, Nd=Nd, d=d, off=off, N=N, src_pages=src_pages, dst_pages=dst_pages)
 
 
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chunk=chunks())
-def test_executing_runs_writes_what_the_per_token_formula_says(pair: Pair, pack: bool, tmp_path: object,
+def test_executing_runs_writes_what_the_per_token_formula_says(pair: Pair, mode: str, tmp_path: object,
                                                                chunk: dict[str, object]) -> None:
     # One job, two segments: target runs into layer 0 and draft runs into layer 1.
     pre, peer = pair.pre, pair.peer
@@ -347,12 +478,14 @@ def test_executing_runs_writes_what_the_per_token_formula_says(pair: Pair, pack:
                       src_page_offset=c["off"], num_kv_tokens=c["N"], include_draft=True)
     t_src, t_dst, d_src, d_dst = reference(src, dst, **c)
     spans = pre.spans(peer)
+    pack = _use(pre.ex, mode)
     job = TransferJob(segments=(Segment(plan.target_runs, (spans[0],)), Segment(plan.draft_runs, (spans[1],))),
                       pack=pack)
     res = pre.ex.execute("d0", job)
     assert res.bytes == (t_src.size + d_src.size) * ROW
     if pre.ex.backend != "local" and res.bytes:
-        assert res.packed is pack and not res.fallback
+        fits = res.bytes <= EXTENT
+        assert _path(res) == ("pipelined" if mode == "inline" and not fits else mode) and not res.fallback
     _check_layers(pre, _dump(peer, str(tmp_path)), {0: (t_src, t_dst), 1: (d_src, d_dst)})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from pdproto.dcp.runs import expand, from_rows, segments, source_rows
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, validate_job
-from pdproto.transfer.packing import Gatherer, copy_runs, packed_descriptors, row_descriptors
+from pdproto.transfer.packing import Gatherer, copy_runs, packed_descriptors, packed_layers, row_descriptors
 
 # Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
 run_rows = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 5), st.integers(0, 60), st.integers(1, 5),
@@ -71,6 +72,21 @@ def test_packed_descriptors_read_staging_in_run_order(rows: list[tuple[int, int,
     _, dst = expand(runs)
     descs = packed_descriptors(0, layer, runs)
     assert _bytes_moved(descs) == _per_row_bytes(layer, 0, layer.nbytes, list(range(dst.size)), dst.tolist())
+
+
+@given(run_rows, st.lists(spans(), min_size=1, max_size=4))
+def test_packed_layers_cut_each_layer_as_packed_descriptors_would(rows: list[tuple[int, int, int, int, int]],
+                                                                  layers: list[LayerSpan]) -> None:
+    # Layers of mixed shapes, each packed at its own staging address into its own buffer:
+    # cutting once per shape must still give every layer exactly its own bytes.
+    runs = _runs(rows)
+    _, dst = expand(runs)
+    layers = [dataclasses.replace(layer, dst_ptr=(k + 1) << 20) for k, layer in enumerate(layers)]
+    staging = [(k + 1) << 30 for k in range(len(layers))]
+    out = packed_layers(staging, layers, runs)
+    assert len(out) == len(layers)
+    for base, layer, descs in zip(staging, layers, out):
+        assert _bytes_moved(descs) == _per_row_bytes(layer, base, layer.nbytes, list(range(dst.size)), dst.tolist())
 
 
 def test_strided_dcp_rows_pack_to_one_descriptor_per_page_run() -> None:

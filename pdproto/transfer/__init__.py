@@ -39,6 +39,8 @@ def create_executor(backend: str, *, name: str | None = None, **options: Any) ->
     Options (each backend ignores those its executor does not take):
       name: engine identity (NIXL agent name; local arena file name).
       staging_bytes: size of the registered packing region (0 disables packing).
+      inline_bytes: packed jobs up to this size are packed inline and sent as one
+        engine call (default 4 MiB, measured in docs/transfer.md); 0 always pipelines.
       device: "cpu" or "cuda"; chooses DRAM or VRAM staging and torch packing on the GPU.
       host: the address the engine advertises to peers (Mooncake's session id; NIXL keeps UCX
         to that address's interface); default: ``PDPROTO_ADVERTISE_HOST``, else a routable

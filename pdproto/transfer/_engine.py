@@ -16,7 +16,6 @@ them like any finished call.
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
@@ -27,7 +26,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pdproto.dcp.runs import source_rows
 from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason
 from pdproto.v1 import registration_pb2
 
@@ -35,10 +33,8 @@ from .base import (
     DRAM,
     VRAM,
     Buffer,
-    LayerSpan,
     MemoryKind,
     Notification,
-    Segment,
     TransferJob,
     TransferResult,
     TransferStats,
@@ -47,11 +43,9 @@ from .base import (
     remote_regions,
     validate_job,
 )
+from ._paths import INLINE_BYTES, JobPaths
 from .memory import allocate, host_view
-from .packing import Descs, Gatherer, StagingExtents, packed_descriptors, row_descriptors
-
-Inflight = collections.deque[tuple[Any, int, int, int]]
-"""Submitted batches: (engine handle, first staging byte read, end byte, descriptors)."""
+from .packing import Gatherer, StagingExtents
 
 _T = TypeVar("_T")
 
@@ -85,20 +79,19 @@ class PeerState:
     """The disconnect queued on the lane; done once every earlier call on the lane ended."""
 
 
-class EngineExecutor:
+class EngineExecutor(JobPaths):
     """Base class of the Mooncake and NIXL executors (not a backend on its own)."""
 
     backend = "engine"
-    max_batch = 1 << 20
-    """Most descriptors one ``_submit`` call may carry."""
-    submit_blocks = False
-    """True when ``_submit`` itself moves the bytes (NIXL over UCX shared memory)."""
 
     disconnect_waits = False
     """True when ``_disconnect`` must not run before the peer's in-flight call ended (NIXL)."""
 
-    def __init__(self, *, staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, *, staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
+                 inline_bytes: int = INLINE_BYTES) -> None:
         """Set up bookkeeping; subclasses start their engine, then call ``_init_staging``."""
+        self.inline_bytes = inline_bytes
+        """Packed jobs of at most this many bytes are packed on the lane and sent as one engine call."""
         self.transfer_timeout_s = transfer_timeout_s
         """Longest one ``execute`` or ``notify`` may take, waiting behind the peer's earlier calls included."""
         self.stats = TransferStats()
@@ -129,12 +122,6 @@ class EngineExecutor:
         raise NotImplementedError
 
     def _disconnect(self, peer: PeerState) -> None:
-        raise NotImplementedError
-
-    def _submit(self, peer: PeerState, descs: Descs, kind: MemoryKind, device: int) -> Any:
-        raise NotImplementedError
-
-    def _wait(self, peer: PeerState, handle: Any) -> None:
         raise NotImplementedError
 
     def _send_notification(self, peer: PeerState, data: bytes) -> bool:
@@ -345,15 +332,19 @@ class EngineExecutor:
         fits = (staging is not None and widest <= staging.length
                 and all(self._kind_of(layer.src_ptr)[0] == staging.kind for _, layer in units))
         extent = None
+        total = 0
         if want and fits and self._extents is not None:
             total = sum(seg.num_rows * layer.nbytes for seg, layer in units)
             wait = max(0.0, min(self.staging_wait_s, peer.deadline - time.monotonic()))
             extent = self._extents.acquire(widest, total, wait)
             fits = extent is not None
+        inline = False
         if extent is not None:
             assert self._extents is not None
             try:
-                ndesc, pack_s = self._run_packed(peer, units, extent)
+                inline = total <= self.inline_bytes and extent[1] >= total
+                run = self._run_inline if inline else self._run_packed
+                ndesc, pack_s = run(peer, units, extent)
             finally:
                 self._extents.release(*extent)
         else:
@@ -369,135 +360,10 @@ class EngineExecutor:
             self.stats.descriptors += ndesc
             self.stats.packed_jobs += int(want and fits)
             self.stats.pack_fallbacks += int(fallback)
+            self.stats.inline_jobs += int(inline)
         return TransferResult(bytes=nbytes, descriptors=ndesc, seconds=time.perf_counter() - t0,
                               packed=bool(want and fits), fallback=bool(fallback),
-                              pack_seconds=pack_s, notified=notified)
-
-    def _max_inflight_descs(self) -> int:
-        """Most descriptors queued at once per job; engines with a bounded queue lower it."""
-        return 1 << 40
-
-    def _push(self, peer: PeerState, inflight: Inflight, descs: Descs, mem: tuple[MemoryKind, int],
-              lo: int = 0, hi: int = 0) -> None:
-        """Submit ``descs`` in engine-sized batches, first waiting out what would overflow the queue."""
-        cap = self._max_inflight_descs()
-        for i in range(0, len(descs), self.max_batch):
-            chunk = descs[i:i + self.max_batch]
-            while inflight and sum(e[3] for e in inflight) + len(chunk) > cap:
-                self._finish(peer, inflight.popleft()[0])
-            handle = self._submit(peer, chunk, mem[0], mem[1])
-            with self._lock:
-                self._handles += 1
-            inflight.append((handle, lo, hi, len(chunk)))
-
-    def _run_rows(self, peer: PeerState, units: list[tuple[Segment, LayerSpan]]) -> int:
-        """Per-row (run-merged) descriptors straight from the source buffers."""
-        total = 0
-        inflight: Inflight = collections.deque()
-        try:
-            for seg, layer in units:
-                descs = row_descriptors(layer, seg.runs)
-                self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
-                total += len(descs)
-            while inflight:
-                self._finish(peer, inflight.popleft()[0])
-        finally:
-            self._drain(peer, [e[0] for e in inflight])
-        return total
-
-    def _run_packed(self, peer: PeerState, units: list[tuple[Segment, LayerSpan]],
-                    extent: tuple[int, int]) -> tuple[int, float]:
-        """Pack unit i+1 on the pack thread while unit i is transferred from another part of the extent.
-
-        Units (one layer of one segment each) take consecutive byte ranges of the job's
-        staging extent and wrap to its start when the next does not fit; a range is packed
-        again only after every transfer that read any byte of it completed. An extent that
-        holds two units' rows gives full overlap; one that holds only one, none.
-        """
-        staging = self._staging
-        assert staging is not None  # checked by the caller
-        base, length = extent
-        places: list[tuple[int, int]] = []
-        cursor = 0
-        for seg, layer in units:
-            size = seg.num_rows * layer.nbytes
-            if cursor + size > length:
-                cursor = 0
-            places.append((cursor, cursor + size))
-            cursor += size
-        # The gather index of each segment, built once and shared by its layers.
-        indexes = {id(seg): source_rows(seg.runs) for seg in {id(seg): seg for seg, _ in units}.values()}
-
-        def pack(i: int) -> float:
-            """Gather unit i into its range (runs on the pack thread); returns seconds."""
-            seg, layer = units[i]
-            tp = time.perf_counter()
-            _, smax, _, _ = seg.extents
-            src = self._view(layer.src_ptr + layer.src_offset, smax * layer.row_bytes + layer.nbytes)
-            lo, hi = places[i]
-            out = staging.array[base + lo:base + hi].reshape(seg.num_rows, layer.nbytes)
-            self._gatherer.gather(src, layer.row_bytes, seg.runs, out, indexes[id(seg)])
-            return time.perf_counter() - tp
-
-        def overlaps(i: int, entry: tuple[Any, int, int, int]) -> bool:
-            return entry[1] < places[i][1] and places[i][0] < entry[2]
-
-        total = 0
-        pack_s = 0.0
-        mem = (staging.kind, staging.device)
-        inflight: Inflight = collections.deque()
-        pending: Future[float] | None = None
-        try:
-            pending = self._pack_pool().submit(pack, 0)
-            for i, (seg, layer) in enumerate(units):
-                current, pending = pending, None
-                assert current is not None  # every iteration starts with unit i being packed
-                pack_s += current.result()
-                lo, hi = places[i]
-                descs = packed_descriptors(staging.addr + base + lo, layer, seg.runs)
-                total += len(descs)
-                nxt = i + 1
-                # Engines that copy inside the submit call overlap it with packing unit i+1,
-                # unless i+1 reuses i's bytes; async engines get unit i moving first.
-                late = self.submit_blocks and nxt < len(units) and not (
-                    places[nxt][0] < hi and lo < places[nxt][1])
-                if not late:
-                    self._push(peer, inflight, descs, mem, lo, hi)
-                if nxt < len(units):
-                    while any(overlaps(nxt, e) for e in inflight):
-                        self._finish(peer, inflight.popleft()[0])
-                    pending = self._pack_pool().submit(pack, nxt)
-                if late:
-                    self._push(peer, inflight, descs, mem, lo, hi)
-            while inflight:
-                self._finish(peer, inflight.popleft()[0])
-        finally:
-            if pending is not None:
-                pending.exception()  # never leave the pack thread writing staging behind us
-            self._drain(peer, [e[0] for e in inflight])
-        return total, pack_s
-
-    def _pack_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-pack")
-            return self._pool
-
-    def _finish(self, peer: PeerState, handle: Any) -> None:
-        """Wait for one submitted batch; it no longer counts as held, whatever the outcome."""
-        try:
-            self._wait(peer, handle)
-        finally:
-            with self._lock:
-                self._handles -= 1
-
-    def _drain(self, peer: PeerState, handles: Any) -> None:
-        """After a failure, still wait out submitted work so no engine read outlives its buffer."""
-        for h in list(handles):
-            try:
-                self._finish(peer, h)
-            except PdprotoError:
-                pass
+                              pack_seconds=pack_s, notified=notified, inline=inline)
 
     def held(self) -> tuple[int, int]:
         """(engine batches submitted and not yet waited out, staging bytes reserved by jobs).

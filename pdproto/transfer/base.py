@@ -166,6 +166,8 @@ class TransferResult:
     """Time spent gathering rows into staging."""
     notified: bool = False
     """True when ``job.notification`` was delivered through the engine."""
+    inline: bool = False
+    """True when a packed job was small enough to pack on the calling thread and go out as one engine call."""
 
 
 @dataclass
@@ -177,6 +179,8 @@ class TransferStats:
     descriptors: int = 0
     packed_jobs: int = 0
     pack_fallbacks: int = 0
+    inline_jobs: int = 0
+    """Packed jobs (also counted in ``packed_jobs``) packed inline and sent as one engine call."""
     failures: int = 0
     timeouts: int = 0
     """Calls that ran past the executor's ``transfer_timeout_s`` (also counted in ``failures``)."""

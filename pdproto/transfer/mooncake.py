@@ -45,6 +45,7 @@ from pdproto.errors import (
 from pdproto.v1 import registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
+from ._paths import INLINE_BYTES
 from .address import advertise_host
 from .base import VRAM, Buffer, Endpoint, MemoryKind
 from .packing import Descs
@@ -76,7 +77,8 @@ class MooncakeExecutor(EngineExecutor):
 
     def __init__(self, *, host: str | None = None, protocol: str = "tcp", device_name: str = "",
                  staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 5.0, engine: Any = None, session_id: str = "", **_: Any) -> None:
+                 connect_timeout_s: float = 5.0, engine: Any = None, session_id: str = "",
+                 inline_bytes: int = INLINE_BYTES, **_: Any) -> None:
         """Start the engine on ``host`` with ``protocol`` ("tcp", "rdma" or "auto") and P2P handshakes.
 
         ``host`` is the address the session id advertises; by default ``address.advertise_host()``
@@ -91,7 +93,8 @@ class MooncakeExecutor(EngineExecutor):
         running for its owner.
         """
         host = host or advertise_host()
-        super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
+        super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s,
+                         inline_bytes=inline_bytes)
         self.connect_timeout_s = connect_timeout_s
         self._probing = 0
         self.adopted = engine is not None

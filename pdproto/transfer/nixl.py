@@ -40,6 +40,7 @@ from pdproto.reach import ADVERTISE_ENV
 from pdproto.v1 import common_pb2, registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
+from ._paths import INLINE_BYTES
 from .address import interface_of
 from .base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification
 from .packing import Descs
@@ -145,14 +146,15 @@ class NixlExecutor(EngineExecutor):
 
     def __init__(self, *, name: str | None = None, staging_bytes: int = 0, device: str = "cpu",
                  transfer_timeout_s: float = 30.0, progress_delay_us: int = PROGRESS_DELAY_US,
-                 host: str | None = None, **_: Any) -> None:
+                 host: str | None = None, inline_bytes: int = INLINE_BYTES, **_: Any) -> None:
         """Create the agent ``name`` (a uuid when omitted) with the UCX backend.
 
         UCX advertises every usable interface itself. When an address is set (``host``, or
         ``PDPROTO_ADVERTISE_HOST``), UCX's network transports are kept to the interface that
         holds it (``UCX_NET_DEVICES``, unless set).
         """
-        super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s)
+        super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s,
+                         inline_bytes=inline_bytes)
         advertised = host or os.environ.get(ADVERTISE_ENV, "").strip()
         device_name = interface_of(advertised) if advertised else None
         if device_name is not None:
