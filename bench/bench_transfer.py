@@ -9,6 +9,13 @@ each a job carrying runs (as the server builds them):
   per_row  the same runs without packing: one descriptor per row per layer (the baseline)
 Targets: packed/dense >= 0.8 and packed/per_row >= 10.
 
+Then small chunks (issue 12): one chunk of 16 rows per layer (64 tokens of the same
+relayout), for 4 and 32 layers, into a second decode peer, three ways, interleaved:
+  inline     packed on the calling thread, all layers in one engine call with one wait
+  pipelined  the per-layer pack pipeline (a pack-thread hop, an engine handle and a wait per layer)
+  per_row    one descriptor per row, one engine call per layer
+Below ``inline_bytes`` (default 4 MiB) the executor takes the inline path by itself.
+
 Environment: PDPROTO_BENCH_DEVICE=cuda puts both sides in VRAM;
 PDPROTO_BENCH_BACKENDS=mooncake,nixl picks the engines; PDPROTO_BENCH_LAYERS and
 PDPROTO_BENCH_ROWS shrink the payload for a quick run.
@@ -24,7 +31,9 @@ import numpy as np
 
 from bench import per_backend
 from pdproto.dcp import DcpLayout, plan_chunk
-from pdproto.transfer import DRAM, VRAM, LayerSpan, TransferJob, TransferResult, create_executor
+from pdproto.transfer import (DRAM, VRAM, Buffer, LayerSpan, TransferExecutor, TransferJob, TransferResult,
+                              create_executor)
+from pdproto.transfer._engine import EngineExecutor
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
 ROW = 1152
@@ -32,6 +41,10 @@ PAGE = 64
 DCP = 4
 RANK = 1
 ROUNDS = 5
+SMALL_ROWS = 16
+SMALL_LAYERS = (4, 32)
+SMALL_ROUNDS = 41
+SMALL_MODES = ("inline", "pipelined", "per_row")
 
 
 def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[str, float]:
@@ -91,6 +104,7 @@ def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[
         out["pack_s"] = statistics.median(packs)
         # The last run was per-row over the relayout rows; check that every byte landed.
         _verify(peer, fill.reshape(-1, ROW), *plan.expand(), layers, rows)
+        out.update(bench_small(ex, backend, srcs, fill.reshape(-1, ROW), device))
         return out
     except Exception as exc:
         # Say whether the decode peer died (and how) or the engine failed with it alive.
@@ -100,14 +114,61 @@ def bench_backend(backend: str, *, layers: int, rows: int, device: str) -> dict[
         ex.close()
 
 
+def bench_small(ex: TransferExecutor, backend: str, srcs: list[Buffer], src: np.ndarray,
+                device: str) -> dict[str, float]:
+    """Time one 16-row chunk per layer count in each of ``SMALL_MODES``; ``small_{layers}_{mode}_s`` medians.
+
+    ``srcs`` are the registered source layers, each holding ``src`` ((rows, ROW) bytes).
+    """
+    assert isinstance(ex, EngineExecutor)  # inline_bytes picks the path
+    layers = max(SMALL_LAYERS)
+    rows = 4 * PAGE  # four decode pages; the chunk fills part of one
+    peer = DecodeProcess.launch(DecodeConfig(backend=backend, layers=layers, pages=rows, page_size=1,
+                                             row_bytes=ROW, device=device, background=0), timeout=120)
+    default = ex.inline_bytes
+    try:
+        ex.connect("small", peer.registration)
+        rng = np.random.default_rng(1)
+        tokens = SMALL_ROWS * DCP
+        plan = plan_chunk(DcpLayout(PAGE), DcpLayout(PAGE, DCP, RANK), rng.integers(0, src.shape[0] // PAGE, 1),
+                          rng.integers(0, rows // PAGE, 1), num_kv_tokens=tokens)
+        kv = peer.registration.kv_buffers
+        out: dict[str, float] = {}
+        for n in SMALL_LAYERS:
+            spans = tuple(LayerSpan(srcs[i % len(srcs)].addr, kv[i].ptr, ROW) for i in range(n))
+            jobs = {"inline": (TransferJob.of_runs(spans, plan.target_runs, pack=True), 1 << 40),
+                    "pipelined": (TransferJob.of_runs(spans, plan.target_runs, pack=True), 0),
+                    "per_row": (TransferJob.of_runs(spans, plan.target_runs, pack=False), 0)}
+            for mode, (job, threshold) in jobs.items():
+                # Warm-up, and each mode's bytes checked from a zeroed peer.
+                peer.fill(0)
+                ex.inline_bytes = threshold
+                res = ex.execute("small", job)
+                if (res.inline, res.packed) != (mode == "inline", mode != "per_row"):
+                    raise AssertionError(f"{mode}: the job took another path ({res})")
+                _verify(peer, src, *plan.expand(), layers, rows, upto=n)
+            secs: dict[str, list[float]] = {mode: [] for mode in jobs}
+            for _ in range(SMALL_ROUNDS):
+                for mode, (job, threshold) in jobs.items():
+                    ex.inline_bytes = threshold
+                    secs[mode].append(ex.execute("small", job).seconds)
+            for mode in jobs:
+                out[f"small_{n}_{mode}_s"] = statistics.median(secs[mode])
+        return out
+    finally:
+        ex.inline_bytes = default
+        ex.disconnect("small")
+        peer.close()
+
+
 def _verify(peer: DecodeProcess, src: np.ndarray, src_rows: np.ndarray, dst_rows: np.ndarray,
-            layers: int, rows: int) -> None:
-    """Every destination row holds its source row."""
+            layers: int, rows: int, upto: int | None = None) -> None:
+    """Every destination row of the first ``upto`` layers (all by default) holds its source row."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "dump.bin")
         peer.dump(path)
         got = np.fromfile(path, dtype=np.uint8).reshape(layers, rows, ROW)
-    for i in range(layers):
+    for i in range(layers if upto is None else upto):
         if not np.array_equal(got[i][dst_rows], src[src_rows]):
             raise AssertionError(f"layer {i}: destination bytes differ from the source rows")
 
@@ -130,6 +191,13 @@ def main() -> int:
         print(f"{backend:<9} packed/dense {pd:.2f} (target >= 0.8)  packed/per_row {pr:.1f} "
               f"(target >= 10)  pack {r['pack_s'] * 1e3:.1f} ms, bound max(pack, dense) "
               f"{bound * 1e3:.1f} ms = {bound / r['packed_s']:.2f} of packed  [{seconds:.0f} s]", flush=True)
+        for n in SMALL_LAYERS:
+            ms = {mode: r[f"small_{n}_{mode}_s"] * 1e3 for mode in SMALL_MODES}
+            print(f"{backend:<9} small chunk, {SMALL_ROWS} rows x {n} layers: "
+                  + "  ".join(f"{mode} {ms[mode]:.3f} ms" for mode in SMALL_MODES)
+                  + f"  pipelined/inline {ms['pipelined'] / ms['inline']:.2f}"
+                  f"  per_row/inline {ms['per_row'] / ms['inline']:.2f}"
+                  f"  pipelined/per_row {ms['pipelined'] / ms['per_row']:.2f}", flush=True)
 
     return per_backend(lambda backend: bench_backend(backend, layers=layers, rows=rows, device=device), report)
 
