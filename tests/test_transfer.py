@@ -328,13 +328,18 @@ def test_inline_pipelined_and_per_row_write_the_same_bytes(pair: Pair, tmp_path:
     # From one row to the largest job one staging extent holds (half the peer's buffers).
     pre, peer = pair.pre, pair.peer
     runs, src_rows, dst_rows = _chunk(seed, rows, rank)
+    notifies = backends.by_name(pre.ex.backend).notifications
     dumps = []
-    for mode in MODES:
+    for room, mode in enumerate(MODES, start=100):
         peer.fill(0)
-        res = pre.ex.execute("d0", pre.job(peer, runs, pack=_use(pre.ex, mode)))
+        res = pre.ex.execute("d0", pre.job(peer, runs, pack=_use(pre.ex, mode), room=room))
         assert res.bytes == rows * ROW * LAYERS <= EXTENT
         if pre.ex.backend != "local":
             assert _path(res) == mode and not res.fallback
+        # Every path sends the job's notification once its bytes are written (NIXL).
+        assert res.notified is notifies
+        if notifies:
+            assert peer.notified_rooms(wait_s=10) == [room]
         dumps.append(_dump(peer, str(tmp_path)))
     assert all(np.array_equal(dumps[0], d) for d in dumps[1:])
     _check_layers(pre, dumps[0], {layer: (src_rows, dst_rows) for layer in range(LAYERS)})
