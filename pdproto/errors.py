@@ -83,6 +83,7 @@ class Reason(enum.IntEnum):
     UNAVAILABLE = 66
     MATCH_TIMEOUT = 67
     TOO_MANY_STREAMS = 68
+    SESSION_NOT_FOUND = 69
     CONFIG_INVALID = 70
     TOPOLOGY_STATE_KIND_MISMATCH = 80
     TOPOLOGY_STATE_SIZE_MISMATCH = 81
@@ -236,9 +237,9 @@ class InvalidFieldError(PdprotoError, ValueError):
                    violations=violations)
 
 
-@_declares(Reason.PEER_NOT_FOUND, Reason.REQUEST_NOT_FOUND, code="NOT_FOUND")
+@_declares(Reason.PEER_NOT_FOUND, Reason.REQUEST_NOT_FOUND, Reason.SESSION_NOT_FOUND, code="NOT_FOUND")
 class NotFoundError(PdprotoError, LookupError):
-    """A peer or request id is unknown."""
+    """A peer, request or session id is unknown."""
 
 
 @_declares(Reason.ABORTED, Reason.PEER_GONE, Reason.STALE_GENERATION, code="ABORTED")

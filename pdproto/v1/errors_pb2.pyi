@@ -148,6 +148,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
     ERROR_REASON_TOO_MANY_STREAMS: _ErrorReason.ValueType  # 68
     """Too many open status streams for one peer."""
+    ERROR_REASON_SESSION_NOT_FOUND: _ErrorReason.ValueType  # 69
+    """A Session stream asks to resume a session the server no longer keeps (it ended, or was detached too long)."""
     ERROR_REASON_CONFIG_INVALID: _ErrorReason.ValueType  # 70
     """A deployment setting violates a PD rule."""
     ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
@@ -302,6 +304,8 @@ ERROR_REASON_MATCH_TIMEOUT: ErrorReason.ValueType  # 67
 """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
 ERROR_REASON_TOO_MANY_STREAMS: ErrorReason.ValueType  # 68
 """Too many open status streams for one peer."""
+ERROR_REASON_SESSION_NOT_FOUND: ErrorReason.ValueType  # 69
+"""A Session stream asks to resume a session the server no longer keeps (it ended, or was detached too long)."""
 ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
 """A deployment setting violates a PD rule."""
 ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80

@@ -23,42 +23,52 @@ _sym_db = _symbol_database.Default()
 
 
 from pdproto.v1 import common_pb2 as pdproto_dot_v1_dot_common__pb2
+from pdproto.v1 import describe_pb2 as pdproto_dot_v1_dot_describe__pb2
 from pdproto.v1 import registration_pb2 as pdproto_dot_v1_dot_registration__pb2
 from pdproto.v1 import server_info_pb2 as pdproto_dot_v1_dot_server__info__pb2
+from pdproto.v1 import session_pb2 as pdproto_dot_v1_dot_session__pb2
 from pdproto.v1 import transfer_pb2 as pdproto_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdproto/v1/handshake_service.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x1dpdproto/v1/registration.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x19pdproto/v1/transfer.proto\"D\n\x14GetServerInfoRequest\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.PrefillServerInfo\"C\n\x0fRegisterRequest\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.KvRegistration\"Z\n\x10RegisterResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"m\n\x15SubmitTransferRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12*\n\x08transfer\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfo\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"D\n\x16SubmitTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"M\n\x12WatchStatusRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"A\n\x13WatchStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotification\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"2\n\rAbortResponse\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.pdproto.v1.AbortAck\"=\n\x11\x44\x65registerRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"-\n\x12\x44\x65registerResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r2\xe5\x03\n\x10HandshakeService\x12T\n\rGetServerInfo\x12 .pdproto.v1.GetServerInfoRequest\x1a!.pdproto.v1.GetServerInfoResponse\x12\x45\n\x08Register\x12\x1b.pdproto.v1.RegisterRequest\x1a\x1c.pdproto.v1.RegisterResponse\x12W\n\x0eSubmitTransfer\x12!.pdproto.v1.SubmitTransferRequest\x1a\".pdproto.v1.SubmitTransferResponse\x12P\n\x0bWatchStatus\x12\x1e.pdproto.v1.WatchStatusRequest\x1a\x1f.pdproto.v1.WatchStatusResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdproto.v1.AbortRequest\x1a\x19.pdproto.v1.AbortResponse\x12K\n\nDeregister\x12\x1d.pdproto.v1.DeregisterRequest\x1a\x1e.pdproto.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdproto/v1/handshake_service.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x19pdproto/v1/describe.proto\x1a\x1dpdproto/v1/registration.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x18pdproto/v1/session.proto\x1a\x19pdproto/v1/transfer.proto\"D\n\x14GetServerInfoRequest\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.PrefillServerInfo\"C\n\x0fRegisterRequest\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.KvRegistration\"Z\n\x10RegisterResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"m\n\x15SubmitTransferRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12*\n\x08transfer\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfo\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"D\n\x16SubmitTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"M\n\x12WatchStatusRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"A\n\x13WatchStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotification\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"2\n\rAbortResponse\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.pdproto.v1.AbortAck\"=\n\x11\x44\x65registerRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"-\n\x12\x44\x65registerResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"x\n\x0eSessionRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x17.pdproto.v1.SessionOpen\x12,\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1a.pdproto.v1.SessionCommand\x12\x11\n\tevent_ack\x18\x03 \x01(\x04\"f\n\x0fSessionResponse\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x19.pdproto.v1.SessionOpened\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pdproto.v1.SessionEvent\"9\n\x0f\x44\x65scribeRequest\x12\x15\n\rrequest_limit\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\"\x83\x02\n\x10\x44\x65scribeResponse\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\x12\x14\n\x0cprefill_rank\x18\x02 \x01(\r\x12$\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x13.pdproto.v1.Backend\x12\x11\n\tuptime_ms\x18\x04 \x01(\x04\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12#\n\x05peers\x18\x06 \x03(\x0b\x32\x14.pdproto.v1.PeerView\x12$\n\x06limits\x18\x07 \x03(\x0b\x32\x14.pdproto.v1.LimitUse\x12\x15\n\ropen_requests\x18\x08 \x01(\r2\xf4\x04\n\x10HandshakeService\x12T\n\rGetServerInfo\x12 .pdproto.v1.GetServerInfoRequest\x1a!.pdproto.v1.GetServerInfoResponse\x12\x45\n\x08Register\x12\x1b.pdproto.v1.RegisterRequest\x1a\x1c.pdproto.v1.RegisterResponse\x12W\n\x0eSubmitTransfer\x12!.pdproto.v1.SubmitTransferRequest\x1a\".pdproto.v1.SubmitTransferResponse\x12P\n\x0bWatchStatus\x12\x1e.pdproto.v1.WatchStatusRequest\x1a\x1f.pdproto.v1.WatchStatusResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdproto.v1.AbortRequest\x1a\x19.pdproto.v1.AbortResponse\x12K\n\nDeregister\x12\x1d.pdproto.v1.DeregisterRequest\x1a\x1e.pdproto.v1.DeregisterResponse\x12\x46\n\x07Session\x12\x1a.pdproto.v1.SessionRequest\x1a\x1b.pdproto.v1.SessionResponse(\x01\x30\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.pdproto.v1.DescribeRequest\x1a\x1c.pdproto.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdproto.v1.handshake_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=163
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=231
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=233
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=301
-  _globals['_REGISTERREQUEST']._serialized_start=303
-  _globals['_REGISTERREQUEST']._serialized_end=370
-  _globals['_REGISTERRESPONSE']._serialized_start=372
-  _globals['_REGISTERRESPONSE']._serialized_end=462
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_start=464
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=573
-  _globals['_SUBMITTRANSFERRESPONSE']._serialized_start=575
-  _globals['_SUBMITTRANSFERRESPONSE']._serialized_end=643
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=645
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=722
-  _globals['_WATCHSTATUSRESPONSE']._serialized_start=724
-  _globals['_WATCHSTATUSRESPONSE']._serialized_end=789
-  _globals['_ABORTREQUEST']._serialized_start=791
-  _globals['_ABORTREQUEST']._serialized_end=893
-  _globals['_ABORTRESPONSE']._serialized_start=895
-  _globals['_ABORTRESPONSE']._serialized_end=945
-  _globals['_DEREGISTERREQUEST']._serialized_start=947
-  _globals['_DEREGISTERREQUEST']._serialized_end=1008
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1010
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1055
-  _globals['_HANDSHAKESERVICE']._serialized_start=1058
-  _globals['_HANDSHAKESERVICE']._serialized_end=1543
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=216
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=284
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=286
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=354
+  _globals['_REGISTERREQUEST']._serialized_start=356
+  _globals['_REGISTERREQUEST']._serialized_end=423
+  _globals['_REGISTERRESPONSE']._serialized_start=425
+  _globals['_REGISTERRESPONSE']._serialized_end=515
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_start=517
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=626
+  _globals['_SUBMITTRANSFERRESPONSE']._serialized_start=628
+  _globals['_SUBMITTRANSFERRESPONSE']._serialized_end=696
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=698
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=775
+  _globals['_WATCHSTATUSRESPONSE']._serialized_start=777
+  _globals['_WATCHSTATUSRESPONSE']._serialized_end=842
+  _globals['_ABORTREQUEST']._serialized_start=844
+  _globals['_ABORTREQUEST']._serialized_end=946
+  _globals['_ABORTRESPONSE']._serialized_start=948
+  _globals['_ABORTRESPONSE']._serialized_end=998
+  _globals['_DEREGISTERREQUEST']._serialized_start=1000
+  _globals['_DEREGISTERREQUEST']._serialized_end=1061
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1063
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1108
+  _globals['_SESSIONREQUEST']._serialized_start=1110
+  _globals['_SESSIONREQUEST']._serialized_end=1230
+  _globals['_SESSIONRESPONSE']._serialized_start=1232
+  _globals['_SESSIONRESPONSE']._serialized_end=1334
+  _globals['_DESCRIBEREQUEST']._serialized_start=1336
+  _globals['_DESCRIBEREQUEST']._serialized_end=1393
+  _globals['_DESCRIBERESPONSE']._serialized_start=1396
+  _globals['_DESCRIBERESPONSE']._serialized_end=1655
+  _globals['_HANDSHAKESERVICE']._serialized_start=1658
+  _globals['_HANDSHAKESERVICE']._serialized_end=2286
 # @@protoc_insertion_point(module_scope)

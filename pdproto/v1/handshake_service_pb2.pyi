@@ -8,8 +8,10 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from pdproto.v1 import common_pb2 as _common_pb2
+from pdproto.v1 import describe_pb2 as _describe_pb2
 from pdproto.v1 import registration_pb2 as _registration_pb2
 from pdproto.v1 import server_info_pb2 as _server_info_pb2
+from pdproto.v1 import session_pb2 as _session_pb2
 from pdproto.v1 import transfer_pb2 as _transfer_pb2
 import builtins as _builtins
 import sys
@@ -339,3 +341,151 @@ class DeregisterResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeregisterResponse: _TypeAlias = DeregisterResponse  # noqa: Y015
+
+@_typing.final
+class SessionRequest(_message.Message):
+    """SessionRequest is one message of the client's side of a Session stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    EVENT_ACK_FIELD_NUMBER: _builtins.int
+    event_ack: _builtins.int
+    """Highest event seq received so far (cumulative acknowledgement; 0: none yet). The
+    server keeps every event after it for a resume, and sends no further than its window past it.
+    """
+    @_builtins.property
+    def open(self) -> _session_pb2.SessionOpen:
+        """Set in the stream's first message only: which peer, and which session to resume."""
+
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.SessionCommand]:
+        """Commands, in seq order."""
+
+    def __init__(
+        self,
+        *,
+        open: _session_pb2.SessionOpen | None = ...,
+        commands: _abc.Iterable[_session_pb2.SessionCommand] | None = ...,
+        event_ack: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["open", b"open"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "event_ack", b"event_ack", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """SessionResponse is one message of the server's side of a Session stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPENED_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def opened(self) -> _session_pb2.SessionOpened:
+        """Set in the stream's first message only."""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.SessionEvent]:
+        """Events, in seq order."""
+
+    def __init__(
+        self,
+        *,
+        opened: _session_pb2.SessionOpened | None = ...,
+        events: _abc.Iterable[_session_pb2.SessionEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["opened", b"opened"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "opened", b"opened"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class DescribeRequest(_message.Message):
+    """DescribeRequest asks for the server's state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_LIMIT_FIELD_NUMBER: _builtins.int
+    PEER_ID_FIELD_NUMBER: _builtins.int
+    request_limit: _builtins.int
+    """Open requests listed per peer (oldest first); 0 means the server's default (64)."""
+    peer_id: _builtins.str
+    """Only this peer; empty means every peer."""
+    def __init__(
+        self,
+        *,
+        request_limit: _builtins.int = ...,
+        peer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_id", b"peer_id", "request_limit", b"request_limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
+
+@_typing.final
+class DescribeResponse(_message.Message):
+    """DescribeResponse is the server's state at one moment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    PREFILL_RANK_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    UPTIME_MS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    OPEN_REQUESTS_FIELD_NUMBER: _builtins.int
+    prefill_rank: _builtins.int
+    """The reporting prefill rank."""
+    backend: _common_pb2.Backend.ValueType
+    """Backend of the server's transfer engine."""
+    uptime_ms: _builtins.int
+    """Milliseconds since the server started."""
+    draining: _builtins.bool
+    """The server is draining: it takes no new work."""
+    open_requests: _builtins.int
+    """Open requests over every peer."""
+    @_builtins.property
+    def version(self) -> _common_pb2.ProtocolVersion:
+        """Protocol version the server speaks."""
+
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[_describe_pb2.PeerView]:
+        """Registered peers (gone ones included until released)."""
+
+    @_builtins.property
+    def limits(self) -> _containers.RepeatedCompositeFieldContainer[_describe_pb2.LimitUse]:
+        """Configured limits and their use."""
+
+    def __init__(
+        self,
+        *,
+        version: _common_pb2.ProtocolVersion | None = ...,
+        prefill_rank: _builtins.int = ...,
+        backend: _common_pb2.Backend.ValueType = ...,
+        uptime_ms: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        peers: _abc.Iterable[_describe_pb2.PeerView] | None = ...,
+        limits: _abc.Iterable[_describe_pb2.LimitUse] | None = ...,
+        open_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "limits", b"limits", "open_requests", b"open_requests", "peers", b"peers", "prefill_rank", b"prefill_rank", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeResponse: _TypeAlias = DescribeResponse  # noqa: Y015

@@ -66,6 +66,16 @@ class HandshakeServiceStub:
                 request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdproto.v1.HandshakeService/Session',
+                request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.SessionResponse.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/pdproto.v1.HandshakeService/Describe',
+                request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class HandshakeServiceServicer:
@@ -115,6 +125,22 @@ class HandshakeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Session carries one decode peer's submits and aborts in and their results and status
+        changes out, flow-controlled and resumable after a broken stream (docs/protocol.md 2b).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """Describe shows an operator the server's state: peers with their negotiated decisions,
+        open requests, limits and their use. It never shows credentials or memory addresses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandshakeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +173,16 @@ def add_HandshakeServiceServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.DeregisterRequest.FromString,
                     response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.SessionRequest.FromString,
+                    response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.SessionResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeRequest.FromString,
+                    response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +349,60 @@ class HandshakeService:
             '/pdproto.v1.HandshakeService/Deregister',
             pdproto_dot_v1_dot_handshake__service__pb2.DeregisterRequest.SerializeToString,
             pdproto_dot_v1_dot_handshake__service__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdproto.v1.HandshakeService/Session',
+            pdproto_dot_v1_dot_handshake__service__pb2.SessionRequest.SerializeToString,
+            pdproto_dot_v1_dot_handshake__service__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdproto.v1.HandshakeService/Describe',
+            pdproto_dot_v1_dot_handshake__service__pb2.DescribeRequest.SerializeToString,
+            pdproto_dot_v1_dot_handshake__service__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

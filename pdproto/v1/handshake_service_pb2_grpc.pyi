@@ -47,6 +47,14 @@ class HandshakeServiceStub:
     """Abort stops one request generation and answers after in-flight chunks drain."""
     Deregister: _grpc.UnaryUnaryMultiCallable[_handshake_service_pb2.DeregisterRequest, _handshake_service_pb2.DeregisterResponse]
     """Deregister frees everything the peer held and fails its open requests."""
+    Session: _grpc.StreamStreamMultiCallable[_handshake_service_pb2.SessionRequest, _handshake_service_pb2.SessionResponse]
+    """Session carries one decode peer's submits and aborts in and their results and status
+    changes out, flow-controlled and resumable after a broken stream (docs/protocol.md 2b).
+    """
+    Describe: _grpc.UnaryUnaryMultiCallable[_handshake_service_pb2.DescribeRequest, _handshake_service_pb2.DescribeResponse]
+    """Describe shows an operator the server's state: peers with their negotiated decisions,
+    open requests, limits and their use. It never shows credentials or memory addresses.
+    """
 
 @_typing.type_check_only
 class HandshakeServiceAsyncStub(HandshakeServiceStub):
@@ -67,6 +75,14 @@ class HandshakeServiceAsyncStub(HandshakeServiceStub):
     """Abort stops one request generation and answers after in-flight chunks drain."""
     Deregister: _aio.UnaryUnaryMultiCallable[_handshake_service_pb2.DeregisterRequest, _handshake_service_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Deregister frees everything the peer held and fails its open requests."""
+    Session: _aio.StreamStreamMultiCallable[_handshake_service_pb2.SessionRequest, _handshake_service_pb2.SessionResponse]  # type: ignore[assignment]
+    """Session carries one decode peer's submits and aborts in and their results and status
+    changes out, flow-controlled and resumable after a broken stream (docs/protocol.md 2b).
+    """
+    Describe: _aio.UnaryUnaryMultiCallable[_handshake_service_pb2.DescribeRequest, _handshake_service_pb2.DescribeResponse]  # type: ignore[assignment]
+    """Describe shows an operator the server's state: peers with their negotiated decisions,
+    open requests, limits and their use. It never shows credentials or memory addresses.
+    """
 
 class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
     """HandshakeService runs on each prefill rank: it publishes the topology,
@@ -120,5 +136,25 @@ class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_handshake_service_pb2.DeregisterResponse, _abc.Awaitable[_handshake_service_pb2.DeregisterResponse]]:
         """Deregister frees everything the peer held and fails its open requests."""
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_handshake_service_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_handshake_service_pb2.SessionResponse], _abc.AsyncIterator[_handshake_service_pb2.SessionResponse]]:
+        """Session carries one decode peer's submits and aborts in and their results and status
+        changes out, flow-controlled and resumable after a broken stream (docs/protocol.md 2b).
+        """
+
+    @_abc_1.abstractmethod
+    def Describe(
+        self,
+        request: _handshake_service_pb2.DescribeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_handshake_service_pb2.DescribeResponse, _abc.Awaitable[_handshake_service_pb2.DescribeResponse]]:
+        """Describe shows an operator the server's state: peers with their negotiated decisions,
+        open requests, limits and their use. It never shows credentials or memory addresses.
+        """
 
 def add_HandshakeServiceServicer_to_server(servicer: HandshakeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
