@@ -21,6 +21,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[i
 from grpc_status import rpc_status
 
 from pdproto.errors import GRPC_CODE_NAMES, InvalidFieldError, PdprotoError, Reason
+from pdproto.v1 import session_pb2
 
 log = logging.getLogger("pdproto_server.status")
 
@@ -77,6 +78,15 @@ def build_status(
     )
     result: grpc.Status = rpc_status.to_status(proto)
     return result
+
+
+def command_error(error: PdprotoError) -> session_pb2.CommandError:
+    """What a unary call would answer for ``error``, as a session CommandError (same code, reason, metadata)."""
+    violations = error.violations if isinstance(error, InvalidFieldError) else ()
+    return session_pb2.CommandError(
+        code=grpc_code(error.reason).value[0], reason=error.reason.code, message=error.message,
+        metadata={_camel(k): str(v) for k, v in error.metadata.items()},
+        field_violations=[session_pb2.FieldViolation(field=f, description=d) for f, d in violations])
 
 
 def status_for(error: PdprotoError) -> grpc.Status:
@@ -142,6 +152,7 @@ __all__ = [
     "DOMAIN",
     "GRPC_CODE_NAMES",
     "build_status",
+    "command_error",
     "grpc_code",
     "status_for",
     "stream",

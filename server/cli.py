@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("pdproto_demo.run", "end-to-end transfer demo with real engines and processes"),
     "plan": ("pdproto_server.cmd_plan", "show a DCP relayout plan: runs, descriptors, bytes per rank"),
     "check": ("pdproto_server.cmd_check", "topology verdict and deployment findings for a P/D pair"),
+    "status": ("pdproto_server.cmd_status", "what a running prefill is doing: peers, open requests, limits"),
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from pdproto.errors import (
     DeadlineExceededError,
     DuplicateRequestError,
+    InvalidFieldError,
     NotFoundError,
     PdprotoError,
     Reason,
@@ -30,7 +31,7 @@ from .engine import PrefillEngine
 from .feed import StatusFeed
 from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
-from .registry import Limits, Peer, PeerRegistry, Request, identity_of
+from .registry import Limits, Peer, PeerRegistry, Request, StatusSink, identity_of
 from .transfers import TransferRunner, drained
 from .validate import check_registration, check_transfer
 
@@ -69,6 +70,33 @@ class HandshakeCore:
     def _accepting(self) -> None:
         if self.shutting_down:
             raise ShuttingDownError("the prefill is shutting down and takes no new work")
+
+    def ended_reason(self, peer: Peer) -> PdprotoError:
+        """Why ``peer``'s streams end: the server drains, the peer is gone, or it was removed."""
+        if self._streams_closed or self.shutting_down:
+            return ShuttingDownError("the prefill is shutting down; its streams have ended")
+        if peer.gone_at is not None:
+            return RequestFailedError(f"peer {peer.peer_id} is gone; re-register", reason=Reason.PEER_GONE,
+                                      metadata={"peerId": peer.peer_id})
+        return NotFoundError(f"peer {peer.peer_id!r} was deregistered or replaced by a new registration",
+                             reason=Reason.PEER_NOT_FOUND, metadata={"peerId": peer.peer_id})
+
+    def subscribe(self, peer: Peer, feed: StatusSink) -> tuple[list[transfer_pb2.TransferStatus], bool]:
+        """Add a status stream to ``peer``: its snapshot, taken in the same step (nothing missed or
+        sent twice), and whether the peer's streams have ended already (then it is not added).
+
+        Raises TOO_MANY_STREAMS at ``max_streams_per_peer`` (WatchStatus and Session streams together).
+        """
+        if len(peer.feeds) >= self.limits.max_streams_per_peer:
+            raise ResourceLimitError(
+                f"peer {peer.peer_id} has {len(peer.feeds)} status streams open "
+                f"(limit {self.limits.max_streams_per_peer})",
+                reason=Reason.TOO_MANY_STREAMS,
+                metadata={"limit": self.limits.max_streams_per_peer, "streams": len(peer.feeds)})
+        ended = peer.streams_ended or self._streams_closed
+        if not ended:
+            peer.feeds.add(feed)
+        return peer.snapshot(), ended
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
         """The registered peer whose credential this is; NOT_FOUND otherwise.
@@ -214,8 +242,15 @@ class HandshakeCore:
         """Admit one request generation and start moving its chunks as they arrive."""
         self._accepting()
         peer = self.peer(request.peer_id, request.peer_credential)
+        if not request.HasField("transfer"):
+            raise InvalidFieldError.of([("transfer", "required")])
+        return await self.submit_to(peer, request.transfer)
+
+    async def submit_to(self, peer: Peer, info: transfer_pb2.TransferInfo) -> transfer_pb2.TransferStatus:
+        """``submit`` for a peer whose credential was already checked (a session stream checks it once)."""
+        self._accepting()
         _check_alive(peer)
-        info, pages = check_transfer(request, peer)
+        pages = check_transfer(info, peer)
         current = peer.generation_of(info.room)
         if current is not None:
             if info.generation == current:
@@ -252,8 +287,10 @@ class HandshakeCore:
         request is FAILED all the same but the call answers DEADLINE_EXCEEDED: its pages are
         not safe to reuse until the engine returns (Abort again later to learn when).
         """
-        peer = self.peer(request.peer_id, request.peer_credential)
-        note = request.abort
+        return await self.abort_for(self.peer(request.peer_id, request.peer_credential), request.abort)
+
+    async def abort_for(self, peer: Peer, note: transfer_pb2.AbortNotification) -> transfer_pb2.AbortAck:
+        """``abort`` for a peer whose credential was already checked."""
         current = peer.generation_of(note.room)
         if current is None:
             raise NotFoundError(f"room {note.room} is unknown for peer {peer.peer_id}",
@@ -286,20 +323,12 @@ class HandshakeCore:
         Each request's terminal status is sent exactly once per stream (``server/feed.py``).
         """
         peer = self.peer(request.peer_id, request.peer_credential)
-        if len(peer.feeds) >= self.limits.max_streams_per_peer:
-            raise ResourceLimitError(
-                f"peer {peer.peer_id} has {len(peer.feeds)} status streams open "
-                f"(limit {self.limits.max_streams_per_peer})",
-                reason=Reason.TOO_MANY_STREAMS,
-                metadata={"limit": self.limits.max_streams_per_peer, "streams": len(peer.feeds)})
         feed = StatusFeed(request.rooms)
-        # Snapshot and subscribe in one step (no await between): nothing is missed or sent twice.
-        for status in peer.snapshot():
+        snapshot, ended = self.subscribe(peer, feed)
+        for status in snapshot:
             feed.push(status)
-        if peer.streams_ended or self._streams_closed:
+        if ended:
             feed.close()
-        else:
-            peer.feeds.add(feed)
         try:
             async for status in feed:
                 yield status

@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +27,6 @@ from pdproto.errors import Reason, ResourceLimitError
 from pdproto.topology import Decision
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
 
-from .feed import StatusFeed
 from .lanes import Lane
 
 TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
@@ -77,6 +76,7 @@ class Request:
     state_descriptors: int = 0
     chunks_done: int = 0
     finished_at: float | None = None
+    admitted_at: float = field(default_factory=time.monotonic)
     task: asyncio.Task[None] | None = None
     cancel_reason: tuple[Reason, str] | None = None
     """Why the task was cancelled (ABORTED, PEER_GONE, SHUTTING_DOWN); set before cancelling."""
@@ -112,6 +112,16 @@ class Finished(NamedTuple):
         return transfer_pb2.TransferStatus.FromString(self.blob)
 
 
+class StatusSink(Protocol):
+    """A subscriber to a peer's status changes: a WatchStatus feed or a session."""
+
+    def push(self, status: transfer_pb2.TransferStatus) -> None:
+        """A status changed."""
+
+    def close(self) -> None:
+        """No more changes (the peer is over, or the server drains): end after what is queued."""
+
+
 @dataclass
 class Peer:
     """A registered decode rank: its registration, negotiated decision, requests and streams."""
@@ -129,8 +139,8 @@ class Peer:
     """Open (non-terminal) requests by room."""
     finished: dict[int, Finished] = field(default_factory=dict)
     """The final status of each finished room, oldest first: all a late query needs, not the request."""
-    feeds: set[StatusFeed] = field(default_factory=set)
-    """Open WatchStatus streams."""
+    feeds: set[StatusSink] = field(default_factory=set)
+    """Open status streams: WatchStatus feeds and sessions (``server/session.py``)."""
     registered_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     """Removed from the registry (deregistered, replaced or shut down)."""
@@ -319,4 +329,4 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "TERMINAL", "identity_of"]
+__all__ = ["CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "StatusSink", "TERMINAL", "identity_of"]

@@ -12,6 +12,8 @@ from pdproto.v1 import handshake_service_pb2_grpc as hs_grpc
 
 from . import _status
 from .core import HandshakeCore
+from .describe import describe
+from .session import SessionHub
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -21,6 +23,7 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
 
     def __init__(self, core: HandshakeCore) -> None:
         self.core = core
+        self.sessions = SessionHub(core)
 
     @_status.unary
     async def GetServerInfo(self, request: hs.GetServerInfoRequest, context: Ctx) -> hs.GetServerInfoResponse:
@@ -47,6 +50,19 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     async def Abort(self, request: hs.AbortRequest, context: Ctx) -> hs.AbortResponse:
         """Abort one request generation after its in-flight chunk drains."""
         return hs.AbortResponse(ack=await self.core.abort(request))
+
+    # A read/write-style handler (context.read, context.write): grpc.aio takes a coroutine
+    # here, which the generated stub types as an iterator only.
+    @_status.unary
+    async def Session(self, request_iterator: AsyncIterator[hs.SessionRequest],  # type: ignore[override]
+                      context: Ctx) -> None:
+        """One decode peer's session stream: submits and aborts in, results and statuses out."""
+        await self.sessions.serve(context)
+
+    @_status.unary
+    async def Describe(self, request: hs.DescribeRequest, context: Ctx) -> hs.DescribeResponse:
+        """The server's state, for operators."""
+        return describe(self.core, self.sessions, request)
 
     @_status.unary
     async def Deregister(self, request: hs.DeregisterRequest, context: Ctx) -> hs.DeregisterResponse:

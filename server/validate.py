@@ -138,13 +138,9 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
     return reg
 
 
-def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[transfer_pb2.TransferInfo,
-                                                                          npt.NDArray[np.int64]]:
-    """The transfer info and its destination pages, aux index and state slots, checked against the
+def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> npt.NDArray[np.int64]:
+    """The destination pages of ``t``, checked with its aux index and state slots against the
     memory the peer registered."""
-    if not request.HasField("transfer"):
-        raise InvalidFieldError.of([("transfer", "required")])
-    t = request.transfer
     pages = np.asarray(t.dst_kv_pages, dtype=np.int64)
     bad: list[tuple[str, str]] = []
     if not t.is_dummy and pages.size == 0:
@@ -168,7 +164,7 @@ def check_transfer(request: hs.SubmitTransferRequest, peer: Peer) -> tuple[trans
     if tp is not None:
         # Refused here, before anything moves; the executor bounds every write again.
         check_destination(tp.aux, tp.state, peer.registration, t)
-    return t, pages
+    return pages
 
 
 def _check_bounds(peer: Peer, max_page: int) -> None:

@@ -1,0 +1,244 @@
+"""What both gRPC client flavours share: transport options, retries, credentials, typed errors.
+
+``error_from_rpc`` turns a failed call into the ``pdproto.errors`` class of its
+``google.rpc.ErrorInfo`` reason; ``error_from_parts`` does the same for a refusal that
+arrived inside a session stream (``pdproto.v1.CommandError``), so both paths raise the
+same class with the same metadata.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2  # type: ignore[import-untyped]
+from grpc_status import rpc_status
+
+from pdproto import errors as E
+from pdproto.errors import PdprotoError, Reason, error_class, error_for
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, server_info_pb2, session_pb2, transfer_pb2
+
+DOMAIN = "pdproto"
+TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """Transport options that must agree between server and client (keepalive, sizes)."""
+
+    max_message_bytes: int = 4 << 20
+    """Largest message either side sends or accepts (control messages are small)."""
+    keepalive_time_ms: int = 30_000
+    """Client ping interval; must be >= the server's ``min_ping_interval_ms``."""
+    keepalive_timeout_ms: int = 10_000
+    """How long a ping may go unanswered before the connection is considered dead."""
+    min_ping_interval_ms: int = 10_000
+    """Server: the most frequent ping it tolerates (else GOAWAY too_many_pings)."""
+    permit_without_calls: bool = True
+    """Ping idle connections too, so a dead peer is noticed before the next call."""
+
+    def _common(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(self.permit_without_calls)),
+        ]
+
+    def client_options(self) -> list[tuple[str, Any]]:
+        """Channel arguments for the client."""
+        # gRPC's own retry layer stays off: ours retries only UNAVAILABLE, inside the deadline.
+        # Short reconnect backoff: after a prefill restart the default (1 s growing to 120 s)
+        # outlived whole deadlines, so a re-registering decode never reached the new server.
+        return [*self._common(), ("grpc.enable_retries", 0),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        """Server arguments matching ``client_options``."""
+        return [
+            *self._common(),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.min_ping_interval_ms),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """Backoff for retryable errors (UNAVAILABLE); others are never retried."""
+
+    attempts: int | None = None
+    """Total tries including the first; None keeps retrying until the call's deadline."""
+    initial_backoff: float = 0.05
+    """Seconds before the second try."""
+    max_backoff: float = 1.0
+    """Upper bound of one sleep."""
+    multiplier: float = 2.0
+    """Growth of the sleep per try."""
+
+
+# Statuses without an ErrorInfo come from the transport or gRPC itself: read each code as
+# the reason it stands for (the class and retryability then follow from pdproto.errors).
+_BARE_CODES: Mapping[grpc.StatusCode, Reason] = {
+    grpc.StatusCode.UNAVAILABLE: Reason.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.MESSAGE_TOO_LARGE,
+    grpc.StatusCode.CANCELLED: Reason.ABORTED,
+}
+
+
+def error_from_parts(code_name: str, reason_name: str, domain: str, message: str,
+                     metadata: Mapping[str, str], violations: Sequence[tuple[str, str]] = ()) -> PdprotoError:
+    """The typed error for a refusal: its reason's class, the metadata, the code name as ``grpcCode``."""
+    meta: dict[str, str] = {"grpcCode": code_name}
+    if domain == DOMAIN and reason_name in Reason.__members__:
+        reason = Reason[reason_name]
+        meta.update(metadata)
+    else:
+        reason = _BARE_CODES.get(getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN), Reason.INTERNAL)
+        if reason_name:
+            meta.update(metadata, foreignReason=reason_name, foreignDomain=domain)
+    if issubclass(error_class(reason), E.InvalidFieldError):
+        field_name = violations[0][0] if violations else meta.get("field", "")
+        return E.InvalidFieldError(field_name, message, reason=reason, metadata=meta,
+                                   violations=list(violations) or None)
+    return error_for(reason, message, meta)
+
+
+def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
+    """Turn a failed call into the typed error of its ErrorInfo reason (BadRequest -> field)."""
+    code: grpc.StatusCode = exc.code()
+    status = rpc_status.from_call(exc)
+    info: error_details_pb2.ErrorInfo | None = None
+    violations: list[tuple[str, str]] = []
+    for any_msg in status.details if status is not None else ():
+        if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR) and info is None:
+            info = error_details_pb2.ErrorInfo()
+            any_msg.Unpack(info)
+        elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_msg.Unpack(bad)
+            violations.extend((v.field, v.description) for v in bad.field_violations)
+    if info is None:
+        return error_from_parts(code.name, "", "", exc.details() or "", {}, violations)
+    return error_from_parts(code.name, info.reason, info.domain, exc.details() or "", dict(info.metadata),
+                            violations)
+
+
+_CODE_NAMES: Mapping[int, str] = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def error_from_command(error: session_pb2.CommandError) -> PdprotoError:
+    """The typed error of a command a session refused (the same one the unary call raises)."""
+    return error_from_parts(_CODE_NAMES.get(error.code, "UNKNOWN"), error.reason, DOMAIN, error.message,
+                            dict(error.metadata), [(v.field, v.description) for v in error.field_violations])
+
+
+def read_cert(value: bytes | str | Path | None) -> bytes | None:
+    """Certificate bytes from bytes or a file path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What both client flavours share: target, credentials, deadlines, options."""
+
+    target: str
+    token: str | None
+    root_cert: bytes | None
+    timeout: float
+    retry: RetryConfig
+    channel: ChannelConfig
+    server_name: str | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the bearer token, when set."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def options(self) -> list[tuple[str, Any]]:
+        """Channel arguments."""
+        opts = self.channel.client_options()
+        if self.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.server_name))
+        return opts
+
+    def backoffs(self) -> Iterator[float]:
+        """Sleeps between UNAVAILABLE retries."""
+        delay = self.retry.initial_backoff
+        tries = itertools.count() if self.retry.attempts is None else range(self.retry.attempts - 1)
+        for _ in tries:
+            yield delay
+            delay = min(delay * self.retry.multiplier, self.retry.max_backoff)
+
+
+def make_settings(target: str, token: str | None, root_cert: bytes | str | Path | None, timeout: float,
+                  retry: RetryConfig | None, channel: ChannelConfig | None, server_name: str | None,
+                  tls: bool) -> tuple[Settings, bool]:
+    """The settings of a client, and whether its channel uses TLS."""
+    s = Settings(target=target, token=token, root_cert=read_cert(root_cert), timeout=timeout,
+                 retry=retry or RetryConfig(), channel=channel or ChannelConfig(), server_name=server_name)
+    return s, tls or s.root_cert is not None
+
+
+class Credentials:
+    """The credential of each peer this client registered (or was handed), by peer id."""
+
+    def __init__(self) -> None:
+        self._by_peer: dict[str, bytes] = {}
+
+    def keep(self, response: hs.RegisterResponse) -> server_info_pb2.NegotiationResult:
+        """Remember the credential of a Register answer; returns its result."""
+        self._by_peer[response.result.peer_id] = response.peer_credential
+        return response.result
+
+    def of(self, peer_id: str, given: bytes | None) -> bytes:
+        """The credential to send for ``peer_id``: the one given, else the one kept, else none."""
+        return given if given is not None else self._by_peer.get(peer_id, b"")
+
+    def adopt(self, peer_id: str, credential: bytes) -> None:
+        """Use ``credential`` for ``peer_id`` from now on."""
+        self._by_peer[peer_id] = credential
+
+    def forget(self, peer_id: str) -> None:
+        """Drop a deregistered peer's credential."""
+        self._by_peer.pop(peer_id, None)
+
+
+def deadline_error(message: str, **metadata: object) -> E.DeadlineExceededError:
+    """A deadline the client itself saw pass (as the server's DEADLINE_EXCEEDED reads)."""
+    return E.DeadlineExceededError(message, reason=Reason.DEADLINE_EXCEEDED,
+                                   metadata={"grpcCode": "DEADLINE_EXCEEDED", **metadata})
+
+
+def abort_request(peer_id: str, credential: bytes, room: int, generation: int | None) -> hs.AbortRequest:
+    """An AbortRequest for one room (and generation, when given)."""
+    note = transfer_pb2.AbortNotification(room=room)
+    if generation is not None:
+        note.generation = generation
+    return hs.AbortRequest(peer_id=peer_id, abort=note, peer_credential=credential)
+
+
+__all__ = [
+    "ChannelConfig",
+    "Credentials",
+    "DOMAIN",
+    "RetryConfig",
+    "Settings",
+    "TERMINAL_STATES",
+    "abort_request",
+    "deadline_error",
+    "error_from_command",
+    "error_from_parts",
+    "error_from_rpc",
+    "make_settings",
+    "read_cert",
+]

@@ -1,0 +1,400 @@
+"""The client's end of a Session stream (asyncio): one per registered peer, resumed after a break.
+
+``PeerSession`` numbers commands and drops repeated events with the rules of
+``pdproto.session``. One task per session (the pump) opens the stream, resumes it after
+a break (with backoff, for as long as a caller is waiting on it), reads events and
+resolves the callers: a command's result, a room's terminal status, a watcher's next
+status. A caller writes its own command (no task per request); while a write is in
+progress, later commands join the writer's next message. The sync client drives the
+same class on a private event loop thread (``LoopThread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from pdproto.errors import PdprotoError, Reason, UnavailableError
+from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
+from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
+
+from .client_rpc import Settings, deadline_error, error_from_command, error_from_rpc
+
+_T = TypeVar("_T")
+
+Deliver = Callable[[transfer_pb2.TransferStatus | None], None]
+"""A watcher's sink: each status it asked for, then None when no more will come."""
+
+
+class SessionUnsupportedError(Exception):
+    """The server has no Session RPC (an older server): use the unary calls."""
+
+
+class CommandRefusedError(Exception):
+    """The ``__cause__`` of an error a session command was answered with (the unary calls have the RpcError)."""
+
+    def __init__(self, refusal: session_pb2.CommandError, seq: int) -> None:
+        super().__init__(f"command {seq} refused: code {refusal.code} {refusal.reason}: {refusal.message}")
+        self.refusal = refusal
+
+
+class _Watcher:
+    """One ``watch_status`` consumer: which rooms, and where its statuses go."""
+
+    def __init__(self, rooms: frozenset[int], deliver: Deliver) -> None:
+        self.rooms = rooms
+        self.deliver = deliver
+
+
+class PeerSession:
+    """A peer's session: commands out, events in, resumed on a new stream after a break."""
+
+    def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str, credential: bytes,
+                 *, event_window: int = DEFAULT_EVENT_WINDOW) -> None:
+        self.peer_id = peer_id
+        self.credential = credential
+        self._stub = stub
+        self._s = settings
+        self.outbox = CommandOutbox()
+        self.inbox = EventInbox(event_window)
+        self.book = StatusBook()
+        self.session_id = ""
+        self.command_window = DEFAULT_COMMAND_WINDOW
+        self.error: BaseException | None = None
+        """Set when the session is over for good (peer removed, protocol error, no Session RPC)."""
+        self._resent: set[int] = set()
+        """Seqs of submits sent again in a new session: DUPLICATE_REQUEST then means it was applied."""
+        self._call: Any = None
+        self._pump: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._changed = asyncio.Event()
+        """Set whenever the pump's state or the credit changes; waiters re-check their condition."""
+        self._futures: dict[int, asyncio.Future[session_pb2.CommandResult]] = {}
+        self._waiters: dict[int, list[asyncio.Future[transfer_pb2.TransferStatus]]] = {}
+        self._watchers: set[_Watcher] = set()
+        self._writing = False
+        self._closed = False
+
+    # -- the pump -----------------------------------------------------------
+
+    def _interested(self) -> bool:
+        return bool(self._futures or self._waiters or self._watchers)
+
+    def _start(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._run(), name=f"session-{self.peer_id}")
+
+    async def _run(self) -> None:
+        backoffs = self._s.backoffs()
+        while not self._closed:
+            try:
+                await self._stream()
+                error: PdprotoError = UnavailableError("the session stream ended")
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+                error.__cause__ = exc
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    self._end(SessionUnsupportedError("the server has no Session RPC"))
+                    return
+                if exc.code() is grpc.StatusCode.CANCELLED:  # the server stopped the call
+                    error = UnavailableError(f"the session stream was cancelled: {exc.details()}")
+            except PdprotoError as exc:  # a server that broke the numbering rules
+                error = exc
+            finally:
+                self._ready.clear()
+                call, self._call = self._call, None
+                if call is not None:
+                    call.cancel()
+                self._changed.set()
+            if error.reason is Reason.SESSION_NOT_FOUND:
+                self._restart()
+                continue
+            if error.reason is Reason.SHUTTING_DOWN:
+                # The server drained and ended the session after its last event: what waits
+                # now fails (retryable: re-register where the prefill comes back); a later call tries again.
+                self._fail(error)
+                return
+            if not error.retryable:
+                self._end(error)
+                return
+            if not self._interested() or self._closed:
+                return  # the next caller starts it again (and resumes the session)
+            delay = next(backoffs, None)
+            if delay is None:
+                self._fail(error)  # out of retries; a later call starts over
+                return
+            await asyncio.sleep(delay)
+
+    async def _stream(self) -> None:
+        """One stream: open or resume, replay, then read until it breaks."""
+        call = self._stub.Session(metadata=self._s.metadata())
+        self._call = call
+        opening = session_pb2.SessionOpen(peer_id=self.peer_id, peer_credential=self.credential,
+                                          resume_session_id=self.session_id, event_window=self.inbox.window)
+        await call.write(hs.SessionRequest(open=opening, event_ack=self.inbox.ack()))
+        first = await call.read()
+        if not isinstance(first, hs.SessionResponse) or not first.HasField("opened"):
+            raise UnavailableError("the session stream ended before it opened")
+        opened = first.opened
+        self.session_id = opened.session_id
+        self.command_window = opened.command_window or DEFAULT_COMMAND_WINDOW
+        self.inbox.window = opened.event_window or self.inbox.window
+        self.outbox.resume(opened.applied_command_seq if opened.resumed else 0)
+        self._ready.set()
+        self._changed.set()
+        self._dispatch(first)
+        await self.flush()
+        while True:
+            response = await call.read()
+            if not isinstance(response, hs.SessionResponse):
+                return  # EOF without a status: treated as a break
+            self._dispatch(response)
+            if self.inbox.ack_due(self.command_window):
+                await self.flush()
+
+    def _restart(self) -> None:
+        """The server lost the session: start a new one and send every unanswered command again."""
+        renumbered = self.outbox.restart()
+        self._futures = {renumbered[old]: fut for old, fut in self._futures.items() if old in renumbered}
+        self._resent = {new for old, new in renumbered.items()
+                        if self.outbox.unanswered[new].HasField("submit")}
+        self.session_id = ""
+        self.inbox = EventInbox(self.inbox.window)
+
+    def _end(self, error: BaseException) -> None:
+        """The session is over for good: fail what waits on it, end its watchers, refuse later calls."""
+        self.error = error
+        self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail what waits on the session now and end its watchers."""
+        futures: list[asyncio.Future[Any]] = [*self._futures.values()]
+        futures += [f for futs in self._waiters.values() for f in futs]
+        self._futures, self._waiters = {}, {}
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(error)
+        for watcher in list(self._watchers):
+            watcher.deliver(None)
+        self._watchers.clear()
+        self._changed.set()
+
+    def _dispatch(self, response: hs.SessionResponse) -> None:
+        for event in response.events:
+            if not self.inbox.accept(event):
+                continue
+            if event.HasField("result"):
+                seq = event.result.command_seq
+                if self.outbox.answered(seq) is None:
+                    continue
+                command_done = self._futures.pop(seq, None)
+                if command_done is not None and not command_done.done():
+                    command_done.set_result(event.result)
+                self._changed.set()
+                continue
+            status = event.status
+            if not self.book.update(status):
+                continue
+            for watcher in self._watchers:
+                if not watcher.rooms or status.room in watcher.rooms:
+                    watcher.deliver(status)
+            if self.book.terminal(status.room) is status:
+                for fut in self._waiters.pop(status.room, ()):
+                    if not fut.done():
+                        fut.set_result(status)
+
+    async def flush(self) -> None:
+        """Write queued commands and a due acknowledgement; a caller that finds a write in progress leaves it to that writer."""
+        if self._writing or self._call is None:
+            return
+        self._writing = True
+        call = self._call
+        try:
+            while True:
+                commands = self.outbox.take()
+                if not commands and not self.inbox.ack_due(self.command_window):
+                    return
+                await call.write(hs.SessionRequest(commands=commands, event_ack=self.inbox.ack()))
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the stream broke; the pump resumes it and the outbox sends these again
+        finally:
+            self._writing = False
+
+    async def _ack_now(self) -> None:
+        if self._call is not None and not self._writing and self.inbox.results_unacked:
+            self._writing = True
+            try:
+                await self._call.write(hs.SessionRequest(event_ack=self.inbox.ack()))
+            except (grpc.RpcError, asyncio.InvalidStateError):
+                pass
+            finally:
+                self._writing = False
+
+    # -- what callers do --------------------------------------------------------
+
+    async def _until(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        """Wait (starting the pump when needed) until ``ready()``, the session ends, or the deadline."""
+        while True:
+            self._changed.clear()
+            if ready():
+                return
+            if self.error is not None:
+                raise self.error
+            self._start()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._changed.wait()
+            except TimeoutError:
+                raise deadline_error(f"{what}: the session did not get there before the deadline",
+                                     peerId=self.peer_id) from None
+
+    async def open(self, timeout: float) -> None:
+        """Wait until a stream is open (raises ``SessionUnsupportedError`` for a server without sessions)."""
+        if not self._ready.is_set() or self.error is not None:
+            await self._until(self._ready.is_set, asyncio.get_running_loop().time() + timeout, "opening the session")
+
+    async def command(self, command: session_pb2.SessionCommand, timeout: float) -> session_pb2.CommandResult:
+        """Send one command and wait for its result, within ``timeout`` seconds (resuming a broken stream)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if not self._ready.is_set() or self.error is not None:
+            await self._until(self._ready.is_set, deadline, "opening the session")
+        if len(self.outbox.unanswered) + self.inbox.results_unacked >= self.command_window:
+            await self._ack_now()
+            await self._until(lambda: len(self.outbox.unanswered) + self.inbox.results_unacked < self.command_window,
+                              deadline, "waiting for the command window")
+        seq = self.outbox.add(command)
+        result: asyncio.Future[session_pb2.CommandResult] = loop.create_future()
+        self._futures[seq] = result
+        await self.flush()
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await result
+        except TimeoutError:
+            self._futures.pop(seq, None)
+            raise deadline_error(f"no result for command {seq} before the deadline (it may still be applied)",
+                                 peerId=self.peer_id, seq=seq) from None
+
+    def outcome(self, seq_result: session_pb2.CommandResult) -> transfer_pb2.TransferStatus | transfer_pb2.AbortAck:
+        """A command's result as the unary call returns it, or its error raised."""
+        kind = seq_result.WhichOneof("outcome")
+        if kind == "submitted":
+            return seq_result.submitted
+        if kind == "aborted":
+            return seq_result.aborted
+        error = error_from_command(seq_result.error)
+        error.__cause__ = CommandRefusedError(seq_result.error, seq_result.command_seq)
+        if error.reason is Reason.DUPLICATE_REQUEST and seq_result.command_seq in self._resent:
+            # Sent again into a new session after the old one was lost: the first copy was applied.
+            known = self.book.latest.get(int(error.metadata.get("room", "-1")))
+            if known is not None:
+                return known
+        raise error
+
+    async def wait(self, rooms: Iterable[int], timeout: float) -> dict[int, transfer_pb2.TransferStatus]:
+        """The terminal status of each room, within ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        done: dict[int, transfer_pb2.TransferStatus] = {}
+        futs: list[tuple[int, asyncio.Future[transfer_pb2.TransferStatus]]] = []
+        for room in rooms:
+            known = self.book.terminal(room)
+            if known is not None:
+                done[room] = known
+            else:
+                fut: asyncio.Future[transfer_pb2.TransferStatus] = loop.create_future()
+                self._waiters.setdefault(room, []).append(fut)
+                futs.append((room, fut))
+        if not futs:
+            return done
+        if self.error is not None:
+            raise self.error
+        self._start()
+        try:
+            async with asyncio.timeout_at(deadline):
+                for room, fut in futs:
+                    done[room] = await fut
+        except TimeoutError:
+            pending = sorted(room for room, fut in futs if not fut.done())
+            raise deadline_error("no terminal status before the deadline", rooms=pending) from None
+        finally:
+            for room, fut in futs:
+                waiting = self._waiters.get(room)
+                if waiting is not None and fut in waiting:
+                    waiting.remove(fut)
+                    if not waiting:
+                        del self._waiters[room]
+        return done
+
+    def watch(self, rooms: frozenset[int], deliver: Deliver) -> Callable[[], None]:
+        """Deliver what is known of ``rooms`` now, then each change, then None when the session ends.
+
+        Returns the function that stops the watch.
+        """
+        for status in self.book.current(rooms):
+            deliver(status)
+        if self.error is not None:
+            deliver(None)
+            return lambda: None
+        watcher = _Watcher(rooms, deliver)
+        self._watchers.add(watcher)
+        self._start()
+        return lambda: self._watchers.discard(watcher)
+
+    async def close(self) -> None:
+        """Stop the pump and the stream (what waits on them gets UNAVAILABLE)."""
+        self._closed = True
+        if self._call is not None:
+            self._call.cancel()
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump
+        if self.error is None:
+            self._end(UnavailableError("the client closed the session"))
+
+
+class LoopThread:
+    """An event loop on a daemon thread, for the blocking clients' sessions (one per process)."""
+
+    _shared: LoopThread | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdproto-session", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> LoopThread:
+        """The process's loop thread, started on first use and kept for the process's life.
+
+        One loop serves every blocking client: gRPC's asyncio poller is per loop, and
+        loops that come and go leave its callbacks behind.
+        """
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = LoopThread()
+            return cls._shared
+
+    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` on the loop and wait for its result (its exceptions are raised here)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the loop thread and return its result."""
+
+        async def wrapped() -> _T:
+            return fn()
+
+        return self.run(wrapped())
+
+
+
+__all__ = ["CommandRefusedError", "Deliver", "LoopThread", "PeerSession", "SessionUnsupportedError"]

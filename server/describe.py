@@ -1,0 +1,77 @@
+"""``Describe``: the server's state for operators, read from the core in one step (no await).
+
+It shows peer ids, negotiated decisions, open requests and limits, and never a
+credential or a memory address (a registration's buffer pointers are left out).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs
+
+from .core import HandshakeCore
+from .registry import Peer
+from .session import SessionHub
+
+DEFAULT_REQUEST_LIMIT = 64
+"""Open requests listed per peer when the caller names no limit."""
+
+
+def _ms(seconds: float) -> int:
+    return max(0, int(seconds * 1000))
+
+
+def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int) -> describe_pb2.PeerView:
+    sessions = hub.of(peer)
+    view = describe_pb2.PeerView(
+        peer_id=peer.peer_id,
+        state=describe_pb2.PEER_STATE_GONE if peer.gone_at is not None else describe_pb2.PEER_STATE_LIVE,
+        result=peer.result,
+        engine_identity=backends.identity_key(peer.registration) or "",
+        notify_endpoint=peer.registration.notify_endpoint,
+        age_ms=_ms(now - peer.registered_at),
+        open_requests=len(peer.open),
+        finished_kept=len(peer.finished),
+        sessions_connected=sum(1 for s in sessions if s.stream is not None),
+        sessions_detached=sum(1 for s in sessions if s.stream is None),
+        watch_streams=len(peer.feeds) - len(sessions),
+        events_unacknowledged=sum(s.log.unacknowledged for s in sessions),
+    )
+    oldest = sorted(peer.open.values(), key=lambda r: r.admitted_at)[:request_limit]
+    view.requests.extend(
+        describe_pb2.RequestView(room=r.room, generation=r.generation, state=r.state,  # type: ignore[arg-type]
+                                 bytes_transferred=r.bytes, chunks_done=r.chunks_done,
+                                 age_ms=_ms(now - r.admitted_at), is_dummy=r.transfer.is_dummy)
+        for r in oldest)
+    return view
+
+
+def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) -> hs.DescribeResponse:
+    """Peers (one, when ``request.peer_id`` is set), their open requests, and the limits in use."""
+    now = time.monotonic()
+    limit = request.request_limit or DEFAULT_REQUEST_LIMIT
+    peers = list(core.registry.peers.values())
+    shown = [p for p in peers if not request.peer_id or p.peer_id == request.peer_id]
+    most_open = max((len(p.open) for p in peers), default=0)
+    return hs.DescribeResponse(
+        version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
+        prefill_rank=core.engine.prefill_rank,
+        backend=backends.by_name(core.engine.executor.backend).enum,
+        uptime_ms=_ms(now - hub.started_at),
+        draining=core.shutting_down,
+        peers=[_peer_view(p, hub, now, limit) for p in shown],
+        limits=[
+            describe_pb2.LimitUse(name="max_peers", limit=core.limits.max_peers, used=core.registry.held()),
+            describe_pb2.LimitUse(name="max_inflight", limit=core.limits.max_inflight_per_peer, used=most_open),
+            describe_pb2.LimitUse(name="max_finished", limit=core.limits.max_finished_per_peer,
+                                  used=max((len(p.finished) for p in peers), default=0)),
+            describe_pb2.LimitUse(name="max_streams", limit=core.limits.max_streams_per_peer,
+                                  used=max((len(p.feeds) for p in peers), default=0)),
+        ],
+        open_requests=sum(len(p.open) for p in peers),
+    )
+
+
+__all__ = ["DEFAULT_REQUEST_LIMIT", "describe"]

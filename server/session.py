@@ -1,0 +1,279 @@
+"""Session streams: one decode peer's submits and aborts in, results and status changes out.
+
+A ``ServerSession`` belongs to one peer and outlives its streams: it subscribes to the
+peer's statuses when it starts (in the same step as its snapshot, so no change is
+missed), and keeps its ``EventLog`` (``pdproto.session``) while no stream is attached,
+for ``Limits.keep_finished`` seconds, so a client that lost its stream resumes without
+losing or repeating an event.
+
+A stream is two coroutines: the handler writes (it sleeps until the log has something
+sendable, then writes everything the window allows in one message) and one reader task
+per stream applies acknowledgements and commands in order. A command beyond the
+client's command window is held unread; with ``command_window`` commands held the reader
+stops reading, so a flooding client stalls on HTTP/2 flow control while other peers'
+streams carry on. The credential is checked once per stream, in ``SessionOpen``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+
+from pdproto.errors import InvalidFieldError, NotFoundError, PdprotoError, Reason
+from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
+from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
+
+from ._status import command_error
+from .core import HandshakeCore
+from .registry import Peer
+
+log = logging.getLogger("pdproto_server.session")
+
+Ctx = grpc.aio.ServicerContext[hs.SessionRequest, hs.SessionResponse]
+
+class _Stream:
+    """One attached stream: how to wake its writer, and whether a newer stream took over."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+        self.replaced = False
+        """A newer stream resumed the session: this one stops at once."""
+
+
+class ServerSession:
+    """One peer's session: its event log, the stream attached to it (if any), its status subscription."""
+
+    def __init__(self, hub: SessionHub, session_id: str, peer: Peer, event_window: int,
+                 command_window: int) -> None:
+        self.hub = hub
+        self.session_id = session_id
+        self.peer = peer
+        self.log = EventLog(event_window, command_window)
+        self.stream: _Stream | None = None
+        self.detached_at: float | None = None
+        self.ended: PdprotoError | None = None
+        """Why the session is over; its stream ends with it once everything is written."""
+        self.held: deque[session_pb2.SessionCommand] = deque()
+        """Commands received beyond the credit, in order, waiting for acknowledgements."""
+        self.progress = asyncio.Event()
+        """Set when a command result frees credit without an acknowledgement (an abort finished)."""
+
+    def push(self, status: transfer_pb2.TransferStatus) -> None:
+        """A status change of one of the peer's requests."""
+        self.log.status(status)
+        self.wake()
+
+    def close(self) -> None:
+        """The peer is over (deregistered, replaced, gone) or the server drains: flush, then end."""
+        if self.ended is None:
+            self.ended = self.hub.core.ended_reason(self.peer)
+        if self.stream is None:
+            self.hub.drop(self)
+        self.wake()
+        self.progress.set()
+
+    def wake(self) -> None:
+        """Tell the attached stream's writer to look at the log."""
+        if self.stream is not None:
+            self.stream.wake.set()
+
+
+class SessionHub:
+    """Every session of every peer, and the Session RPC's stream handling."""
+
+    def __init__(self, core: HandshakeCore, *, command_window: int = DEFAULT_COMMAND_WINDOW) -> None:
+        self.core = core
+        self.command_window = command_window
+        self.sessions: dict[str, ServerSession] = {}
+        self.started_at = time.monotonic()
+
+    # -- opening -------------------------------------------------------------
+
+    def open(self, request: hs.SessionRequest) -> tuple[ServerSession, session_pb2.SessionOpened]:
+        """Start or resume the session a stream's first message names; raises a typed error otherwise."""
+        if not request.HasField("open"):
+            raise InvalidFieldError("open", "the first message of a Session stream must carry SessionOpen")
+        opening = request.open
+        peer = self.core.peer(opening.peer_id, opening.peer_credential)
+        if opening.resume_session_id:
+            session = self.sessions.get(opening.resume_session_id)
+            if session is None or session.peer is not peer or session.ended is not None:
+                raise NotFoundError(
+                    f"session {opening.resume_session_id!r} of peer {peer.peer_id} is not kept any more "
+                    "(it ended or was detached too long); open a new session",
+                    reason=Reason.SESSION_NOT_FOUND, metadata={"sessionId": opening.resume_session_id})
+            session.log.rewind()
+            resumed = True
+        else:
+            session = self._new(peer, opening.event_window)
+            resumed = False
+        session.log.ack(request.event_ack)
+        if session.stream is not None:
+            session.stream.replaced = True
+            session.stream.wake.set()
+        session.stream = _Stream()
+        session.detached_at = None
+        return session, session_pb2.SessionOpened(
+            session_id=session.session_id, resumed=resumed, applied_command_seq=session.log.applied_command_seq,
+            event_window=session.log.event_window, command_window=session.log.command_window)
+
+    def _new(self, peer: Peer, event_window: int) -> ServerSession:
+        self.expire(time.monotonic())
+        mine = self.of(peer)
+        if len(peer.feeds) >= self.core.limits.max_streams_per_peer:
+            # Make room with the session detached longest (its client would resume it, not start anew).
+            detached = sorted((s for s in mine if s.stream is None),
+                              key=lambda s: s.detached_at or 0.0)
+            if detached:
+                self.drop(detached[0])
+        session = ServerSession(self, secrets.token_hex(16), peer, event_window, self.command_window)
+        snapshot, ended = self.core.subscribe(peer, session)
+        if ended:
+            raise self.core.ended_reason(peer)
+        for status in snapshot:
+            session.log.status(status)
+        self.sessions[session.session_id] = session
+        return session
+
+    def of(self, peer: Peer) -> list[ServerSession]:
+        """The peer's sessions, attached or kept for a resume."""
+        return [s for s in peer.feeds if isinstance(s, ServerSession)]
+
+    def drop(self, session: ServerSession) -> None:
+        """Forget a session: it takes no resume and no more statuses."""
+        self.sessions.pop(session.session_id, None)
+        session.peer.feeds.discard(session)
+
+    def expire(self, now: float) -> None:
+        """Forget sessions detached for longer than ``keep_finished``."""
+        keep = self.core.limits.keep_finished
+        for session in list(self.sessions.values()):
+            if session.detached_at is not None and now - session.detached_at > keep:
+                self.drop(session)
+
+    # -- one stream ------------------------------------------------------------
+
+    async def serve(self, context: Ctx) -> None:
+        """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
+        first: object = await context.read()
+        if not isinstance(first, hs.SessionRequest):
+            return  # EOF: the client left before opening
+        session, opened = self.open(first)
+        stream = session.stream
+        assert stream is not None
+        reader = asyncio.get_running_loop().create_task(self._read(context, session, stream, first))
+        try:
+            await self._write(context, session, stream, opened, reader)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            if session.stream is stream:
+                session.stream = None
+                session.detached_at = time.monotonic()
+                if session.ended is not None:
+                    self.drop(session)
+
+    async def _write(self, context: Ctx, session: ServerSession, stream: _Stream,
+                     opened: session_pb2.SessionOpened, reader: asyncio.Task[None]) -> None:
+        await context.write(hs.SessionResponse(opened=opened, events=session.log.take()))
+        while True:
+            if not session.log.sendable:
+                if session.ended is not None and not session.log.queued:
+                    raise session.ended  # everything it may send is written: end with the reason
+                if reader.done():
+                    reader.result()  # the client's error (a protocol violation) ends the stream
+                    return  # the client closed its side
+                stream.wake.clear()
+                await stream.wake.wait()
+            if stream.replaced:
+                return
+            events = session.log.take()
+            if events:
+                await context.write(hs.SessionResponse(events=events))
+
+    async def _read(self, context: Ctx, session: ServerSession, stream: _Stream, first: hs.SessionRequest) -> None:
+        try:
+            message = first  # its acknowledgement was applied when it opened the session
+            while True:
+                session.held.extend(message.commands)
+                await self._apply(session)
+                stream.wake.set()
+                while len(session.held) >= session.log.command_window and session.ended is None:
+                    # A client beyond its window: read nothing more (HTTP/2 flow control then
+                    # stops its writes) until results free credit.
+                    session.progress.clear()
+                    await session.progress.wait()
+                    await self._apply(session)
+                received: object = await context.read()
+                if not isinstance(received, hs.SessionRequest):
+                    return  # EOF: the client closed its side
+                message = received
+                session.log.ack(message.event_ack)
+        finally:
+            stream.wake.set()
+
+    async def _apply(self, session: ServerSession) -> None:
+        """Apply held commands while the credit allows, in order."""
+        log_ = session.log
+        while session.held and log_.credit > 0 and session.ended is None:
+            command = session.held.popleft()
+            if not log_.admit(command):
+                continue
+            if command.HasField("submit"):
+                result = await self._submit(session.peer, command)
+                log_.result(result)
+            elif command.HasField("abort"):
+                # An abort waits for an in-flight chunk to drain: the stream does not wait with it.
+                task = asyncio.get_running_loop().create_task(self._abort(session.peer, command))
+                task.add_done_callback(_deliver(session, command.seq, task))
+            else:
+                log_.result(_refused(command.seq, InvalidFieldError("commands[].kind", "submit or abort is required")))
+
+    async def _submit(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
+        try:
+            status = await self.core.submit_to(peer, command.submit)
+        except PdprotoError as exc:
+            return _refused(command.seq, exc)
+        return session_pb2.CommandResult(command_seq=command.seq, submitted=status)
+
+    async def _abort(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
+        try:
+            ack = await self.core.abort_for(peer, command.abort)
+        except PdprotoError as exc:
+            return _refused(command.seq, exc)
+        return session_pb2.CommandResult(command_seq=command.seq, aborted=ack)
+
+
+def _refused(seq: int, error: PdprotoError) -> session_pb2.CommandResult:
+    return session_pb2.CommandResult(command_seq=seq, error=command_error(error))
+
+
+def _deliver(session: ServerSession, seq: int,
+             task: asyncio.Task[session_pb2.CommandResult]) -> Callable[[object], None]:
+    """Queue an abort's result when its task ends, whatever the ending."""
+
+    def done(_: object) -> None:
+        if task.cancelled():
+            result = _refused(seq, PdprotoError("the abort was cancelled (the server is stopping)"))
+        elif task.exception() is not None:
+            log.error("abort failed unexpectedly", exc_info=task.exception())
+            result = _refused(seq, PdprotoError("internal error in abort"))
+        else:
+            result = task.result()
+        session.log.result(result)
+        session.wake()
+        session.progress.set()
+
+    return done
+
+
+__all__ = ["ServerSession", "SessionHub"]
