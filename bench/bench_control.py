@@ -1,17 +1,22 @@
-"""Control-plane benchmark: negotiation latency, and submit+status throughput vs an SGLang-style ZMQ baseline.
+"""Control-plane benchmark: Register latency against a bare unary echo, and submit+status
+throughput of the session stream against SGLang-style ZMQ frames and a bare stream echo.
 
-Both systems run their prefill side in a subprocess on loopback and the decode peers in
-this process (asyncio), doing the same work per request: send one request's destination
+Every system runs its prefill side in a subprocess on loopback and its decode peers in
+this process (asyncio), one request in flight per peer: send one request's destination
 (room, pages, prefix), then receive its terminal status. The requests are dummies (no
 KV bytes move), so only the control plane is measured.
 
-* pdproto: ``pdproto serve`` (gRPC aio; Register negotiates, SubmitTransfer, WatchStatus
-  stream per peer; each room is matched with the synthetic engine's chunks).
-* baseline: SGLang 0.5.23's positional frames (wire inventory 1.2 registration, 1.5
-  Mooncake TransferInfo, 1.6 status) over ZMQ PUSH/PULL, parsed by one listener thread
-  the way SGLang's bootstrap thread does, and answered on a cached PUSH per endpoint.
+* pdproto: ``pdproto serve``; each peer registers, then submits on its session stream
+  and waits for the room's terminal status (``AsyncHandshakeClient`` defaults).
+* ZMQ: SGLang 0.5.23's positional frames over PUSH/PULL (``bench/_control_baselines.py``).
+* echo: a gRPC stream that sends each message straight back: what gRPC itself costs.
 
-Run: ``python -m bench bench_control`` (about a minute on two cores).
+The three run in turn at each concurrency, three times, so a shared machine's noise hits
+them alike; each ratio is taken within one repetition. CPU per request is each process's
+user+system time over the measured window divided by the requests it completed: the
+server from ``/proc/<pid>/stat``, the clients (this process) from ``getrusage``.
+
+Run: ``python -m bench bench_control`` (about two minutes on two cores).
 """
 
 from __future__ import annotations
@@ -19,151 +24,34 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import struct
+import resource
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Protocol
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
 from pdproto.client import AsyncHandshakeClient
-from pdproto.topology import negotiate
 from pdproto.registration import DecodeLayout, Region, kv_entries, make_registration
+from pdproto.topology import negotiate
 from pdproto.transfer import create_executor
-from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, transfer_pb2
+
+from ._control_baselines import PAGE_SIZE, PAGES, EchoPeer, ZmqPeer, unary_echo_latencies
 
 REPO = Path(__file__).resolve().parents[1]
 CONCURRENCY = (1, 8, 32)
+REPETITIONS = 3
 SECONDS = float(os.environ.get("BENCH_CONTROL_SECONDS", "3"))
-PAGE_SIZE = 16
-PAGES = [5, 9, 2, 7]  # a 64-token request's destination pages
-
-# -- SGLang-style frames (inventory 1.2, 1.5, 1.6) -----------------------------------------
-
-
-def _a(v: int) -> bytes:
-    return str(v).encode("ascii")
-
-
-def registration_frames(session: str, host: str, port: int, kv_ptrs: list[int], item_len: int) -> list[bytes]:
-    """Mooncake KVArgsRegisterInfo, 20 frames, slot order of inventory 1.2."""
-    return [
-        b"None", host.encode(), _a(port), session.encode(),           # 0-3
-        struct.pack(f"{len(kv_ptrs)}Q", *kv_ptrs), struct.pack("Q", 0), b"",  # 4 kv, 5 aux, 6 state ptrs
-        _a(0), _a(1), _a(item_len),                                   # 7 tp rank, 8 attn tp size, 9 item len
-        b"", b"", b"", b"",                                           # 10-13 state lens/dims, layer ids
-        b"", b"",                                                     # 14-15 staging base/size
-        _a(4), _a(port % 4),                                          # 16-17 dcp size/rank
-        b"", struct.pack("Q", item_len),                              # 18 slot ids, 19 kv item lens
-    ]
-
-
-def transfer_frames(room: int, host: str, port: int, session: str, pages: list[int]) -> list[bytes]:
-    """Mooncake TransferInfo, 10 frames (inventory 1.5)."""
-    return [_a(room), host.encode(), _a(port), session.encode(), np.asarray(pages, np.int32).tobytes(),
-            _a(0), b"", _a(1), _a(0), b""]
-
-
-def baseline_server(port_file: str) -> int:
-    """The ZMQ prefill: one PULL listener thread parsing positional frames, statuses on cached PUSHes."""
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    Path(port_file).write_text(str(port))
-    peers: dict[str, dict[str, object]] = {}
-    pushes: dict[str, zmq.Socket[bytes]] = {}
-    while True:
-        msg = pull.recv_multipart()
-        if msg[0] == b"STOP":
-            break
-        if msg[0] == b"None":  # registration: parse the slots SGLang parses
-            session = msg[3].decode()
-            peers[session] = {
-                "endpoint": msg[1].decode(), "port": int(msg[2].decode("ascii")),
-                "kv_ptrs": list(struct.unpack(f"{len(msg[4]) // 8}Q", msg[4])),
-                "tp_rank": int(msg[7]), "tp_size": int(msg[8]), "item_len": int(msg[9]),
-                "dcp_size": int(msg[16]) if len(msg) > 16 and msg[16] else 1,
-                "dcp_rank": int(msg[17]) if len(msg) > 17 and msg[17] else 0,
-            }
-            continue
-        room = int(msg[0].decode("ascii"))
-        endpoint, dst_port, session = msg[1].decode(), int(msg[2].decode("ascii")), msg[3].decode()
-        _pages = np.frombuffer(msg[4], dtype=np.int32)
-        _required = int(msg[7].decode("ascii"))
-        _prefix = int(msg[8].decode("ascii")) if len(msg) > 8 and msg[8] else None
-        ok = session in peers
-        key = f"{endpoint}:{dst_port}"
-        sock = pushes.get(key)
-        if sock is None:
-            sock = pushes[key] = ctx.socket(zmq.PUSH)
-            sock.connect(f"tcp://{key}")
-        sock.send_multipart([_a(room), _a(4 if ok else 0), _a(0)])  # [room, KVPoll, prefill_rank]
-    for s in pushes.values():
-        s.close(0)
-    pull.close(0)
-    ctx.term()
-    return 0
-
-
-async def _baseline_peer(ctx: zmq.asyncio.Context, prefill: str, index: int, until: float) -> int:
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = ctx.socket(zmq.PUSH)
-    push.connect(prefill)
-    session = f"127.0.0.1:{port}"
-    await push.send_multipart(registration_frames(session, "127.0.0.1", port, [4096 * i for i in range(4)],
-                                                  PAGE_SIZE * 1152))
-    done = 0
-    room = index * 10_000_000
-    try:
-        while time.monotonic() < until:
-            room += 1
-            await push.send_multipart(transfer_frames(room, "127.0.0.1", port, session, PAGES))
-            while True:
-                frames = await pull.recv_multipart()
-                if int(frames[0]) == room:
-                    assert int(frames[1]) == 4
-                    break
-            done += 1
-    finally:
-        push.close(0)
-        pull.close(0)
-    return done
-
-
-async def baseline_throughput(peers: int) -> float:
-    """Requests/s of the ZMQ baseline with ``peers`` concurrent decode peers."""
-    port_file = f"/tmp/pdproto-bench-zmq-{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_control", "--zmq-server", port_file], cwd=REPO)
-    ctx = zmq.asyncio.Context()
-    try:
-        for _ in range(300):
-            if Path(port_file).exists() and Path(port_file).read_text():
-                break
-            await asyncio.sleep(0.05)
-        prefill = f"tcp://127.0.0.1:{Path(port_file).read_text()}"
-        start = time.monotonic()
-        counts = await asyncio.gather(*(_baseline_peer(ctx, prefill, i, start + SECONDS) for i in range(peers)))
-        elapsed = time.monotonic() - start
-        stop = ctx.socket(zmq.PUSH)
-        stop.connect(prefill)
-        await stop.send_multipart([b"STOP"])
-        stop.close(linger=1000)
-        return sum(counts) / elapsed
-    finally:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        ctx.term()
-        Path(port_file).unlink(missing_ok=True)
-
-
-# -- pdproto -----------------------------------------------------------------------------
+REGISTER_CALLS = 300
 
 
 def _registration(executor_endpoint: registration_pb2.LocalEndpoint, index: int) -> registration_pb2.KvRegistration:
@@ -175,80 +63,95 @@ def _registration(executor_endpoint: registration_pb2.LocalEndpoint, index: int)
     return make_registration(layout, executor_endpoint, regions)
 
 
-async def _pdproto_peer(target: str, index: int, until: float) -> int:
-    # Each decode rank has its own arena: a shared one would make them one identity (a restart).
-    executor = create_executor("local", arena_bytes=4 << 20)
-    executor.allocate(1 << 20)
-    endpoint = executor.endpoint()
-    assert isinstance(endpoint, registration_pb2.LocalEndpoint)
-    try:
-        return await _pdproto_peer_loop(target, index, until, endpoint)
-    finally:
-        executor.close()
+class Peer(Protocol):
+    """One decode peer of any system: set up, then one request at a time."""
+
+    async def setup(self) -> None: ...
+    async def request(self) -> None: ...
 
 
-async def _pdproto_peer_loop(target: str, index: int, until: float,
-                             endpoint: registration_pb2.LocalEndpoint) -> int:
-    async with AsyncHandshakeClient(target, timeout=10) as client:
-        peer_id = (await client.register(_registration(endpoint, index))).peer_id
-        waiting: dict[int, asyncio.Future[int]] = {}
+class PdprotoPeer:
+    """A decode rank with its own arena (a shared one would make the peers one identity)."""
 
-        async def reader() -> None:
-            async for status in client.watch_status(peer_id, timeout=SECONDS + 30):
-                fut = waiting.get(status.room)
-                if fut is not None and status.state in (common_pb2.TRANSFER_STATE_SUCCESS,
-                                                        common_pb2.TRANSFER_STATE_FAILED) and not fut.done():
-                    fut.set_result(status.state)
+    def __init__(self, target: str, index: int) -> None:
+        self.executor = create_executor("local", arena_bytes=4 << 20)
+        self.executor.allocate(1 << 20)
+        endpoint = self.executor.endpoint()
+        assert isinstance(endpoint, registration_pb2.LocalEndpoint)
+        self.registration = _registration(endpoint, index)
+        self.client = AsyncHandshakeClient(target, timeout=10)
+        self.peer_id = ""
+        self.room = index * 10_000_000
 
-        task = asyncio.create_task(reader())
-        done, room = 0, index * 10_000_000
-        try:
-            while time.monotonic() < until:
-                room += 1
-                fut = waiting[room] = asyncio.get_running_loop().create_future()
-                await client.submit_transfer(peer_id, transfer_pb2.TransferInfo(
-                    room=room, dst_kv_pages=PAGES, decode_prefix_len=0, is_dummy=True))
-                assert await asyncio.wait_for(fut, 10) == common_pb2.TRANSFER_STATE_SUCCESS
-                del waiting[room]
-                done += 1
-        finally:
-            await client.deregister(peer_id)
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the stream ends with the peer
-                pass
-        return done
+    async def setup(self) -> None:
+        """Register, and open the session with a first request."""
+        self.peer_id = (await self.client.register(self.registration)).peer_id
+        await self.request()
+
+    async def request(self) -> None:
+        """Submit one dummy request on the session and wait for its terminal status."""
+        self.room += 1
+        await self.client.submit_transfer(self.peer_id, transfer_pb2.TransferInfo(
+            room=self.room, dst_kv_pages=PAGES, decode_prefix_len=0, is_dummy=True))
+        done = await self.client.wait_for(self.peer_id, [self.room])
+        assert done[self.room].state == common_pb2.TRANSFER_STATE_SUCCESS, done[self.room]
+
+    async def close(self) -> None:
+        """Deregister and release everything."""
+        if self.peer_id:
+            await self.client.deregister(self.peer_id)
+        await self.client.close()
+        self.executor.close()
 
 
-async def pdproto_run(peers_list: tuple[int, ...]) -> tuple[dict[int, float], list[float]]:
-    """Throughput per concurrency and Register RPC latencies, against one ``pdproto serve``."""
-    cmd = [sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", "--layers", "4",
-           "--row-bytes", "1152", "--pages", "64", "--page-size", str(PAGE_SIZE), "--prompt-tokens", "64",
-           "--chunk-tokens", "64", "--max-inflight", "64"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE)
-    executor = create_executor("local", arena_bytes=8 << 20)
-    executor.allocate(4 << 20)
-    endpoint = executor.endpoint()
-    assert isinstance(endpoint, registration_pb2.LocalEndpoint)
+@dataclass(frozen=True)
+class Sample:
+    """One measured window."""
+
+    rate: float
+    """Requests per second."""
+    server_us: float
+    """Server CPU microseconds per request."""
+    client_us: float
+    """Client (this process) CPU microseconds per request."""
+
+
+def _proc_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def measure(peers: Sequence[Peer], server_pid: int) -> Sample:
+    """Run every peer's request loop for SECONDS; requests/s and CPU per request of both sides."""
+    stop = False
+    counts = [0] * len(peers)
+
+    async def loop(i: int, peer: Peer) -> None:
+        while not stop:
+            await peer.request()
+            counts[i] += 1
+
+    s0, c0, t0 = _proc_cpu(server_pid), _self_cpu(), time.monotonic()
+    tasks = [asyncio.create_task(loop(i, p)) for i, p in enumerate(peers)]
+    await asyncio.sleep(SECONDS)
+    stop = True
+    await asyncio.gather(*tasks)
+    t1, s1, c1 = time.monotonic(), _proc_cpu(server_pid), _self_cpu()
+    n = max(sum(counts), 1)
+    return Sample(n / (t1 - t0), (s1 - s0) / n * 1e6, (c1 - c0) / n * 1e6)
+
+
+@contextmanager
+def _process(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
-        port = json.loads(proc.stdout.readline())["port"]
-        target = f"127.0.0.1:{port}"
-        latencies: list[float] = []
-        async with AsyncHandshakeClient(target) as client:
-            for i in range(300):
-                t0 = time.perf_counter()
-                pid = (await client.register(_registration(endpoint, i))).peer_id
-                latencies.append(time.perf_counter() - t0)
-                await client.deregister(pid)
-        out: dict[int, float] = {}
-        for peers in peers_list:
-            start = time.monotonic()
-            counts = await asyncio.gather(*(_pdproto_peer(target, 1000 + i, start + SECONDS)
-                                            for i in range(peers)))
-            out[peers] = sum(counts) / (time.monotonic() - start)
-        return out, latencies
+        yield proc, json.loads(proc.stdout.readline())
     finally:
         proc.terminate()
         try:
@@ -256,11 +159,61 @@ async def pdproto_run(peers_list: tuple[int, ...]) -> tuple[dict[int, float], li
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+async def _run_pdproto(target: str, n: int, pid: int) -> Sample:
+    peers = [PdprotoPeer(target, 1000 + i) for i in range(n)]
+    try:
+        await asyncio.gather(*(p.setup() for p in peers))
+        return await measure(peers, pid)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def _run_zmq(port: int, n: int, pid: int) -> Sample:
+    ctx = zmq.asyncio.Context()
+    peers = [ZmqPeer(ctx, f"tcp://127.0.0.1:{port}", i) for i in range(n)]
+    try:
+        for p in peers:
+            await p.setup()
+        await asyncio.gather(*(p.request() for p in peers))
+        return await measure(peers, pid)
+    finally:
+        for p in peers:
+            p.close()
+        ctx.term()
+
+
+async def _run_echo(target: str, n: int, pid: int, payload: bytes) -> Sample:
+    peers = [EchoPeer(target, payload) for _ in range(n)]
+    try:
+        await asyncio.gather(*(p.setup() for p in peers))
+        return await measure(peers, pid)
+    finally:
+        await asyncio.gather(*(p.close() for p in peers))
+
+
+async def register_latencies(target: str, echo: str) -> tuple[list[float], list[float]]:
+    """Register round trips and bare unary echoes of the same request bytes, in alternating blocks."""
+    executor = create_executor("local", arena_bytes=8 << 20)
+    executor.allocate(4 << 20)
+    endpoint = executor.endpoint()
+    assert isinstance(endpoint, registration_pb2.LocalEndpoint)
+    payload = hs.RegisterRequest(registration=_registration(endpoint, 0)).SerializeToString()
+    ours: list[float] = []
+    bare: list[float] = []
+    try:
+        async with AsyncHandshakeClient(target) as client:
+            for block in range(6):
+                for i in range(REGISTER_CALLS // 6):
+                    t0 = time.perf_counter()
+                    pid = (await client.register(_registration(endpoint, block * 1000 + i))).peer_id
+                    ours.append(time.perf_counter() - t0)
+                    await client.deregister(pid)
+                bare += await unary_echo_latencies(echo, payload, REGISTER_CALLS // 6)
+    finally:
         executor.close()
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
+    return ours, bare
 
 
 def negotiation_latency(n: int = 3000) -> list[float]:
@@ -281,24 +234,75 @@ def negotiation_latency(n: int = 3000) -> list[float]:
         ex.close()
 
 
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+Runner = Callable[[int], Awaitable[Sample]]
+
+
+async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[Sample]]]]:
+    """Start the three servers, then measure Register and every system at every concurrency."""
+    serve = ["-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", "--layers", "4", "--row-bytes", "1152",
+             "--pages", "64", "--page-size", str(PAGE_SIZE), "--prompt-tokens", "64", "--chunk-tokens", "64",
+             "--max-inflight", "64"]
+    payload = transfer_pb2.TransferInfo(room=10_000_001, dst_kv_pages=PAGES, decode_prefix_len=0,
+                                        is_dummy=True).SerializeToString()
+    with _process(*serve) as (pd, pd_port), _process("-m", "bench._control_baselines", "zmq") as (zq, zq_port), \
+            _process("-m", "bench._control_baselines", "echo") as (ec, ec_port):
+        target, echo = f"127.0.0.1:{pd_port['port']}", f"127.0.0.1:{ec_port['port']}"
+        ours, bare = await register_latencies(target, echo)
+        runners: dict[str, Runner] = {
+            "pdproto": lambda n: _run_pdproto(target, n, pd.pid),
+            "zmq": lambda n: _run_zmq(zq_port["port"], n, zq.pid),
+            "echo": lambda n: _run_echo(echo, n, ec.pid, payload),
+        }
+        samples: dict[str, dict[int, list[Sample]]] = {name: {p: [] for p in CONCURRENCY} for name in runners}
+        for peers in CONCURRENCY:
+            for _ in range(REPETITIONS):
+                for name, run in runners.items():
+                    samples[name][peers].append(await run(peers))
+        stop = zmq.Context.instance().socket(zmq.PUSH)
+        stop.connect(f"tcp://127.0.0.1:{zq_port['port']}")
+        stop.send_multipart([b"STOP"])
+        stop.close(linger=1000)
+        return ours, bare, samples
+
+
+def _med(samples: list[Sample], key: str) -> float:
+    return statistics.median(getattr(s, key) for s in samples)
+
+
 def main() -> int:
-    """Run every measurement and print one table; returns 0."""
+    """Run every measurement and print the tables; returns 0."""
     pure = negotiation_latency()
-    ours, register_rpc = asyncio.run(pdproto_run(CONCURRENCY))
-    base = {p: asyncio.run(baseline_throughput(p)) for p in CONCURRENCY}
+    ours, bare, samples = asyncio.run(run_all())
+    reg, echo = _pct(ours, 50), _pct(bare, 50)
     print("negotiation latency")
-    print(f"  negotiate() in process      p50 {_pct(pure, 50) * 1e6:8.1f} us   p99 {_pct(pure, 99) * 1e6:8.1f} us")
-    print(f"  Register RPC round trip     p50 {_pct(register_rpc, 50) * 1e3:8.3f} ms   "
-          f"p99 {_pct(register_rpc, 99) * 1e3:8.3f} ms   (SGLang: one-way PUSH, no answer)")
-    print(f"\ncontrol-plane throughput (submit + terminal status, dummy requests, {SECONDS:.0f} s each)")
-    print(f"  {'peers':>5}  {'pdproto gRPC req/s':>18}  {'SGLang-style ZMQ req/s':>22}  {'ratio':>6}")
+    print(f"  negotiate() in process        p50 {_pct(pure, 50) * 1e6:8.1f} us   p99 {_pct(pure, 99) * 1e6:8.1f} us")
+    print(f"  Register RPC round trip       p50 {reg * 1e3:8.3f} ms   p99 {_pct(ours, 99) * 1e3:8.3f} ms")
+    print(f"  bare unary echo, same bytes   p50 {echo * 1e3:8.3f} ms   p99 {_pct(bare, 99) * 1e3:8.3f} ms")
+    print(f"  Register / bare echo (p50)    {reg / echo:6.2f}x   (target <= 1.5; SGLang: one-way PUSH, no answer)")
+    print(f"\ncontrol-plane throughput (submit + terminal status, dummy requests; {REPETITIONS} x {SECONDS:g} s per "
+          "cell, systems interleaved)")
+    print(f"  {'peers':>5}  {'session req/s':>13}  {'ZMQ req/s':>9}  {'session/ZMQ min/med/max':>23}  "
+          f"{'echo req/s':>10}  {'echo/ZMQ med':>12}")
     for p in CONCURRENCY:
-        print(f"  {p:>5}  {ours[p]:>18.0f}  {base[p]:>22.0f}  {ours[p] / base[p]:>6.2f}")
-    print("  (loopback, client and server share the host's cores; ratio = pdproto / baseline, higher is better)")
+        pd, zq, ec = samples["pdproto"][p], samples["zmq"][p], samples["echo"][p]
+        ratios = sorted(a.rate / b.rate for a, b in zip(pd, zq, strict=True))
+        echo_ratio = statistics.median(a.rate / b.rate for a, b in zip(ec, zq, strict=True))
+        spread = f"{ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}"
+        print(f"  {p:>5}  {_med(pd, 'rate'):>13.0f}  {_med(zq, 'rate'):>9.0f}  {spread:>23}  "
+              f"{_med(ec, 'rate'):>10.0f}  {echo_ratio:>12.2f}")
+    print("  (target: median session/ZMQ >= 1.0 at 8 and 32 peers; loopback, client and server share the cores)")
+    print("\nCPU per request, microseconds (median over repetitions; server process / client process)")
+    print(f"  {'peers':>5}  {'session srv/cli':>15}  {'ZMQ srv/cli':>11}  {'echo srv/cli':>12}")
+    for p in CONCURRENCY:
+        cells = [f"{_med(samples[n][p], 'server_us'):.0f} / {_med(samples[n][p], 'client_us'):.0f}"
+                 for n in ("pdproto", "zmq", "echo")]
+        print(f"  {p:>5}  {cells[0]:>15}  {cells[1]:>11}  {cells[2]:>12}")
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--zmq-server":
-        sys.exit(baseline_server(sys.argv[2]))
     sys.exit(main())
