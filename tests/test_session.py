@@ -1,0 +1,217 @@
+"""Session streams against a real ``pdproto serve``: cut links, a restarted server, a flooding peer.
+
+What a decode relies on: every request it submitted ends with exactly one terminal status,
+whatever happens to the stream in between (a link cut and resumed, a server drained and
+restarted), and one peer that floods its session cannot hold back another peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import signal
+import threading
+import time
+
+import grpc
+import grpc.aio
+import pytest
+
+from pdproto import errors as E
+from pdproto.client import HandshakeClient
+from pdproto.errors import Reason
+from pdproto.session import DEFAULT_COMMAND_WINDOW, is_terminal
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
+from pdproto.v1 import session_pb2, transfer_pb2
+from pdproto_demo.decode import DecodeRank
+
+from ._proxy import CuttableProxy
+from ._server_harness import SERVE_ARGS, SPEC, running_server
+
+pytestmark = pytest.mark.process
+
+SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
+
+
+def _terminal_counts(statuses: list[transfer_pb2.TransferStatus]) -> collections.Counter[int]:
+    return collections.Counter(s.room for s in statuses if is_terminal(s))
+
+
+def _watch_all(client: HandshakeClient, peer_id: str, rooms: set[int], timeout: float,
+               out: list[transfer_pb2.TransferStatus]) -> None:
+    """Collect every status of ``rooms`` until the watch ends or reaches its deadline."""
+    try:
+        for status in client.watch_status(peer_id, rooms, timeout=timeout):
+            out.append(status)
+    except E.DeadlineExceededError:
+        pass
+
+
+@pytest.mark.parametrize("session", [True, False], ids=["session", "unary-watch"])
+def test_cut_links_lose_no_terminal_status_and_repeat_none(session: bool) -> None:
+    """The link is cut again and again while requests run; each still ends exactly once, bytes intact."""
+    peer = DecodeRank.for_spec(SPEC, pages=128)
+    rooms = list(range(1, 25))
+    placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=(i % 8) * 16) for i, room in enumerate(rooms)}
+    try:
+        with running_server(*SERVE_ARGS) as srv:
+            proxy = CuttableProxy(srv.port)
+            try:
+                with HandshakeClient(proxy.target, timeout=20, session=session) as client, \
+                        HandshakeClient(srv.target, session=False) as direct:
+                    peer_id = client.register(peer.registration()).peer_id
+                    seen: list[transfer_pb2.TransferStatus] = []
+                    watcher = threading.Thread(target=_watch_all, args=(client, peer_id, set(rooms), 12, seen))
+                    stop = threading.Event()
+
+                    def cutter() -> None:
+                        # Each break first loses what the server sends for a while, then the link.
+                        while not stop.wait(0.1):
+                            proxy.blackhole()
+                            time.sleep(0.1)
+                            proxy.cut()
+
+                    if session:  # submits ride the session too, so cut while they go out
+                        cuts = threading.Thread(target=cutter)
+                        cuts.start()
+                        watcher.start()
+                    for i, room in enumerate(rooms):
+                        # Rooms share pages in groups of 8: the next group waits until the last is done.
+                        if i and i % 8 == 0:
+                            client.wait_for(peer_id, rooms[i - 8:i], timeout=20)
+                        client.submit_transfer(peer_id, peer.transfer_info(room, placed[room]))
+                    if not session:  # unary submits are done: now cut the status streams
+                        watcher.start()
+                        cuts = threading.Thread(target=cutter)
+                        cuts.start()
+                    done = client.wait_for(peer_id, rooms, timeout=20)
+                    time.sleep(1.0)
+                    stop.set()
+                    cuts.join()
+                    watcher.join()
+                    assert proxy.cuts >= 3 and proxy.connections >= 3, (proxy.cuts, proxy.connections)
+                    assert proxy.dropped > 0
+                    assert all(s.state == SUCCESS for s in done.values()), done
+                    counts = _terminal_counts(seen)
+                    assert counts == {room: 1 for room in rooms}, counts
+                    # Every reconnect resumed the one session: none was started over.
+                    view = direct.describe(peer_id=peer_id).peers[0]
+                    if session:
+                        assert view.sessions_connected + view.sessions_detached == 1, view
+                    assert view.finished_kept == len(rooms) and view.open_requests == 0
+                    client.deregister(peer_id)
+            finally:
+                proxy.close()
+        last = {room: placed[room] for room in rooms[-8:]}  # the last room on each page range
+        peer.verify(last, SPEC.prompt_tokens)
+    finally:
+        peer.close()
+
+
+def test_restarted_server_loses_no_terminal_status_and_repeats_none() -> None:
+    """SIGTERM mid-transfer: every request ends once before the stream closes; the decode re-registers."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    args = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "150", "--match-timeout", "10")
+    try:
+        with running_server(*args) as first, HandshakeClient(first.target, timeout=10) as client:
+            port = first.port
+            peer_id = client.register(peer.registration()).peer_id
+            placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 16) for i, room in enumerate((1, 2, 3))}
+            for room, pages in placed.items():
+                client.submit_transfer(peer_id, peer.transfer_info(room, pages))
+            seen: list[transfer_pb2.TransferStatus] = []
+            for status in client.watch_status(peer_id, placed, timeout=20):
+                seen.append(status)
+                if status.state == common_pb2.TRANSFER_STATE_TRANSFERRING:
+                    break
+            first.proc.send_signal(signal.SIGTERM)
+            for status in client.watch_status(peer_id, placed, timeout=20):
+                seen.append(status)
+            assert first.proc.wait(timeout=20) == 0
+            counts = _terminal_counts(seen)
+            assert counts == {1: 1, 2: 1, 3: 1}, counts
+            final = {s.room: s for s in seen if is_terminal(s)}
+            assert all(s.state == SUCCESS or s.failure_code == "SHUTTING_DOWN" for s in final.values()), final
+            # The same client reaches the restarted server on the same port; the old peer is gone there.
+            with running_server(*args, "--listen", f"127.0.0.1:{port}"):
+                with pytest.raises(E.NotFoundError) as gone:
+                    client.submit_transfer(peer_id, peer.transfer_info(9, placed[1]))
+                assert gone.value.reason is Reason.PEER_NOT_FOUND
+                again = client.register(peer.registration()).peer_id
+                later = {room: placed[room - 3] for room in (4, 5, 6)}
+                for room, pages in later.items():
+                    client.submit_transfer(again, peer.transfer_info(room, pages))
+                more: list[transfer_pb2.TransferStatus] = []
+                watcher = threading.Thread(target=_watch_all, args=(client, again, set(later), 4, more))
+                watcher.start()
+                done = client.wait_for(again, later, timeout=20)
+                watcher.join()
+                assert all(s.state == SUCCESS for s in done.values()), done
+                assert _terminal_counts(more) == {4: 1, 5: 1, 6: 1}
+                peer.verify(later, SPEC.prompt_tokens)
+                client.deregister(again)
+    finally:
+        peer.close()
+
+
+async def _flood(target: str, peer_id: str, credential: bytes, pages: list[int], written: list[int],
+                 stop: asyncio.Event) -> None:
+    """A peer that writes submits as fast as it can and never reads or acknowledges anything."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = hs_grpc.HandshakeServiceStub(channel).Session()
+        await call.write(hs.SessionRequest(open=session_pb2.SessionOpen(peer_id=peer_id, peer_credential=credential)))
+        seq = 0
+        try:
+            while not stop.is_set():
+                commands = []
+                for _ in range(100):
+                    seq += 1
+                    commands.append(session_pb2.SessionCommand(seq=seq, submit=transfer_pb2.TransferInfo(
+                        room=seq, dst_kv_pages=pages, is_dummy=True)))
+                write = asyncio.ensure_future(call.write(hs.SessionRequest(commands=commands)))
+                done, _ = await asyncio.wait([write, asyncio.ensure_future(stop.wait())],
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if write not in done:
+                    write.cancel()
+                    return
+                written[0] = seq
+        finally:
+            call.cancel()
+
+
+def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
+    flooder, good = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, "--max-inflight", "100000") as srv, \
+                HandshakeClient(srv.target, timeout=20) as client:
+            bad_id = client.register(flooder.registration()).peer_id
+            good_id = client.register(good.registration()).peer_id
+            written = [0]
+            loop = asyncio.new_event_loop()
+            stop = asyncio.Event()
+            pages = [1] * 4000  # a large message, so the stream's flow-control window fills after a few
+            flood = threading.Thread(target=loop.run_until_complete, args=(
+                _flood(srv.target, bad_id, client.credential(bad_id), pages, written, stop),))
+            flood.start()
+            try:
+                time.sleep(1.0)
+                placed = {room: good.pages_for(SPEC.prompt_tokens, first_page=i * 16) for i, room in enumerate(range(4))}
+                for room, pages_ in placed.items():
+                    client.submit_transfer(good_id, good.transfer_info(room, pages_))
+                done = client.wait_for(good_id, placed, timeout=20)
+                assert all(s.state == SUCCESS for s in done.values()), done
+                good.verify(placed, SPEC.prompt_tokens)
+                stalled_at = written[0]
+                time.sleep(0.5)
+                view = {p.peer_id: p for p in client.describe().peers}[bad_id]
+                applied = view.open_requests + view.finished_kept
+                # The server applied no more than the command window, and the flooder's writes stalled.
+                assert applied <= DEFAULT_COMMAND_WINDOW, applied
+                assert written[0] == stalled_at and written[0] < 20_000, written[0]
+            finally:
+                loop.call_soon_threadsafe(stop.set)
+                flood.join(10)
+                loop.close()
+    finally:
+        flooder.close()
+        good.close()
