@@ -250,11 +250,11 @@ class HandshakeClient:
         """The prefill rank's topology."""
         return self._call(self._stub.GetServerInfo, hs.GetServerInfoRequest(), timeout).info
 
-    def describe(self, *, peer_id: str = "", request_limit: int = 0,
+    def describe(self, *, peer_id: str = "", request_limit: int = 0, include_finished: bool = False,
                  timeout: float | None = None) -> hs.DescribeResponse:
         """The server's state for operators: peers, open requests, limits (``pdproto status``)."""
-        return self._call(self._stub.Describe, hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit),
-                          timeout)
+        req = hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished)
+        return self._call(self._stub.Describe, req, timeout)
 
     def register(self, registration: registration_pb2.KvRegistration, *,
                  timeout: float | None = None) -> server_info_pb2.NegotiationResult:
@@ -403,11 +403,11 @@ class AsyncHandshakeClient:
                                                                hs.GetServerInfoRequest(), timeout)
         return resp.info
 
-    async def describe(self, *, peer_id: str = "", request_limit: int = 0,
+    async def describe(self, *, peer_id: str = "", request_limit: int = 0, include_finished: bool = False,
                        timeout: float | None = None) -> hs.DescribeResponse:
         """The server's state for operators: peers, open requests, limits."""
-        resp: hs.DescribeResponse = await self._core.call(
-            self._core.stub.Describe, hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit), timeout)
+        req = hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished)
+        resp: hs.DescribeResponse = await self._core.call(self._core.stub.Describe, req, timeout)
         return resp
 
     async def register(self, registration: registration_pb2.KvRegistration, *,

@@ -23,7 +23,14 @@ def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int) -> describe_pb2.PeerView:
+def _outcomes(core: HandshakeCore) -> dict[str, int]:
+    """Finished requests by outcome, from the core's own counter."""
+    return {sample.labels["outcome"]: int(sample.value) for metric in core.metrics.requests.collect()
+            for sample in metric.samples if sample.name.endswith("_total")}
+
+
+def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
+               include_finished: bool) -> describe_pb2.PeerView:
     sessions = hub.of(peer)
     view = describe_pb2.PeerView(
         peer_id=peer.peer_id,
@@ -45,6 +52,9 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int) -> d
                                  bytes_transferred=r.bytes, chunks_done=r.chunks_done,
                                  age_ms=_ms(now - r.admitted_at), is_dummy=r.transfer.is_dummy)
         for r in oldest)
+    if include_finished:
+        done = [r for r in peer.requests.values() if r.terminal]
+        view.finished.extend(r.status() for r in done[-request_limit:])
     return view
 
 
@@ -61,7 +71,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) 
         backend=backends.by_name(core.engine.executor.backend).enum,
         uptime_ms=_ms(now - hub.started_at),
         draining=core.shutting_down,
-        peers=[_peer_view(p, hub, now, limit) for p in shown],
+        peers=[_peer_view(p, hub, now, limit, request.include_finished) for p in shown],
         limits=[
             describe_pb2.LimitUse(name="max_peers", limit=core.limits.max_peers, used=core.registry.held()),
             describe_pb2.LimitUse(name="max_inflight", limit=core.limits.max_inflight_per_peer, used=most_open),
@@ -71,6 +81,8 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) 
                                   used=max((len(p.feeds) for p in peers), default=0)),
         ],
         open_requests=sum(len(p.open) for p in peers),
+        outcomes=_outcomes(core),
+        rooms=len(core.engine.rooms),
     )
 
 

@@ -69,6 +69,7 @@ def test_status_shows_a_registered_peer_and_its_request_in_flight() -> None:
             client.deregister(peer_id)
             after = client.describe()
             assert not after.peers and after.open_requests == 0
+            assert dict(after.outcomes) == {"PEER_GONE": 1}
     finally:
         peer.close()
 

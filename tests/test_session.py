@@ -95,10 +95,11 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(session: bool) -> Non
                     counts = _terminal_counts(seen)
                     assert counts == {room: 1 for room in rooms}, counts
                     # Every reconnect resumed the one session: none was started over.
-                    view = direct.describe(peer_id=peer_id).peers[0]
+                    view = direct.describe(peer_id=peer_id, include_finished=True, request_limit=100).peers[0]
                     if session:
                         assert view.sessions_connected + view.sessions_detached == 1, view
                     assert view.finished_kept == len(rooms) and view.open_requests == 0
+                    assert sorted(s.room for s in view.finished if s.state == SUCCESS) == rooms
                     client.deregister(peer_id)
             finally:
                 proxy.close()

@@ -10,6 +10,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from pdproto.v1 import common_pb2 as _common_pb2
 from pdproto.v1 import server_info_pb2 as _server_info_pb2
+from pdproto.v1 import transfer_pb2 as _transfer_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -114,6 +115,7 @@ class PeerView(_message.Message):
     WATCH_STREAMS_FIELD_NUMBER: _builtins.int
     EVENTS_UNACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id (a name, not a secret; the credential is never shown)."""
     state: Global___PeerState.ValueType
@@ -146,6 +148,10 @@ class PeerView(_message.Message):
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestView]:
         """Open requests, oldest first, at most DescribeRequest.request_limit of them."""
 
+    @_builtins.property
+    def finished(self) -> _containers.RepeatedCompositeFieldContainer[_transfer_pb2.TransferStatus]:
+        """Kept final statuses, newest last (only with DescribeRequest.include_finished)."""
+
     def __init__(
         self,
         *,
@@ -162,10 +168,11 @@ class PeerView(_message.Message):
         watch_streams: _builtins.int = ...,
         events_unacknowledged: _builtins.int = ...,
         requests: _abc.Iterable[Global___RequestView] | None = ...,
+        finished: _abc.Iterable[_transfer_pb2.TransferStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["notify_endpoint", b"notify_endpoint", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "engine_identity", b"engine_identity", "events_unacknowledged", b"events_unacknowledged", "finished_kept", b"finished_kept", "notify_endpoint", b"notify_endpoint", "open_requests", b"open_requests", "peer_id", b"peer_id", "requests", b"requests", "result", b"result", "sessions_connected", b"sessions_connected", "sessions_detached", b"sessions_detached", "state", b"state", "watch_streams", b"watch_streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "engine_identity", b"engine_identity", "events_unacknowledged", b"events_unacknowledged", "finished", b"finished", "finished_kept", b"finished_kept", "notify_endpoint", b"notify_endpoint", "open_requests", b"open_requests", "peer_id", b"peer_id", "requests", b"requests", "result", b"result", "sessions_connected", b"sessions_connected", "sessions_detached", b"sessions_detached", "state", b"state", "watch_streams", b"watch_streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -416,19 +416,23 @@ class DescribeRequest(_message.Message):
 
     REQUEST_LIMIT_FIELD_NUMBER: _builtins.int
     PEER_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_FINISHED_FIELD_NUMBER: _builtins.int
     request_limit: _builtins.int
     """Open requests listed per peer (oldest first); 0 means the server's default (64)."""
     peer_id: _builtins.str
     """Only this peer; empty means every peer."""
+    include_finished: _builtins.bool
+    """Also list each peer's kept final statuses (newest last, at most request_limit)."""
     def __init__(
         self,
         *,
         request_limit: _builtins.int = ...,
         peer_id: _builtins.str = ...,
+        include_finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_id", b"peer_id", "request_limit", b"request_limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_finished", b"include_finished", "peer_id", b"peer_id", "request_limit", b"request_limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -440,6 +444,26 @@ class DescribeResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class OutcomesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     VERSION_FIELD_NUMBER: _builtins.int
     PREFILL_RANK_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
@@ -448,6 +472,8 @@ class DescribeResponse(_message.Message):
     PEERS_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     OPEN_REQUESTS_FIELD_NUMBER: _builtins.int
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    ROOMS_FIELD_NUMBER: _builtins.int
     prefill_rank: _builtins.int
     """The reporting prefill rank."""
     backend: _common_pb2.Backend.ValueType
@@ -458,6 +484,8 @@ class DescribeResponse(_message.Message):
     """The server is draining: it takes no new work."""
     open_requests: _builtins.int
     """Open requests over every peer."""
+    rooms: _builtins.int
+    """Rooms the prefill engine has reported chunks for and still holds."""
     @_builtins.property
     def version(self) -> _common_pb2.ProtocolVersion:
         """Protocol version the server speaks."""
@@ -470,6 +498,10 @@ class DescribeResponse(_message.Message):
     def limits(self) -> _containers.RepeatedCompositeFieldContainer[_describe_pb2.LimitUse]:
         """Configured limits and their use."""
 
+    @_builtins.property
+    def outcomes(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Finished requests since the server started, by outcome: "SUCCESS" or the failure reason."""
+
     def __init__(
         self,
         *,
@@ -481,10 +513,12 @@ class DescribeResponse(_message.Message):
         peers: _abc.Iterable[_describe_pb2.PeerView] | None = ...,
         limits: _abc.Iterable[_describe_pb2.LimitUse] | None = ...,
         open_requests: _builtins.int = ...,
+        outcomes: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        rooms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "limits", b"limits", "open_requests", b"open_requests", "peers", b"peers", "prefill_rank", b"prefill_rank", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "limits", b"limits", "open_requests", b"open_requests", "outcomes", b"outcomes", "peers", b"peers", "prefill_rank", b"prefill_rank", "rooms", b"rooms", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
