@@ -53,8 +53,8 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
                                  age_ms=_ms(now - r.admitted_at), is_dummy=r.transfer.is_dummy)
         for r in oldest)
     if include_finished:
-        done = [r for r in peer.requests.values() if r.terminal]
-        view.finished.extend(r.status() for r in done[-request_limit:])
+        kept = list(peer.finished.values())[-request_limit:]
+        view.finished.extend(f.status() for f in kept)
     return view
 
 
