@@ -79,6 +79,8 @@ class _AsyncCore:
         self._channel: grpc.aio.Channel | None = None
         self._stub: hs_grpc.HandshakeServiceAsyncStub | None = None
         self._sessions: dict[str, PeerSession] = {}
+        self._ending: set[PeerSession] = set()
+        """Sessions of deregistered peers, still delivering their last statuses (closed with the client)."""
 
     @property
     def stub(self) -> hs_grpc.HandshakeServiceAsyncStub:
@@ -185,14 +187,17 @@ class _AsyncCore:
                     return done
         raise _deadline_error(pending)
 
-    async def forget(self, peer_id: str) -> None:
+    def forget(self, peer_id: str) -> None:
+        """A deregistered peer: no new calls use its session; the server ends it once it sent everything."""
         s = self._sessions.pop(peer_id, None)
-        if s is not None:
-            await s.close()
+        if s is not None and s.error is None:
+            self._ending.add(s)
 
     async def close(self) -> None:
-        for peer_id in list(self._sessions):
-            await self.forget(peer_id)
+        for s in [*self._sessions.values(), *self._ending]:
+            await s.close()
+        self._sessions.clear()
+        self._ending.clear()
         if self._channel is not None:
             await self._channel.close()
 
@@ -359,7 +364,7 @@ class HandshakeClient:
         req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._creds.of(peer_id, credential))
         resp = self._call(self._stub.Deregister, req, timeout)
         if self._loop is not None:
-            self._run(lambda: self._aio.forget(peer_id))
+            self._loop.call(lambda: self._aio.forget(peer_id))
         self._creds.forget(peer_id)
         return int(resp.failed_requests)
 
@@ -465,7 +470,7 @@ class AsyncHandshakeClient:
         """Remove this peer."""
         req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._creds.of(peer_id, credential))
         resp: hs.DeregisterResponse = await self._core.call(self._core.stub.Deregister, req, timeout)
-        await self._core.forget(peer_id)
+        self._core.forget(peer_id)
         self._creds.forget(peer_id)
         return int(resp.failed_requests)
 

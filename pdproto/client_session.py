@@ -193,6 +193,10 @@ class PeerSession:
                 seq = event.result.command_seq
                 if self.outbox.answered(seq) is None:
                     continue
+                if event.result.HasField("submitted"):
+                    # Known from now on to a new watcher's snapshot (as WatchStatus's snapshot would be);
+                    # not a change, so current watchers do not get it.
+                    self.book.update(event.result.submitted)
                 command_done = self._futures.pop(seq, None)
                 if command_done is not None and not command_done.done():
                     command_done.set_result(event.result)
