@@ -119,6 +119,11 @@ class SyntheticProducer:
         engine.on_claim = self._claimed
 
     def _claimed(self, room: int) -> None:
+        if not self.spec.chunk_delay:
+            # Computed already (no delay): report every chunk now, as an engine that ran ahead would.
+            for chunk in self._chunks(room):
+                self.engine.submit_chunk(room, *chunk)
+            return
         task = asyncio.get_running_loop().create_task(self._produce(room), name=f"synthetic-{room}")
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -128,19 +133,24 @@ class SyntheticProducer:
         if not task.cancelled() and task.exception() is not None:
             log.error("synthetic producer failed", exc_info=task.exception())
 
-    async def _produce(self, room: int) -> None:
+    def _chunks(self, room: int) -> list[tuple[I64, int, bool]]:
+        """The room's chunks in order: (pages, tokens, last)."""
         spec = self.spec
         pages = room_pages(room, spec)
         per_chunk = max(spec.page_size, spec.chunk_tokens // spec.page_size * spec.page_size)
+        out = []
         done = 0
         while done < spec.prompt_tokens:
-            if spec.chunk_delay:
-                await asyncio.sleep(spec.chunk_delay)
             n = min(per_chunk, spec.prompt_tokens - done)
             first = done // spec.page_size
-            chunk_pages = pages[first:first + -(-n // spec.page_size)]
             done += n
-            self.engine.submit_chunk(room, chunk_pages, n, last_chunk=done >= spec.prompt_tokens)
+            out.append((pages[first:first + -(-n // spec.page_size)], n, done >= spec.prompt_tokens))
+        return out
+
+    async def _produce(self, room: int) -> None:
+        for pages, n, last in self._chunks(room):
+            await asyncio.sleep(self.spec.chunk_delay)
+            self.engine.submit_chunk(room, pages, n, last_chunk=last)
 
     async def close(self) -> None:
         """Cancel chunk production."""

@@ -32,7 +32,7 @@ from .feed import StatusFeed
 from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, PeerRegistry, Request, StatusSink, identity_of
-from .transfers import TransferRunner, drained
+from .runner import TransferRunner, drained
 from .validate import check_registration, check_transfer
 
 log = logging.getLogger("pdproto_server.core")
@@ -368,7 +368,7 @@ class HandshakeCore:
             "retired_peers": len(self.registry.retired),
             "held_peers": self.registry.held(),
             "open_requests": sum(len(p.open) for p in peers),
-            "running_tasks": sum(1 for p in peers for r in p.open.values() if r.task is not None and not r.task.done()),
+            "moving_requests": sum(1 for p in peers for r in p.open.values() if r.moving),
             "finished_statuses": sum(len(p.finished) for p in peers),
             "streams": sum(len(p.feeds) for p in peers),
             "busy_lanes": sum(1 for p in held if p.lane.busy),
@@ -383,10 +383,9 @@ class HandshakeCore:
     async def drain(self, timeout: float) -> None:
         """Stop admitting work, let open requests finish (up to ``timeout``), fail the rest."""
         self.shutting_down = True
-        tasks = [r.task for _, r in self.open_requests() if r.task is not None]
-        if tasks:
-            log.info("draining %d in-flight requests (up to %.1fs)", len(tasks), timeout)
-            await asyncio.wait(tasks, timeout=timeout)
+        if self.runner.open:
+            log.info("draining %d in-flight requests (up to %.1fs)", self.runner.open, timeout)
+            await self.runner.idle(timeout)
         leftovers = self.open_requests()
         await asyncio.gather(*(self.runner.stop(p, r, Reason.SHUTTING_DOWN, "the prefill shut down")
                                for p, r in leftovers))
@@ -402,6 +401,7 @@ class HandshakeCore:
                 await self._janitor
         for peer in list(self.registry.peers.values()):
             await self._drop(peer, Reason.SHUTTING_DOWN, "the prefill shut down")
+        await self.runner.close()
         if self._background:
             await asyncio.wait(list(self._background), timeout=self.limits.drain_timeout)
         stuck = [p.peer_id for p in self.registry.retired.values() if p.lane.busy]

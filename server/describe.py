@@ -23,12 +23,6 @@ def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000))
 
 
-def _outcomes(core: HandshakeCore) -> dict[str, int]:
-    """Finished requests by outcome, from the core's own counter."""
-    return {sample.labels["outcome"]: int(sample.value) for metric in core.metrics.requests.collect()
-            for sample in metric.samples if sample.name.endswith("_total")}
-
-
 def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
                include_finished: bool) -> describe_pb2.PeerView:
     sessions = hub.of(peer)
@@ -81,7 +75,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) 
                                   used=max((len(p.feeds) for p in peers), default=0)),
         ],
         open_requests=sum(len(p.open) for p in peers),
-        outcomes=_outcomes(core),
+        outcomes=core.metrics.outcomes,
         rooms=len(core.engine.rooms),
     )
 

@@ -22,11 +22,9 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto.errors import (
-    DeadlineExceededError,
     InvalidFieldError,
     PlanError,
     Reason,
-    RequestFailedError,
     ShuttingDownError,
 )
 from pdproto.transfer import Buffer, TransferExecutor
@@ -209,7 +207,7 @@ class FinalState:
 
 @dataclass
 class RoomLog:
-    """The chunks of one room so far; request tasks wait on ``changed``."""
+    """The chunks of one room so far; requests wait for the next one in ``waiters``."""
 
     room: int
     chunks: list[Chunk] = field(default_factory=list)
@@ -218,7 +216,8 @@ class RoomLog:
     finished_at: float | None = None
     claimed: bool = False
     """A decode peer has submitted for this room (so it is not an orphan)."""
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    waiters: list[Callable[[], None]] = field(default_factory=list)
+    """Requests waiting for the next chunk (``server/runner.py``), called once on the next change."""
     prefix_len: int | None = None
     """The decode's prefix (tokens it already holds), from the first request for the room."""
     expected: int = 1
@@ -259,28 +258,10 @@ class RoomLog:
         return self.finished_at is not None
 
     def _notify(self) -> None:
-        # Wake every waiter, then arm a fresh event for the next change.
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    async def wait_chunk(self, index: int, deadline: float) -> Chunk:
-        """The chunk at ``index``; raises MATCH_TIMEOUT if it does not arrive by ``deadline`` (monotonic),
-        and ABORTED with the engine's reason once the engine aborted the room."""
-        while index >= len(self.chunks) or self.aborted:
-            if self.aborted:
-                raise RequestFailedError(f"the prefill aborted room {self.room}: {self.aborted}",
-                                         reason=Reason.ABORTED, metadata={"room": self.room})
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceededError(
-                    f"room {self.room}: chunk {index} did not arrive from the prefill engine in time",
-                    reason=Reason.MATCH_TIMEOUT, metadata={"room": self.room, "chunk": index})
-            event = self.changed
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except TimeoutError:
-                continue
-        return self.chunks[index]
+        """A chunk arrived or the room was aborted: call (once) each request waiting on the room."""
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            waiter()
 
 
 class PrefillEngine:

@@ -30,9 +30,13 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-from pdproto.errors import DeadlineExceededError, Reason
+from pdproto.errors import DeadlineExceededError, Reason, RequestFailedError
 
 _T = TypeVar("_T")
+
+
+class CallNotWantedError(RequestFailedError):
+    """An engine call not run: its request was stopped while the call waited for the lane."""
 
 
 class Lane:
@@ -111,7 +115,8 @@ class Lane:
         self._waiters = collections.deque((w, c) for w, c in self._waiters if not w.done())
 
     async def run(self, fn: Callable[..., _T], *args: object, timeout: float, what: str,
-                  drain: float = 0.0, cleanup: bool = False, tag: Hashable = None) -> _T:
+                  drain: float = 0.0, cleanup: bool = False, tag: Hashable = None,
+                  wanted: Callable[[], bool] | None = None) -> _T:
         """Run ``fn(*args)`` on the pool once the lane is free; ``what`` names it in errors.
 
         Raises DEADLINE_EXCEEDED when the call does not return within ``timeout`` seconds
@@ -120,9 +125,15 @@ class Lane:
         seconds for the call to return before re-raising, so that a copy in progress is
         not abandoned under an Abort that promised it drained. A ``cleanup`` call
         (disconnect) waits behind a stuck call instead of failing. ``tag`` labels the call
-        (``tag`` attribute) while it is out.
+        (``tag`` attribute) while it is out. ``wanted`` is asked once the lane is ours: when it
+        says no (its request was stopped while queued), the call does not run and
+        ``CallNotWantedError`` is raised.
         """
         await self._acquire(what, cleanup)
+        if wanted is not None and not wanted():
+            self._hand_on()
+            raise CallNotWantedError(f"{what}: not run, its request ended while it waited for the lane",
+                                     reason=Reason.ABORTED, metadata={"peer": self.name})
         # From here the lane is taken until the thread returns, whoever stops waiting for it.
         try:
             fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -241,4 +252,4 @@ class LanePool(Executor):
             self._work.put(None)
 
 
-__all__ = ["Lane", "LanePool"]
+__all__ = ["CallNotWantedError", "Lane", "LanePool"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -51,6 +52,17 @@ class ServiceMetrics:
         self.notifications = Counter(
             "pdproto_chunk_notifications", "Per-chunk completion notifications delivered through the engine.",
             registry=r)
+        self._outcome_children: dict[str, Any] = {}
+        self.outcomes: dict[str, int] = {}
+        """Finished requests by outcome since start (what ``pdproto_requests`` counts, readable at once)."""
+
+    def finished(self, outcome: str) -> None:
+        """Count one finished request ("SUCCESS" or its failure reason); the labelled child is looked up once."""
+        child = self._outcome_children.get(outcome)
+        if child is None:
+            child = self._outcome_children[outcome] = self.requests.labels(outcome=outcome)
+        child.inc()
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
 def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -> int:

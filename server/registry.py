@@ -27,6 +27,7 @@ from pdproto.errors import Reason, ResourceLimitError
 from pdproto.topology import Decision
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
 
+from .engine import RoomLog
 from .lanes import Lane
 
 TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
@@ -56,7 +57,7 @@ class Limits:
 
 @dataclass
 class Request:
-    """One request of one peer: destination, progress and the task moving its chunks."""
+    """One request of one peer: destination, progress, and where it is on its way to a terminal status."""
 
     peer_id: str
     room: int
@@ -77,9 +78,16 @@ class Request:
     chunks_done: int = 0
     finished_at: float | None = None
     admitted_at: float = field(default_factory=time.monotonic)
-    task: asyncio.Task[None] | None = None
+    room_log: RoomLog | None = field(default=None, repr=False)
+    """The room it takes its chunks from, until it ends (``server/runner.py``)."""
+    waiting: bool = False
+    """Its callback is on the room log, for the next chunk."""
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    """Fails it with MATCH_TIMEOUT if the next chunk does not come in time."""
+    moving: bool = False
+    """A chunk of it is queued for, or inside, the engine."""
     cancel_reason: tuple[Reason, str] | None = None
-    """Why the task was cancelled (ABORTED, PEER_GONE, SHUTTING_DOWN); set before cancelling."""
+    """Why it was stopped (ABORTED, PEER_GONE, SHUTTING_DOWN); it ends FAILED with this."""
 
     @property
     def terminal(self) -> bool:
@@ -194,7 +202,7 @@ class Peer:
     def end_streams(self) -> None:
         """End every status stream once it sent what is queued; later streams end after their snapshot."""
         self.streams_ended = True
-        for feed in self.feeds:
+        for feed in list(self.feeds):  # a session kept for a resume leaves the set as it closes
             feed.close()
 
 

@@ -1,35 +1,26 @@
-"""Per-request transfer tasks: match chunks, plan with ``plan_chunk``, run the executor on the peer's lane.
+"""How a chunk becomes executor jobs: plan with ``plan_chunk``, then KV, state and aux segments.
 
 A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when the TP
 sizes differ). After the request's last KV chunk come the state and the aux slot, each as
 its own job (so their bytes and descriptors are counted per kind), and the request is
 SUCCESS only when they landed. The chunk notice rides on the last job of the chunk.
-Engine calls run on the peer's lane (``server/lanes.py``), with the engine deadline.
+``server/runner.py`` runs the jobs on the peer's lane (``server/lanes.py``).
 """
 
 from __future__ import annotations
-
-import asyncio
-import logging
-import time
-from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from pdproto.dcp import plan_chunk
 from pdproto.dcp import runs as run_arith
 from pdproto.dcp.layers import EntryRole
-from pdproto.errors import InvalidFieldError, PdprotoError, Reason
+from pdproto.errors import InvalidFieldError
 from pdproto.slots import SlotCopy, aux_copies, state_copies
 from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, TransferResult
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
-from pdproto.v1 import common_pb2
 
-from .engine import Chunk, FinalState, KvSource, PrefillEngine, RoomLog
-from .metrics import ServiceMetrics
-from .registry import Limits, Peer, Request
-
-log = logging.getLogger("pdproto_server.transfers")
+from .engine import Chunk, KvSource
+from .registry import Peer, Request
 
 
 def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
@@ -123,179 +114,9 @@ def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification:
     return TransferJob(segments=tuple(segments), pack=False, notification=notification)
 
 
-async def drained(peer: Peer, room: int, generation: int, timeout: float) -> bool:
-    """True once no engine call for this request generation is out (waits up to ``timeout``, not when stuck)."""
-    lane = peer.lane
-    if not lane.busy or lane.tag != (room, generation):
-        return True
-    if lane.stuck:
-        return False
-    return await lane.wait_idle(timeout) or lane.tag != (room, generation)
-
-
 def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> list[TransferResult]:
     """Blocking: execute jobs in order (a chunk's KV, then state, then aux) in one worker hop."""
     return [executor.execute(peer_id, job) for job in jobs]
 
 
-class TransferRunner:
-    """Owns request tasks: starts them, finishes every one in SUCCESS or FAILED with a reason."""
-
-    def __init__(self, engine: PrefillEngine, metrics: ServiceMetrics, limits: Limits,
-                 peers: Mapping[str, Peer]) -> None:
-        self.engine = engine
-        self.peers = peers
-        """The registered peers by id (the registry's own map), to find a room's requests' peers."""
-        self.metrics = metrics
-        self.limits = limits
-        self.on_peer_gone: Callable[[Peer], None] | None = None
-        """Called when the executor reports the peer dead, so its other requests fail now."""
-        self._aborts: set[asyncio.Task[bool]] = set()
-        engine.on_abort = self._room_aborted
-
-    def _room_aborted(self, room: RoomLog) -> None:
-        """The engine aborted a room: fail each decode's open request for it with the engine's reason."""
-        for request in list(room.requests.values()):
-            peer = self.peers.get(request.peer_id) if isinstance(request, Request) else None
-            if peer is not None and isinstance(request, Request) and not request.terminal:
-                task = asyncio.get_running_loop().create_task(self.stop(
-                    peer, request, Reason.ABORTED, f"the prefill aborted room {room.room}: {room.aborted}"))
-                self._aborts.add(task)
-                task.add_done_callback(self._aborts.discard)
-
-    def start(self, peer: Peer, request: Request) -> None:
-        """Start the request's task; the room is claimed so the engine knows a decode wants it."""
-        self.metrics.inflight.inc()
-        peer.open[request.room] = request
-        task = asyncio.get_running_loop().create_task(
-            self._run(peer, request), name=f"room-{request.room}-{peer.peer_id}")
-        request.task = task
-
-        def settle(_: asyncio.Task[None]) -> None:
-            # A task cancelled before its first step never enters _run's handlers.
-            reason, message = request.cancel_reason or (Reason.INTERNAL, "request task ended early")
-            self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, reason, message)
-
-        task.add_done_callback(settle)
-
-    def finish(self, peer: Peer, request: Request, state: int, reason: Reason | None = None,
-               message: str = "") -> None:
-        """Move a request to a terminal state once, publish it, count it, and keep only its final status."""
-        if request.terminal:
-            return
-        request.state = state
-        if reason is not None:
-            request.failure_code = reason.code
-            request.failure_reason = message or reason.code
-        request.finished_at = time.monotonic()
-        if peer.open.get(request.room) is request:
-            del peer.open[request.room]
-        room_log = self.engine.rooms.get(request.room)
-        if room_log is not None and room_log.requests.get(peer.peer_id) is request:
-            # Not the request and its pages: its outcome, which PrefillEngine.status reports.
-            room_log.requests[peer.peer_id] = FinalState(
-                request.state, request.failure_code, request.failure_reason, request.bytes,
-                request.aux_bytes, request.state_bytes)
-        status = request.status()
-        peer.record_finished(status, self.limits.max_finished_per_peer)
-        self.metrics.inflight.dec()
-        self.metrics.requests.labels(outcome=reason.code if reason is not None else "SUCCESS").inc()
-        peer.publish(status)
-
-    async def _run(self, peer: Peer, request: Request) -> None:
-        """The request's life: wait for each chunk, plan, transfer, report."""
-        tp = peer.decision.tp
-        room_log = self.engine.claim(request.room, peer_id=peer.peer_id, request=request,
-                                     prefix_len=request.prefix_len,
-                                     expected=tp.senders.decode_ranks_per_prefill_rank if tp else 1)
-        index = 0
-        try:
-            while True:
-                chunk = await room_log.wait_chunk(index, time.monotonic() + self.limits.match_timeout)
-                if not request.transfer.is_dummy:
-                    await self._move(peer, request, chunk)
-                request.chunks_done += 1
-                if chunk.last:
-                    self.finish(peer, request, common_pb2.TRANSFER_STATE_SUCCESS)
-                    return
-                peer.publish(request.status())
-                index += 1
-        except asyncio.CancelledError:
-            reason, message = request.cancel_reason or (Reason.ABORTED, "request cancelled")
-            self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, reason, message)
-            raise
-        except PdprotoError as exc:
-            self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, exc.reason, exc.message)
-            # A dead peer is written off whole; a stuck engine call fails only the requests it holds up.
-            if exc.reason is Reason.PEER_GONE and self.on_peer_gone is not None:
-                self.on_peer_gone(peer)
-        except Exception as exc:  # noqa: BLE001 - a request must never end silently
-            log.exception("request room=%s peer=%s failed unexpectedly", request.room, peer.peer_id)
-            self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, Reason.INTERNAL,
-                        f"internal error: {type(exc).__name__}")
-
-    async def _move(self, peer: Peer, request: Request, chunk: Chunk) -> None:
-        """Move one chunk's KV rows; after the last, the state and then the aux slot (one worker hop)."""
-        source = self.engine.source
-        state, aux = slot_copies(source, peer, request, chunk) if chunk.last else ([], [])
-        notice = chunk_notice(request, chunk)
-        jobs = [build_job(source, peer, request, chunk, notify=not (state or aux))]
-        extras = [(kind, copies) for kind, copies in (("state", state), ("aux", aux)) if copies]
-        jobs += [slot_job(source, peer, copies, notice if i == len(extras) - 1 else None)
-                 for i, (_, copies) in enumerate(extras)]
-        if request.state != common_pb2.TRANSFER_STATE_TRANSFERRING:
-            request.state = common_pb2.TRANSFER_STATE_TRANSFERRING
-            peer.publish(request.status())
-        results = await peer.lane.run(run_jobs, self.engine.executor, peer.peer_id, jobs,
-                                      timeout=self.limits.engine_timeout, what=f"room {request.room} chunk {chunk.index}",
-                                      drain=self.limits.drain_timeout, tag=(request.room, request.generation))
-        result = results[0]
-        request.bytes += result.bytes
-        request.descriptors += result.descriptors
-        self.metrics.bytes_moved.inc(result.bytes)
-        self.metrics.descriptors.inc(result.descriptors)
-        self.metrics.chunks.inc()
-        self.metrics.pack_fallbacks.inc(int(result.fallback))
-        self.metrics.notifications.inc(int(any(r.notified for r in results)))
-        for (kind, copies), done in zip(extras, results[1:], strict=True):
-            self._count(request, kind, copies, done)
-
-    def _count(self, request: Request, kind: str, copies: list[SlotCopy], result: TransferResult) -> None:
-        """Per-kind bytes and descriptors of an aux or state job, on the request and in metrics."""
-        self.metrics.extra_descriptors.labels(kind=kind).inc(result.descriptors)
-        if kind == "aux":
-            request.aux_bytes += result.bytes
-            request.aux_descriptors += result.descriptors
-            self.metrics.aux_bytes.inc(result.bytes)
-            return
-        request.state_bytes += result.bytes
-        request.state_descriptors += result.descriptors
-        self.metrics.state_bytes.inc(result.bytes)
-        entries = self.engine.source.info.state_entries
-        for c in copies:
-            whole = len(c.segments) == 1 and c.segments[0].length == c.src_item_len == c.dst_item_len
-            split = ("replicated" if entries[c.src_entry].tensors[c.src_tensor].dim == 0
-                     else "whole" if whole else "sliced")
-            self.metrics.state_items.labels(split=split).inc(len(c.items))
-
-    async def stop(self, peer: Peer, request: Request, reason: Reason, message: str) -> bool:
-        """Cancel an open request with ``reason``; True once no chunk of it is inside the engine.
-
-        It waits up to ``drain_timeout`` for an in-flight chunk (not at all when the peer's
-        lane is stuck), and then the request is terminal in any case: FAILED with ``reason``
-        is published exactly once, before any stream of the peer is ended. A request that
-        already failed while its chunk was still in the engine (DEADLINE_EXCEEDED) drains too.
-        """
-        task = request.task
-        if task is not None and not request.terminal:
-            if request.cancel_reason is None:
-                request.cancel_reason = (reason, message)
-            task.cancel()
-            if not peer.lane.stuck:
-                await asyncio.wait([task], timeout=self.limits.drain_timeout + 1.0)
-        if not request.terminal:
-            self.finish(peer, request, common_pb2.TRANSFER_STATE_FAILED, reason, message)
-        return await drained(peer, request.room, request.generation, self.limits.drain_timeout)
-
-
-__all__ = ["TransferRunner", "build_job", "chunk_notice", "drained", "run_jobs", "slot_copies", "slot_job"]
+__all__ = ["build_job", "chunk_notice", "run_jobs", "slot_copies", "slot_job"]

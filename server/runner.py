@@ -1,0 +1,311 @@
+"""Requests from admission to their terminal status, with no task per request.
+
+A request waits for its room's chunks by callback: the room log calls it when a chunk
+arrives, and a timer (``loop.call_at``) fails it with MATCH_TIMEOUT when the next chunk
+does not come within ``match_timeout``. A dummy request (no KV for this rank) takes each
+chunk as it comes and ends on the last one, without leaving the callback. A chunk with
+bytes to move goes to its peer's queue; one task per peer with work (``_work``) takes the
+queue in order and runs each chunk's jobs on the peer's lane (``server/lanes.py``), which
+runs that peer's engine calls one at a time anyway. Every request ends exactly once, in
+SUCCESS or FAILED with a reason (``finish``), and FAILED is published only once no chunk
+of the request is inside the engine (or the drain timed out): the decode may reuse its
+pages when it sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
+from pdproto.slots import SlotCopy
+from pdproto.transfer import TransferResult
+from pdproto.v1 import common_pb2
+
+from .engine import Chunk, FinalState, PrefillEngine, RoomLog
+from .metrics import ServiceMetrics
+from .registry import Limits, Peer, Request
+from .transfers import build_job, chunk_notice, run_jobs, slot_copies, slot_job
+
+log = logging.getLogger("pdproto_server.runner")
+
+SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
+FAILED = common_pb2.TRANSFER_STATE_FAILED
+TRANSFERRING = common_pb2.TRANSFER_STATE_TRANSFERRING
+
+
+async def drained(peer: Peer, room: int, generation: int, timeout: float) -> bool:
+    """True once no engine call for this request generation is out (waits up to ``timeout``, not when stuck)."""
+    lane = peer.lane
+    if not lane.busy or lane.tag != (room, generation):
+        return True
+    if lane.stuck:
+        return False
+    return await lane.wait_idle(timeout) or lane.tag != (room, generation)
+
+
+class TransferRunner:
+    """Owns requests from ``start`` to ``finish``: every one ends in SUCCESS or FAILED with a reason."""
+
+    def __init__(self, engine: PrefillEngine, metrics: ServiceMetrics, limits: Limits,
+                 peers: Mapping[str, Peer]) -> None:
+        self.engine = engine
+        self.peers = peers
+        """The registered peers by id (the registry's own map), to find a room's requests' peers."""
+        self.metrics = metrics
+        self.limits = limits
+        self.on_peer_gone: Callable[[Peer], None] | None = None
+        """Called when the executor reports the peer dead, so its other requests fail now."""
+        self.open = 0
+        """Requests started and not finished, over every peer."""
+        self._idle: list[asyncio.Future[None]] = []
+        self._queues: dict[str, deque[tuple[Request, Chunk]]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._aborts: set[asyncio.Task[bool]] = set()
+        engine.on_abort = self._room_aborted
+
+    # -- life of a request ---------------------------------------------------------
+
+    def start(self, peer: Peer, request: Request) -> None:
+        """Admit the request: claim its room and take whatever chunks are there already."""
+        self.metrics.inflight.inc()
+        self.open += 1
+        peer.open[request.room] = request
+        tp = peer.decision.tp
+        request.room_log = self.engine.claim(request.room, peer_id=peer.peer_id, request=request,
+                                             prefix_len=request.prefix_len,
+                                             expected=tp.senders.decode_ranks_per_prefill_rank if tp else 1)
+        self._advance(peer, request)
+
+    def _advance(self, peer: Peer, request: Request) -> None:
+        """Take every chunk that has arrived; then wait for the next (callback and deadline), or queue a move."""
+        room_log = request.room_log
+        assert room_log is not None
+        while not request.terminal and not request.moving:
+            if room_log.aborted:
+                self.finish(peer, request, FAILED, Reason.ABORTED,
+                            f"the prefill aborted room {room_log.room}: {room_log.aborted}")
+                return
+            index = request.chunks_done
+            if index >= len(room_log.chunks):
+                self._wait(peer, request, room_log, index)
+                return
+            self._stop_timer(request)
+            chunk = room_log.chunks[index]
+            if not request.transfer.is_dummy:
+                request.moving = True
+                self._queue(peer, request, chunk)
+                return
+            request.chunks_done += 1
+            if chunk.last:
+                self.finish(peer, request, SUCCESS)
+                return
+            peer.publish(request.status())
+
+    def _wait(self, peer: Peer, request: Request, room_log: RoomLog, index: int) -> None:
+        if not request.waiting:
+            request.waiting = True
+            room_log.waiters.append(lambda: self._arrived(peer, request))
+        if request.timer is None:
+            request.timer = asyncio.get_running_loop().call_later(
+                self.limits.match_timeout, self._timed_out, peer, request, index)
+
+    def _arrived(self, peer: Peer, request: Request) -> None:
+        """The room log changed (a chunk, or an abort)."""
+        request.waiting = False
+        if not request.terminal:
+            self._advance(peer, request)
+
+    def _timed_out(self, peer: Peer, request: Request, index: int) -> None:
+        request.timer = None
+        if request.terminal or request.moving or request.chunks_done != index:
+            return
+        error = DeadlineExceededError(
+            f"room {request.room}: chunk {index} did not arrive from the prefill engine in time",
+            reason=Reason.MATCH_TIMEOUT, metadata={"room": request.room, "chunk": index})
+        self.finish(peer, request, FAILED, error.reason, error.message)
+
+    @staticmethod
+    def _stop_timer(request: Request) -> None:
+        if request.timer is not None:
+            request.timer.cancel()
+            request.timer = None
+
+    def finish(self, peer: Peer, request: Request, state: int, reason: Reason | None = None,
+               message: str = "") -> None:
+        """Move a request to a terminal state once, publish it, count it, and keep only its final status."""
+        if request.terminal:
+            return
+        self._stop_timer(request)
+        request.state = state
+        if reason is not None:
+            request.failure_code = reason.code
+            request.failure_reason = message or reason.code
+        request.finished_at = time.monotonic()
+        if peer.open.get(request.room) is request:
+            del peer.open[request.room]
+        room_log = self.engine.rooms.get(request.room)
+        if room_log is not None and room_log.requests.get(peer.peer_id) is request:
+            # Not the request and its pages: its outcome, which PrefillEngine.status reports.
+            room_log.requests[peer.peer_id] = FinalState(
+                request.state, request.failure_code, request.failure_reason, request.bytes,
+                request.aux_bytes, request.state_bytes)
+        request.room_log = None
+        status = request.status()  # built once: kept serialized, and the same message to every stream
+        peer.record_finished(status, self.limits.max_finished_per_peer)
+        self.metrics.inflight.dec()
+        self.metrics.finished(reason.code if reason is not None else "SUCCESS")
+        peer.publish(status)
+        self.open -= 1
+        if not self.open:
+            waiters, self._idle = self._idle, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # -- moving bytes: one task per peer with work ---------------------------------------
+
+    def _queue(self, peer: Peer, request: Request, chunk: Chunk) -> None:
+        queue = self._queues.setdefault(peer.peer_id, deque())
+        queue.append((request, chunk))
+        if peer.peer_id not in self._workers:
+            task = asyncio.get_running_loop().create_task(self._work(peer, queue), name=f"moves-{peer.peer_id}")
+            self._workers[peer.peer_id] = task
+            task.add_done_callback(lambda _: self._workers.pop(peer.peer_id, None))
+
+    async def _work(self, peer: Peer, queue: deque[tuple[Request, Chunk]]) -> None:
+        """Move the peer's queued chunks in order; return when the queue is empty."""
+        try:
+            while queue:
+                request, chunk = queue.popleft()
+                if request.terminal:
+                    continue
+                try:
+                    await self._move(peer, request, chunk)
+                except PdprotoError as exc:
+                    request.moving = False
+                    self.finish(peer, request, FAILED, *self._stopped_or(request, exc.reason, exc.message))
+                    # A dead peer is written off whole; a stuck engine call fails only the requests it holds up.
+                    if exc.reason is Reason.PEER_GONE and self.on_peer_gone is not None:
+                        self.on_peer_gone(peer)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a request must never end silently
+                    log.exception("request room=%s peer=%s failed unexpectedly", request.room, peer.peer_id)
+                    request.moving = False
+                    self.finish(peer, request, FAILED, Reason.INTERNAL, f"internal error: {type(exc).__name__}")
+                    continue
+                request.moving = False
+                if request.cancel_reason is not None:  # stopped while its chunk was in the engine
+                    self.finish(peer, request, FAILED, *request.cancel_reason)
+                    continue
+                request.chunks_done += 1
+                if chunk.last:
+                    self.finish(peer, request, SUCCESS)
+                    continue
+                peer.publish(request.status())
+                self._advance(peer, request)
+        finally:
+            if self._queues.get(peer.peer_id) is queue and not queue:
+                del self._queues[peer.peer_id]
+
+    @staticmethod
+    def _stopped_or(request: Request, reason: Reason, message: str) -> tuple[Reason, str]:
+        """A stopped request ends with why it was stopped, not with how its engine call ended."""
+        return request.cancel_reason or (reason, message)
+
+    async def _move(self, peer: Peer, request: Request, chunk: Chunk) -> None:
+        """Move one chunk's KV rows; after the last, the state and then the aux slot (one worker hop)."""
+        source = self.engine.source
+        state, aux = slot_copies(source, peer, request, chunk) if chunk.last else ([], [])
+        notice = chunk_notice(request, chunk)
+        jobs = [build_job(source, peer, request, chunk, notify=not (state or aux))]
+        extras = [(kind, copies) for kind, copies in (("state", state), ("aux", aux)) if copies]
+        jobs += [slot_job(source, peer, copies, notice if i == len(extras) - 1 else None)
+                 for i, (_, copies) in enumerate(extras)]
+        if request.state != TRANSFERRING:
+            request.state = TRANSFERRING
+            peer.publish(request.status())
+        results = await peer.lane.run(run_jobs, self.engine.executor, peer.peer_id, jobs,
+                                      timeout=self.limits.engine_timeout, what=f"room {request.room} chunk {chunk.index}",
+                                      drain=self.limits.drain_timeout, tag=(request.room, request.generation),
+                                      wanted=lambda: request.cancel_reason is None and not request.terminal)
+        result = results[0]
+        request.bytes += result.bytes
+        request.descriptors += result.descriptors
+        self.metrics.bytes_moved.inc(result.bytes)
+        self.metrics.descriptors.inc(result.descriptors)
+        self.metrics.chunks.inc()
+        self.metrics.pack_fallbacks.inc(int(result.fallback))
+        self.metrics.notifications.inc(int(any(r.notified for r in results)))
+        for (kind, copies), done in zip(extras, results[1:], strict=True):
+            self._count(request, kind, copies, done)
+
+    def _count(self, request: Request, kind: str, copies: list[SlotCopy], result: TransferResult) -> None:
+        """Per-kind bytes and descriptors of an aux or state job, on the request and in metrics."""
+        self.metrics.extra_descriptors.labels(kind=kind).inc(result.descriptors)
+        if kind == "aux":
+            request.aux_bytes += result.bytes
+            request.aux_descriptors += result.descriptors
+            self.metrics.aux_bytes.inc(result.bytes)
+            return
+        request.state_bytes += result.bytes
+        request.state_descriptors += result.descriptors
+        self.metrics.state_bytes.inc(result.bytes)
+        entries = self.engine.source.info.state_entries
+        for c in copies:
+            whole = len(c.segments) == 1 and c.segments[0].length == c.src_item_len == c.dst_item_len
+            split = ("replicated" if entries[c.src_entry].tensors[c.src_tensor].dim == 0
+                     else "whole" if whole else "sliced")
+            self.metrics.state_items.labels(split=split).inc(len(c.items))
+
+    # -- stopping ------------------------------------------------------------------------
+
+    async def stop(self, peer: Peer, request: Request, reason: Reason, message: str) -> bool:
+        """End an open request FAILED with ``reason``; True once no chunk of it is inside the engine.
+
+        A chunk in the engine is waited for up to ``drain_timeout`` (not at all when the peer's
+        lane is stuck) before FAILED is published, exactly once, before any stream of the peer
+        is ended. A request that already failed while its chunk was still in the engine
+        (DEADLINE_EXCEEDED) drains too.
+        """
+        if not request.terminal:
+            if request.cancel_reason is None:
+                request.cancel_reason = (reason, message)
+            if request.moving and not peer.lane.stuck:
+                await drained(peer, request.room, request.generation, self.limits.drain_timeout + 1.0)
+            self.finish(peer, request, FAILED, *request.cancel_reason)
+        return await drained(peer, request.room, request.generation, self.limits.drain_timeout)
+
+    def _room_aborted(self, room: RoomLog) -> None:
+        """The engine aborted a room: fail each decode's open request for it with the engine's reason."""
+        for request in list(room.requests.values()):
+            peer = self.peers.get(request.peer_id) if isinstance(request, Request) else None
+            if peer is not None and isinstance(request, Request) and not request.terminal:
+                task = asyncio.get_running_loop().create_task(self.stop(
+                    peer, request, Reason.ABORTED, f"the prefill aborted room {room.room}: {room.aborted}"))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
+
+    async def idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no request is open; True when none is."""
+        if not self.open:
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle.append(waiter)
+        done, _ = await asyncio.wait([waiter], timeout=timeout)
+        return bool(done)
+
+    async def close(self) -> None:
+        """Stop the peers' move tasks (their engine calls drain, as on a cancelled Abort)."""
+        for worker in list(self._workers.values()):
+            worker.cancel()
+        tasks: list[asyncio.Future[object]] = [*self._workers.values(), *self._aborts]  # type: ignore[list-item]
+        if tasks:
+            # Their requests are failed already; what is left is their engine calls' drain.
+            await asyncio.wait(tasks, timeout=self.limits.drain_timeout + 1.0)
+
+
+__all__ = ["TransferRunner", "drained"]
