@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from pdproto.errors import (
@@ -28,6 +28,7 @@ from pdproto.v1 import (
 )
 
 from .engine import PrefillEngine
+from .expiry import Deadlines
 from .feed import StatusFeed
 from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
@@ -56,6 +57,12 @@ class HandshakeCore:
         self._streams_closed = False
         self._registering = 0
         self._janitor: asyncio.Task[None] | None = None
+        engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
+        self.deadlines: Deadlines[Peer] = Deadlines()
+        """When to look at a peer again: its oldest kept final status expires, or it is gone long enough."""
+        self.runner.on_kept = lambda peer: self.deadlines.add(time.monotonic() + self.limits.keep_finished, peer)
+        self.on_tick: list[Callable[[float], None]] = []
+        """Also called on each housekeeping tick, with the time (the sessions' expiry)."""
 
     @property
     def info(self) -> server_info_pb2.PrefillServerInfo:
@@ -219,6 +226,7 @@ class HandshakeCore:
         if peer.closed or peer.gone_at is not None:
             return
         peer.gone_at = time.monotonic()
+        self.deadlines.add(peer.gone_at + self.limits.keep_finished, peer)
         log.warning("peer %s is gone (engine reported PEER_GONE); freeing its state", peer.peer_id)
         self._spawn(self._release_gone(peer), f"gone-{peer.peer_id}")
 
@@ -346,17 +354,26 @@ class HandshakeCore:
             except Exception:  # noqa: BLE001 - housekeeping must outlive one bad tick
                 log.exception("housekeeping failed; retrying next tick")
 
-    async def _expire(self) -> None:
-        dropped = self.engine.expire(orphan_after=self.limits.match_timeout,
-                                     keep_finished=self.limits.keep_finished)
+    async def _expire(self, now: float | None = None) -> None:
+        """One tick: drop what fell due (rooms, final statuses, gone peers, detached sessions), nothing else."""
+        dropped = self.engine.expire(now)
         if dropped:
             log.warning("dropped %d prefill rooms no decode claimed in time: %s", len(dropped), dropped[:8])
-        now = time.monotonic()
-        for peer in list(self.registry.peers.values()):
-            if peer.gone_at is not None and now - peer.gone_at > self.limits.keep_finished and not peer.open:
-                await self._drop(peer, Reason.PEER_GONE, "the decode process is gone")
+        now = time.monotonic() if now is None else now
+        keep = self.limits.keep_finished
+        for peer in self.deadlines.take_due(now):
+            if peer.closed:
                 continue
-            peer.expire_finished(now - self.limits.keep_finished)
+            if peer.gone_at is not None and now - peer.gone_at >= keep:
+                if not peer.open:
+                    await self._drop(peer, Reason.PEER_GONE, "the decode process is gone")
+                    continue
+                self.deadlines.add(now + 1.0, peer)  # its requests are still being failed
+            peer.expire_finished(now - keep)
+            if peer.finished:
+                self.deadlines.add(next(iter(peer.finished.values())).at + keep, peer)
+        for tick in self.on_tick:
+            tick(now)
 
     def stats(self) -> dict[str, int]:
         """What the service holds right now, as counts (loop thread; introspection for tests and operators)."""

@@ -13,6 +13,7 @@ decodes see (``abort``). Every public method is safe from any thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from pdproto.errors import (
 )
 from pdproto.transfer import Buffer, TransferExecutor
 from pdproto.v1 import common_pb2, server_info_pb2
+
+from .expiry import Deadlines
 
 I64 = npt.NDArray[np.int64]
 
@@ -107,9 +110,9 @@ class KvSource:
         """Global tokens per source page index (``page_size * dcp.size``; dense: the page size)."""
         return self.page_size * max(int(self.info.dcp.size), 1)
 
-    @property
+    @functools.cached_property
     def num_pages(self) -> int:
-        """Pages every entry holds (the smallest buffer decides)."""
+        """Pages every entry holds (the smallest buffer decides; computed once, every chunk is checked with it)."""
         return min(b.length // e.item_len for b, e in zip(self.buffers, self.info.kv_entries, strict=True))
 
 
@@ -279,6 +282,12 @@ class PrefillEngine:
         """Called (loop thread) when the engine aborts a room; the service fails its requests."""
         self._aborted: dict[int, str] = {}
         """Rooms the engine aborted, readable at once from any thread (the loop applies them later)."""
+        self.orphan_after = 30.0
+        """Seconds an unclaimed room (or a claimed one nobody finishes) is kept (the service sets it)."""
+        self.keep_finished = 60.0
+        """Seconds a finished room is kept (the service sets it)."""
+        self.deadlines: Deadlines[RoomLog] = Deadlines()
+        """When to look at each room again: ``expire`` takes only what is due."""
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the service's event loop (called by the service)."""
@@ -288,8 +297,18 @@ class PrefillEngine:
         """The room's log, created on first use (loop thread only)."""
         log = self.rooms.get(room)
         if log is None:
-            log = self.rooms[room] = RoomLog(room)
+            log = self._new_log(RoomLog(room))
         return log
+
+    def _new_log(self, log: RoomLog) -> RoomLog:
+        """Keep ``log`` as its room's log, and look at it again once it could be an orphan."""
+        self.rooms[log.room] = log
+        self.deadlines.add(log.created + self.orphan_after, log)
+        return log
+
+    def _finished(self, log: RoomLog) -> None:
+        log.finished_at = time.monotonic()
+        self.deadlines.add(log.finished_at + self.keep_finished, log)
 
     def claim(self, room: int, *, peer_id: str = "", request: RequestView | None = None,
               prefix_len: int | None = None, expected: int = 1) -> RoomLog:
@@ -378,12 +397,12 @@ class PrefillEngine:
         log = self.room(room)
         if log.finished:
             # A new prefill of a finished room starts a new generation of its chunks.
-            log = self.rooms[room] = RoomLog(room, claimed=log.claimed)
+            log = self._new_log(RoomLog(room, claimed=log.claimed))
         page_offset = log.tokens // self.source.virtual_page
         log.chunks.append(Chunk(len(log.chunks), pages, num_tokens, page_offset, last, *extras))
         log.tokens += num_tokens
         if last:
-            log.finished_at = time.monotonic()
+            self._finished(log)
         log._notify()
 
     def decode_prefix_len(self, room: int) -> int | None:
@@ -418,7 +437,7 @@ class PrefillEngine:
         log = self.room(room)
         log.aborted = reason
         if log.finished_at is None:
-            log.finished_at = time.monotonic()  # expires like a finished room
+            self._finished(log)  # expires like a finished room
         log._notify()
         if self.on_abort is not None:
             self.on_abort(log)
@@ -429,21 +448,29 @@ class PrefillEngine:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.rooms.pop, room, None)
 
-    def expire(self, *, orphan_after: float, keep_finished: float) -> list[int]:
+    def expire(self, now: float | None = None) -> list[int]:
         """Drop rooms no decode claimed within ``orphan_after`` s, rooms finished ``keep_finished`` s ago,
         and claimed rooms the prefill never finished whose every request is over (they waited
-        ``orphan_after`` for chunks): a decode naming rooms nobody computes must not grow the map."""
-        now = time.monotonic()
+        ``orphan_after`` for chunks): a decode naming rooms nobody computes must not grow the map.
+
+        Only rooms that fall due now are looked at (``deadlines``), not every room kept.
+        """
+        now = time.monotonic() if now is None else now
         dropped = []
-        for room, log in list(self.rooms.items()):
-            orphan = not log.claimed and now - log.created > orphan_after
-            stale = log.finished_at is not None and now - log.finished_at > keep_finished
-            abandoned = (log.claimed and now - log.created > orphan_after + keep_finished
-                         and all(r.state in _DONE for r in log.requests.values()))
+        for log in self.deadlines.take_due(now):
+            if self.rooms.get(log.room) is not log:
+                continue  # released, or replaced by a new prefill of the room
+            orphan = not log.claimed and now - log.created >= self.orphan_after
+            stale = log.finished_at is not None and now - log.finished_at >= self.keep_finished
+            over = all(r.state in _DONE for r in log.requests.values())
+            abandoned = log.claimed and now - log.created >= self.orphan_after + self.keep_finished and over
             if orphan or stale or abandoned:
-                dropped.append(room)
-                del self.rooms[room]
-                self._aborted.pop(room, None)
+                dropped.append(log.room)
+                del self.rooms[log.room]
+                self._aborted.pop(log.room, None)
+            elif log.finished_at is None:
+                # Claimed and unfinished: look again once it could count as abandoned.
+                self.deadlines.add(max(log.created + self.orphan_after + self.keep_finished, now + 1.0), log)
         return dropped
 
 

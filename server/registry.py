@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -63,7 +63,8 @@ class Request:
     room: int
     generation: int
     transfer: transfer_pb2.TransferInfo
-    dst_pages: npt.NDArray[np.int64]
+    dst_pages: Sequence[int]
+    """Destination pages after the prefix (the TransferInfo's own list; the planner reads it per chunk)."""
     prefix_len: int
     prefill_rank: int
     state: int = common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
@@ -176,12 +177,17 @@ class Peer:
         """The current status of every request the peer has a record of (finished first)."""
         return [*(f.status() for f in self.finished.values()), *(r.status() for r in self.open.values())]
 
-    def record_finished(self, status: transfer_pb2.TransferStatus, keep: int) -> None:
-        """Keep a finished request's final status (only that), at most ``keep`` of them, oldest out first."""
+    def record_finished(self, status: transfer_pb2.TransferStatus, keep: int) -> bool:
+        """Keep a finished request's final status (only that), at most ``keep`` of them, oldest out first.
+
+        True when it is the only one kept now (the peer's expiry has to be scheduled).
+        """
+        first = not self.finished
         self.finished.pop(status.room, None)
         self.finished[status.room] = Finished(time.monotonic(), int(status.generation), status.SerializeToString())
         while len(self.finished) > keep:
             del self.finished[next(iter(self.finished))]
+        return first
 
     def expire_finished(self, before: float) -> int:
         """Forget final statuses recorded before ``before``; walks only what expires (oldest are first)."""

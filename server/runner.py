@@ -59,6 +59,8 @@ class TransferRunner:
         self.limits = limits
         self.on_peer_gone: Callable[[Peer], None] | None = None
         """Called when the executor reports the peer dead, so its other requests fail now."""
+        self.on_kept: Callable[[Peer], None] | None = None
+        """Called when a peer keeps a final status and kept none before (its expiry starts)."""
         self.open = 0
         """Requests started and not finished, over every peer."""
         self._idle: list[asyncio.Future[None]] = []
@@ -155,7 +157,8 @@ class TransferRunner:
                 request.aux_bytes, request.state_bytes)
         request.room_log = None
         status = request.status()  # built once: kept serialized, and the same message to every stream
-        peer.record_finished(status, self.limits.max_finished_per_peer)
+        if peer.record_finished(status, self.limits.max_finished_per_peer) and self.on_kept is not None:
+            self.on_kept(peer)
         self.metrics.inflight.dec()
         self.metrics.finished(reason.code if reason is not None else "SUCCESS")
         peer.publish(status)

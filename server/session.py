@@ -33,6 +33,7 @@ from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
 from ._status import command_error
 from .core import HandshakeCore
+from .expiry import Deadlines
 from .registry import Peer
 
 log = logging.getLogger("pdproto_server.session")
@@ -46,6 +47,10 @@ class _Stream:
         self.wake = asyncio.Event()
         self.replaced = False
         """A newer stream resumed the session: this one stops at once."""
+        self.writing = False
+        """A write is in progress (one at a time); whoever writes sends everything sendable."""
+        self.applying = False
+        """The reader is applying commands and writes what they produced itself: no wake-up needed."""
 
 
 class ServerSession:
@@ -82,7 +87,7 @@ class ServerSession:
 
     def wake(self) -> None:
         """Tell the attached stream's writer to look at the log."""
-        if self.stream is not None:
+        if self.stream is not None and not self.stream.applying:
             self.stream.wake.set()
 
 
@@ -94,6 +99,9 @@ class SessionHub:
         self.command_window = command_window
         self.sessions: dict[str, ServerSession] = {}
         self.started_at = time.monotonic()
+        self.detached: Deadlines[ServerSession] = Deadlines()
+        """Sessions without a stream, due to be forgotten ``keep_finished`` after they lost it."""
+        core.on_tick.append(self.expire)
 
     # -- opening -------------------------------------------------------------
 
@@ -126,7 +134,6 @@ class SessionHub:
             event_window=session.log.event_window, command_window=session.log.command_window)
 
     def _new(self, peer: Peer, event_window: int) -> ServerSession:
-        self.expire(time.monotonic())
         mine = self.of(peer)
         if len(peer.feeds) >= self.core.limits.max_streams_per_peer:
             # Make room with the session detached longest (its client would resume it, not start anew).
@@ -153,10 +160,10 @@ class SessionHub:
         session.peer.feeds.discard(session)
 
     def expire(self, now: float) -> None:
-        """Forget sessions detached for longer than ``keep_finished``."""
+        """Forget sessions detached for ``keep_finished`` (only those due are looked at)."""
         keep = self.core.limits.keep_finished
-        for session in list(self.sessions.values()):
-            if session.detached_at is not None and now - session.detached_at > keep:
+        for session in self.detached.take_due(now):
+            if session.detached_at is not None and now - session.detached_at >= keep:
                 self.drop(session)
 
     # -- one stream ------------------------------------------------------------
@@ -181,32 +188,55 @@ class SessionHub:
                 session.detached_at = time.monotonic()
                 if session.ended is not None:
                     self.drop(session)
+                else:
+                    self.detached.add(session.detached_at + self.core.limits.keep_finished, session)
 
     async def _write(self, context: Ctx, session: ServerSession, stream: _Stream,
                      opened: session_pb2.SessionOpened, reader: asyncio.Task[None]) -> None:
-        await context.write(hs.SessionResponse(opened=opened, events=session.log.take()))
+        """Write what the log has whenever woken (statuses that change later); end the stream when told."""
+        stream.writing = True
+        try:
+            await context.write(hs.SessionResponse(opened=opened, events=session.log.take()))
+        finally:
+            stream.writing = False
         while True:
-            if not session.log.sendable:
+            await self._flush(context, session, stream)
+            if stream.replaced:
+                return
+            if not session.log.sendable and not stream.writing:
                 if session.ended is not None and not session.log.queued:
                     raise session.ended  # everything it may send is written: end with the reason
                 if reader.done():
                     reader.result()  # the client's error (a protocol violation) ends the stream
                     return  # the client closed its side
-                stream.wake.clear()
-                await stream.wake.wait()
-            if stream.replaced:
-                return
-            events = session.log.take()
-            if events:
-                await context.write(hs.SessionResponse(events=events))
+            stream.wake.clear()
+            await stream.wake.wait()
+
+    @staticmethod
+    async def _flush(context: Ctx, session: ServerSession, stream: _Stream) -> None:
+        """Write every sendable event, in as few messages as the window allows; one writer at a time."""
+        if stream.writing:
+            return
+        stream.writing = True
+        try:
+            while session.log.sendable and not stream.replaced:
+                await context.write(hs.SessionResponse(events=session.log.take()))
+        finally:
+            stream.writing = False
+            if session.ended is not None or session.log.sendable:
+                stream.wake.set()  # the writer task ends the stream, or sends what came meanwhile
 
     async def _read(self, context: Ctx, session: ServerSession, stream: _Stream, first: hs.SessionRequest) -> None:
         try:
             message = first  # its acknowledgement was applied when it opened the session
             while True:
                 session.held.extend(message.commands)
-                await self._apply(session)
-                stream.wake.set()
+                stream.applying = True
+                try:
+                    await self._apply(session)
+                finally:
+                    stream.applying = False
+                await self._flush(context, session, stream)
                 while len(session.held) >= session.log.command_window and session.ended is None:
                     # A client beyond its window: read nothing more (HTTP/2 flow control then
                     # stops its writes) until results free credit.

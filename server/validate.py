@@ -10,6 +10,8 @@ every transfer later (DCP size 2^31 used to be).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -138,15 +140,25 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
     return reg
 
 
-def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> npt.NDArray[np.int64]:
-    """The destination pages of ``t``, checked with its aux index and state slots against the
-    memory the peer registered."""
-    pages = np.asarray(t.dst_kv_pages, dtype=np.int64)
+_NUMPY_FROM = 256
+"""Page lists at least this long are bounded with numpy; shorter ones (most) in plain Python, which is cheaper."""
+
+
+def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> Sequence[int]:
+    """The destination pages of ``t`` (the message's own list, not a copy), checked with its aux
+    index and state slots against the memory the peer registered."""
+    pages = t.dst_kv_pages
     bad: list[tuple[str, str]] = []
-    if not t.is_dummy and pages.size == 0:
+    if not t.is_dummy and not pages:
         bad.append(("transfer.dst_kv_pages", "a non-dummy request needs destination pages"))
-    if pages.size and int(pages.min()) < 0:
-        bad.append(("transfer.dst_kv_pages", "page indexes must be >= 0"))
+    if pages:
+        if len(pages) >= _NUMPY_FROM:
+            array = np.asarray(pages, dtype=np.int64)
+            low, high = int(array.min()), int(array.max())
+        else:
+            low, high = min(pages), max(pages)
+        if low < 0:
+            bad.append(("transfer.dst_kv_pages", "page indexes must be >= 0"))
     _most("transfer.decode_prefix_len", t.decode_prefix_len, Bounds.PREFIX, bad)
     _most("transfer.required_dst_info_num", t.required_dst_info_num, Bounds.GROUP, bad)
     _count("transfer.dst_state_indices", len(t.dst_state_indices), Bounds.ENTRIES, bad)
@@ -158,8 +170,8 @@ def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> npt.NDArray[np.i
         bad.append(("transfer.notify_endpoint.port", "must be <= 65535"))
     if bad:
         raise InvalidFieldError.of(bad)
-    if pages.size:
-        _check_bounds(peer, int(pages.max()))
+    if pages:
+        _check_bounds(peer, high)
     tp = peer.decision.tp
     if tp is not None:
         # Refused here, before anything moves; the executor bounds every write again.
