@@ -5,7 +5,8 @@ Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-ra
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
 the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
-``abort_room`` call the engine's room API, ``stats`` reads the service's introspection counters.
+``abort_room`` call the engine's room API, ``stats`` reads what the service and its executor
+wrote (what the service holds is its ``Describe`` RPC: ``pdproto status``).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class PrefillRank:
         return {}
 
     def stats(self) -> Reply:
-        """Introspection: what the service still holds and what the executor did."""
+        """What the service wrote per kind and what the executor did (the service's state: ``Describe``)."""
         out: Reply = self.service.call(self._snapshot(), 10)
         st = self.executor.stats
         out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
@@ -124,21 +125,8 @@ class PrefillRank:
         return out
 
     async def _snapshot(self) -> Reply:
-        """Read the service state on its own loop (no locks needed there)."""
-        peers = self.core.registry.peers
-        statuses = {f"{pid}/{st.room}": [st.generation, st.state, st.failure_code]
-                    for pid, p in peers.items() for st in (f.status() for f in p.finished.values())}
-        statuses.update({f"{pid}/{r.room}": [r.generation, r.state, r.failure_code]
-                         for pid, p in peers.items() for r in p.open.values()})
-        return {
-            **self.core.stats(),
-            "peer_ids": sorted(peers),
-            "versions": sorted(f"{p.result.version.major}.{p.result.version.minor}" for p in peers.values()),
-            "requests": statuses,
-            "outcomes": {s.labels["outcome"]: s.value for m in self.core.metrics.requests.collect()
-                         for s in m.samples if s.name.endswith("_total")},
-            "moved": self._moved(),
-        }
+        """What this process's service wrote, per kind (its peers and requests: ``Describe``)."""
+        return {"moved": self._moved()}
 
     def _moved(self) -> Reply:
         """What the service wrote, per kind (from its metrics)."""

@@ -382,24 +382,6 @@ class HandshakeCore:
         for tick in self.on_tick:
             tick(now)
 
-    def stats(self) -> dict[str, int]:
-        """What the service holds right now, as counts (loop thread; introspection for tests and operators)."""
-        peers = list(self.registry.peers.values())
-        held = [*peers, *self.registry.retired.values()]
-        return {
-            "peers": len(peers),
-            "live_peers": self.registry.live(),
-            "retired_peers": len(self.registry.retired),
-            "held_peers": self.registry.held(),
-            "open_requests": sum(len(p.open) for p in peers),
-            "moving_requests": sum(1 for p in peers for r in p.open.values() if r.moving),
-            "finished_statuses": sum(len(p.finished) for p in peers),
-            "streams": sum(len(p.feeds) for p in peers),
-            "busy_lanes": sum(1 for p in held if p.lane.busy),
-            "stuck_lanes": sum(1 for p in held if p.lane.stuck),
-            "rooms": len(self.engine.rooms),
-        }
-
     def open_requests(self) -> list[tuple[Peer, Request]]:
         """Every open request of every peer."""
         return [(p, r) for p in self.registry.peers.values() for r in p.open_requests()]

@@ -59,6 +59,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) 
     peers = list(core.registry.peers.values())
     shown = [p for p in peers if not request.peer_id or p.peer_id == request.peer_id]
     most_open = max((len(p.open) for p in peers), default=0)
+    held = [*peers, *core.registry.retired.values()]
     return hs.DescribeResponse(
         version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
         prefill_rank=core.engine.prefill_rank,
@@ -77,6 +78,8 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) 
         open_requests=sum(len(p.open) for p in peers),
         outcomes=core.metrics.outcomes,
         rooms=len(core.engine.rooms),
+        engine_calls=sum(1 for p in held if p.lane.busy),
+        engine_calls_stuck=sum(1 for p in held if p.lane.stuck),
     )
 
 

@@ -62,11 +62,11 @@ def _healthy(c: Cluster, out: Outcome, *, expect_peers: int) -> None:
 
     def idle() -> dict[str, object] | None:
         s = prefill_stats(c)
-        return s if s["open_requests"] == 0 and s["running_tasks"] == 0 else None
+        return s if s["open_requests"] == 0 and s["engine_calls"] == 0 else None
 
     st = wait_until(idle, 15) or prefill_stats(c)
     out.expect(st["open_requests"] == 0, f"open requests left: {st['open_requests']}")
-    out.expect(st["running_tasks"] == 0, f"request tasks left: {st['running_tasks']}")
+    out.expect(st["engine_calls"] == 0, f"engine calls left: {st['engine_calls']}")
     out.extra["peers_after"] = st["peers"]
     if st["peers"] != expect_peers:
         out.notes.append(f"server holds {st['peers']} peers, {expect_peers} alive")

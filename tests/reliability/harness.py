@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdproto import v1
+from pdproto.client import HandshakeClient
 from pdproto_demo.cluster import Cluster, Geometry, RequestResult, Topology
 
 # Fault runs use a small model: 8 MLA layers, requests up to 8K tokens.
@@ -103,9 +105,29 @@ def small_cluster(backend: str, *, decodes: int = 2, geometry: Geometry = FAULT_
     return c
 
 
-def prefill_stats(c: Cluster) -> dict[str, Any]:
-    """Introspection of the (single) dense prefill rank."""
-    return c.prefills[1][0].call("stats", timeout=20)
+def prefill_stats(c: Cluster, group: int = 1, rank: int = 0) -> dict[str, Any]:
+    """What a prefill rank holds, from its ``Describe`` RPC (what ``pdproto status`` prints).
+
+    peers (gone ones too), live_peers, peer_ids, versions, open_requests, engine_calls (in
+    flight), outcomes (finished requests by outcome), requests ("peer/room" -> [generation,
+    state, failure code], open and kept final ones).
+    """
+    with HandshakeClient(f"127.0.0.1:{c.ports[group][rank]}", token=c.token, timeout=20, session=False) as client:
+        d = client.describe(request_limit=100_000, include_finished=True)
+    requests: dict[str, list[Any]] = {}
+    for p in d.peers:
+        requests.update({f"{p.peer_id}/{s.room}": [s.generation, s.state, s.failure_code] for s in p.finished})
+        requests.update({f"{p.peer_id}/{r.room}": [r.generation, r.state, ""] for r in p.requests})
+    return {
+        "peers": len(d.peers),
+        "live_peers": sum(1 for p in d.peers if p.state == v1.PEER_STATE_LIVE),
+        "peer_ids": sorted(p.peer_id for p in d.peers),
+        "versions": sorted(f"{p.result.version.major}.{p.result.version.minor}" for p in d.peers),
+        "open_requests": d.open_requests,
+        "engine_calls": d.engine_calls,
+        "outcomes": dict(d.outcomes),
+        "requests": requests,
+    }
 
 
 def request_state(c: Cluster, room: int) -> dict[str, list[Any]]:

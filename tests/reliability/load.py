@@ -14,7 +14,7 @@ import numpy as np
 
 from pdproto_demo.cluster import Cluster, Geometry, Topology
 
-from .harness import LOG_DIR, Outcome
+from .harness import LOG_DIR, Outcome, prefill_stats
 
 PROMPTS = (63, 64, 65, 255, 256, 257, 1000, 2048, 4095, 4096)
 GROUPS = 4
@@ -58,9 +58,9 @@ def load(backend: str, requests_per_peer: int = 200, seed: int = 1) -> Outcome:
             f"{out.runs} requests ({out.runs * DCP} peer-requests) in {wall:.1f} s: "
             f"{out.runs / wall:.1f} req/s, {total_bytes / wall / 1e9:.2f} GB/s KV, latency p50 "
             f"{out.extra['p50_ms']:.0f} ms p99 {out.extra['p99_ms']:.0f} ms (after the first round)")
-        st = c.prefills[1][0].call("stats")
-        out.expect(st["open_requests"] == 0 and st["running_tasks"] == 0,
-                   f"server left work open: {st['open_requests']} requests, {st['running_tasks']} tasks")
+        st = prefill_stats(c)
+        out.expect(st["open_requests"] == 0 and st["engine_calls"] == 0,
+                   f"server left work open: {st['open_requests']} requests, {st['engine_calls']} engine calls")
         out.expect(st["peers"] == GROUPS * DCP, f"server holds {st['peers']} peers")
     finally:
         c.close()

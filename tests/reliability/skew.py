@@ -15,7 +15,7 @@ from pdproto.v1 import transfer_pb2
 from pdproto_demo.cluster import Cluster, Topology
 from pdproto_demo.proc import ChildError
 
-from .harness import FAULT_GEOMETRY, LOG_DIR, Outcome
+from .harness import FAULT_GEOMETRY, LOG_DIR, Outcome, prefill_stats
 from tests.golden.generate import unpack_container
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "golden")
@@ -123,7 +123,7 @@ def minor_skew(backend: str) -> Outcome:
         out.faults = 2
         for tokens in (2048, 8192):
             out.count(c.run_request(tokens, 256))
-        st = c.prefills[1][0].call("stats")
+        st = prefill_stats(c)
         out.expect(st["peers"] == 2, f"server holds {st['peers']} peers")
         out.notes.append(f"agreed versions: {st.get('versions')}")
     except ChildError as exc:
