@@ -35,7 +35,7 @@ from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, PeerRegistry, Request, StatusSink, identity_of
 from .runner import TransferRunner, drained
-from .validate import check_registration, check_transfer
+from .validate import check_registration, check_transfer, page_limit
 
 log = logging.getLogger("pdproto_server.core")
 
@@ -171,6 +171,7 @@ class HandshakeCore:
                 peer = Peer(peer_id=peer_id, registration=reg, decision=verdict, result=verdict.to_proto(peer_id),
                             identity=identity, lane=Lane(self.pool, peer_id),
                             credential=self.registry.new_credential())
+                peer.page_limit = page_limit(peer)
                 try:
                     if self._inline_connect:
                         self.engine.executor.connect(peer_id, reg)  # maps local memory: no thread hop
@@ -292,8 +293,9 @@ class HandshakeCore:
                       dst_pages=pages, prefix_len=info.decode_prefix_len,
                       prefill_rank=self.engine.prefill_rank)
         self.runner.start(peer, req)
-        # WAITING_FOR_INPUT travels in this response; streams report changes from here on.
-        return req.status()
+        # The status right after admission travels in this response (a request whose chunks were
+        # all there may be over already); streams report changes from here on.
+        return req.final or req.status()
 
     async def abort(self, request: hs.AbortRequest) -> transfer_pb2.AbortAck:
         """Abort a request generation; answers once its in-flight chunk has drained.

@@ -105,7 +105,7 @@ class KvSource:
         """Tokens per page."""
         return int(self.info.page_size)
 
-    @property
+    @functools.cached_property
     def virtual_page(self) -> int:
         """Global tokens per source page index (``page_size * dcp.size``; dense: the page size)."""
         return self.page_size * max(int(self.info.dcp.size), 1)

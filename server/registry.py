@@ -89,6 +89,8 @@ class Request:
     """A chunk of it is queued for, or inside, the engine."""
     cancel_reason: tuple[Reason, str] | None = None
     """Why it was stopped (ABORTED, PEER_GONE, SHUTTING_DOWN); it ends FAILED with this."""
+    final: transfer_pb2.TransferStatus | None = None
+    """Its terminal status, once it has one (the message every stream got)."""
 
     @property
     def terminal(self) -> bool:
@@ -157,6 +159,8 @@ class Peer:
     """When the engine reported the peer's process dead (or stuck); its record stays for inspection."""
     streams_ended: bool = False
     """Every request is terminal and every stream was told so; a new stream ends after its snapshot."""
+    page_limit: tuple[int, int] = (-1, -1)
+    """(pages, entry) of its smallest paired KV buffer of known length (-1: none): what a page must be below."""
 
     def __hash__(self) -> int:
         return id(self)

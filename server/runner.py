@@ -156,7 +156,7 @@ class TransferRunner:
                 request.state, request.failure_code, request.failure_reason, request.bytes,
                 request.aux_bytes, request.state_bytes)
         request.room_log = None
-        status = request.status()  # built once: kept serialized, and the same message to every stream
+        status = request.final = request.status()  # built once: kept serialized, sent to every stream
         if peer.record_finished(status, self.limits.max_finished_per_peer) and self.on_kept is not None:
             self.on_kept(peer)
         self.metrics.inflight.dec()

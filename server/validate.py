@@ -179,20 +179,29 @@ def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> Sequence[int]:
     return pages
 
 
-def _check_bounds(peer: Peer, max_page: int) -> None:
-    """Every paired destination buffer must hold ``max_page`` (when its length is known)."""
+def page_limit(peer: Peer) -> tuple[int, int]:
+    """(pages, entry) of the smallest paired destination buffer whose length is known; (-1, -1) if none."""
+    limit, entry = -1, -1
     for pairing in peer.decision.pairings:
         buf = peer.registration.kv_buffers[pairing.dst_entry]
         if not buf.length or not buf.item_len:
             continue  # length 0 means unknown; the executor still bounds each write
         pages = buf.length // buf.item_len
-        if max_page >= pages:
-            raise DestinationOutOfBoundsError(
-                f"destination page {max_page} is outside the {pages} pages registered for entry "
-                f"{pairing.dst_entry}", reason=Reason.DESTINATION_OUT_OF_BOUNDS,
-                metadata={"maxPage": max_page, "registeredPages": pages, "entry": pairing.dst_entry})
+        if limit < 0 or pages < limit:
+            limit, entry = pages, pairing.dst_entry
+    return limit, entry
+
+
+def _check_bounds(peer: Peer, max_page: int) -> None:
+    """Every paired destination buffer must hold ``max_page`` (when its length is known)."""
+    pages, entry = peer.page_limit
+    if 0 <= pages <= max_page:
+        raise DestinationOutOfBoundsError(
+            f"destination page {max_page} is outside the {pages} pages registered for entry "
+            f"{entry}", reason=Reason.DESTINATION_OUT_OF_BOUNDS,
+            metadata={"maxPage": max_page, "registeredPages": pages, "entry": entry})
     if max_page > _MAX_PAGE:
         raise InvalidFieldError.of([("transfer.dst_kv_pages", "page index too large")])
 
 
-__all__ = ["Bounds", "check_registration", "check_transfer"]
+__all__ = ["Bounds", "check_registration", "check_transfer", "page_limit"]
