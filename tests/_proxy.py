@@ -76,7 +76,7 @@ class CuttableProxy:
         self._dropping = False
         for writer in list(self._writers):
             sock = writer.get_extra_info("socket")
-            if sock is not None:
+            if sock is not None and sock.fileno() >= 0:  # the other side may have closed it already
                 # Reset, not a polite close: the peer sees a broken connection.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
             writer.transport.abort()

@@ -180,6 +180,20 @@ async def _flood(target: str, peer_id: str, credential: bytes, pages: list[int],
             call.cancel()
 
 
+async def _open_raw(target: str, peer_id: str, credential: bytes, resume: str) -> hs.SessionResponse:
+    """Open (or resume) a session with a bare stream and return the server's first message."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = hs_grpc.HandshakeServiceStub(channel).Session()
+        await call.write(hs.SessionRequest(open=session_pb2.SessionOpen(
+            peer_id=peer_id, peer_credential=credential, resume_session_id=resume)))
+        first = await call.read()
+        if not isinstance(first, hs.SessionResponse):
+            await call  # raises the stream's status
+        call.cancel()
+        assert isinstance(first, hs.SessionResponse)
+        return first
+
+
 def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
     flooder, good = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=64)
     try:
@@ -209,6 +223,13 @@ def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
                 # The server applied no more than the command window, and the flooder's writes stalled.
                 assert applied <= DEFAULT_COMMAND_WINDOW, applied
                 assert written[0] == stalled_at and written[0] < 20_000, written[0]
+                # A session id is no capability: another peer's credential cannot resume it.
+                opened = asyncio.run(_open_raw(srv.target, good_id, client.credential(good_id), ""))
+                assert opened.opened.session_id
+                with pytest.raises(grpc.RpcError) as stolen:
+                    asyncio.run(_open_raw(srv.target, bad_id, client.credential(bad_id), opened.opened.session_id))
+                assert stolen.value.code() is grpc.StatusCode.NOT_FOUND
+                assert "SESSION_NOT_FOUND" in str(stolen.value.trailing_metadata())
             finally:
                 loop.call_soon_threadsafe(stop.set)
                 flood.join(10)
