@@ -50,9 +50,6 @@ class BackendSpec:
     the endpoint carries none a prefill can read (NIXL's metadata is opaque)."""
     notifications: bool = False
     """True when the engine delivers notifications to the decode (chunk notices arrive there)."""
-    blocking_connect: bool = True
-    """False when connecting to a peer cannot wait on the network (the server then connects inline,
-    without a hop to the peer's engine thread)."""
 
     def identity_of(self, registration: registration_pb2.KvRegistration) -> str:
         """The value of this engine's identity field in ``registration`` ("" when unset)."""
@@ -65,7 +62,7 @@ ALL: tuple[BackendSpec, ...] = (
     BackendSpec("nixl", common_pb2.BACKEND_NIXL, "nixl", registration_pb2.NixlEndpoint,
                 "agent_name", "pdproto.transfer.nixl:NixlExecutor", notifications=True),
     BackendSpec("local", common_pb2.BACKEND_LOCAL, "local", registration_pb2.LocalEndpoint,
-                "shm_name", "pdproto.transfer.local:LocalExecutor", single_host=True, blocking_connect=False),
+                "shm_name", "pdproto.transfer.local:LocalExecutor", single_host=True),
 )
 """Every engine pdproto can move bytes with."""
 

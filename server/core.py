@@ -20,7 +20,6 @@ from pdproto.errors import (
     ResourceLimitError,
     ShuttingDownError,
 )
-from pdproto import backends
 from pdproto.topology import Rejection, negotiate
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
@@ -59,9 +58,6 @@ class HandshakeCore:
         self._registering = 0
         self._janitor: asyncio.Task[None] | None = None
         engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
-        spec = next((b for b in backends.ALL if b.name == engine.executor.backend), None)
-        self._inline_connect = spec is not None and not spec.blocking_connect
-        """The engine's connect cannot block (``BackendSpec.blocking_connect``): Register runs it inline."""
         self.deadlines: Deadlines[Peer] = Deadlines()
         """When to look at a peer again: its oldest kept final status expires, or it is gone long enough."""
         self.runner.on_kept = lambda peer: self.deadlines.add(time.monotonic() + self.limits.keep_finished, peer)
@@ -173,11 +169,8 @@ class HandshakeCore:
                             credential=self.registry.new_credential())
                 peer.page_limit = page_limit(peer)
                 try:
-                    if self._inline_connect:
-                        self.engine.executor.connect(peer_id, reg)  # maps local memory: no thread hop
-                    else:
-                        await peer.lane.run(self.engine.executor.connect, peer_id, reg,
-                                            timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
+                    await peer.lane.run(self.engine.executor.connect, peer_id, reg,
+                                        timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
                 except BaseException:
                     # Never admitted; its connect (maybe still running) is undone in the background.
                     self.registry.remove(peer)
