@@ -360,7 +360,8 @@ class HandshakeCore:
         """One tick: drop what fell due (rooms, final statuses, gone peers, detached sessions), nothing else."""
         dropped = self.engine.expire(now)
         if dropped:
-            log.warning("dropped %d prefill rooms no decode claimed in time: %s", len(dropped), dropped[:8])
+            log.warning("dropped %d prefill rooms no decode claimed, or the prefill never finished, in time: %s",
+                        len(dropped), dropped[:8])
         now = time.monotonic() if now is None else now
         keep = self.limits.keep_finished
         for peer in self.deadlines.take_due(now):

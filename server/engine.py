@@ -453,7 +453,9 @@ class PrefillEngine:
         and claimed rooms the prefill never finished whose every request is over (they waited
         ``orphan_after`` for chunks): a decode naming rooms nobody computes must not grow the map.
 
-        Only rooms that fall due now are looked at (``deadlines``), not every room kept.
+        Only rooms that fall due now are looked at (``deadlines``), not every room kept. Returns
+        the rooms dropped because no decode claimed them or the prefill never finished them
+        (worth a warning); finished rooms that aged out are dropped without one.
         """
         now = time.monotonic() if now is None else now
         dropped = []
@@ -465,7 +467,8 @@ class PrefillEngine:
             over = all(r.state in _DONE for r in log.requests.values())
             abandoned = log.claimed and now - log.created >= self.orphan_after + self.keep_finished and over
             if orphan or stale or abandoned:
-                dropped.append(log.room)
+                if not stale:
+                    dropped.append(log.room)
                 del self.rooms[log.room]
                 self._aborted.pop(log.room, None)
             elif log.finished_at is None:
