@@ -174,10 +174,11 @@ class TransferRunner:
     def _queue(self, peer: Peer, request: Request, chunk: Chunk) -> None:
         queue = self._queues.setdefault(peer.peer_id, deque())
         queue.append((request, chunk))
-        if peer.peer_id not in self._workers:
-            task = asyncio.get_running_loop().create_task(self._work(peer, queue), name=f"moves-{peer.peer_id}")
-            self._workers[peer.peer_id] = task
-            task.add_done_callback(lambda _: self._workers.pop(peer.peer_id, None))
+        # A worker cancelled before its first step never ran its finally: listed, but done.
+        worker = self._workers.get(peer.peer_id)
+        if worker is None or worker.done():
+            self._workers[peer.peer_id] = asyncio.get_running_loop().create_task(
+                self._work(peer, queue), name=f"moves-{peer.peer_id}")
 
     async def _work(self, peer: Peer, queue: deque[tuple[Request, Chunk]]) -> None:
         """Move the peer's queued chunks in order; return when the queue is empty."""
@@ -211,8 +212,12 @@ class TransferRunner:
                 peer.publish(request.status())
                 self._advance(peer, request)
         finally:
+            # Both maps let go in this same step, not in a done callback: a chunk that arrives
+            # between this task's end and its callbacks would otherwise join a queue nobody takes.
             if self._queues.get(peer.peer_id) is queue and not queue:
                 del self._queues[peer.peer_id]
+            if self._workers.get(peer.peer_id) is asyncio.current_task():
+                del self._workers[peer.peer_id]
 
     @staticmethod
     def _stopped_or(request: Request, reason: Reason, message: str) -> tuple[Reason, str]:
