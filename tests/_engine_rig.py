@@ -104,11 +104,24 @@ class Rig:
         self.ex.close()
 
 
+def _warm(rig: Rig, name: str) -> dict[str, Any]:
+    """The first call to a peer (torch loads on the first pack, the engine opens its connection).
+
+    On a loaded machine that first call alone can overrun the short deadline the scenarios
+    test with; it is tried again once the engine has let go, up to three times.
+    """
+    for _ in range(3):
+        out = _outcome(lambda: rig.ex.execute(name, rig.job(name)))
+        if out["ok"] or not rig.ex.quiesce(name, 60):
+            break
+    return out
+
+
 def frozen(rig: Rig, report: dict[str, Any]) -> None:
     """A frozen decode fails its own transfers at the deadline and holds nothing anyone else needs."""
     rig.add("A")
     rig.add("B")
-    report["warm"] = [_outcome(lambda n=n: rig.ex.execute(n, rig.job(n))) for n in ("A", "B")]
+    report["warm"] = [_warm(rig, n) for n in ("A", "B")]
     rig.peers["B"].fill(0)
     rig.peers["A"].kill(signal.SIGSTOP)
     result: dict[str, Any] = {}
@@ -157,7 +170,7 @@ def blackhole(rig: Rig, report: dict[str, Any]) -> None:
     threading.Thread(target=accept, daemon=True).start()
     try:
         rig.add("B")
-        report["warm"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))  # torch loads on the first pack
+        report["warm"] = _warm(rig, "B")
         rig.peers["B"].fill(0)
         reg = registration_pb2.KvRegistration()
         reg.mooncake.session_id = f"127.0.0.1:{silent.getsockname()[1]}"
