@@ -89,10 +89,6 @@ class Group:
         """Read a ``ParallelGroup``; an unset size means 1."""
         return cls(size=group.size or 1, rank=group.rank)
 
-    def to_proto(self) -> v1.ParallelGroup:
-        """The ``ParallelGroup`` message."""
-        return v1.ParallelGroup(size=self.size, rank=self.rank)
-
 
 @dataclass(frozen=True)
 class Pairing:
