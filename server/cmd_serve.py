@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from pdproto.client import ChannelConfig
 from pdproto.errors import ConfigError, PdprotoError
 from pdproto import backends
-from pdproto.transfer import create_executor
+from pdproto.transfer import INLINE_BYTES, create_executor
 
 from .app import RunningServer, ServerConfig, serve
 from .core import HandshakeCore
@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "routable address of this host)")
     kv.add_argument("--staging-bytes", type=int, default=64 << 20,
                     help="packing region of mooncake/nixl executors (0 disables packing)")
+    kv.add_argument("--inline-bytes", default=str(INLINE_BYTES), metavar="N",
+                    help=f"mooncake/nixl: chunks of at most N bytes are packed inline and sent as one engine "
+                         f"call, larger ones pipelined (default {INLINE_BYTES}; 0 always pipelines)")
     kv.add_argument("--layers", type=int, default=4)
     kv.add_argument("--row-bytes", type=int, default=1152, help="bytes per token per layer")
     kv.add_argument("--pages", type=int, default=256)
@@ -131,6 +134,18 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         grace=args.grace)
 
 
+def _inline_bytes(value: str) -> int:
+    """``--inline-bytes`` as a byte count; CONFIG_INVALID unless it is a non-negative integer."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"--inline-bytes {value!r} must be a non-negative integer (bytes; 0 always pipelines)",
+                          metadata={"setting": "--inline-bytes"})
+    return n
+
+
 def _spec(args: argparse.Namespace) -> SyntheticSpec:
     from pdproto_demo.synthetic import SyntheticSpec
 
@@ -145,10 +160,12 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
     from pdproto_demo.synthetic import SyntheticProducer, build_source
 
     spec = _spec(args)
+    inline_bytes = _inline_bytes(args.inline_bytes)
     # The local backend's arena holds only what this process advertises as a destination (nothing).
     # The executor bounds each engine call by the same deadline as the server's lanes, and a
     # new Mooncake session's probe by half of it, so its own error (naming the handshake) comes first.
     executor = create_executor(args.backend, arena_bytes=1 << 20, staging_bytes=args.staging_bytes,
+                               inline_bytes=inline_bytes,
                                transfer_timeout_s=args.engine_timeout, host=args.advertise_host,
                                connect_timeout_s=max(1.0, args.engine_timeout / 2))
     try:

@@ -34,6 +34,10 @@ class ServiceMetrics:
         self.descriptors = Counter(
             "pdproto_transfer_descriptors", "Transfer descriptors issued to the executor.", registry=r)
         self.chunks = Counter("pdproto_chunks", "KV chunks transferred (per destination peer).", registry=r)
+        self.inline_jobs = Counter(
+            "pdproto_inline_jobs",
+            "KV chunks packed inline and sent as one engine call (at most --inline-bytes; the rest pipeline).",
+            registry=r)
         self.pack_fallbacks = Counter(
             "pdproto_pack_fallbacks",
             "Jobs that asked for packing but ran with per-row descriptors (staging too small).",

@@ -247,6 +247,7 @@ class TransferRunner:
         self.metrics.descriptors.inc(result.descriptors)
         self.metrics.chunks.inc()
         self.metrics.pack_fallbacks.inc(int(result.fallback))
+        self.metrics.inline_jobs.inc(int(result.inline))
         self.metrics.notifications.inc(int(any(r.notified for r in results)))
         for (kind, copies), done in zip(extras, results[1:], strict=True):
             self._count(request, kind, copies, done)

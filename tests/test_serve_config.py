@@ -127,3 +127,10 @@ def test_a_token_file_others_can_read_starts_with_one_warning(tmp_path: Path) ->
     path.chmod(0o600)
     rc, err = _serve("--token-file", str(path), wait_ready=True)
     assert rc is None and "warning" not in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "4MiB", "1.5", ""])
+def test_a_bad_inline_threshold_is_refused(value: str) -> None:
+    rc, err = _serve("--inline-bytes", value)
+    assert rc == 2
+    _refused(err, "--inline-bytes", repr(value), "non-negative integer")

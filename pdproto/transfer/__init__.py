@@ -30,6 +30,7 @@ from .base import (
     encode_notification,
     set_endpoint,
 )
+from ._paths import INLINE_BYTES
 from .memory import aligned_dram, allocate, at_address, external
 
 
@@ -65,6 +66,7 @@ def create_executor(backend: str, *, name: str | None = None, **options: Any) ->
 
 __all__ = [
     "DRAM",
+    "INLINE_BYTES",
     "VRAM",
     "Buffer",
     "Endpoint",
