@@ -39,12 +39,17 @@ def _terminal_counts(statuses: list[transfer_pb2.TransferStatus]) -> collections
 
 def _watch_all(client: HandshakeClient, peer_id: str, rooms: set[int], timeout: float,
                out: list[transfer_pb2.TransferStatus]) -> None:
-    """Collect every status of ``rooms`` until the watch ends or reaches its deadline."""
+    """Collect every status of ``rooms`` until the watch ends or reaches its deadline.
+
+    A unary watch cut after the peer was deregistered re-opens onto PEER_NOT_FOUND: also its end.
+    """
     try:
         for status in client.watch_status(peer_id, rooms, timeout=timeout):
             out.append(status)
     except E.DeadlineExceededError:
         pass
+    except E.NotFoundError as exc:
+        assert exc.reason is Reason.PEER_NOT_FOUND, exc
 
 
 @pytest.mark.parametrize("session", [True, False], ids=["session", "unary-watch"])
@@ -98,6 +103,11 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(session: bool) -> Non
                         assert view.sessions_connected + view.sessions_detached == 1, view
                     assert view.finished_kept == len(rooms) and view.open_requests == 0
                     assert sorted(s.room for s in view.finished if s.state == SUCCESS) == rooms
+                    # The watch has every terminal status before the peer goes (a watch cut later
+                    # would re-open onto PEER_NOT_FOUND); a repeat would still arrive before its end.
+                    waited = time.monotonic()
+                    while set(_terminal_counts(list(seen))) != set(rooms) and time.monotonic() - waited < 30:
+                        time.sleep(0.05)
                     client.deregister(peer_id)
                     watcher.join()
                     counts = _terminal_counts(seen)
