@@ -387,9 +387,11 @@ class DecodeRank:
             failed = self.targets[outcome.failed_rank] if outcome.failed_rank is not None else None
             failures.append(f"{failed.address if failed else 'decode'}: {outcome.failure_code}: "
                             f"{outcome.failure_reason}")
+            # A prefill unreachable for the whole wait gets one short abort try, not another full deadline.
+            abort_s = 5.0 if outcome.failure_code == Reason.UNAVAILABLE.name else 30.0
             for i in live:
                 if i not in finals or finals[i].state != common_pb2.TRANSFER_STATE_SUCCESS:
-                    failures += self._abort_quietly(i, room, p.generation)
+                    failures += self._abort_quietly(i, room, p.generation, abort_s)
         totals = KindTotals.of(finals.values())
         chunks = sum(st.chunks_done for st in finals.values())
         done_at = time.monotonic()
@@ -440,11 +442,11 @@ class DecodeRank:
                 return finals
         return finals
 
-    def _abort_quietly(self, i: int, room: int, generation: int) -> list[str]:
+    def _abort_quietly(self, i: int, room: int, generation: int, timeout: float) -> list[str]:
         """Abort ``room`` on target ``i``; a failure to do so is reported, not raised."""
         t = self.targets[i]
         try:
-            t.client.abort(t.peer_id, room, generation, timeout=30.0)
+            t.client.abort(t.peer_id, room, generation, timeout=timeout)
         except PdprotoError as exc:
             if exc.reason is not Reason.REQUEST_NOT_FOUND:
                 return [f"{t.address}: abort after failure: {exc.reason.name}"]

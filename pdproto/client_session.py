@@ -68,6 +68,8 @@ class PeerSession:
         self.command_window = DEFAULT_COMMAND_WINDOW
         self.error: BaseException | None = None
         """Set when the session is over for good (peer removed, protocol error, no Session RPC)."""
+        self.broken: PdprotoError | None = None
+        """Why the last stream broke, until a new one opens: a deadline passing meanwhile reports it."""
         self._resent: set[int] = set()
         """Seqs of submits sent again in a new session: DUPLICATE_REQUEST then means it was applied."""
         self._call: Any = None
@@ -112,6 +114,7 @@ class PeerSession:
                 if call is not None:
                     call.cancel()
                 self._changed.set()
+            self.broken = error
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
@@ -146,6 +149,7 @@ class PeerSession:
         self.command_window = opened.command_window or DEFAULT_COMMAND_WINDOW
         self.inbox.window = opened.event_window or self.inbox.window
         self.outbox.resume(opened.applied_command_seq if opened.resumed else 0)
+        self.broken = None
         self._ready.set()
         self._changed.set()
         self._dispatch(first)
@@ -255,8 +259,21 @@ class PeerSession:
                 async with asyncio.timeout_at(deadline):
                     await self._changed.wait()
             except TimeoutError:
-                raise deadline_error(f"{what}: the session did not get there before the deadline",
-                                     peerId=self.peer_id) from None
+                raise self._late(f"{what}: the session did not get there before the deadline") from None
+
+    def _late(self, what: str, **metadata: object) -> PdprotoError:
+        """The error of a deadline that passed: UNAVAILABLE with the cause when the stream was broken all along.
+
+        A caller that waited on a dead or unreachable prefill learns that, not just that time ran out.
+        """
+        broken = self.broken
+        if broken is not None and not self._ready.is_set():
+            error = UnavailableError(f"{what}: the prefill is unreachable ({broken.message})",
+                                     metadata={"peerId": self.peer_id, "cause": broken.reason.name,
+                                               **{k: str(v) for k, v in metadata.items()}})
+            error.__cause__ = broken
+            return error
+        return deadline_error(what, peerId=self.peer_id, **metadata)
 
     async def open(self, timeout: float) -> None:
         """Wait until a stream is open (raises ``SessionUnsupportedError`` for a server without sessions)."""
@@ -282,8 +299,8 @@ class PeerSession:
                 return await result
         except TimeoutError:
             self._futures.pop(seq, None)
-            raise deadline_error(f"no result for command {seq} before the deadline (it may still be applied)",
-                                 peerId=self.peer_id, seq=seq) from None
+            raise self._late(f"no result for command {seq} before the deadline (it may still be applied)",
+                             seq=seq) from None
 
     def outcome(self, seq_result: session_pb2.CommandResult) -> transfer_pb2.TransferStatus | transfer_pb2.AbortAck:
         """A command's result as the unary call returns it, or its error raised."""
@@ -326,7 +343,7 @@ class PeerSession:
                     done[room] = await fut
         except TimeoutError:
             pending = sorted(room for room, fut in futs if not fut.done())
-            raise deadline_error("no terminal status before the deadline", rooms=pending) from None
+            raise self._late("no terminal status before the deadline", rooms=pending) from None
         finally:
             for room, fut in futs:
                 waiting = self._waiters.get(room)

@@ -248,3 +248,25 @@ def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
     finally:
         flooder.close()
         good.close()
+
+
+def test_a_killed_server_fails_waits_and_aborts_as_unavailable_within_their_deadline() -> None:
+    """SIGKILL the prefill mid-request: the waiting decode gets UNAVAILABLE with the cause by its deadline.
+
+    Before, the wait and the abort that follows it each ended as a bare DEADLINE_EXCEEDED
+    ("opening the session"), which does not tell a decode its prefill is gone.
+    """
+    peer = DecodeRank.for_spec(SPEC, pages=32)
+    try:
+        with running_server(*SERVE_ARGS, "--chunk-delay-ms", "2000") as srv:
+            with HandshakeClient(srv.target, timeout=20) as client:
+                peer_id = client.register(peer.registration()).peer_id
+                client.submit_transfer(peer_id, peer.transfer_info(1, peer.pages_for(SPEC.prompt_tokens)))
+                srv.kill()
+                with pytest.raises(E.UnavailableError, match="unreachable") as waited:
+                    client.wait_for(peer_id, [1], timeout=3)
+                assert waited.value.metadata["cause"] == "UNAVAILABLE"
+                with pytest.raises(E.UnavailableError, match="unreachable"):
+                    client.abort(peer_id, 1, 0, timeout=2)
+    finally:
+        peer.close()
