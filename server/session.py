@@ -143,10 +143,12 @@ class SessionHub:
                 self.drop(detached[0])
         session = ServerSession(self, secrets.token_hex(16), peer, event_window, self.command_window)
         snapshot, ended = self.core.subscribe(peer, session)
-        if ended:
-            raise self.core.ended_reason(peer)
         for status in snapshot:
             session.log.status(status)
+        if ended:
+            # A peer that is gone (or removed) but still known: its kept final statuses are
+            # delivered, then the stream ends with why, as WatchStatus does.
+            session.ended = self.core.ended_reason(peer)
         self.sessions[session.session_id] = session
         return session
 

@@ -270,3 +270,29 @@ def test_a_killed_server_fails_waits_and_aborts_as_unavailable_within_their_dead
                     client.abort(peer_id, 1, 0, timeout=2)
     finally:
         peer.close()
+
+
+def test_a_session_opened_for_a_gone_peer_delivers_its_final_statuses() -> None:
+    """A peer written off as gone is still known until released: a new Session gets its final
+    statuses, then ends with PEER_GONE (it refused at once with PEER_GONE before, losing them)."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, "--keep-finished", "60") as srv:
+            with HandshakeClient(srv.target, timeout=20) as client:
+                peer_id = client.register(peer.registration()).peer_id
+                credential = client.credential(peer_id)
+                pages = peer.pages_for(SPEC.prompt_tokens)
+                client.submit_transfer(peer_id, peer.transfer_info(1, pages))
+                assert client.wait_for(peer_id, [1], timeout=20)[1].state == SUCCESS
+                peer.executor.close()  # the decode drops its memory: the next transfer finds it gone
+                client.submit_transfer(peer_id, peer.transfer_info(2, pages))
+                assert client.wait_for(peer_id, [2], timeout=20)[2].failure_code == "PEER_GONE"
+            with HandshakeClient(srv.target, timeout=20) as late:
+                late.adopt(peer_id, credential)
+                finals = late.wait_for(peer_id, [1, 2], timeout=20)
+                assert (finals[1].state, finals[2].failure_code) == (SUCCESS, "PEER_GONE"), finals
+                with pytest.raises(E.RequestFailedError) as ended:
+                    late.submit_transfer(peer_id, peer.transfer_info(3, pages))
+                assert ended.value.reason is Reason.PEER_GONE
+    finally:
+        peer.close()
