@@ -20,7 +20,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 
-from pdproto.errors import GRPC_CODE_NAMES, InvalidFieldError, PdprotoError, Reason
+from pdproto.errors import GRPC_CODE_NAMES, InvalidFieldError, PdprotoError, Reason, WireError
 from pdproto.v1 import session_pb2
 
 log = logging.getLogger("pdproto_server.status")
@@ -106,6 +106,46 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     )
 
 
+class Malformed:
+    """A request body that did not parse: handed to the handler, whose wrapper answers it typed.
+
+    grpc answers a deserializer's exception with a bare UNKNOWN before any handler runs, so the
+    service's deserializers return this instead (``tolerant``).
+    """
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    def raise_error(self) -> None:
+        """Raise the typed error the call is answered with (INVALID_ARGUMENT, WIRE_MALFORMED)."""
+        raise WireError(f"the request is not a valid {self.message_type}: {self.error}",
+                        reason=Reason.WIRE_MALFORMED, metadata={"messageType": self.message_type})
+
+
+def tolerant(parse: Callable[[bytes], Any], message_type: str) -> Callable[[bytes], Any]:
+    """A request deserializer that returns ``Malformed`` for bytes that are not the message."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and anything a parser raises
+            return Malformed(message_type, exc)
+
+    return deserialize
+
+
+def with_tolerant_requests(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same method handler, its request deserializer made ``tolerant``."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+    name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+        request_deserializer=tolerant(parse, name.full_name if name is not None else "request"))
+    return replaced
+
+
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 _Self = TypeVar("_Self")
@@ -120,6 +160,8 @@ def unary(fn: UnaryHandler[_Self, _Req, _Resp]) -> UnaryHandler[_Self, _Req, _Re
     @functools.wraps(fn)
     async def wrapper(self: _Self, request: _Req, context: grpc.aio.ServicerContext[_Req, _Resp]) -> _Resp:
         try:
+            if isinstance(request, Malformed):
+                request.raise_error()
             return await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -138,6 +180,8 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
         self: _Self, request: _Req, context: grpc.aio.ServicerContext[_Req, _Resp]
     ) -> AsyncIterator[_Resp]:
         try:
+            if isinstance(request, Malformed):
+                request.raise_error()
             async for item in fn(self, request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -151,10 +195,13 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
 __all__ = [
     "DOMAIN",
     "GRPC_CODE_NAMES",
+    "Malformed",
     "build_status",
     "command_error",
     "grpc_code",
     "status_for",
     "stream",
+    "tolerant",
     "unary",
+    "with_tolerant_requests",
 ]

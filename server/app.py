@@ -18,11 +18,11 @@ from grpc_reflection.v1alpha import reflection
 
 from pdproto.client import ChannelConfig
 from pdproto.errors import ConfigError, DeadlineExceededError, Reason
-from pdproto.v1 import SERVICE_NAME, handshake_service_pb2_grpc
+from pdproto.v1 import SERVICE_NAME
 
 from .auth import BearerTokenInterceptor, require_token_policy
 from .core import HandshakeCore
-from .service import HandshakeServicer
+from .service import HandshakeServicer, add_to_server
 
 log = logging.getLogger("pdproto_server.app")
 
@@ -74,7 +74,7 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     # An empty token is refused by the interceptor, never read as "no authentication".
     interceptors = [BearerTokenInterceptor(config.token)] if config.token is not None else []
     server = grpc.aio.server(interceptors=interceptors, options=config.channel.server_options())
-    handshake_service_pb2_grpc.add_HandshakeServiceServicer_to_server(HandshakeServicer(core), server)
+    add_to_server(HandshakeServicer(core), server)
     health = _health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (

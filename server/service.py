@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import grpc.aio
 
 from pdproto.v1 import handshake_service_pb2 as hs
@@ -70,4 +71,29 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
         return hs.DeregisterResponse(failed_requests=await self.core.deregister(request))
 
 
-__all__ = ["HandshakeServicer"]
+class _Handlers:
+    """Takes what the generated ``add_..._to_server`` registers, to pass it on changed."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+        self.service = ""
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        """Ignored: the registered method handlers below carry the same methods."""
+
+    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+        """The generated code's per-method handlers."""
+        self.service, self.methods = service, methods
+
+
+def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer as the generated code does, with request bodies that fail to parse
+    handed to the handler's wrapper (INVALID_ARGUMENT, WIRE_MALFORMED) instead of grpc's bare UNKNOWN."""
+    taken = _Handlers()
+    hs_grpc.add_HandshakeServiceServicer_to_server(servicer, taken)
+    methods = {name: _status.with_tolerant_requests(h) for name, h in taken.methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, methods),))
+    server.add_registered_method_handlers(taken.service, methods)
+
+
+__all__ = ["HandshakeServicer", "add_to_server"]

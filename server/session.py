@@ -31,7 +31,7 @@ from pdproto.errors import InvalidFieldError, NotFoundError, PdprotoError, Reaso
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
-from ._status import command_error
+from ._status import Malformed, command_error
 from .core import HandshakeCore
 from .expiry import Deadlines
 from .registry import Peer
@@ -173,6 +173,8 @@ class SessionHub:
     async def serve(self, context: Ctx) -> None:
         """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
         first: object = await context.read()
+        if isinstance(first, Malformed):
+            first.raise_error()
         if not isinstance(first, hs.SessionRequest):
             return  # EOF: the client left before opening
         session, opened = self.open(first)
@@ -246,6 +248,8 @@ class SessionHub:
                     await session.progress.wait()
                     await self._apply(session)
                 received: object = await context.read()
+                if isinstance(received, Malformed):
+                    received.raise_error()  # the reader's error ends the stream, typed
                 if not isinstance(received, hs.SessionRequest):
                     return  # EOF: the client closed its side
                 message = received

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
+from pdproto.client_rpc import error_from_rpc
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
@@ -101,3 +103,25 @@ def test_bad_requests_are_refused_at_submit_and_the_server_keeps_serving(server:
         assert client.wait_for(pid, [99], timeout=30)[99].state == common_pb2.TRANSFER_STATE_SUCCESS
         peer.verify({99: pages}, SPEC.prompt_tokens)
         client.deregister(pid)
+
+
+@pytest.mark.parametrize("method", ["GetServerInfo", "Register", "SubmitTransfer", "WatchStatus", "Abort",
+                                    "Deregister", "Describe", "Session"])
+def test_bytes_that_are_no_message_are_refused_typed(server: ServerProcess, method: str) -> None:
+    """A body that does not parse answers INVALID_ARGUMENT with reason WIRE_MALFORMED (grpc's bare
+    UNKNOWN before: the deserializer failed before any handler ran), and the server keeps serving."""
+    garbage = b"\xff\xff\xff\xff\x0f" + bytes(range(64))
+    with grpc.insecure_channel(server.target) as chan:
+        path = f"/pdproto.v1.HandshakeService/{method}"
+        if method == "WatchStatus":
+            call: Callable[[], object] = lambda: list(chan.unary_stream(path)(garbage, timeout=10))
+        elif method == "Session":
+            call = lambda: list(chan.stream_stream(path)(iter([garbage]), timeout=10))
+        else:
+            call = lambda: chan.unary_unary(path)(garbage, timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+    error = error_from_rpc(info.value)
+    assert (info.value.code(), error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.WIRE_MALFORMED), error
+    with HandshakeClient(server.target) as client:
+        assert client.get_server_info().page_size == SPEC.page_size
