@@ -1,0 +1,226 @@
+"""The hostile-peer row: an authenticated decode that attacks, against a real ``pdproto serve`` (local backend).
+
+A bystander decode has two requests in flight (chunks 200 ms apart) while a second,
+token-holding decode tries everything the issue named:
+
+* another peer's id with its own credential, with none and with a guess: submit into the
+  bystander's pages, abort, watch, deregister (unary calls), and open a Session as it;
+* its own peer: a destination page past its memory, sizes and names past every bound
+  (``tests/test_bad_input.py``), a message over the size limit, bytes that are no message;
+* registrations naming hostile arenas: every kind ``tests/_arena_peer.py`` serves (unsealed,
+  FIFO, /dev/shm and disk files, ...), and old-style arena names that are a symlink to a
+  file it does not own and a FIFO.
+
+Each attempt must be refused with a typed reason (the error's ``reason``; a raw gRPC status
+where the call never reaches a handler), the file behind the symlink must be untouched, and
+the bystander's requests must land byte-exact, as must the attacker's own request afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from pdproto import errors as E
+from pdproto.client import HandshakeClient
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2
+from pdproto_demo.decode import DecodeRank
+from pdproto_demo.proc import Child
+from pdproto_server.registry import CREDENTIAL_BYTES
+
+from tests._arena_peer import KINDS
+from tests._server_harness import SERVE_ARGS, SPEC, running_server
+from tests.test_bad_input import REGISTRATIONS, TRANSFERS
+
+from .harness import Outcome
+from .limits import _expect_error
+
+TOKEN = "hostile-row-token"
+SLOW = ("--chunk-delay-ms", "200", "--match-timeout", "20")
+SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
+NOT_FOUND = {Reason.PEER_NOT_FOUND}
+METHOD = "/pdproto.v1.HandshakeService/"
+
+
+def _grpc_code(out: Outcome, what: str, codes: set[grpc.StatusCode], call: Callable[[], object]) -> None:
+    """A raw call that must end with one of ``codes`` (it is refused before any handler runs)."""
+    out.runs += 1
+    out.faults += 1
+    try:
+        call()
+    except grpc.RpcError as exc:
+        if exc.code() in codes:
+            out.failed_expected += 1
+            out.notes.append(f"{what}: {exc.code().name}")
+        else:
+            out.problems.append(f"{what}: wrong status {exc.code().name}: {exc.details()}")
+        return
+    out.problems.append(f"{what}: accepted")
+
+
+def _other_peers_id(out: Outcome, target: str, victim: DecodeRank, vid: str, placed: dict[int, list[int]],
+                    own: bytes) -> None:
+    """Every call on the bystander's id, with the attacker's credential, none and a guess."""
+    guesses = {"own credential": own, "no credential": b"", "a guess": secrets.token_bytes(CREDENTIAL_BYTES)}
+    into_victim = victim.transfer_info(13, placed[11])
+    with HandshakeClient(target, token=TOKEN, timeout=10, session=False) as unary:
+        for name, cred in guesses.items():
+            _expect_error(out, f"submit into another peer ({name})", NOT_FOUND,
+                          lambda c=cred: unary.submit_transfer(vid, into_victim, credential=c))
+            _expect_error(out, f"abort another peer's request ({name})", NOT_FOUND,
+                          lambda c=cred: unary.abort(vid, 11, credential=c))
+            _expect_error(out, f"watch another peer ({name})", NOT_FOUND,
+                          lambda c=cred: list(unary.watch_status(vid, [11], timeout=2, credential=c)))
+            _expect_error(out, f"deregister another peer ({name})", NOT_FOUND,
+                          lambda c=cred: unary.deregister(vid, credential=c))
+    for name, cred in guesses.items():
+        with HandshakeClient(target, token=TOKEN, timeout=10) as session:
+            session.adopt(vid, cred)
+            _expect_error(out, f"a Session as another peer ({name})", NOT_FOUND,
+                          lambda s=session: s.wait_for(vid, [11], timeout=5))
+
+
+def _stranger() -> registration_pb2.KvRegistration:
+    """A valid registration of a decode identity nobody registered (a refused one then replaces no one)."""
+    template = DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        return template.registration()
+    finally:
+        template.close()
+
+
+def _bad_inputs(out: Outcome, target: str, attacker: DecodeRank, client: HandshakeClient, hid: str) -> None:
+    """Out-of-bounds pages, every over-bound field, an oversized message, garbage bytes."""
+    far = attacker.transfer_info(30, [1 << 30] * len(attacker.pages_for(SPEC.prompt_tokens)))
+    _expect_error(out, "destination page past its memory",
+                  {Reason.DESTINATION_OUT_OF_BOUNDS, Reason.INVALID_FIELD},
+                  lambda: client.submit_transfer(hid, far))
+    for room, (case, (mutate, _)) in enumerate(TRANSFERS.items(), start=31):
+        info = attacker.transfer_info(room, attacker.pages_for(SPEC.prompt_tokens))
+        mutate(info)
+        _expect_error(out, f"transfer: {case}", {Reason.INVALID_FIELD},
+                      lambda i=info: client.submit_transfer(hid, i))
+    for case, (mutate, _) in REGISTRATIONS.items():
+        reg = _stranger()
+        mutate(reg)
+        _expect_error(out, f"registration: {case}", {Reason.INVALID_FIELD}, lambda r=reg: client.register(r))
+    metadata = [("authorization", f"Bearer {TOKEN}")]
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as chan:
+        big = chan.unary_unary(METHOD + "Register", request_serializer=hs.RegisterRequest.SerializeToString)
+        huge = _stranger()
+        huge.model_id = "m" * (6 << 20)
+        _grpc_code(out, "a 6 MiB registration", {grpc.StatusCode.RESOURCE_EXHAUSTED},
+                   lambda: big(hs.RegisterRequest(registration=huge), timeout=10, metadata=metadata))
+        for method in ("Register", "SubmitTransfer", "Abort"):
+            raw = chan.unary_unary(METHOD + method)
+            _grpc_code(out, f"garbage bytes to {method}", {grpc.StatusCode.INVALID_ARGUMENT},
+                       lambda r=raw: r(b"\xff\xff\xff\xff\x0f" + os.urandom(64), timeout=10, metadata=metadata))
+
+
+def _hostile_arenas(out: Outcome, client: HandshakeClient) -> None:
+    """Every hostile arena kind, a /dev/shm symlink to a file it does not own and a FIFO: refused."""
+    base = _stranger()
+    served = Child.spawn("arena-peer", "tests._arena_peer", [])
+    try:
+        served.recv(60)
+        for kind in KINDS:
+            if kind == "good":
+                continue
+            reply = served.call("serve", kind=kind)
+            reg = registration_pb2.KvRegistration()
+            reg.CopyFrom(base)
+            reg.local.CopyFrom(registration_pb2.KvRegistration.FromString(
+                bytes.fromhex(reply["registration"])).local)
+            _expect_error(out, f"arena {kind}", {Reason.INVALID_FIELD}, lambda r=reg: client.register(r))
+    finally:
+        served.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        victim = os.path.join(tmp, "not-yours")
+        with open(victim, "wb") as f:
+            f.write(b"v" * 4096)
+        link = f"/dev/shm/pdproto-rel-link-{os.getpid()}"
+        fifo = f"/dev/shm/pdproto-rel-fifo-{os.getpid()}"
+        os.symlink(victim, link)
+        os.mkfifo(fifo)
+        try:
+            for what, path in (("symlink", link), ("FIFO", fifo)):
+                reg = registration_pb2.KvRegistration()
+                reg.CopyFrom(base)
+                reg.local.Clear()
+                reg.local.shm_name = os.path.basename(path)
+                reg.local.size = 1 << 20
+                reg.local.pid = os.getpid()
+                _expect_error(out, f"an arena named as a /dev/shm {what}", {Reason.INVALID_FIELD},
+                              lambda r=reg: client.register(r))
+            with open(victim, "rb") as f:
+                out.expect(f.read() == b"v" * 4096, "the file behind the symlink was written")
+            out.expect(os.path.lexists(link) and os.path.exists(fifo), "the prefill deleted a file it does not own")
+        finally:
+            os.unlink(link)
+            os.unlink(fifo)
+
+
+def _count_served(out: Outcome, rank: DecodeRank, client: HandshakeClient, pid: str,
+                  placed: dict[int, list[int]]) -> None:
+    """Wait for ``placed`` rooms; each must be SUCCESS, and the whole pool byte-exact."""
+    done = client.wait_for(pid, placed, timeout=60)
+    for room in placed:
+        out.runs += 1
+        if done[room].state == SUCCESS:
+            out.ok += 1
+        else:
+            out.lost += 1
+            out.problems.append(f"room {room}: {done[room].state} {done[room].failure_code}")
+    try:
+        out.bytes_verified += rank.verify(placed, SPEC.prompt_tokens)
+    except AssertionError as exc:
+        out.corrupted += len(placed)
+        out.ok -= len(placed)
+        out.problems.append(f"bytes differ: {str(exc)[:200]}")
+
+
+def hostile_peer(backend: str = "local") -> Outcome:
+    """The hostile-peer row (see the module doc)."""
+    out = Outcome("hostile peer", backend)
+    bystander = DecodeRank.for_spec(SPEC, pages=64, backend=backend)
+    attacker = DecodeRank.for_spec(SPEC, pages=64, backend=backend)
+    try:
+        with running_server(*SERVE_ARGS, "--backend", backend, *SLOW, token=TOKEN) as srv, \
+                HandshakeClient(srv.target, token=TOKEN, timeout=20) as vc, \
+                HandshakeClient(srv.target, token=TOKEN, timeout=20) as hc:
+            vid = vc.register(bystander.registration()).peer_id
+            hid = hc.register(attacker.registration()).peer_id
+            placed = {room: bystander.pages_for(SPEC.prompt_tokens, first_page=i * 16)
+                      for i, room in enumerate((11, 12))}
+            for room, pages in placed.items():
+                vc.submit_transfer(vid, bystander.transfer_info(room, pages))
+            finals: list[int] = []
+            watcher = threading.Thread(target=lambda: finals.extend(
+                s.room for s in vc.watch_status(vid, placed, timeout=60) if s.state == SUCCESS), daemon=True)
+            watcher.start()
+            _other_peers_id(out, srv.target, bystander, vid, placed, hc.credential(hid))
+            _bad_inputs(out, srv.target, attacker, hc, hid)
+            if backend == "local":
+                _hostile_arenas(out, hc)
+            _count_served(out, bystander, vc, vid, placed)
+            mine = {21: attacker.pages_for(SPEC.prompt_tokens)}
+            hc.submit_transfer(hid, attacker.transfer_info(21, mine[21]))
+            _count_served(out, attacker, hc, hid, mine)
+            vc.deregister(vid)
+            watcher.join(30)
+            out.expect(sorted(finals) == sorted(placed), f"the bystander's watch saw {finals}")
+            out.expect(srv.proc.poll() is None, f"the server died: {srv.proc.returncode}")
+            out.notes.insert(0, f"{out.faults} attacks refused with a typed reason while the bystander's "
+                                f"{len(placed)} requests moved byte-exact")
+    except E.PdprotoError as exc:
+        out.problems.append(f"row crashed: {exc}")
+    finally:
+        bystander.close()
+        attacker.close()
+    return out
