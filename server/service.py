@@ -90,7 +90,7 @@ def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
     """Register the servicer as the generated code does, with request bodies that fail to parse
     handed to the handler's wrapper (INVALID_ARGUMENT, WIRE_MALFORMED) instead of grpc's bare UNKNOWN."""
     taken = _Handlers()
-    hs_grpc.add_HandshakeServiceServicer_to_server(servicer, taken)
+    hs_grpc.add_HandshakeServiceServicer_to_server(servicer, taken)  # type: ignore[arg-type]
     methods = {name: _status.with_tolerant_requests(h) for name, h in taken.methods.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, methods),))
     server.add_registered_method_handlers(taken.service, methods)

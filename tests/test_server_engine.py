@@ -30,13 +30,18 @@ pytestmark = pytest.mark.process
 Scenario = Callable[[PrefillEngine, AsyncHandshakeClient, DecodeRank], Awaitable[None]]
 
 
-def _run(scenario: Scenario, limits: Limits | None = None, deadline: float = 40) -> None:
+def _run(scenario: Scenario, limits: Limits | None = None, deadline: float = 40,
+         cores: list[HandshakeCore] | None = None) -> None:
+    """Run ``scenario`` against an in-process server; its core is appended to ``cores`` when given."""
     executor = create_executor("local", arena_bytes=1 << 20)
     peer = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=0, pages=32)
 
     async def main() -> None:
         engine = PrefillEngine(build_source(SPEC, executor), executor)
-        running: RunningServer = await start_server(HandshakeCore(engine, limits=limits), ServerConfig())
+        core = HandshakeCore(engine, limits=limits)
+        if cores is not None:
+            cores.append(core)
+        running: RunningServer = await start_server(core, ServerConfig())
         try:
             async with AsyncHandshakeClient(f"127.0.0.1:{running.port}", timeout=10) as client:
                 await scenario(engine, client, peer)
@@ -215,3 +220,47 @@ def test_a_chunk_that_arrives_as_the_peers_move_task_ends_is_still_moved() -> No
         _run(scenario, Limits(match_timeout=30), deadline=120)
     finally:
         sys.setswitchinterval(interval)
+
+
+def test_a_chunk_reported_as_the_peers_mover_winds_down_is_still_moved() -> None:
+    """The next chunk arrives on the loop after the peer's move task took its last step and before
+    that task was marked done: it must start a new mover. It used to be queued behind the finished
+    task and never moved, so the request hung in TRANSFERRING (one lost request in a few hundred
+    in ``make reliability``'s load row and in the demo)."""
+    cores: list[HandshakeCore] = []
+    room, step = 16, 32
+    bounds = [(a, min(a + step, SPEC.prompt_tokens)) for a in range(0, SPEC.prompt_tokens, step)]
+
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
+        loop = asyncio.get_running_loop()
+        src = room_pages(room, SPEC)
+        reported: set[int] = set()
+
+        def report(k: int) -> None:
+            if k in reported or k >= len(bounds):
+                return
+            reported.add(k)
+            a, b = bounds[k]
+            engine.submit_chunk(room, src[a // SPEC.page_size: -(-b // SPEC.page_size)], b - a,
+                                last_chunk=k == len(bounds) - 1)
+
+        class NextChunkWhenOneMoved:
+            """A status subscriber that plays the prefill: chunk k+1 is computed as chunk k lands."""
+
+            def push(self, status: transfer_pb2.TransferStatus) -> None:
+                if status.room == room and status.state == common_pb2.TRANSFER_STATE_TRANSFERRING:
+                    loop.call_soon(report, status.chunks_done)  # runs after the mover's current step
+
+            def close(self) -> None:
+                """Nothing to end."""
+
+        peer_id = (await client.register(peer.registration())).peer_id
+        cores[0].subscribe(cores[0].peer(peer_id, client.credential(peer_id)), NextChunkWhenOneMoved())
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        await client.submit_transfer(peer_id, peer.transfer_info(room, pages))
+        report(0)
+        final = await _final(client, peer_id, room)
+        assert (final.state, final.chunks_done) == (common_pb2.TRANSFER_STATE_SUCCESS, len(bounds)), final
+        peer.verify({room: pages}, SPEC.prompt_tokens)
+
+    _run(scenario, cores=cores)
