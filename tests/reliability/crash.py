@@ -32,6 +32,7 @@ from pdproto.errors import PdprotoError, Reason
 from pdproto.v1 import common_pb2, registration_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
+from pdproto_demo.synthetic import SyntheticSpec
 
 from tests import _netns
 from tests._arena_peer import KINDS
@@ -47,10 +48,11 @@ DEADLINE = 30.0
 FAILED, SUCCESS = common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_SUCCESS
 
 
-def _served(out: Outcome, target: str, backend: str, room: int) -> None:
-    """A bystander decode (its own process) moves one request; count it ok or lost."""
-    proc = subprocess.run([sys.executable, "-m", "tests.reliability.crash", target, backend, "serve", str(room)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+def served(out: Outcome, target: str, backend: str, room: int, *, module: str = "tests.reliability.crash",
+           env: dict[str, str] | None = None) -> None:
+    """A bystander decode (its own process, ``module``'s ``serve``) moves one request; count it ok or lost."""
+    proc = subprocess.run([sys.executable, "-m", module, target, backend, "serve", str(room)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     out.runs += 1
     try:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -184,11 +186,11 @@ def crashing_peer(backend: str) -> Outcome:
     """The crashing-peer row of one backend (see the module doc)."""
     out = Outcome("crashing peer", backend)
     with running_server(*SERVE_ARGS, "--backend", backend, *SLOW) as srv:
-        _served(out, srv.target, backend, 10)
+        served(out, srv.target, backend, 10)
         _dies_mid_transfer(out, srv.target, backend)
         if backend == "local":
             _local_arenas(out, srv.target)
-        _served(out, srv.target, backend, 11)
+        served(out, srv.target, backend, 11)
         out.expect(srv.proc.poll() is None, f"the server died: {srv.proc.returncode}")
     if backend == "nixl":
         for scenario in ("identity", "bounds", "shared"):
@@ -227,13 +229,13 @@ def multihost(backend: str) -> Outcome:
     return out
 
 
-def _decode(target: str, backend: str, mode: str, room: int) -> dict[str, Any]:
+def _decode(target: str, backend: str, mode: str, room: int, spec: SyntheticSpec = SPEC) -> dict[str, Any]:
     """Decode side: ``serve`` moves one request and checks every byte; ``die`` reports its ids and waits to be killed."""
-    rank = DecodeRank.for_spec(SPEC, pages=32, backend=backend)
+    rank = DecodeRank.for_spec(spec, pages=max(32, -(-spec.prompt_tokens // spec.page_size)), backend=backend)
     try:
         with HandshakeClient(target, timeout=30) as client:
             peer = client.register(rank.registration()).peer_id
-            pages = rank.pages_for(SPEC.prompt_tokens)
+            pages = rank.pages_for(spec.prompt_tokens)
             client.submit_transfer(peer, rank.transfer_info(room, pages))
             if mode == "die":
                 for status in client.watch_status(peer, [room], timeout=DEADLINE):
@@ -244,7 +246,7 @@ def _decode(target: str, backend: str, mode: str, room: int) -> dict[str, Any]:
             out: dict[str, Any] = {"state": int(st.state), "code": st.failure_code, "checked": 0}
             if st.state == SUCCESS:
                 try:
-                    out["checked"] = rank.verify({room: pages}, SPEC.prompt_tokens)
+                    out["checked"] = rank.verify({room: pages}, spec.prompt_tokens)
                 except AssertionError as exc:
                     out["mismatch"] = str(exc)[:300]
             client.deregister(peer)

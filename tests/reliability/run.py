@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import crash, faults, hostile, limits, load, skew
+from . import crash, faults, hostile, limits, load, skew, stuck
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
@@ -36,6 +36,8 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
     rows.append(("hostile_peer", "local", lambda: hostile.hostile_peer("local")))
     for b in dict.fromkeys(["local", *backends]):
         rows.append(("crashing_peer", b, lambda b=b: crash.crashing_peer(b)))  # type: ignore[misc]
+    for b in [b for b in backends if b in ("mooncake", "nixl")]:
+        rows.append(("stuck_peer", b, lambda b=b: stuck.stuck_peer(b)))  # type: ignore[misc]
     for b in [b for b in backends if b in ("mooncake", "nixl")]:
         rows.append(("multihost", b, lambda b=b: crash.multihost(b)))  # type: ignore[misc]
     for b in backends:
