@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdproto import v1
+from pdproto.v1 import common_pb2, transfer_pb2
 from pdproto.client import HandshakeClient
 from pdproto_demo.cluster import Cluster, Geometry, RequestResult, Topology
 
@@ -65,6 +66,16 @@ class Outcome:
         else:
             self.lost += 1
             self.problems.append(f"room {res.room}: {res.failures or 'no terminal status'}")
+
+    def succeeded(self, done: Mapping[int, transfer_pb2.TransferStatus]) -> None:
+        """Count terminal statuses that must all be SUCCESS: ok, or lost with the reason."""
+        for room, st in done.items():
+            self.runs += 1
+            if st.state == common_pb2.TRANSFER_STATE_SUCCESS:
+                self.ok += 1
+            else:
+                self.lost += 1
+                self.problems.append(f"room {room}: {st.state} {st.failure_code}")
 
     def expect(self, condition: bool, what: str) -> None:
         """Record a failed server-side check (health, freed resources)."""

@@ -169,14 +169,7 @@ def _hostile_arenas(out: Outcome, client: HandshakeClient) -> None:
 def _count_served(out: Outcome, rank: DecodeRank, client: HandshakeClient, pid: str,
                   placed: dict[int, list[int]]) -> None:
     """Wait for ``placed`` rooms; each must be SUCCESS, and the whole pool byte-exact."""
-    done = client.wait_for(pid, placed, timeout=60)
-    for room in placed:
-        out.runs += 1
-        if done[room].state == SUCCESS:
-            out.ok += 1
-        else:
-            out.lost += 1
-            out.problems.append(f"room {room}: {done[room].state} {done[room].failure_code}")
+    out.succeeded(client.wait_for(pid, placed, timeout=60))
     try:
         out.bytes_verified += rank.verify(placed, SPEC.prompt_tokens)
     except AssertionError as exc:

@@ -54,14 +54,7 @@ def _finished_requests(out: Outcome, client: HandshakeClient, pid: int, peer: st
         rooms = range(first, first + BATCH)
         for room in rooms:
             client.submit_transfer(peer, transfer_pb2.TransferInfo(room=room, dst_kv_pages=pages, is_dummy=True))
-        done = client.wait_for(peer, rooms, timeout=60)
-        for room in rooms:
-            out.runs += 1
-            if done[room].state == SUCCESS:
-                out.ok += 1
-            else:
-                out.lost += 1
-                out.problems.append(f"room {room}: {done[room].state} {done[room].failure_code}")
+        out.succeeded(client.wait_for(peer, rooms, timeout=60))
 
     batch(100_000)  # warm-up: first-use allocations are not what is measured
     before = rss(pid)
