@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import crash, faults, hostile, limits, load, memory, skew, stuck
+from . import crash, exactly_once, faults, hostile, limits, load, memory, skew, stuck
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
@@ -35,6 +35,7 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
     rows.append(("tls", "local", lambda: limits.tls("local")))
     rows.append(("hostile_peer", "local", lambda: hostile.hostile_peer("local")))
     rows.append(("memory", "local", lambda: memory.memory_limits("local")))
+    rows.append(("exactly_once", "local", lambda: exactly_once.exactly_once("local")))
     for b in dict.fromkeys(["local", *backends]):
         rows.append(("crashing_peer", b, lambda b=b: crash.crashing_peer(b)))  # type: ignore[misc]
     for b in [b for b in backends if b in ("mooncake", "nixl")]:
