@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 
 class CuttableProxy:
@@ -96,6 +97,20 @@ class CuttableProxy:
 
         self._loop.call_soon_threadsafe(run)
         done.wait(5)
+
+    def cut_repeatedly(self, stop: threading.Event, every: float = 0.1) -> threading.Thread:
+        """A started thread that, until ``stop`` is set, waits ``every`` s, loses what the server
+        sends for ``every`` s (``blackhole``), then cuts the link: breaks that lose bytes."""
+
+        def run() -> None:
+            while not stop.wait(every):
+                self.blackhole()
+                time.sleep(every)
+                self.cut()
+
+        thread = threading.Thread(target=run, name="proxy-cuts", daemon=True)
+        thread.start()
+        return thread
 
     async def _shutdown(self) -> None:
         if self._server is not None:

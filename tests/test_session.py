@@ -69,17 +69,8 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(session: bool) -> Non
                     # The watch ends when the peer is deregistered below; its deadline only bounds a hang.
                     watcher = threading.Thread(target=_watch_all, args=(client, peer_id, set(rooms), 90, seen))
                     stop = threading.Event()
-
-                    def cutter() -> None:
-                        # Each break first loses what the server sends for a while, then the link.
-                        while not stop.wait(0.1):
-                            proxy.blackhole()
-                            time.sleep(0.1)
-                            proxy.cut()
-
                     if session:  # submits ride the session too, so cut while they go out
-                        cuts = threading.Thread(target=cutter)
-                        cuts.start()
+                        cuts = proxy.cut_repeatedly(stop)
                         watcher.start()
                     for i, room in enumerate(rooms):
                         # Rooms share pages in groups of 8: the next group waits until the last is done.
@@ -88,8 +79,7 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(session: bool) -> Non
                         client.submit_transfer(peer_id, peer.transfer_info(room, placed[room]))
                     if not session:  # unary submits are done: now cut the status streams
                         watcher.start()
-                        cuts = threading.Thread(target=cutter)
-                        cuts.start()
+                        cuts = proxy.cut_repeatedly(stop)
                     done = client.wait_for(peer_id, rooms, timeout=20)
                     time.sleep(1.0)
                     stop.set()

@@ -24,7 +24,6 @@ import collections
 import concurrent.futures
 import signal
 import threading
-import time
 from collections.abc import Iterable
 
 from pdproto import errors as E
@@ -144,19 +143,11 @@ def _reconnect(out: Outcome, rank: DecodeRank) -> None:
     with running_server(*SERVE_ARGS) as srv:
         proxy = CuttableProxy(srv.port)
         stop = threading.Event()
-
-        def cutter() -> None:
-            while not stop.wait(0.1):
-                proxy.blackhole()
-                time.sleep(0.1)
-                proxy.cut()
-
-        cuts = threading.Thread(target=cutter, daemon=True)
         try:
             with HandshakeClient(proxy.target, timeout=30) as client:
                 pid = client.register(rank.registration()).peer_id
                 streams = _Streams(proxy.target, pid, client.credential(pid), 20, snapshot=False)
-                cuts.start()
+                cuts = proxy.cut_repeatedly(stop)
                 for i, room in enumerate(rooms):
                     if i and i % 8 == 0:  # rooms share pages in groups of 8
                         client.wait_for(pid, rooms[i - 8:i], timeout=30)
