@@ -25,13 +25,13 @@ from pdproto.v1 import registration_pb2
 from pdproto_demo.proc import Reply, redirect_stdout_to_stderr, serve_commands
 
 KINDS = ("good", "unsealed", "no_seal_seal", "write_sealed", "empty", "fifo", "shm_file", "disk_file",
-         "readonly", "two_fds", "no_fd", "wrong_answer")
+         "readonly", "two_fds", "no_fd", "wrong_answer", "huge_pages")
 """Arena kinds ``serve`` makes; every one but ``good`` must be refused by a prefill."""
 ARENA = 1 << 20
 
 
-def _memfd(seals: int, size: int = ARENA) -> int:
-    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def _memfd(seals: int, size: int = ARENA, flags: int = 0) -> int:
+    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | flags)
     os.ftruncate(fd, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
@@ -50,6 +50,8 @@ def _descriptors(kind: str, keep: list[str]) -> list[int]:
         return [_memfd(REQUIRED_SEALS | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10))]
     if kind == "empty":
         return [_memfd(REQUIRED_SEALS, size=0)]
+    if kind == "huge_pages":  # faults SIGBUS in the prefill once the huge-page pool runs dry
+        return [_memfd(REQUIRED_SEALS, size=2 << 20, flags=os.MFD_HUGETLB)]
     if kind == "fifo":
         path = os.path.join(tempfile.mkdtemp(), "fifo")
         os.mkfifo(path)

@@ -72,6 +72,7 @@ REFUSED = {
     "two_fds": "exactly one descriptor",
     "no_fd": "exactly one descriptor",
     "wrong_answer": "exactly one descriptor",
+    "huge_pages": "huge pages",
 }
 
 
@@ -128,6 +129,27 @@ def test_buffers_outside_the_arena_are_refused(hostile: Child, prefill: LocalExe
     with pytest.raises(InvalidFieldError) as info:
         prefill.connect("p", reg)
     assert info.value.field == field
+
+
+def _arena_mappings() -> list[int]:
+    """Sizes of this process's mappings of a hostile peer's memfd."""
+    sizes = []
+    for line in open("/proc/self/maps").read().splitlines():
+        if "memfd:hostile" in line:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            sizes.append(end - start)
+    return sizes
+
+
+def test_only_the_bytes_the_buffers_cover_are_mapped(hostile: Child, prefill: LocalExecutor) -> None:
+    reg = _registration(hostile.call("serve", kind="good", length=64 << 10))
+    assert [b.length for b in reg.kv_buffers] == [64 << 10]  # of a 1 MiB arena
+    before = _arena_mappings()
+    prefill.connect("p", reg)
+    try:
+        assert _arena_mappings() == [*before, 64 << 10]  # not the whole 1 MiB arena
+    finally:
+        prefill.disconnect("p")
 
 
 def test_nothing_listening_is_peer_gone(prefill: LocalExecutor) -> None:
