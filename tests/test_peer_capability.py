@@ -81,7 +81,31 @@ def test_hostile_peer_cannot_touch_another_peers_requests() -> None:
                                     (12, common_pb2.TRANSFER_STATE_SUCCESS, "")], seen
             # A deregistered peer's credential is dead too, even for its own id.
             _refused(vc.submit_transfer, vid, victim.transfer_info(14, placed[12]), credential=old)
-            assert hc.deregister(hid) == 0
+            # So is a replaced peer's: the same decode registering again is a restart.
+            again = hc.register(hostile.registration()).peer_id
+            assert again != hid and hc.credential(again) != own
+            _refused(hc.submit_transfer, hid, hostile.transfer_info(22, hostile.pages_for(SPEC.prompt_tokens)),
+                     credential=own)
+            assert hc.deregister(again) == 0
     finally:
         victim.close()
         hostile.close()
+
+
+def test_a_registration_naming_a_live_decode_replaces_it_even_when_refused() -> None:
+    """docs/security.md, what a token holder can still do: naming a live decode's notify endpoint
+    drops that peer, even when the new registration is refused at connect (no arena behind it)."""
+    victim = DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS, token=TOKEN) as srv, \
+                HandshakeClient(srv.target, token=TOKEN, timeout=10) as vc, \
+                HandshakeClient(srv.target, token=TOKEN, timeout=10) as hc:
+            vid = vc.register(victim.registration()).peer_id
+            impostor = victim.registration()
+            impostor.local.socket = f"pdproto-arena-1-{'0' * 32}"  # nothing listens there
+            with pytest.raises(E.PdprotoError) as refused:
+                hc.register(impostor)
+            assert refused.value.reason is Reason.PEER_GONE, refused.value
+            _refused(vc.submit_transfer, vid, victim.transfer_info(1, victim.pages_for(SPEC.prompt_tokens)))
+    finally:
+        victim.close()

@@ -157,9 +157,13 @@ def test_abort_generation_reregister_and_deregister(server: ServerProcess) -> No
 
 def test_auth_required_and_limits() -> None:
     with running_server(*SERVE_ARGS, "--max-peers", "1", token="s3cret-token") as srv:
-        with grpc.insecure_channel(srv.target) as ch:
+        with grpc.insecure_channel(srv.target) as ch:  # health and reflection need no token
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            replies = list(refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+            assert SERVICE_NAME in {s.name for s in replies[0].list_services_response.service}
         for token in (None, "wrong"):
             with HandshakeClient(srv.target, token=token) as anon, pytest.raises(E.AuthError) as info:
                 anon.get_server_info()
@@ -199,6 +203,57 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
                 peer.verify(placed, SPEC.prompt_tokens)
             # The drain ended the stream; the process exits by itself, with status 0.
             assert srv.proc.wait(timeout=20) == 0, srv.stderr()
+    finally:
+        peer.close()
+
+
+def test_a_draining_server_reports_not_serving_and_takes_no_new_work() -> None:
+    """docs/security.md, SIGTERM: health turns NOT_SERVING and new registrations and submissions get
+    UNAVAILABLE (SHUTTING_DOWN) while open requests drain; they complete, and the process exits 0."""
+    peer, late = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "1000", "--match-timeout", "10", "--grace", "30") as srv:
+            with HandshakeClient(srv.target, timeout=10) as client, grpc.insecure_channel(srv.target) as ch:
+                peer_id = client.register(peer.registration()).peer_id
+                pages = peer.pages_for(SPEC.prompt_tokens)
+                client.submit_transfer(peer_id, peer.transfer_info(1, pages))
+                srv.proc.send_signal(signal.SIGTERM)
+                health = health_pb2_grpc.HealthStub(ch)
+                while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != \
+                        health_pb2.HealthCheckResponse.NOT_SERVING:
+                    pass  # the signal is handled on the server's loop, soon
+                with pytest.raises(E.ShuttingDownError) as refused:
+                    client.register(late.registration(), timeout=2)
+                assert refused.value.metadata["grpcCode"] == "UNAVAILABLE"
+                with pytest.raises(E.ShuttingDownError):
+                    client.submit_transfer(peer_id, peer.transfer_info(2, pages), timeout=2)
+                assert client.wait_for(peer_id, [1], timeout=20)[1].state == common_pb2.TRANSFER_STATE_SUCCESS
+                peer.verify({1: pages}, SPEC.prompt_tokens)
+            assert srv.proc.wait(timeout=30) == 0, srv.stderr()
+    finally:
+        peer.close()
+        late.close()
+
+
+def test_metrics_listen_on_loopback_only_and_show_no_secret() -> None:
+    """docs/security.md: the metrics port is bound to 127.0.0.1 and exposes counts, never tokens or addresses."""
+    token = "metrics-must-not-show-this"
+    peer = DecodeRank.for_spec(SPEC, pages=32)
+    try:
+        with running_server(*SERVE_ARGS, "--metrics-port", "0", token=token) as srv:
+            with HandshakeClient(srv.target, token=token) as client:
+                peer.verify(_transfer(client, peer, [901]), SPEC.prompt_tokens)
+            assert srv.metrics_port is not None
+            listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                         if line.split()[3] == "0A"]  # TCP_LISTEN
+            bound = {local for _, local, *_ in listening if int(local.split(":")[1], 16) == srv.metrics_port}
+            assert bound == {f"0100007F:{srv.metrics_port:04X}"}, bound  # 127.0.0.1 only
+            v6 = Path("/proc/net/tcp6").read_text() if Path("/proc/net/tcp6").exists() else ""
+            assert f":{srv.metrics_port:04X} " not in v6
+            with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            assert "pdproto_requests_total" in text and token not in text
+            assert not [b.ptr for b in peer.registration().kv_buffers if b.ptr > 1 << 16 and str(b.ptr) in text]
     finally:
         peer.close()
 

@@ -94,3 +94,26 @@ def test_unexpected_exception_becomes_internal_not_unknown() -> None:
         assert "secret" not in info.value.message
 
     asyncio.run(asyncio.wait_for(run(), 20))
+
+
+def test_peer_ids_and_credentials_are_random_and_secrets_are_compared_in_constant_time() -> None:
+    """docs/security.md: ids ``p-`` and 16 hex digits, 32-byte credentials from ``secrets``, and the
+    token and credentials compared with ``hmac.compare_digest``, an unknown id against a decoy.
+    Time is not measured here (no timing assertions); the code that compares is read."""
+    import inspect
+    import re
+
+    from pdproto_server.auth import BearerTokenInterceptor
+    from pdproto_server.registry import CREDENTIAL_BYTES, Limits, PeerRegistry
+
+    registry = PeerRegistry(Limits())
+    ids = {registry.new_id() for _ in range(1000)}
+    creds = {registry.new_credential() for _ in range(1000)}
+    assert len(ids) == len(creds) == 1000 and CREDENTIAL_BYTES == 32
+    assert all(re.fullmatch(r"p-[0-9a-f]{16}", i) for i in ids)
+    assert all(len(c) == 32 for c in creds)
+    assert registry.authorized(next(iter(ids)), next(iter(creds))) is None  # unknown id: refused
+    authorized = inspect.getsource(PeerRegistry.authorized)
+    assert "hmac.compare_digest(credential, expected)" in authorized and "self._decoy" in authorized
+    assert "==" not in authorized.split('"""')[-1]
+    assert "hmac.compare_digest(" in inspect.getsource(BearerTokenInterceptor.intercept_service)
