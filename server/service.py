@@ -87,8 +87,11 @@ class _Handlers:
 
 
 def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer as the generated code does, with request bodies that fail to parse
-    handed to the handler's wrapper (INVALID_ARGUMENT, WIRE_MALFORMED) instead of grpc's bare UNKNOWN."""
+    """Register the servicer as the generated code does, but answer request bodies that do not parse typed.
+
+    Such a body reaches the handler's wrapper (INVALID_ARGUMENT, WIRE_MALFORMED) instead of
+    failing in grpc's deserializer, which answers a bare UNKNOWN.
+    """
     taken = _Handlers()
     hs_grpc.add_HandshakeServiceServicer_to_server(servicer, taken)  # type: ignore[arg-type]
     methods = {name: _status.with_tolerant_requests(h) for name, h in taken.methods.items()}
