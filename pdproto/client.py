@@ -11,7 +11,8 @@ whose class is declared retryable (the UNAVAILABLE ones: ``UnavailableError``,
 By default submits, aborts and status waits of a peer travel on one Session stream
 (``pdproto.client_session``): a broken stream is resumed within the caller's deadline,
 and what the server has not acknowledged is sent again, so no result or terminal status
-is lost or repeated. ``session=False`` (or a server without the Session RPC) uses the unary
+is lost or repeated. A deadline that passes while the stream is still broken (a dead or
+unreachable prefill) raises ``UnavailableError`` naming the cause. ``session=False`` (or a server without the Session RPC) uses the unary
 calls; ``watch_status`` then re-opens a broken WatchStatus stream within its deadline,
 dropping what it already delivered.
 """
