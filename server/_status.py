@@ -135,13 +135,13 @@ def tolerant(parse: Callable[[bytes], Any], message_type: str) -> Callable[[byte
     return deserialize
 
 
-def with_tolerant_requests(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def with_tolerant_requests(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """The same method handler, its request deserializer made ``tolerant``."""
     parse = handler.request_deserializer
     if parse is None:
         return handler
     name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
-    replaced: grpc.RpcMethodHandler = handler._replace(  # type: ignore[attr-defined]
+    replaced: grpc.RpcMethodHandler[Any, Any] = handler._replace(  # type: ignore[attr-defined]
         request_deserializer=tolerant(parse, name.full_name if name is not None else "request"))
     return replaced
 

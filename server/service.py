@@ -75,13 +75,14 @@ class _Handlers:
     """Takes what the generated ``add_..._to_server`` registers, to pass it on changed."""
 
     def __init__(self) -> None:
-        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+        self.methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         self.service = ""
 
     def add_generic_rpc_handlers(self, handlers: object) -> None:
         """Ignored: the registered method handlers below carry the same methods."""
 
-    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+    def add_registered_method_handlers(self, service: str,
+                                       methods: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
         """The generated code's per-method handlers."""
         self.service, self.methods = service, methods
 
