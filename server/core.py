@@ -21,8 +21,10 @@ from pdproto.errors import (
     ShuttingDownError,
 )
 from pdproto.topology import Rejection, negotiate
+from pdproto.transfer.base import ConnectsOnLoop, PendingConnect
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
+    registration_pb2,
     server_info_pb2,
     transfer_pb2,
 )
@@ -57,6 +59,9 @@ class HandshakeCore:
         self._streams_closed = False
         self._registering = 0
         self._janitor: asyncio.Task[None] | None = None
+        executor = engine.executor
+        self._start_connect = executor.start_connect if isinstance(executor, ConnectsOnLoop) else None
+        """Register connects on the loop (no thread hop) where the engine can (``ConnectsOnLoop``)."""
         engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
         self.deadlines: Deadlines[Peer] = Deadlines()
         """When to look at a peer again: its oldest kept final status expires, or it is gone long enough."""
@@ -136,14 +141,24 @@ class HandshakeCore:
         try:
             result = await self._register(request, origin)
         except PdprotoError as exc:
-            self.metrics.registrations.labels(outcome=exc.reason.code).inc()
+            self.metrics.registered(exc.reason.code)
             raise
-        self.metrics.registrations.labels(outcome="ACCEPTED").inc()
+        self.metrics.registered("ACCEPTED")
         return result
 
     async def _register(self, request: hs.RegisterRequest, origin: str) -> hs.RegisterResponse:
         self._accepting()
         reg = check_registration(request, origin)
+        # An engine that connects on the loop starts now: the decode answers while we negotiate.
+        pending = self._start_connect(reg) if self._start_connect is not None else None
+        try:
+            return await self._admit(reg, pending)
+        finally:
+            if pending is not None:
+                pending.close()
+
+    async def _admit(self, reg: registration_pb2.KvRegistration, pending: PendingConnect | None) -> hs.RegisterResponse:
+        """Negotiate, then connect (finishing ``pending``, or on the peer's lane) and add the peer."""
         started = time.perf_counter()
         verdict = negotiate(self.info, reg)
         self.metrics.negotiation_seconds.observe(time.perf_counter() - started)
@@ -169,8 +184,11 @@ class HandshakeCore:
                             credential=self.registry.new_credential())
                 peer.page_limit = page_limit(peer)
                 try:
-                    await peer.lane.run(self.engine.executor.connect, peer_id, reg,
-                                        timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
+                    if pending is not None:
+                        await pending.finish(peer_id, self.limits.engine_timeout)
+                    else:
+                        await peer.lane.run(self.engine.executor.connect, peer_id, reg,
+                                            timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
                 except BaseException:
                     # Never admitted; its connect (maybe still running) is undone in the background.
                     self.registry.remove(peer)

@@ -57,16 +57,26 @@ class ServiceMetrics:
             "pdproto_chunk_notifications", "Per-chunk completion notifications delivered through the engine.",
             registry=r)
         self._outcome_children: dict[str, Any] = {}
+        self._registration_children: dict[str, Any] = {}
         self.outcomes: dict[str, int] = {}
         """Finished requests by outcome since start (what ``pdproto_requests`` counts, readable at once)."""
 
     def finished(self, outcome: str) -> None:
         """Count one finished request ("SUCCESS" or its failure reason); the labelled child is looked up once."""
-        child = self._outcome_children.get(outcome)
-        if child is None:
-            child = self._outcome_children[outcome] = self.requests.labels(outcome=outcome)
-        child.inc()
+        _child(self._outcome_children, self.requests, outcome).inc()
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def registered(self, outcome: str) -> None:
+        """Count one Register call ("ACCEPTED" or the rejection reason); the labelled child is looked up once."""
+        _child(self._registration_children, self.registrations, outcome).inc()
+
+
+def _child(children: dict[str, Any], metric: Any, outcome: str) -> Any:
+    """``metric.labels(outcome=outcome)``, cached in ``children``."""
+    child = children.get(outcome)
+    if child is None:
+        child = children[outcome] = metric.labels(outcome=outcome)
+    return child
 
 
 def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -> int:

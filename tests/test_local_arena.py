@@ -8,6 +8,7 @@ file by name, so none of the old name-based attacks has anything to aim at.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -44,6 +45,27 @@ def prefill() -> Iterator[LocalExecutor]:
     ex.close()
 
 
+WAYS = ["thread", "loop"]
+"""How a test connects: ``connect`` (blocking, as on a lane) or ``start_connect`` + ``finish`` (Register's loop path)."""
+
+
+def _connect(ex: LocalExecutor, reg: registration_pb2.KvRegistration, way: str) -> None:
+    """Connect peer "p" one of the two ways; both must raise the same typed errors."""
+    if way == "thread":
+        ex.connect("p", reg)
+        return
+
+    async def on_loop() -> None:
+        pending = ex.start_connect(reg)
+        assert pending is not None
+        try:
+            await pending.finish("p", 5.0)
+        finally:
+            pending.close()
+
+    asyncio.run(on_loop())
+
+
 def _registration(reply: dict[str, object]) -> registration_pb2.KvRegistration:
     return registration_pb2.KvRegistration.FromString(bytes.fromhex(str(reply["registration"])))
 
@@ -76,13 +98,14 @@ REFUSED = {
 }
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_an_arena_that_is_not_a_sealed_memfd_is_refused_with_a_reason(hostile: Child, prefill: LocalExecutor,
-                                                                    kind: str) -> None:
+                                                                    kind: str, way: str) -> None:
     reg = _registration(hostile.call("serve", kind=kind))
     before = _open_fds()
     with pytest.raises(InvalidFieldError) as info:
-        prefill.connect("p", reg)
+        _connect(prefill, reg, way)
     assert info.value.reason is Reason.INVALID_FIELD
     assert REFUSED[kind] in info.value.message, info.value.message
     assert _open_fds() == before, "a refused arena left a descriptor open"
@@ -112,22 +135,24 @@ def _bad_endpoint(ep: registration_pb2.LocalEndpoint, case: str) -> str:
 
 @pytest.mark.parametrize("case", ["nul_in_socket", "foreign_socket", "no_socket", "short_secret", "wrong_secret",
                                   "wrong_pid", "wrong_size"])
-def test_bad_endpoint_fields_are_typed_errors(hostile: Child, prefill: LocalExecutor, case: str) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_bad_endpoint_fields_are_typed_errors(hostile: Child, prefill: LocalExecutor, case: str, way: str) -> None:
     reg = _registration(hostile.call("serve", kind="good"))
     field = _bad_endpoint(reg.local, case)
     with pytest.raises(InvalidFieldError) as info:
-        prefill.connect("p", reg)
+        _connect(prefill, reg, way)
     assert info.value.field == field, info.value
 
 
 @pytest.mark.parametrize(("length", "ptr", "field"), [(2 << 20, 0, "registration.kv_buffers"),
                                                      (0, 2 << 20, "registration.kv_buffers[0].ptr")])
+@pytest.mark.parametrize("way", WAYS)
 def test_buffers_outside_the_arena_are_refused(hostile: Child, prefill: LocalExecutor, length: int, ptr: int,
-                                               field: str) -> None:
+                                               field: str, way: str) -> None:
     reg = _registration(hostile.call("serve", kind="good", length=length))
     reg.kv_buffers[0].ptr = ptr
     with pytest.raises(InvalidFieldError) as info:
-        prefill.connect("p", reg)
+        _connect(prefill, reg, way)
     assert info.value.field == field
 
 
@@ -141,23 +166,25 @@ def _arena_mappings() -> list[int]:
     return sizes
 
 
-def test_only_the_bytes_the_buffers_cover_are_mapped(hostile: Child, prefill: LocalExecutor) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_only_the_bytes_the_buffers_cover_are_mapped(hostile: Child, prefill: LocalExecutor, way: str) -> None:
     reg = _registration(hostile.call("serve", kind="good", length=64 << 10))
     assert [b.length for b in reg.kv_buffers] == [64 << 10]  # of a 1 MiB arena
     before = _arena_mappings()
-    prefill.connect("p", reg)
+    _connect(prefill, reg, way)
     try:
         assert _arena_mappings() == [*before, 64 << 10]  # not the whole 1 MiB arena
     finally:
         prefill.disconnect("p")
 
 
-def test_nothing_listening_is_peer_gone(prefill: LocalExecutor) -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_nothing_listening_is_peer_gone(prefill: LocalExecutor, way: str) -> None:
     reg = registration_pb2.KvRegistration()
     reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name="x", socket=f"pdproto-arena-1-{'0' * 32}",
                                                       secret=bytes(32)))
     with pytest.raises(RequestFailedError) as info:
-        prefill.connect("p", reg)
+        _connect(prefill, reg, way)
     assert info.value.reason is Reason.PEER_GONE
 
 

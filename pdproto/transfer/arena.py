@@ -19,6 +19,7 @@ peer's transfers fail with ``PEER_GONE``.
 from __future__ import annotations
 
 import array
+import asyncio
 import fcntl
 import hmac
 import mmap
@@ -156,6 +157,101 @@ def fetch(endpoint: registration_pb2.LocalEndpoint, need: int, *, timeout: float
     ``RequestFailedError`` (PEER_GONE) when nothing listens on the socket, and
     ``DeadlineExceededError`` when the decode does not answer within ``timeout``.
     """
+    _check_endpoint(endpoint)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        fd, pid = _handover(sock, endpoint, timeout)
+        return _lease(sock, fd, pid, endpoint, need)
+    except BaseException:
+        sock.close()
+        raise
+
+
+class Handover:
+    """``fetch`` without blocking, for a caller on an event loop: ``start`` connects and asks
+    for the arena, ``finish`` waits on the loop for the answer, with a deadline.
+
+    ``start`` returns None when the decode's socket does not take the connection at once (its
+    backlog is full: a frozen or busy decode); the caller then uses the blocking ``fetch`` on a
+    thread of its own. Until ``finish`` returns, ``close`` drops the half-done handover.
+    """
+
+    def __init__(self, sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, need: int, pid: int) -> None:
+        """Hold a connected socket that has sent its request (``start`` builds it)."""
+        self._sock: socket.socket | None = sock
+        self._endpoint = endpoint
+        self._need = need
+        self._pid = pid
+
+    @classmethod
+    def start(cls, endpoint: registration_pb2.LocalEndpoint, need: int) -> Handover | None:
+        """Check the endpoint, connect without waiting and send the request; the same errors as ``fetch``."""
+        _check_endpoint(endpoint)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            hello = HELLO + endpoint.secret
+            try:
+                sock.connect("\0" + endpoint.socket)
+                pid = _peer_pid(sock, endpoint)
+                sent = sock.send(hello)
+            except BlockingIOError:
+                sent = -1
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                raise _nobody_listens(endpoint) from exc
+            if sent != len(hello):
+                sock.close()
+                return None
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, endpoint, need, pid)
+
+    async def finish(self, timeout: float) -> Lease:
+        """Wait (on the running loop) up to ``timeout`` seconds for the arena; map it and return the lease."""
+        sock, self._sock = self._sock, None
+        assert sock is not None, "finish() runs once"
+        loop = asyncio.get_running_loop()
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    while True:
+                        try:
+                            answer = sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
+                            break
+                        except BlockingIOError:
+                            pass
+                        readable: asyncio.Future[None] = loop.create_future()
+                        loop.add_reader(sock, _set_once, readable)
+                        try:
+                            await readable
+                        finally:
+                            loop.remove_reader(sock)
+            except TimeoutError:
+                raise _too_slow(self._endpoint, timeout) from None
+            except OSError as exc:
+                raise _socket_failed(self._endpoint, exc) from exc
+            fd = _received(answer[0], answer[1], answer[2], self._endpoint)
+            sock.setblocking(True)
+            return _lease(sock, fd, self._pid, self._endpoint, self._need)
+        except BaseException:
+            sock.close()
+            raise
+
+    def close(self) -> None:
+        """Drop a handover ``finish`` never took (once it has, the lease owns the socket)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _check_endpoint(endpoint: registration_pb2.LocalEndpoint) -> None:
+    """``InvalidFieldError`` for an endpoint this prefill does not connect to."""
     if not endpoint.socket:
         raise InvalidFieldError(f"{_FIELD}.socket", "required: the decode hands its arena over on a Unix "
                                 "socket; a prefill no longer opens /dev/shm files by name (upgrade the decode)",
@@ -166,29 +262,27 @@ def fetch(endpoint: registration_pb2.LocalEndpoint, need: int, *, timeout: float
     if len(endpoint.secret) < 16:
         raise InvalidFieldError(f"{_FIELD}.secret", "at least 16 random bytes are required",
                                 metadata={"bytes": len(endpoint.secret)})
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.LocalEndpoint, need: int) -> Lease:
+    """Check the handed-over descriptor, map ``need`` bytes of it, and close it (the mapping stays)."""
     try:
-        fd, pid = _handover(sock, endpoint, timeout)
+        size = check(fd)
+        if endpoint.size and endpoint.size != size:
+            raise InvalidFieldError(f"{_FIELD}.size", f"the arena has {size} bytes, not {endpoint.size}",
+                                    metadata={"size": endpoint.size, "arena": size})
+        if need > size:
+            raise InvalidFieldError("registration.kv_buffers",
+                                    f"buffers reach byte {need} of a {size}-byte arena",
+                                    metadata={"end": need, "arena": size})
         try:
-            size = check(fd)
-            if endpoint.size and endpoint.size != size:
-                raise InvalidFieldError(f"{_FIELD}.size", f"the arena has {size} bytes, not {endpoint.size}",
-                                        metadata={"size": endpoint.size, "arena": size})
-            if need > size:
-                raise InvalidFieldError("registration.kv_buffers",
-                                        f"buffers reach byte {need} of a {size}-byte arena",
-                                        metadata={"end": need, "arena": size})
-            try:
-                mapping = mmap.mmap(fd, need or size, flags=mmap.MAP_SHARED,
-                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            except (OSError, OverflowError) as exc:
-                raise InvalidFieldError(_FIELD, f"the {need or size}-byte arena could not be mapped",
-                                        metadata={"error": exc}) from exc
-        finally:
-            os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
-    except BaseException:
-        sock.close()
-        raise
+            mapping = mmap.mmap(fd, need or size, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, OverflowError) as exc:
+            raise InvalidFieldError(_FIELD, f"the {need or size}-byte arena could not be mapped",
+                                    metadata={"error": exc}) from exc
+    finally:
+        os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
     return Lease(mapping=mapping, size=size, sock=sock, pid=pid)
 
 
@@ -198,27 +292,51 @@ def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, tim
     try:
         sock.connect("\0" + endpoint.socket)
     except (FileNotFoundError, ConnectionRefusedError) as exc:
-        raise RequestFailedError("nothing listens on the decode's arena socket: the decode is gone or "
-                                 "closed its executor", reason=Reason.PEER_GONE,
-                                 metadata={"socket": endpoint.socket}) from exc
+        raise _nobody_listens(endpoint) from exc
     except TimeoutError as exc:
         raise DeadlineExceededError("the decode's arena socket did not accept in time",
                                     reason=Reason.DEADLINE_EXCEEDED,
                                     metadata={"socket": endpoint.socket, "timeout_s": timeout}) from exc
-    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    if endpoint.pid and endpoint.pid != pid:
-        raise InvalidFieldError(f"{_FIELD}.pid", f"the arena socket belongs to process {pid}, not {endpoint.pid}",
-                                metadata={"pid": endpoint.pid, "socket_pid": pid})
+    pid = _peer_pid(sock, endpoint)
     try:
         sock.sendall(HELLO + endpoint.secret)
         msg, ancdata, flags, _ = sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
     except TimeoutError as exc:
-        raise DeadlineExceededError("the decode did not hand its arena over in time",
-                                    reason=Reason.DEADLINE_EXCEEDED,
-                                    metadata={"socket": endpoint.socket, "timeout_s": timeout}) from exc
+        raise _too_slow(endpoint, timeout) from exc
     except OSError as exc:
-        raise RequestFailedError("the decode's arena socket failed", reason=Reason.PEER_GONE,
-                                 metadata={"socket": endpoint.socket, "error": exc}) from exc
+        raise _socket_failed(endpoint, exc) from exc
+    fd = _received(msg, ancdata, flags, endpoint)
+    sock.settimeout(None)
+    return fd, pid
+
+
+def _nobody_listens(endpoint: registration_pb2.LocalEndpoint) -> RequestFailedError:
+    return RequestFailedError("nothing listens on the decode's arena socket: the decode is gone or "
+                              "closed its executor", reason=Reason.PEER_GONE, metadata={"socket": endpoint.socket})
+
+
+def _too_slow(endpoint: registration_pb2.LocalEndpoint, timeout: float) -> DeadlineExceededError:
+    return DeadlineExceededError("the decode did not hand its arena over in time", reason=Reason.DEADLINE_EXCEEDED,
+                                 metadata={"socket": endpoint.socket, "timeout_s": timeout})
+
+
+def _socket_failed(endpoint: registration_pb2.LocalEndpoint, exc: OSError) -> RequestFailedError:
+    return RequestFailedError("the decode's arena socket failed", reason=Reason.PEER_GONE,
+                              metadata={"socket": endpoint.socket, "error": exc})
+
+
+def _peer_pid(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint) -> int:
+    """The process at the other end of the connected socket; it must be the endpoint's."""
+    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    if endpoint.pid and endpoint.pid != pid:
+        raise InvalidFieldError(f"{_FIELD}.pid", f"the arena socket belongs to process {pid}, not {endpoint.pid}",
+                                metadata={"pid": endpoint.pid, "socket_pid": pid})
+    return int(pid)
+
+
+def _received(msg: bytes, ancdata: list[tuple[int, int, bytes]], flags: int,
+              endpoint: registration_pb2.LocalEndpoint) -> int:
+    """The one descriptor the decode's answer carries; ``InvalidFieldError`` for any other answer."""
     fds = array.array("i")
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -231,8 +349,7 @@ def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, tim
                                     metadata={"socket": endpoint.socket})
         raise InvalidFieldError(_FIELD, "the decode's arena socket did not hand over exactly one descriptor",
                                 metadata={"socket": endpoint.socket, "descriptors": len(fds)})
-    sock.settimeout(None)
-    return fds[0], pid
+    return fds[0]
 
 
 def check(fd: int) -> int:
@@ -285,4 +402,4 @@ def _hung_up(sock: socket.socket) -> bool:
         return True
 
 
-__all__ = ["ArenaServer", "HELLO", "Lease", "REQUIRED_SEALS", "SOCKET_NAME", "check", "create", "fetch"]
+__all__ = ["ArenaServer", "HELLO", "Handover", "Lease", "REQUIRED_SEALS", "SOCKET_NAME", "check", "create", "fetch"]

@@ -243,6 +243,27 @@ class TransferExecutor(Protocol):
         ...
 
 
+class PendingConnect(Protocol):
+    """A connect under way on the caller's event loop (``ConnectsOnLoop.start_connect``)."""
+
+    async def finish(self, peer_id: str, timeout: float) -> None:
+        """Complete the connect of ``peer_id`` within ``timeout`` seconds, without blocking the loop."""
+        ...
+
+    def close(self) -> None:
+        """Drop what ``finish`` did not take (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class ConnectsOnLoop(Protocol):
+    """An executor whose connect can run on the caller's event loop (no thread hop)."""
+
+    def start_connect(self, registration: registration_pb2.KvRegistration) -> PendingConnect | None:
+        """Start connecting without blocking; None when only the blocking ``connect`` can do it now."""
+        ...
+
+
 def encode_notification(room: int, payload: bytes) -> bytes:
     """Frame a notification: 8-byte little-endian room, then the payload."""
     return struct.pack("<Q", room) + payload
@@ -339,10 +360,12 @@ __all__ = [
     "PAGE",
     "VRAM",
     "Buffer",
+    "ConnectsOnLoop",
     "Endpoint",
     "LayerSpan",
     "MemoryKind",
     "Notification",
+    "PendingConnect",
     "Runs",
     "Segment",
     "TransferExecutor",

@@ -137,14 +137,21 @@ class LocalExecutor:
 
         Every KV buffer must lie inside the arena (a length of 0 means "to the arena's end").
         """
-        if registration.WhichOneof("transport") != "local":
-            raise TopologyError("registration carries no local endpoint",
-                                reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
-                                metadata={"transport": registration.WhichOneof("transport")})
-        declared = remote_regions(registration)
-        # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
-        need = 0 if any(n == 0 for _, n in declared) else max((p + n for p, n in declared), default=0)
-        lease = arena.fetch(registration.local, need, timeout=self._connect_timeout)
+        declared, need = _declared(registration)
+        self._install(peer_id, arena.fetch(registration.local, need, timeout=self._connect_timeout), declared)
+
+    def start_connect(self, registration: registration_pb2.KvRegistration) -> _ArenaConnect | None:
+        """``connect`` for a caller on an event loop: the arena handover starts now and ends on the loop.
+
+        None when the decode's socket does not take the connection at once (a frozen or busy
+        decode): then ``connect`` on a thread, with its deadline. The same errors as ``connect``.
+        """
+        declared, need = _declared(registration)
+        handover = arena.Handover.start(registration.local, need)
+        return None if handover is None else _ArenaConnect(self, handover, declared)
+
+    def _install(self, peer_id: str, lease: arena.Lease, declared: list[tuple[int, int]]) -> None:
+        """Check the buffers against the mapped arena and make the lease the peer's."""
         regions = []
         for i, (ptr, length) in enumerate(declared):
             if ptr >= lease.size:
@@ -248,6 +255,38 @@ class LocalExecutor:
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
             self._arena_fd = -1
+
+
+class _ArenaConnect:
+    """A connect whose arena handover is under way (``LocalExecutor.start_connect``)."""
+
+    def __init__(self, executor: LocalExecutor, handover: arena.Handover, declared: list[tuple[int, int]]) -> None:
+        """Hold the handover until ``finish`` or ``close``."""
+        self._executor = executor
+        self._handover = handover
+        self._declared = declared
+
+    async def finish(self, peer_id: str, timeout: float) -> None:
+        """Wait on the running loop for the arena (up to ``timeout`` seconds, and no longer than the
+        executor's ``connect_timeout_s``), then connect ``peer_id`` to it."""
+        lease = await self._handover.finish(min(timeout, self._executor._connect_timeout))
+        self._executor._install(peer_id, lease, self._declared)
+
+    def close(self) -> None:
+        """Drop the handover if ``finish`` did not take it (idempotent)."""
+        self._handover.close()
+
+
+def _declared(registration: registration_pb2.KvRegistration) -> tuple[list[tuple[int, int]], int]:
+    """The registration's buffers (offset, length) and how much of the arena they need mapped."""
+    if registration.WhichOneof("transport") != "local":
+        raise TopologyError("registration carries no local endpoint",
+                            reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
+                            metadata={"transport": registration.WhichOneof("transport")})
+    declared = remote_regions(registration)
+    # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
+    need = 0 if any(n == 0 for _, n in declared) else max((p + n for p, n in declared), default=0)
+    return declared, need
 
 
 def _check_alive(peer_id: str, peer: _Peer, message: str) -> None:
