@@ -293,14 +293,17 @@ class PeerSession:
         seq = self.outbox.add(command)
         result: asyncio.Future[session_pb2.CommandResult] = loop.create_future()
         self._futures[seq] = result
-        await self.flush()
+        # A bare timer on the result (not asyncio.timeout_at): half the cost, on every command.
+        timer = loop.call_at(deadline, _expire, result)
         try:
-            async with asyncio.timeout_at(deadline):
-                return await result
+            await self.flush()
+            return await result
         except TimeoutError:
             self._futures.pop(seq, None)
             raise self._late(f"no result for command {seq} before the deadline (it may still be applied)",
                              seq=seq) from None
+        finally:
+            timer.cancel()
 
     def outcome(self, seq_result: session_pb2.CommandResult) -> transfer_pb2.TransferStatus | transfer_pb2.AbortAck:
         """A command's result as the unary call returns it, or its error raised."""
@@ -379,6 +382,12 @@ class PeerSession:
                 await self._pump
         if self.error is None:
             self._end(UnavailableError("the client closed the session"))
+
+
+def _expire(result: asyncio.Future[Any]) -> None:
+    """A command's deadline passed: its waiter gets TimeoutError (a later result is dropped)."""
+    if not result.done():
+        result.set_exception(TimeoutError())
 
 
 class LoopThread:
