@@ -150,7 +150,14 @@ class HandshakeCore:
         self._accepting()
         reg = check_registration(request, origin)
         # An engine that connects on the loop starts now: the decode answers while we negotiate.
-        pending = self._start_connect(reg) if self._start_connect is not None else None
+        pending = None
+        if self._start_connect is not None:
+            try:
+                pending = self._start_connect(reg)
+            except PdprotoError:
+                # Refused at once (nothing listens, a bad endpoint): the blocking connect says so again
+                # where a connect fails, after a restarted decode's old peer was dropped (docs/security.md).
+                pending = None
         try:
             return await self._admit(reg, pending)
         finally:
