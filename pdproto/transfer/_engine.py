@@ -279,26 +279,31 @@ class EngineExecutor(JobPaths):
             return fn(*args)
 
         lane = peer.lane
-        if lane is None:
-            return run()
         try:
-            fut = lane.submit(run)
-        except RuntimeError:
-            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
-                                metadata={"peer": peer.peer_id}) from None
-        try:
-            return fut.result(timeout=timeout)
-        except FutureTimeout:
-            if fut.cancel():
-                message = f"the {what} waited {timeout:g} s behind earlier calls to this peer and never started"
-            else:
-                peer.stuck, peer.stuck_at = fut, time.monotonic()
-                message = (f"the {what} did not complete within {timeout:g} s: the peer is frozen, overloaded "
-                           f"or not answering")
+            if lane is None:
+                return run()
+            try:
+                fut = lane.submit(run)
+            except RuntimeError:
+                raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
+                                    metadata={"peer": peer.peer_id}) from None
+            try:
+                return fut.result(timeout=timeout)
+            except FutureTimeout:
+                if fut.cancel():
+                    message = f"the {what} waited {timeout:g} s behind earlier calls to this peer and never started"
+                else:
+                    peer.stuck, peer.stuck_at = fut, time.monotonic()
+                    message = (f"the {what} did not complete within {timeout:g} s: the peer is frozen, "
+                               f"overloaded or not answering")
+                raise DeadlineExceededError(message, reason=Reason.DEADLINE_EXCEEDED,
+                                            metadata={"peer": peer.peer_id, "timeout_s": timeout}) from None
+        except DeadlineExceededError:
+            # Counted here whether the lane's timer fired or the engine's own wait gave up at
+            # the same deadline first (NIXL releases the transfer there): a timeout either way.
             with self._lock:
                 self.stats.timeouts += 1
-            raise DeadlineExceededError(message, reason=Reason.DEADLINE_EXCEEDED,
-                                        metadata={"peer": peer.peer_id, "timeout_s": timeout}) from None
+            raise
 
     def notifications(self) -> list[Notification]:
         """Notifications received since the last call; empty unless the engine has them."""
