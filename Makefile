@@ -15,10 +15,13 @@ gen: setup
 gates: setup
 	@bash scripts/gates.sh
 
-## Every gate, then every test.
+## Every gate, then every test. Two pytest workers, one test file each at a time: most tests
+## wait on subprocesses and engines, so two workers halve the wall time on two cores, and a
+## file's tests (which share module fixtures) stay in one worker, in order.
+TEST_WORKERS ?= 2
 test: setup
 	@bash scripts/gates.sh
-	@bash scripts/run_tests.sh
+	@bash scripts/run_tests.sh -n $(TEST_WORKERS) --dist loadfile
 
 ## The pure tests only, for quick iteration: no gates, and no test marked `process`
 ## (subprocesses, gRPC servers, engines; tests/conftest.py enforces the marker).
