@@ -18,7 +18,7 @@ from pdproto_demo.cluster import Cluster, Geometry, Topology
 from pdproto_demo.model import ModelShape
 from pdproto_demo.proc import ChildError
 
-pytestmark = [pytest.mark.process, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.process, pytest.mark.long, pytest.mark.timeout(600)]
 
 GEO = Geometry(layers=8, page_size=16, max_tokens=512, max_prefix=64)
 

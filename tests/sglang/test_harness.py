@@ -19,7 +19,7 @@ import pytest
 
 from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, TRANSFERRING, run
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.long]
 
 TOKEN = {"PDPROTO_TOKEN": "harness-token"}
 KV_ROW = 1152  # bytes of one MLA row (576 bf16)
