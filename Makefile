@@ -17,11 +17,13 @@ gates: setup
 
 ## Every gate, then every test. Two pytest workers, one test file each at a time: most tests
 ## wait on subprocesses and engines, so two workers halve the wall time on two cores, and a
-## file's tests (which share module fixtures) stay in one worker, in order.
+## file's tests (which share module fixtures) stay in one worker, in order. Files go out in
+## collection order, which starts the long ones (tests/conftest.py); xdist's own order, most
+## tests first, left the 3-test SGLang harness to run alone at the end.
 TEST_WORKERS ?= 2
 test: setup
 	@bash scripts/gates.sh
-	@bash scripts/run_tests.sh -n $(TEST_WORKERS) --dist loadfile
+	@bash scripts/run_tests.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## The pure tests only, for quick iteration: no gates, and no test marked `process`
 ## (subprocesses, gRPC servers, engines; tests/conftest.py enforces the marker).

@@ -71,7 +71,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``long`` first, the rest in their usual order (the sort is stable).
 
-    ``make test`` hands whole files to two workers in this order; a long file collected
-    last (tests/sglang/ is) otherwise runs alone at the end while the other worker idles.
+    ``make test`` hands whole files to two workers in this order (``--no-loadscope-reorder``);
+    a long file collected last (tests/sglang/ is) otherwise runs alone at the end while the
+    other worker idles.
     """
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
