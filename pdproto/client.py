@@ -12,9 +12,9 @@ By default submits, aborts and status waits of a peer travel on one Session stre
 (``pdproto.client_session``): a broken stream is resumed within the caller's deadline,
 and what the server has not acknowledged is sent again, so no result or terminal status
 is lost or repeated. A deadline that passes while the stream is still broken (a dead or
-unreachable prefill) raises ``UnavailableError`` naming the cause. ``session=False`` (or a server without the Session RPC) uses the unary
-calls; ``watch_status`` then re-opens a broken WatchStatus stream within its deadline,
-dropping what it already delivered.
+unreachable prefill) raises ``UnavailableError`` naming the cause. ``session=False`` (or a
+server without the Session RPC) uses the unary calls; ``watch_status`` then re-opens a
+broken WatchStatus stream within its deadline, dropping what it already delivered.
 """
 
 from __future__ import annotations
