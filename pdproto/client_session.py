@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -24,7 +25,10 @@ from pdproto.errors import PdprotoError, Reason, UnavailableError
 from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
 
+from .client_lane import LaneDialer, LaneUnreachableError
 from .client_rpc import Settings, deadline_error, error_from_command, error_from_rpc
+
+log = logging.getLogger("pdproto.client")
 
 _T = TypeVar("_T")
 
@@ -56,7 +60,7 @@ class PeerSession:
     """A peer's session: commands out, events in, resumed on a new stream after a break."""
 
     def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str, credential: bytes,
-                 *, event_window: int = DEFAULT_EVENT_WINDOW) -> None:
+                 *, event_window: int = DEFAULT_EVENT_WINDOW, lane: LaneDialer | None = None) -> None:
         self.peer_id = peer_id
         self.credential = credential
         self._stub = stub
@@ -73,6 +77,14 @@ class PeerSession:
         self._resent: set[int] = set()
         """Seqs of submits sent again in a new session: DUPLICATE_REQUEST then means it was applied."""
         self._call: Any = None
+        self._lane = lane
+        """How to reach the server's session lane; None: gRPC streams only (no lane, or it was unreachable)."""
+        self.lane_port = 0
+        """The lane port the server told (SessionOpened.lane_port)."""
+        self.on_lane = False
+        """The open stream is a lane connection."""
+        self._lane_told = False
+        """The lane port was told by the last gRPC stream and not reached since."""
         self._pump: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._changed = asyncio.Event()
@@ -96,8 +108,17 @@ class PeerSession:
         backoffs = self._s.backoffs()
         while not self._closed:
             try:
-                await self._stream()
+                if await self._stream():
+                    continue  # the server has a lane: resume the session there at once
                 error: PdprotoError = UnavailableError("the session stream ended")
+            except LaneUnreachableError as exc:
+                # Back to gRPC, which tells the lane port again (a restarted server has a new one);
+                # a lane unreachable right after it was told is behind a firewall: gRPC from then on.
+                self.lane_port = 0
+                if self._lane_told:
+                    log.warning("session of peer %s: %s; staying on gRPC", self.peer_id, exc.message)
+                    self._lane = None
+                continue
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 error.__cause__ = exc
@@ -134,9 +155,11 @@ class PeerSession:
                 return
             await asyncio.sleep(delay)
 
-    async def _stream(self) -> None:
-        """One stream: open or resume, replay, then read until it breaks."""
-        call = self._stub.Session(metadata=self._s.metadata())
+    async def _stream(self) -> bool:
+        """One stream: open or resume, replay, then read until it breaks; True to move to the lane."""
+        lane = self._lane if self.lane_port else None
+        call = lane.call(self.lane_port) if lane is not None else self._stub.Session(metadata=self._s.metadata())
+        self.on_lane = lane is not None
         self._call = call
         opening = session_pb2.SessionOpen(peer_id=self.peer_id, peer_credential=self.credential,
                                           resume_session_id=self.session_id, event_window=self.inbox.window)
@@ -149,15 +172,20 @@ class PeerSession:
         self.command_window = opened.command_window or DEFAULT_COMMAND_WINDOW
         self.inbox.window = opened.event_window or self.inbox.window
         self.outbox.resume(opened.applied_command_seq if opened.resumed else 0)
+        self._dispatch(first)
+        if lane is None and opened.lane_port and self._lane is not None:
+            self.lane_port = opened.lane_port
+            self._lane_told = True
+            return True  # commands wait in the outbox for the lane stream
+        self._lane_told = False
         self.broken = None
         self._ready.set()
         self._changed.set()
-        self._dispatch(first)
         await self.flush()
         while True:
             response = await call.read()
             if not isinstance(response, hs.SessionResponse):
-                return  # EOF without a status: treated as a break
+                return False  # EOF without a status: treated as a break
             self._dispatch(response)
             if self.inbox.ack_due(self.command_window):
                 await self.flush()
@@ -229,7 +257,7 @@ class PeerSession:
                 if not commands and not self.inbox.ack_due(self.command_window):
                     return
                 await call.write(hs.SessionRequest(commands=commands, event_ack=self.inbox.ack()))
-        except (grpc.RpcError, asyncio.InvalidStateError):
+        except (grpc.RpcError, asyncio.InvalidStateError, UnavailableError):
             pass  # the stream broke; the pump resumes it and the outbox sends these again
         finally:
             self._writing = False
@@ -239,7 +267,7 @@ class PeerSession:
             self._writing = True
             try:
                 await self._call.write(hs.SessionRequest(event_ack=self.inbox.ack()))
-            except (grpc.RpcError, asyncio.InvalidStateError):
+            except (grpc.RpcError, asyncio.InvalidStateError, UnavailableError):
                 pass
             finally:
                 self._writing = False

@@ -37,6 +37,7 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         finished_kept=len(peer.finished),
         sessions_connected=sum(1 for s in sessions if s.stream is not None),
         sessions_detached=sum(1 for s in sessions if s.stream is None),
+        sessions_on_lane=sum(1 for s in sessions if s.stream is not None and s.stream.lane),
         watch_streams=len(peer.feeds) - len(sessions),
         events_unacknowledged=sum(s.log.unacknowledged for s in sessions),
     )

@@ -6,12 +6,13 @@ missed), and keeps its ``EventLog`` (``pdproto.session``) while no stream is att
 for ``Limits.keep_finished`` seconds, so a client that lost its stream resumes without
 losing or repeating an event.
 
-A stream is two coroutines: the handler writes (it sleeps until the log has something
-sendable, then writes everything the window allows in one message) and one reader task
-per stream applies acknowledgements and commands in order. A command beyond the
-client's command window is held unread; with ``command_window`` commands held the reader
-stops reading, so a flooding client stalls on HTTP/2 flow control while other peers'
-streams carry on. The credential is checked once per stream, in ``SessionOpen``.
+A stream (a gRPC call, or a connection of the session lane, ``lane.py``) is two
+coroutines: the handler writes (it sleeps until the log has something sendable, then
+writes everything the window allows in one message) and one reader task per stream
+applies acknowledgements and commands in order. A command beyond the client's command
+window is held unread; with ``command_window`` commands held the reader stops reading,
+so a flooding client stalls on HTTP/2 (or TCP) flow control while other peers' streams
+carry on. The credential is checked once per stream, in ``SessionOpen``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
-import grpc
-import grpc.aio
 
 from pdproto.errors import InvalidFieldError, NotFoundError, PdprotoError, Reason
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
@@ -38,12 +38,24 @@ from .registry import Peer
 
 log = logging.getLogger("pdproto_server.session")
 
-Ctx = grpc.aio.ServicerContext[hs.SessionRequest, hs.SessionResponse]
+
+
+class Ctx(Protocol):
+    """What a stream offers the hub: a gRPC call's context, or a session lane connection (``lane.py``)."""
+
+    async def read(self) -> object:
+        """The next request, a ``Malformed`` one, or ``grpc.aio.EOF``."""
+
+    async def write(self, message: hs.SessionResponse) -> None:
+        """Send one response."""
+
 
 class _Stream:
     """One attached stream: how to wake its writer, and whether a newer stream took over."""
 
-    def __init__(self) -> None:
+    def __init__(self, lane: bool) -> None:
+        self.lane = lane
+        """A session lane connection, not a gRPC call."""
         self.wake = asyncio.Event()
         self.replaced = False
         """A newer stream resumed the session: this one stops at once."""
@@ -99,13 +111,16 @@ class SessionHub:
         self.command_window = command_window
         self.sessions: dict[str, ServerSession] = {}
         self.started_at = time.monotonic()
+        self.lane_port = 0
+        """The session lane's port, told to every stream in SessionOpened (0: no lane)."""
         self.detached: Deadlines[ServerSession] = Deadlines()
         """Sessions without a stream, due to be forgotten ``keep_finished`` after they lost it."""
         core.on_tick.append(self.expire)
 
     # -- opening -------------------------------------------------------------
 
-    def open(self, request: hs.SessionRequest) -> tuple[ServerSession, session_pb2.SessionOpened]:
+    def open(self, request: hs.SessionRequest, *,
+             lane: bool = False) -> tuple[ServerSession, session_pb2.SessionOpened]:
         """Start or resume the session a stream's first message names; raises a typed error otherwise."""
         if not request.HasField("open"):
             raise InvalidFieldError("open", "the first message of a Session stream must carry SessionOpen")
@@ -127,11 +142,12 @@ class SessionHub:
         if session.stream is not None:
             session.stream.replaced = True
             session.stream.wake.set()
-        session.stream = _Stream()
+        session.stream = _Stream(lane)
         session.detached_at = None
         return session, session_pb2.SessionOpened(
             session_id=session.session_id, resumed=resumed, applied_command_seq=session.log.applied_command_seq,
-            event_window=session.log.event_window, command_window=session.log.command_window)
+            event_window=session.log.event_window, command_window=session.log.command_window,
+            lane_port=self.lane_port)
 
     def _new(self, peer: Peer, event_window: int) -> ServerSession:
         mine = self.of(peer)
@@ -170,14 +186,14 @@ class SessionHub:
 
     # -- one stream ------------------------------------------------------------
 
-    async def serve(self, context: Ctx) -> None:
+    async def serve(self, context: Ctx, *, lane: bool = False) -> None:
         """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
         first: object = await context.read()
         if isinstance(first, Malformed):
             first.raise_error()
         if not isinstance(first, hs.SessionRequest):
             return  # EOF: the client left before opening
-        session, opened = self.open(first)
+        session, opened = self.open(first, lane=lane)
         stream = session.stream
         assert stream is not None
         reader = asyncio.get_running_loop().create_task(self._read(context, session, stream, first))

@@ -6,7 +6,7 @@ Usage::
         HandshakeClient(srv.target, token=srv.token) ...
         rc = srv.terminate()          # SIGTERM, wait, exit status
 
-The server prints ``{"event": "listening", "port": N, "metrics_port": M}`` on stdout once
+The server prints ``{"event": "listening", "port": N, "metrics_port": M, "lane_port": L}`` on stdout once
 it accepts calls; stderr goes to a file whose tail is shown when startup fails.
 """
 
@@ -46,6 +46,8 @@ class ServerProcess:
     token: str | None
     stderr_path: Path
     lines: list[str] = field(default_factory=list)
+    lane_port: int = 0
+    """The session lane's bound port (0: started without --session-lane)."""
 
     @property
     def target(self) -> str:
@@ -122,7 +124,7 @@ def running_server(*args: str, token: str | None = None, timeout: float = 30.0,
         metrics = ready.get("metrics_port")
         srv = ServerProcess(proc=proc, port=int(str(ready["port"])),
                             metrics_port=int(str(metrics)) if metrics is not None else None,
-                            token=token, stderr_path=stderr_path)
+                            token=token, stderr_path=stderr_path, lane_port=int(str(ready.get("lane_port") or 0)))
         yield srv
     finally:
         if proc.poll() is None:
@@ -136,4 +138,14 @@ def running_server(*args: str, token: str | None = None, timeout: float = 30.0,
             proc.stdout.close()
 
 
-__all__ = ["REPO", "SERVE_ARGS", "SPEC", "ServerProcess", "running_server"]
+def self_signed(where: Path) -> tuple[Path, Path]:
+    """A throwaway key and certificate for localhost and 127.0.0.1 (the openssl CLI), as (key, cert)."""
+    key, cert = where / "key.pem", where / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    return key, cert
+
+
+__all__ = ["REPO", "SERVE_ARGS", "SPEC", "ServerProcess", "running_server", "self_signed"]

@@ -23,7 +23,7 @@ from pdproto.errors import Reason
 from pdproto.v1 import SERVICE_NAME, common_pb2, registration_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 
-from ._server_harness import REPO, SERVE_ARGS, SPEC, ServerProcess, running_server
+from ._server_harness import REPO, SERVE_ARGS, SPEC, ServerProcess, running_server, self_signed
 
 pytestmark = pytest.mark.process
 
@@ -279,11 +279,7 @@ def test_inflight_limit_per_peer() -> None:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 def test_tls(tmp_path: Path) -> None:
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=30)
+    key, cert = self_signed(tmp_path)
     with running_server(*SERVE_ARGS, "--tls-cert", str(cert), "--tls-key", str(key)) as srv:
         with HandshakeClient(srv.target, root_cert=cert) as client:
             assert client.get_server_info().page_size == SPEC.page_size

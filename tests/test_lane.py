@@ -1,0 +1,275 @@
+"""The session lane against a real ``pdproto serve --session-lane``: what a decode relies on, and what an attacker tries.
+
+A client that reaches the gRPC port moves its session to the lane on its own; a lane
+that cannot be reached leaves the session on gRPC, and a lane over TLS takes no
+plaintext. A flooding peer is held back by TCP flow control. A lane connection is
+refused its session without the bearer token or the peer's credential; one that says
+nothing, something else, or a huge length is closed without holding the server. (Cut
+lane connections and a restarted server are in ``tests/test_session.py``, beside the
+same cases on gRPC.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdproto.client import HandshakeClient
+from pdproto.client_lane import HEADER, PREFACE
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2, transfer_pb2
+from pdproto_demo.decode import DecodeRank
+
+from ._flood import check_held_back
+from ._server_harness import SERVE_ARGS, SPEC, running_server, self_signed
+
+pytestmark = pytest.mark.process
+
+SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
+LANE = ("--session-lane", "127.0.0.1:0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _view(client: HandshakeClient, peer_id: str) -> describe_pb2.PeerView:
+    return client.describe(peer_id=peer_id, include_finished=True, request_limit=100).peers[0]
+
+
+def test_an_unreachable_lane_leaves_the_session_on_grpc() -> None:
+    """A lane port nothing answers on (a firewall, a wrong forward): the requests complete over gRPC."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE, "--lane-advertise-port", str(_free_port())) as srv, \
+                HandshakeClient(srv.target, timeout=20) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 16) for i, room in enumerate((1, 2))}
+            for room, pages in placed.items():
+                client.submit_transfer(peer_id, peer.transfer_info(room, pages))
+            done = client.wait_for(peer_id, placed, timeout=20)
+            assert all(s.state == SUCCESS for s in done.values()), done
+            view = _view(client, peer_id)
+            assert (view.sessions_connected, view.sessions_on_lane) == (1, 0), view
+            peer.verify(placed, SPEC.prompt_tokens)
+    finally:
+        peer.close()
+
+
+# -- raw lane connections ---------------------------------------------------------------
+
+
+class Raw:
+    """A hand-driven lane connection: exactly the bytes a test writes."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frame(self, message: hs.SessionRequest) -> None:
+        body = message.SerializeToString()
+        self.send(HEADER.pack(len(body)) + body)
+
+    def read(self) -> hs.SessionResponse | None:
+        """The next frame, or None when the server closed the connection."""
+        head = self._exactly(HEADER.size)
+        if head is None:
+            return None
+        body = self._exactly(HEADER.unpack(head)[0])
+        assert body is not None
+        return hs.SessionResponse.FromString(body)
+
+    def _exactly(self, n: int) -> bytes | None:
+        data = b""
+        while len(data) < n:
+            try:
+                chunk = self.sock.recv(n - len(data))
+            except ConnectionResetError:
+                return None
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _open(peer_id: str, credential: bytes, token: str = "", resume: str = "") -> hs.SessionRequest:
+    return hs.SessionRequest(open=session_pb2.SessionOpen(peer_id=peer_id, peer_credential=credential,
+                                                          bearer_token=token, resume_session_id=resume))
+
+
+def _ended(raw: Raw) -> session_pb2.CommandError:
+    """The end frame the server closed the connection with."""
+    last = raw.read()
+    assert last is not None and last.HasField("end"), last
+    assert raw.read() is None
+    return last.end
+
+
+def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
+    """Wrong protocol, no token, a wrong token or credential, a huge length, silence, a crowd of idlers."""
+    peer, other = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=64)
+    token = "s3cret"
+    try:
+        with running_server(*SERVE_ARGS, *LANE, "--lane-open-timeout", "1", "--lane-max-unopened", "4",
+                            token=token) as srv, HandshakeClient(srv.target, token=token, timeout=20) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            other_id = client.register(other.registration()).peer_id
+            cred, other_cred = client.credential(peer_id), client.credential(other_id)
+            port = srv.lane_port
+
+            raw = Raw(port)  # an HTTP (or gRPC) client on the lane port: closed, told nothing
+            raw.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert raw.read() is None
+            raw.close()
+
+            for presented, why in (("", "missing bearer token"), ("s3cre7", "invalid bearer token")):
+                raw = Raw(port)
+                raw.send(PREFACE)
+                raw.frame(_open(peer_id, cred, presented))
+                end = _ended(raw)
+                assert end.reason == "UNAUTHENTICATED" and end.message.startswith(why), end
+                raw.close()
+
+            raw = Raw(port)  # bytes that are no SessionRequest cannot carry a token
+            raw.send(PREFACE + HEADER.pack(5) + b"\xff\xff\xff\xff\xff")
+            assert _ended(raw).reason == "UNAUTHENTICATED"
+            raw.close()
+
+            raw = Raw(port)  # a length that would make the server allocate 4 GiB: refused unread
+            raw.send(PREFACE + HEADER.pack(0xFFFF_FFFF))
+            end = _ended(raw)
+            assert end.reason == "MESSAGE_TOO_LARGE" and end.metadata["bytes"] == str(0xFFFF_FFFF), end
+            raw.close()
+
+            # The token is not enough: the peer's credential is checked, and another peer's does not do.
+            raw = Raw(port)
+            raw.send(PREFACE)
+            raw.frame(_open(peer_id, other_cred, token))
+            assert _ended(raw).reason == "PEER_NOT_FOUND"
+            raw.close()
+            # A session id is no capability: another peer cannot resume it.
+            raw = Raw(port)
+            raw.send(PREFACE)
+            raw.frame(_open(other_id, other_cred, token))
+            opened = raw.read()
+            assert opened is not None and opened.opened.session_id and opened.opened.lane_port == port
+            raw.close()
+            raw = Raw(port)
+            raw.send(PREFACE)
+            raw.frame(_open(peer_id, cred, token, resume=opened.opened.session_id))
+            assert _ended(raw).reason == "SESSION_NOT_FOUND"
+            raw.close()
+
+            # Silence: the preface, then nothing. Closed at the open deadline, with why.
+            raw = Raw(port)
+            raw.send(PREFACE)
+            t0 = time.monotonic()
+            assert _ended(raw).reason == "DEADLINE_EXCEEDED"
+            assert time.monotonic() - t0 < 8  # the open deadline (1 s), not the socket's 10 s timeout
+            raw.close()
+
+            # Idlers fill the unopened slots: the next connection is closed at once; once their
+            # deadline passed they are gone, and the lane serves sessions again.
+            idlers = [Raw(port) for _ in range(4)]
+            time.sleep(0.3)
+            extra = Raw(port)
+            extra.send(PREFACE)
+            assert extra.read() is None
+            extra.close()
+            for idler in idlers:  # no preface, so no frame: closed at the deadline
+                assert idler.read() is None
+                idler.close()
+            placed = {1: peer.pages_for(SPEC.prompt_tokens)}
+            client.submit_transfer(peer_id, peer.transfer_info(1, placed[1]))
+            assert client.wait_for(peer_id, [1], timeout=20)[1].state == SUCCESS
+            assert _view(client, peer_id).sessions_on_lane == 1
+            peer.verify(placed, SPEC.prompt_tokens)
+            assert "Traceback" not in srv.stderr(), srv.stderr()[-3000:]
+    finally:
+        peer.close()
+        other.close()
+
+
+async def _flood(port: int, peer_id: str, credential: bytes, written: list[int], stop: asyncio.Event) -> None:
+    """A peer that writes submits on its lane as fast as TCP lets it, and never reads or acknowledges."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = _open(peer_id, credential).SerializeToString()
+    writer.write(PREFACE + HEADER.pack(len(body)) + body)
+    pages = [1] * 4000
+    seq = 0
+    try:
+        while not stop.is_set():
+            commands = []
+            for _ in range(100):
+                seq += 1
+                commands.append(session_pb2.SessionCommand(seq=seq, submit=transfer_pb2.TransferInfo(
+                    room=seq, dst_kv_pages=pages, is_dummy=True)))
+            data = hs.SessionRequest(commands=commands).SerializeToString()
+            writer.write(HEADER.pack(len(data)) + data)
+            drained = asyncio.ensure_future(writer.drain())
+            done, _ = await asyncio.wait([drained, asyncio.ensure_future(stop.wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if drained not in done:
+                drained.cancel()
+                return
+            written[0] = seq
+    finally:
+        writer.transport.abort()
+
+
+def test_a_flooding_lane_peer_is_held_back_while_another_peer_completes() -> None:
+    flooder, good = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE, "--max-inflight", "100000") as srv, \
+                HandshakeClient(srv.target, timeout=20) as client:
+            bad_id = client.register(flooder.registration()).peer_id
+            good_id = client.register(good.registration()).peer_id
+            written = [0]
+            loop = asyncio.new_event_loop()
+            stop = asyncio.Event()
+            flood = threading.Thread(target=loop.run_until_complete, args=(
+                _flood(srv.lane_port, bad_id, client.credential(bad_id), written, stop),))
+            flood.start()
+            try:
+                views = check_held_back(client, good, good_id, bad_id, written)
+                assert views[bad_id].sessions_on_lane == 1 and views[good_id].sessions_on_lane == 1
+            finally:
+                loop.call_soon_threadsafe(stop.set)
+                flood.join(10)
+                loop.close()
+    finally:
+        flooder.close()
+        good.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_the_lane_speaks_tls_when_the_server_does(tmp_path: Path) -> None:
+    key, cert = self_signed(tmp_path)
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE, "--tls-cert", str(cert), "--tls-key", str(key)) as srv:
+            raw = Raw(srv.lane_port)  # plaintext on a TLS lane: nothing comes back
+            raw.send(PREFACE)
+            assert raw.read() is None
+            raw.close()
+            with HandshakeClient(srv.target, root_cert=cert, timeout=20) as client:
+                peer_id = client.register(peer.registration()).peer_id
+                placed = {1: peer.pages_for(SPEC.prompt_tokens)}
+                client.submit_transfer(peer_id, peer.transfer_info(1, placed[1]))
+                assert client.wait_for(peer_id, [1], timeout=20)[1].state == SUCCESS
+                assert _view(client, peer_id).sessions_on_lane == 1
+                peer.verify(placed, SPEC.prompt_tokens)
+    finally:
+        peer.close()
