@@ -147,9 +147,12 @@ def test_settings_come_from_the_environment_and_bad_values_name_their_variable(t
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     got = BackendSettings.from_env({"PDPROTO_ENGINE": "nixl", "PDPROTO_TOKEN_FILE": str(token),
-                                    "PDPROTO_PORT": "50100", "PDPROTO_STAGING_MB": "0"})
+                                    "PDPROTO_PORT": "50100", "PDPROTO_STAGING_MB": "0", "PDPROTO_SESSION_LANE": "1",
+                                    "PDPROTO_LANE_PORT": "50200"})
     assert (got.engine, got.token, got.port, got.staging_mb) == ("nixl", "s3cret", 50100, 0)
+    assert (got.session_lane, got.lane_port) == (True, 50200)
     for name, value in (("PDPROTO_ENGINE", "local"), ("PDPROTO_PORT", "70000"), ("PDPROTO_STAGING_MB", "x"),
+                        ("PDPROTO_LANE_PORT", "-1"),
                         ("PDPROTO_TOKEN_FILE", str(tmp_path / "missing"))):
         with pytest.raises(ConfigError) as info:
             BackendSettings.from_env({name: value})

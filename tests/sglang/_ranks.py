@@ -107,6 +107,21 @@ def _engine_report(manager: Any) -> dict[str, Any]:
     }
 
 
+def _sessions(manager: Any) -> dict[str, int]:
+    """The decode peers' sessions as the prefill rank's service sees them: connected, and of those on its lane."""
+    import os
+
+    from pdproto.client import HandshakeClient
+
+    side = getattr(manager, "prefill_side", None)
+    if side is None:
+        return {}
+    endpoint = side.info.rank_endpoint
+    with HandshakeClient(f"{endpoint.host}:{endpoint.port}", token=os.environ.get("PDPROTO_TOKEN")) as client:
+        peers = client.describe().peers
+    return {"connected": sum(p.sessions_connected for p in peers), "lane": sum(p.sessions_on_lane for p in peers)}
+
+
 def _metadata() -> tuple[Any, Any]:
     import torch
 
@@ -313,7 +328,7 @@ def run_prefill(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - began
     for req, sender, state in zip(requests, senders, polls):
         results[req.room].update(_conclude(sender, state))
-    _emit({"results": results, "seconds": seconds})
+    _emit({"results": results, "seconds": seconds, "sessions": _sessions(manager)})
     if spec.kill:
         _emit({"kill": _killed_mid_transfer(args, rank)})
     sys.stdin.readline()  # keep the engine and bootstrap server up until the driver is done

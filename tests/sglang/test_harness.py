@@ -6,7 +6,8 @@ decode rank checks every byte of its KV pool, aux buffers and state. The Mooncak
 proves the harness on SGLang's own backend; the pdproto runs are issue 13's proof:
 
 * dense MLA prefill -> DCP 4 decode (5 processes): chunked prefill, a partial last page,
-  a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token;
+  a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token, the
+  sessions on the prefill's session lane;
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """
@@ -51,7 +52,7 @@ def test_sglang_mooncake_moves_every_byte() -> None:
 def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     """pdproto relays a dense MLA prefill into four DCP ranks' shards, every byte where it belongs;
     a request either side aborts fails on the other side too, with the reason, and moves nothing."""
-    out = run("pdproto", REQUESTS + ABORTS, dcp=4, env=TOKEN)
+    out = run("pdproto", REQUESTS + ABORTS, dcp=4, env={**TOKEN, "PDPROTO_SESSION_LANE": "1"})
     _assert_ranks_ok(out, 4, len(REQUESTS), failed=len(ABORTS))  # mismatches: aborted rooms stay zero
     assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
     results = {int(room): r for room, r in out["prefill"]["results"].items()}
@@ -77,6 +78,9 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
         assert "Aborted by AbortReq." in decode["reasons"][str(decode_abort)]
         assert "ABORTED: the prefill aborted room 106: Aborted by AbortReq." in decode["reasons"][str(prefill_abort)]
     assert out["ready"]["engine"]["adopted"] is False  # no shared Mooncake engine in this run
+    # PDPROTO_SESSION_LANE=1: the decode ranks' sessions moved to the prefill's session lane.
+    sessions = out["prefill"]["sessions"]
+    assert sessions["lane"] == sessions["connected"] > 0, sessions
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:
