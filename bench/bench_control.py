@@ -6,12 +6,14 @@ this process (asyncio), one request in flight per peer: send one request's desti
 (room, pages, prefix), then receive its terminal status. The requests are dummies (no
 KV bytes move), so only the control plane is measured.
 
-* pdproto: ``pdproto serve``; each peer registers, then submits on its session stream
-  and waits for the room's terminal status (``AsyncHandshakeClient`` defaults).
+* pdproto: ``pdproto serve --session-lane``; each peer registers, then submits on its
+  session and waits for the room's terminal status (``AsyncHandshakeClient`` defaults,
+  which move the session to the lane), and again with ``session_lane=False`` (the same
+  session on the gRPC ``Session`` RPC).
 * ZMQ: SGLang 0.5.23's positional frames over PUSH/PULL (``bench/_control_baselines.py``).
 * echo: a gRPC stream that sends each message straight back: what gRPC itself costs.
 
-The three run in turn at each concurrency, three times, so a shared machine's noise hits
+The four run in turn at each concurrency, three times, so a shared machine's noise hits
 them alike; each ratio is taken within one repetition. CPU per request is each process's
 user+system time over the measured window divided by the requests it completed: the
 server from ``/proc/<pid>/stat``, the clients (this process) from ``getrusage``.
@@ -73,13 +75,13 @@ class Peer(Protocol):
 class PdprotoPeer:
     """A decode rank with its own arena (a shared one would make the peers one identity)."""
 
-    def __init__(self, target: str, index: int) -> None:
+    def __init__(self, target: str, index: int, *, lane: bool = True) -> None:
         self.executor = create_executor("local", arena_bytes=4 << 20)
         self.executor.allocate(1 << 20)
         endpoint = self.executor.endpoint()
         assert isinstance(endpoint, registration_pb2.LocalEndpoint)
         self.registration = _registration(endpoint, index)
-        self.client = AsyncHandshakeClient(target, timeout=10)
+        self.client = AsyncHandshakeClient(target, timeout=10, session_lane=lane)
         self.peer_id = ""
         self.room = index * 10_000_000
 
@@ -161,8 +163,8 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, in
             proc.wait(timeout=5)
 
 
-async def _run_pdproto(target: str, n: int, pid: int) -> Sample:
-    peers = [PdprotoPeer(target, 1000 + i) for i in range(n)]
+async def _run_pdproto(target: str, n: int, pid: int, *, lane: bool = True) -> Sample:
+    peers = [PdprotoPeer(target, 1000 + i, lane=lane) for i in range(n)]
     try:
         await asyncio.gather(*(p.setup() for p in peers))
         return await measure(peers, pid)
@@ -245,7 +247,7 @@ async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[
     """Start the three servers, then measure Register and every system at every concurrency."""
     serve = ["-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", "--layers", "4", "--row-bytes", "1152",
              "--pages", "64", "--page-size", str(PAGE_SIZE), "--prompt-tokens", "64", "--chunk-tokens", "64",
-             "--max-inflight", "64"]
+             "--max-inflight", "64", "--session-lane", "127.0.0.1:0"]
     payload = transfer_pb2.TransferInfo(room=10_000_001, dst_kv_pages=PAGES, decode_prefix_len=0,
                                         is_dummy=True).SerializeToString()
     with _process(*serve) as (pd, pd_port), _process("-m", "bench._control_baselines", "zmq") as (zq, zq_port), \
@@ -254,6 +256,7 @@ async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[
         ours, bare = await register_latencies(target, echo)
         runners: dict[str, Runner] = {
             "pdproto": lambda n: _run_pdproto(target, n, pd.pid),
+            "grpc": lambda n: _run_pdproto(target, n, pd.pid, lane=False),
             "zmq": lambda n: _run_zmq(zq_port["port"], n, zq.pid),
             "echo": lambda n: _run_echo(echo, n, ec.pid, payload),
         }
@@ -285,22 +288,25 @@ def main() -> int:
     print(f"  Register / bare echo (p50)    {reg / echo:6.2f}x   (target <= 1.5; SGLang: one-way PUSH, no answer)")
     print(f"\ncontrol-plane throughput (submit + terminal status, dummy requests; {REPETITIONS} x {SECONDS:g} s per "
           "cell, systems interleaved)")
+    print("  session: on the session lane (the default client, --session-lane); gRPC: the same session on the "
+          "Session RPC")
     print(f"  {'peers':>5}  {'session req/s':>13}  {'ZMQ req/s':>9}  {'session/ZMQ min/med/max':>23}  "
-          f"{'echo req/s':>10}  {'echo/ZMQ med':>12}")
+          f"{'gRPC/ZMQ med':>12}  {'echo/ZMQ med':>12}")
     for p in CONCURRENCY:
-        pd, zq, ec = samples["pdproto"][p], samples["zmq"][p], samples["echo"][p]
+        pd, zq = samples["pdproto"][p], samples["zmq"][p]
         ratios = sorted(a.rate / b.rate for a, b in zip(pd, zq, strict=True))
-        echo_ratio = statistics.median(a.rate / b.rate for a, b in zip(ec, zq, strict=True))
         spread = f"{ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}"
+        grpc_ratio, echo_ratio = (statistics.median(a.rate / b.rate for a, b in zip(samples[n][p], zq, strict=True))
+                                  for n in ("grpc", "echo"))
         print(f"  {p:>5}  {_med(pd, 'rate'):>13.0f}  {_med(zq, 'rate'):>9.0f}  {spread:>23}  "
-              f"{_med(ec, 'rate'):>10.0f}  {echo_ratio:>12.2f}")
+              f"{grpc_ratio:>12.2f}  {echo_ratio:>12.2f}")
     print("  (target: median session/ZMQ >= 1.0 at 8 and 32 peers; loopback, client and server share the cores)")
     print("\nCPU per request, microseconds (median over repetitions; server process / client process)")
-    print(f"  {'peers':>5}  {'session srv/cli':>15}  {'ZMQ srv/cli':>11}  {'echo srv/cli':>12}")
+    print(f"  {'peers':>5}  {'session srv/cli':>15}  {'gRPC srv/cli':>12}  {'ZMQ srv/cli':>11}  {'echo srv/cli':>12}")
     for p in CONCURRENCY:
         cells = [f"{_med(samples[n][p], 'server_us'):.0f} / {_med(samples[n][p], 'client_us'):.0f}"
-                 for n in ("pdproto", "zmq", "echo")]
-        print(f"  {p:>5}  {cells[0]:>15}  {cells[1]:>11}  {cells[2]:>12}")
+                 for n in ("pdproto", "grpc", "zmq", "echo")]
+        print(f"  {p:>5}  {cells[0]:>15}  {cells[1]:>12}  {cells[2]:>11}  {cells[3]:>12}")
     return 0
 
 
