@@ -34,6 +34,10 @@ from .session import SessionHub
 
 log = logging.getLogger("pdproto_server.lane")
 
+OPEN_LIMIT = 64 << 10
+"""Bytes a connection's first frame may have: SessionOpen is small, and nobody is authenticated yet
+(64 unopened connections then hold 4 MiB, not 64 times ``--max-message-bytes``)."""
+
 class LaneContext:
     """What ``SessionHub.serve`` uses of a gRPC stream context (``read``, ``write``), over one connection."""
 
@@ -55,7 +59,7 @@ class LaneContext:
             return self._parse(await read_frame(self.reader, self.max_bytes))
         try:
             async with asyncio.timeout_at(self.open_by):
-                body = await read_frame(self.reader, self.max_bytes)
+                body = await read_frame(self.reader, min(self.max_bytes, OPEN_LIMIT))
         except TimeoutError:
             raise DeadlineExceededError("no SessionOpen arrived in time after connecting to the session lane",
                                         reason=Reason.DEADLINE_EXCEEDED) from None

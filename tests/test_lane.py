@@ -152,6 +152,10 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
             end = _ended(raw)
             assert end.reason == "MESSAGE_TOO_LARGE" and end.metadata["bytes"] == str(0xFFFF_FFFF), end
             raw.close()
+            raw = Raw(port)  # before the session is open, 64 KiB is the most a frame may have
+            raw.send(PREFACE + HEADER.pack((64 << 10) + 1))
+            assert _ended(raw).metadata["limit"] == str(64 << 10)
+            raw.close()
 
             # The token is not enough: the peer's credential is checked, and another peer's does not do.
             raw = Raw(port)
