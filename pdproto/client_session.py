@@ -7,6 +7,10 @@ resolves the callers: a command's result, a room's terminal status, a watcher's 
 status. A caller writes its own command (no task per request); while a write is in
 progress, later commands join the writer's next message. The sync client drives the
 same class on a private event loop thread (``LoopThread``).
+
+A stream is a gRPC ``Session`` call, or a connection to the server's session lane
+(``pdproto.client_lane``): a session opens on gRPC, and when ``SessionOpened`` names a
+lane port it is resumed there at once. The rules above are the same on both.
 """
 
 from __future__ import annotations
