@@ -9,7 +9,8 @@ server's last frame carries ``end`` when it ends the stream for a reason.
 ``LaneCall`` has the shape of the grpc.aio call ``PeerSession`` drives (``write``,
 ``read``, ``cancel``), so the session's numbering, windows and resume are the same on
 both. A server tells its lane's port in ``SessionOpened.lane_port``; ``PeerSession``
-then resumes the session on the lane, and stays on gRPC if the lane cannot be reached.
+then resumes the session on the lane, and stays on gRPC if the lane cannot be reached
+(and so do the client's other sessions: ``LaneDialer.unreachable``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import asyncio
 import socket
 import ssl
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
@@ -78,9 +79,12 @@ def lane_host(target: str) -> str | None:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-@dataclass(frozen=True)
+@dataclass
 class LaneDialer:
-    """How a client reaches its server's lane: the host, TLS as on its channel, the token, the size limit."""
+    """How a client reaches its server's lane: the host, TLS as on its channel, the token, the size limit.
+
+    One per client, shared by its sessions: a port found unreachable is not tried again by the others.
+    """
 
     host: str
     tls: ssl.SSLContext | None
@@ -88,6 +92,8 @@ class LaneDialer:
     token: str | None
     max_bytes: int
     connect_timeout: float
+    unreachable: set[int] = field(default_factory=set)
+    """Lane ports that took no connection right after the server named them (a firewall, a wrong forward)."""
 
     @classmethod
     def of(cls, s: Settings, secure: bool) -> LaneDialer | None:
@@ -100,7 +106,7 @@ class LaneDialer:
             tls = ssl.create_default_context(cadata=s.root_cert.decode("ascii") if s.root_cert else None)
         # asyncio takes a server name only with TLS.
         server_name = (s.server_name or host) if secure else None
-        return cls(host, tls, server_name, s.token, s.channel.max_message_bytes, min(s.timeout, 5.0))
+        return cls(host, tls, server_name, s.token, s.channel.max_message_bytes, min(s.timeout, 3.0))
 
     def call(self, port: int) -> LaneCall:
         """A new (not yet connected) lane stream to ``port``."""
@@ -115,6 +121,7 @@ class LaneCall:
         self.port = port
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._answered = False
 
     async def _connect(self) -> asyncio.StreamWriter:
         d = self.dialer
@@ -152,9 +159,14 @@ class LaneCall:
         if self._reader is None:
             return grpc.aio.EOF
         try:
-            body = await read_frame(self._reader, self.dialer.max_bytes)
+            if self._answered:
+                body = await read_frame(self._reader, self.dialer.max_bytes)
+            else:
+                body = await self._first()
         except MessageTooLargeError as exc:
             raise UnavailableError(f"the session lane sent an oversized frame: {exc.message}") from exc
+        except LaneUnreachableError:
+            raise  # an OSError too (a ConnectionError), but not a break: the lane is not there
         except OSError:  # TLS errors mid-stream: a break like any other
             return grpc.aio.EOF
         if body is None:
@@ -166,6 +178,21 @@ class LaneCall:
         if response.HasField("end"):
             raise error_from_command(response.end)
         return response
+
+    async def _first(self) -> bytes | None:
+        """The server's first frame, within the connect timeout: a port that takes connections but
+        never answers (another service, a stuck middlebox) counts as unreachable, not as a wait forever."""
+        assert self._reader is not None
+        d = self.dialer
+        try:
+            async with asyncio.timeout(d.connect_timeout):
+                body = await read_frame(self._reader, d.max_bytes)
+        except TimeoutError:
+            raise LaneUnreachableError(f"the session lane at {d.host}:{self.port} did not answer within "
+                                       f"{d.connect_timeout:g} s",
+                                       metadata={"host": d.host, "port": self.port}) from None
+        self._answered = True
+        return body
 
     def cancel(self) -> None:
         """Close the connection (the server keeps the session for a resume)."""

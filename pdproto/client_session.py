@@ -82,7 +82,7 @@ class PeerSession:
         """Seqs of submits sent again in a new session: DUPLICATE_REQUEST then means it was applied."""
         self._call: Any = None
         self._lane = lane
-        """How to reach the server's session lane; None: gRPC streams only (no lane, or it was unreachable)."""
+        """How to reach the server's session lane; None: gRPC streams only."""
         self.lane_port = 0
         """The lane port the server told (SessionOpened.lane_port)."""
         self.on_lane = False
@@ -118,10 +118,10 @@ class PeerSession:
             except LaneUnreachableError as exc:
                 # Back to gRPC, which tells the lane port again (a restarted server has a new one);
                 # a lane unreachable right after it was told is behind a firewall: gRPC from then on.
-                self.lane_port = 0
-                if self._lane_told:
+                if self._lane_told and self._lane is not None:
                     log.warning("session of peer %s: %s; staying on gRPC", self.peer_id, exc.message)
-                    self._lane = None
+                    self._lane.unreachable.add(self.lane_port)
+                self.lane_port = 0
                 continue
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
@@ -177,7 +177,8 @@ class PeerSession:
         self.inbox.window = opened.event_window or self.inbox.window
         self.outbox.resume(opened.applied_command_seq if opened.resumed else 0)
         self._dispatch(first)
-        if lane is None and opened.lane_port and self._lane is not None:
+        if lane is None and opened.lane_port and self._lane is not None \
+                and opened.lane_port not in self._lane.unreachable:
             self.lane_port = opened.lane_port
             self._lane_told = True
             return True  # commands wait in the outbox for the lane stream

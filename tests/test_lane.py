@@ -44,23 +44,34 @@ def _view(client: HandshakeClient, peer_id: str) -> describe_pb2.PeerView:
     return client.describe(peer_id=peer_id, include_finished=True, request_limit=100).peers[0]
 
 
-def test_an_unreachable_lane_leaves_the_session_on_grpc() -> None:
-    """A lane port nothing answers on (a firewall, a wrong forward): the requests complete over gRPC."""
-    peer = DecodeRank.for_spec(SPEC, pages=64)
+@pytest.mark.parametrize("lane", ["refused", "silent"])
+def test_an_unreachable_lane_leaves_the_sessions_on_grpc(lane: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A lane port that refuses connections, or takes them and never answers (another service, a firewall,
+    a wrong forward): the requests complete over gRPC, and the client's second session does not try again."""
+    peers = [DecodeRank.for_spec(SPEC, pages=64) for _ in range(2)]
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: connections complete in the kernel and hear nothing
+    port = silent.getsockname()[1] if lane == "silent" else _free_port()
     try:
-        with running_server(*SERVE_ARGS, *LANE, "--lane-advertise-port", str(_free_port())) as srv, \
-                HandshakeClient(srv.target, timeout=20) as client:
-            peer_id = client.register(peer.registration()).peer_id
-            placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 16) for i, room in enumerate((1, 2))}
-            for room, pages in placed.items():
-                client.submit_transfer(peer_id, peer.transfer_info(room, pages))
-            done = client.wait_for(peer_id, placed, timeout=20)
-            assert all(s.state == SUCCESS for s in done.values()), done
-            view = _view(client, peer_id)
-            assert (view.sessions_connected, view.sessions_on_lane) == (1, 0), view
-            peer.verify(placed, SPEC.prompt_tokens)
+        with running_server(*SERVE_ARGS, *LANE, "--lane-advertise-port", str(port)) as srv, \
+                HandshakeClient(srv.target, timeout=20) as client, caplog.at_level("WARNING", "pdproto.client"):
+            for peer in peers:
+                peer_id = client.register(peer.registration()).peer_id
+                placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 16) for i, room in enumerate((1, 2))}
+                for room, pages in placed.items():
+                    client.submit_transfer(peer_id, peer.transfer_info(room, pages))
+                done = client.wait_for(peer_id, placed, timeout=20)
+                assert all(s.state == SUCCESS for s in done.values()), done
+                view = _view(client, peer_id)
+                assert (view.sessions_connected, view.sessions_on_lane) == (1, 0), view
+                peer.verify(placed, SPEC.prompt_tokens)
+            warned = [r.getMessage() for r in caplog.records if "staying on gRPC" in r.getMessage()]
+            assert len(warned) == 1 and f":{port} " in warned[0], warned
     finally:
-        peer.close()
+        silent.close()
+        for peer in peers:
+            peer.close()
 
 
 # -- raw lane connections ---------------------------------------------------------------
