@@ -38,6 +38,7 @@ OPEN_LIMIT = 64 << 10
 """Bytes a connection's first frame may have: SessionOpen is small, and nobody is authenticated yet
 (64 unopened connections then hold 4 MiB, not 64 times ``--max-message-bytes``)."""
 
+
 class LaneContext:
     """What ``SessionHub.serve`` uses of a gRPC stream context (``read``, ``write``), over one connection."""
 
@@ -66,7 +67,7 @@ class LaneContext:
         message = self._parse(body)
         self.opened = True
         self.on_open()
-        if self.token is not None:
+        if self.token is not None and message is not grpc.aio.EOF:
             # The token comes before anything else is looked at, as the gRPC interceptor checks it.
             presented = message.open.bearer_token if isinstance(message, hs.SessionRequest) else ""
             if not presented:
