@@ -7,14 +7,36 @@ flooder's commands than its command window, and the flooder's writes must have s
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from pdproto.client import HandshakeClient
 from pdproto.session import DEFAULT_COMMAND_WINDOW
-from pdproto.v1 import common_pb2, describe_pb2
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 
 from ._server_harness import SPEC
+
+
+async def flood(send: Callable[[hs.SessionRequest], Awaitable[None]], written: list[int],
+                stop: asyncio.Event) -> None:
+    """Send submits 100 at a time (4,000 pages each) until ``send`` blocks past ``stop``; ``written[0]``
+    is the last seq sent."""
+    pages = [1] * 4000  # a large message, so a window of buffers fills after a few
+    seq = 0
+    while not stop.is_set():
+        commands = []
+        for _ in range(100):
+            seq += 1
+            commands.append(session_pb2.SessionCommand(seq=seq, submit=transfer_pb2.TransferInfo(
+                room=seq, dst_kv_pages=pages, is_dummy=True)))
+        sent = asyncio.ensure_future(send(hs.SessionRequest(commands=commands)))
+        done, _ = await asyncio.wait([sent, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if sent not in done:
+            sent.cancel()
+            return
+        written[0] = seq
 
 
 def check_held_back(client: HandshakeClient, good: DecodeRank, good_id: str, bad_id: str,
@@ -36,4 +58,4 @@ def check_held_back(client: HandshakeClient, good: DecodeRank, good_id: str, bad
     return views
 
 
-__all__ = ["check_held_back"]
+__all__ = ["check_held_back", "flood"]

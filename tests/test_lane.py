@@ -22,10 +22,10 @@ import pytest
 
 from pdproto.client import HandshakeClient
 from pdproto.client_lane import HEADER, PREFACE
-from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2
 from pdproto_demo.decode import DecodeRank
 
-from ._flood import check_held_back
+from ._flood import check_held_back, flood
 from ._server_harness import SERVE_ARGS, SPEC, running_server, self_signed
 
 pytestmark = pytest.mark.process
@@ -219,27 +219,17 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
 
 async def _flood(port: int, peer_id: str, credential: bytes, written: list[int], stop: asyncio.Event) -> None:
     """A peer that writes submits on its lane as fast as TCP lets it, and never reads or acknowledges."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
     body = _open(peer_id, credential).SerializeToString()
     writer.write(PREFACE + HEADER.pack(len(body)) + body)
-    pages = [1] * 4000
-    seq = 0
+
+    async def send(request: hs.SessionRequest) -> None:
+        data = request.SerializeToString()
+        writer.write(HEADER.pack(len(data)) + data)
+        await writer.drain()
+
     try:
-        while not stop.is_set():
-            commands = []
-            for _ in range(100):
-                seq += 1
-                commands.append(session_pb2.SessionCommand(seq=seq, submit=transfer_pb2.TransferInfo(
-                    room=seq, dst_kv_pages=pages, is_dummy=True)))
-            data = hs.SessionRequest(commands=commands).SerializeToString()
-            writer.write(HEADER.pack(len(data)) + data)
-            drained = asyncio.ensure_future(writer.drain())
-            done, _ = await asyncio.wait([drained, asyncio.ensure_future(stop.wait())],
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if drained not in done:
-                drained.cancel()
-                return
-            written[0] = seq
+        await flood(send, written, stop)
     finally:
         writer.transport.abort()
 
@@ -254,15 +244,15 @@ def test_a_flooding_lane_peer_is_held_back_while_another_peer_completes() -> Non
             written = [0]
             loop = asyncio.new_event_loop()
             stop = asyncio.Event()
-            flood = threading.Thread(target=loop.run_until_complete, args=(
+            flooding = threading.Thread(target=loop.run_until_complete, args=(
                 _flood(srv.lane_port, bad_id, client.credential(bad_id), written, stop),))
-            flood.start()
+            flooding.start()
             try:
                 views = check_held_back(client, good, good_id, bad_id, written)
                 assert views[bad_id].sessions_on_lane == 1 and views[good_id].sessions_on_lane == 1
             finally:
                 loop.call_soon_threadsafe(stop.set)
-                flood.join(10)
+                flooding.join(10)
                 loop.close()
     finally:
         flooder.close()

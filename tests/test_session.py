@@ -25,7 +25,7 @@ from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_servic
 from pdproto.v1 import session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 
-from ._flood import check_held_back
+from ._flood import check_held_back, flood
 from ._proxy import CuttableProxy
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
@@ -170,27 +170,13 @@ def test_restarted_server_loses_no_terminal_status_and_repeats_none(lane: bool) 
         peer.close()
 
 
-async def _flood(target: str, peer_id: str, credential: bytes, pages: list[int], written: list[int],
-                 stop: asyncio.Event) -> None:
+async def _flood(target: str, peer_id: str, credential: bytes, written: list[int], stop: asyncio.Event) -> None:
     """A peer that writes submits as fast as it can and never reads or acknowledges anything."""
     async with grpc.aio.insecure_channel(target) as channel:
         call = hs_grpc.HandshakeServiceStub(channel).Session()
         await call.write(hs.SessionRequest(open=session_pb2.SessionOpen(peer_id=peer_id, peer_credential=credential)))
-        seq = 0
         try:
-            while not stop.is_set():
-                commands = []
-                for _ in range(100):
-                    seq += 1
-                    commands.append(session_pb2.SessionCommand(seq=seq, submit=transfer_pb2.TransferInfo(
-                        room=seq, dst_kv_pages=pages, is_dummy=True)))
-                write = asyncio.ensure_future(call.write(hs.SessionRequest(commands=commands)))
-                done, _ = await asyncio.wait([write, asyncio.ensure_future(stop.wait())],
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if write not in done:
-                    write.cancel()
-                    return
-                written[0] = seq
+            await flood(call.write, written, stop)
         finally:
             call.cancel()
 
@@ -219,10 +205,9 @@ def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
             written = [0]
             loop = asyncio.new_event_loop()
             stop = asyncio.Event()
-            pages = [1] * 4000  # a large message, so the stream's flow-control window fills after a few
-            flood = threading.Thread(target=loop.run_until_complete, args=(
-                _flood(srv.target, bad_id, client.credential(bad_id), pages, written, stop),))
-            flood.start()
+            flooding = threading.Thread(target=loop.run_until_complete, args=(
+                _flood(srv.target, bad_id, client.credential(bad_id), written, stop),))
+            flooding.start()
             try:
                 check_held_back(client, good, good_id, bad_id, written)
                 # A session id is no capability: another peer's credential cannot resume it.
@@ -234,7 +219,7 @@ def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
                 assert "SESSION_NOT_FOUND" in str(stolen.value.trailing_metadata())
             finally:
                 loop.call_soon_threadsafe(stop.set)
-                flood.join(10)
+                flooding.join(10)
                 loop.close()
     finally:
         flooder.close()
