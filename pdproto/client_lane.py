@@ -103,7 +103,11 @@ class LaneDialer:
             return None
         tls = None
         if secure:
-            tls = ssl.create_default_context(cadata=s.root_cert.decode("ascii") if s.root_cert else None)
+            try:
+                tls = ssl.create_default_context(cadata=s.root_cert.decode("ascii") if s.root_cert else None)
+            except (ValueError, ssl.SSLError):
+                return None  # not a PEM root: no lane; the gRPC channel reports the certificate, typed
+
         # asyncio takes a server name only with TLS.
         server_name = (s.server_name or host) if secure else None
         return cls(host, tls, server_name, s.token, s.channel.max_message_bytes, min(s.timeout, 3.0))
