@@ -8,8 +8,11 @@ flooder's commands than its command window, and the flooder's writes must have s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any
 
 from pdproto.client import HandshakeClient
 from pdproto.session import DEFAULT_COMMAND_WINDOW
@@ -39,6 +42,22 @@ async def flood(send: Callable[[hs.SessionRequest], Awaitable[None]], written: l
         written[0] = seq
 
 
+@contextlib.contextmanager
+def flooding(start: Callable[[list[int], asyncio.Event], Coroutine[Any, Any, None]]) -> Iterator[list[int]]:
+    """Run ``start(written, stop)`` on its own event loop thread while the block runs; yields ``written``."""
+    written = [0]
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(start(written, stop),))
+    thread.start()
+    try:
+        yield written
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)
+        loop.close()
+
+
 def check_held_back(client: HandshakeClient, good: DecodeRank, good_id: str, bad_id: str,
                     written: list[int]) -> dict[str, describe_pb2.PeerView]:
     """Run four of the good peer's requests while the flood goes on; returns both peers' views after."""
@@ -58,4 +77,4 @@ def check_held_back(client: HandshakeClient, good: DecodeRank, good_id: str, bad
     return views
 
 
-__all__ = ["check_held_back", "flood"]
+__all__ = ["check_held_back", "flood", "flooding"]

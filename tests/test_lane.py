@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from pdproto.client_lane import HEADER, PREFACE
 from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2
 from pdproto_demo.decode import DecodeRank
 
-from ._flood import check_held_back, flood
+from ._flood import check_held_back, flood, flooding
 from ._server_harness import SERVE_ARGS, SPEC, running_server, self_signed
 
 pytestmark = pytest.mark.process
@@ -241,19 +240,10 @@ def test_a_flooding_lane_peer_is_held_back_while_another_peer_completes() -> Non
                 HandshakeClient(srv.target, timeout=20) as client:
             bad_id = client.register(flooder.registration()).peer_id
             good_id = client.register(good.registration()).peer_id
-            written = [0]
-            loop = asyncio.new_event_loop()
-            stop = asyncio.Event()
-            flooding = threading.Thread(target=loop.run_until_complete, args=(
-                _flood(srv.lane_port, bad_id, client.credential(bad_id), written, stop),))
-            flooding.start()
-            try:
+            credential = client.credential(bad_id)
+            with flooding(lambda written, stop: _flood(srv.lane_port, bad_id, credential, written, stop)) as written:
                 views = check_held_back(client, good, good_id, bad_id, written)
                 assert views[bad_id].sessions_on_lane == 1 and views[good_id].sessions_on_lane == 1
-            finally:
-                loop.call_soon_threadsafe(stop.set)
-                flooding.join(10)
-                loop.close()
     finally:
         flooder.close()
         good.close()

@@ -25,7 +25,7 @@ from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_servic
 from pdproto.v1 import session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 
-from ._flood import check_held_back, flood
+from ._flood import check_held_back, flood, flooding
 from ._proxy import CuttableProxy
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
@@ -202,13 +202,8 @@ def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
                 HandshakeClient(srv.target, timeout=20) as client:
             bad_id = client.register(flooder.registration()).peer_id
             good_id = client.register(good.registration()).peer_id
-            written = [0]
-            loop = asyncio.new_event_loop()
-            stop = asyncio.Event()
-            flooding = threading.Thread(target=loop.run_until_complete, args=(
-                _flood(srv.target, bad_id, client.credential(bad_id), written, stop),))
-            flooding.start()
-            try:
+            credential = client.credential(bad_id)
+            with flooding(lambda written, stop: _flood(srv.target, bad_id, credential, written, stop)) as written:
                 check_held_back(client, good, good_id, bad_id, written)
                 # A session id is no capability: another peer's credential cannot resume it.
                 opened = asyncio.run(_open_raw(srv.target, good_id, client.credential(good_id), ""))
@@ -217,10 +212,6 @@ def test_a_flooding_peer_is_held_back_while_another_peer_completes() -> None:
                     asyncio.run(_open_raw(srv.target, bad_id, client.credential(bad_id), opened.opened.session_id))
                 assert stolen.value.code() is grpc.StatusCode.NOT_FOUND
                 assert "SESSION_NOT_FOUND" in str(stolen.value.trailing_metadata())
-            finally:
-                loop.call_soon_threadsafe(stop.set)
-                flooding.join(10)
-                loop.close()
     finally:
         flooder.close()
         good.close()
