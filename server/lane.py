@@ -29,10 +29,13 @@ from pdproto.client_lane import HIGH_WATER, PREFACE, keepalive, read_frame, writ
 from pdproto.errors import AuthError, DeadlineExceededError, PdprotoError, Reason
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2
 
-from ._status import Malformed, command_error
+from ._status import command_error, tolerant
 from .session import SessionHub
 
 log = logging.getLogger("pdproto_server.lane")
+
+_parse = tolerant(hs.SessionRequest.FromString, "pdproto.v1.SessionRequest")
+"""A request, or ``Malformed`` (the hub answers it typed), as the gRPC service's deserializer does."""
 
 OPEN_LIMIT = 64 << 10
 """Bytes a connection's first frame may have: SessionOpen is small, and nobody is authenticated yet
@@ -57,14 +60,14 @@ class LaneContext:
     async def read(self) -> object:
         """The next request (``Malformed`` if it does not parse), or ``grpc.aio.EOF``."""
         if self.opened:
-            return self._parse(await read_frame(self.reader, self.max_bytes))
+            return _request(await read_frame(self.reader, self.max_bytes))
         try:
             async with asyncio.timeout_at(self.open_by):
                 body = await read_frame(self.reader, min(self.max_bytes, OPEN_LIMIT))
         except TimeoutError:
             raise DeadlineExceededError("no SessionOpen arrived in time after connecting to the session lane",
                                         reason=Reason.DEADLINE_EXCEEDED) from None
-        message = self._parse(body)
+        message = _request(body)
         self.opened = True
         self.on_open()
         if self.token is not None and message is not grpc.aio.EOF:
@@ -76,15 +79,6 @@ class LaneContext:
                 raise AuthError("invalid bearer token")
         return message
 
-    @staticmethod
-    def _parse(body: bytes | None) -> object:
-        if body is None:
-            return grpc.aio.EOF
-        try:
-            return hs.SessionRequest.FromString(body)
-        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and anything the parser raises
-            return Malformed("pdproto.v1.SessionRequest", exc)
-
     async def write(self, message: hs.SessionResponse) -> None:
         """Send one response; waits only while the peer has more than ``HIGH_WATER`` bytes unread."""
         if self.writer.is_closing():
@@ -92,6 +86,11 @@ class LaneContext:
         write_frame(self.writer, message)
         if self.writer.transport.get_write_buffer_size() > HIGH_WATER:
             await self.writer.drain()
+
+
+def _request(body: bytes | None) -> object:
+    """A frame's request, or ``grpc.aio.EOF`` when the connection ended."""
+    return grpc.aio.EOF if body is None else _parse(body)
 
 
 class SessionLane:
@@ -106,12 +105,12 @@ class SessionLane:
         """Seconds a new connection has to send the preface and SessionOpen."""
         self.max_unopened = max_unopened
         """Connections without a session at once; more are closed on arrival (nobody authenticated holds them)."""
-        self.unopened = 0
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting: set[asyncio.Task[None]] = set()
-        """Connections that have not opened a session: a shutdown closes them at once."""
+        """Connections that have not opened a session: counted against ``max_unopened``, and a
+        shutdown closes them at once."""
         self._warned_at = float("-inf")
 
     async def start(self, address: str, tls: ssl.SSLContext | None) -> int:
@@ -141,7 +140,6 @@ class SessionLane:
             await self._server.wait_closed()
 
     def _opened(self) -> None:
-        self.unopened -= 1
         task = asyncio.current_task()
         if task is not None:
             self._waiting.discard(task)
@@ -150,44 +148,36 @@ class SessionLane:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        self._waiting.add(task)
-        context: LaneContext | None = None
         try:
-            if self.unopened >= self.max_unopened:
+            if len(self._waiting) >= self.max_unopened:
                 now = asyncio.get_running_loop().time()
                 if now - self._warned_at >= 10.0:  # a crowd of connections must not flood the log too
                     self._warned_at = now
                     log.warning("session lane: %d connections have not opened a session; closing new ones "
-                                "(the last from %s)", self.unopened, writer.get_extra_info("peername"))
+                                "(the last from %s)", len(self._waiting), writer.get_extra_info("peername"))
                 return
-            self.unopened += 1
+            self._waiting.add(task)
+            keepalive(writer.get_extra_info("socket"))
+            open_by = asyncio.get_running_loop().time() + self.open_timeout
             try:
-                keepalive(writer.get_extra_info("socket"))
-                open_by = asyncio.get_running_loop().time() + self.open_timeout
-                try:
-                    async with asyncio.timeout_at(open_by):
-                        preface = await reader.readexactly(len(PREFACE))
-                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
-                    return
-                if preface != PREFACE:
-                    log.info("session lane: %s did not send the lane preface (a gRPC client on the wrong port?)",
-                             writer.get_extra_info("peername"))
-                    return
-                context = LaneContext(reader, writer, token=self.token, max_bytes=self.max_bytes, open_by=open_by,
-                                      on_open=self._opened)
-                await self.hub.serve(context, lane=True)
-            finally:
-                if context is None or not context.opened:
-                    self.unopened -= 1
+                async with asyncio.timeout_at(open_by):
+                    preface = await reader.readexactly(len(PREFACE))
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                return
+            if preface != PREFACE:
+                log.info("session lane: %s did not send the lane preface (a gRPC client on the wrong port?)",
+                         writer.get_extra_info("peername"))
+                return
+            context = LaneContext(reader, writer, token=self.token, max_bytes=self.max_bytes, open_by=open_by,
+                                  on_open=self._opened)
+            await self.hub.serve(context, lane=True)
         except PdprotoError as exc:
             await _end(writer, command_error(exc))
         except (ConnectionError, ssl.SSLError):
             pass  # the peer went away: its session is kept for a resume (SessionHub.serve's finally)
         except Exception:  # noqa: BLE001 - one connection's failure must not reach the listener
             log.exception("session lane: unexpected error")
-            await _end(writer, session_pb2.CommandError(code=grpc.StatusCode.INTERNAL.value[0],
-                                                        reason=Reason.INTERNAL.code,
-                                                        message="internal error in the session lane"))
+            await _end(writer, command_error(PdprotoError("internal error in the session lane")))
         finally:
             self._tasks.discard(task)
             self._waiting.discard(task)
