@@ -85,8 +85,6 @@ class PeerSession:
         """How to reach the server's session lane; None: gRPC streams only."""
         self.lane_port = 0
         """The lane port the server told (SessionOpened.lane_port)."""
-        self.on_lane = False
-        """The open stream is a lane connection."""
         self._lane_told = False
         """The lane port was told by the last gRPC stream and not reached since."""
         self._pump: asyncio.Task[None] | None = None
@@ -163,7 +161,6 @@ class PeerSession:
         """One stream: open or resume, replay, then read until it breaks; True to move to the lane."""
         lane = self._lane if self.lane_port else None
         call = lane.call(self.lane_port) if lane is not None else self._stub.Session(metadata=self._s.metadata())
-        self.on_lane = lane is not None
         self._call = call
         opening = session_pb2.SessionOpen(peer_id=self.peer_id, peer_credential=self.credential,
                                           resume_session_id=self.session_id, event_window=self.inbox.window)
