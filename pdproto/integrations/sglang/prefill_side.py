@@ -50,8 +50,12 @@ class PrefillSide:
             limits = Limits(match_timeout=match_timeout_s)
             # One port per process on a host: the rank's GPU index picks it.
             gpu_id = int(getattr(kv_args, "gpu_id", 0) or 0)
-            lane = f"{host}:{settings.lane_port + gpu_id if settings.lane_port else 0}" if settings.session_lane else None
-            config = ServerConfig(listen=f"{host}:{settings.port + gpu_id if settings.port else 0}",
+
+            def address(base: int) -> str:
+                return f"{host}:{base + gpu_id if base else 0}"
+
+            lane = address(settings.lane_port) if settings.session_lane else None
+            config = ServerConfig(listen=address(settings.port),
                                   token=settings.token, allow_unauthenticated=settings.allow_unauthenticated,
                                   tls_cert=settings.tls_cert, tls_key=settings.tls_key, session_lane=lane)
             self.service = ServiceThread(HandshakeCore(self.engine, limits=limits), config,
