@@ -9,6 +9,7 @@ same class with the same metadata.
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,21 @@ class RetryConfig:
     """Upper bound of one sleep."""
     multiplier: float = 2.0
     """Growth of the sleep per try."""
+    jitter: float = 0.2
+    """Each sleep is scaled by a random factor within 1 ± ``jitter``, so that clients broken by
+    one event do not all come back at the same instants, nor retry in step with a periodic fault."""
+
+    def __post_init__(self) -> None:
+        if self.attempts is not None and self.attempts < 1:
+            raise E.ConfigError(f"RetryConfig.attempts is {self.attempts}: at least 1 (the first try), "
+                                "or None to retry until the deadline")
+        if not 0 <= self.initial_backoff <= self.max_backoff:
+            raise E.ConfigError(f"RetryConfig backoffs {self.initial_backoff} and {self.max_backoff} s: "
+                                "need 0 <= initial_backoff <= max_backoff")
+        if self.multiplier < 1:
+            raise E.ConfigError(f"RetryConfig.multiplier is {self.multiplier}: at least 1")
+        if not 0 <= self.jitter < 1:
+            raise E.ConfigError(f"RetryConfig.jitter is {self.jitter}: within [0, 1)")
 
 
 # Statuses without an ErrorInfo come from the transport or gRPC itself: read each code as
@@ -176,7 +192,7 @@ class Settings:
         delay = self.retry.initial_backoff
         tries = itertools.count() if self.retry.attempts is None else range(self.retry.attempts - 1)
         for _ in tries:
-            yield delay
+            yield delay * random.uniform(1 - self.retry.jitter, 1 + self.retry.jitter)
             delay = min(delay * self.retry.multiplier, self.retry.max_backoff)
 
 

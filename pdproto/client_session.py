@@ -132,12 +132,15 @@ class PeerSession:
             except PdprotoError as exc:  # a server that broke the numbering rules
                 error = exc
             finally:
+                opened = self._ready.is_set()
                 self._ready.clear()
                 call, self._call = self._call, None
                 if call is not None:
                     call.cancel()
                 self._changed.set()
             self.broken = error
+            if opened:  # the stream worked: the next break starts again from the first backoff
+                backoffs = self._s.backoffs()
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
