@@ -34,6 +34,10 @@ from .client_rpc import Settings, deadline_error, error_from_command, error_from
 
 log = logging.getLogger("pdproto.client")
 
+LANE_BREAKS = 3
+"""Lane streams in a row that may break before opening before the session serves on gRPC instead:
+a lane that keeps breaking (a middlebox resetting it, a flapping link) must not stall the session."""
+
 _T = TypeVar("_T")
 
 Deliver = Callable[[transfer_pb2.TransferStatus | None], None]
@@ -87,6 +91,8 @@ class PeerSession:
         """The lane port the server told (SessionOpened.lane_port)."""
         self._lane_told = False
         """The lane port was told by the last gRPC stream and not reached since."""
+        self._lane_breaks = 0
+        """Lane streams in a row that broke before they opened."""
         self._pump: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._changed = asyncio.Event()
@@ -141,6 +147,9 @@ class PeerSession:
             self.broken = error
             if opened:  # the stream worked: the next break starts again from the first backoff
                 backoffs = self._s.backoffs()
+            elif self.lane_port:  # broke on the lane before it opened: resume on gRPC, which tells it again
+                self._lane_breaks += 1
+                self.lane_port = 0
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
@@ -179,10 +188,14 @@ class PeerSession:
         self._dispatch(first)
         if lane is None and opened.lane_port and self._lane is not None \
                 and opened.lane_port not in self._lane.unreachable:
-            self.lane_port = opened.lane_port
-            self._lane_told = True
-            return True  # commands wait in the outbox for the lane stream
+            if self._lane_breaks < LANE_BREAKS:
+                self.lane_port = opened.lane_port
+                self._lane_told = True
+                return True  # commands wait in the outbox for the lane stream
+            log.warning("session of peer %s: the lane at port %d broke %d times before opening; "
+                        "this stream stays on gRPC", self.peer_id, opened.lane_port, self._lane_breaks)
         self._lane_told = False
+        self._lane_breaks = 0  # on the lane, or on gRPC after it broke: the next break may try it again
         self.broken = None
         self._ready.set()
         self._changed.set()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -43,15 +44,34 @@ def _view(client: HandshakeClient, peer_id: str) -> describe_pb2.PeerView:
     return client.describe(peer_id=peer_id, include_finished=True, request_limit=100).peers[0]
 
 
-@pytest.mark.parametrize("lane", ["refused", "silent"])
+def _reset_each(listener: socket.socket) -> None:
+    """Accept each connection, read its first bytes and reset it, as a middlebox that kills unknown
+    protocols does (after the first bytes: a reset before them can fail the connect itself)."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+            conn.recv(len(PREFACE))
+        except OSError:
+            return  # the test closed the listener
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        conn.close()
+
+
+@pytest.mark.parametrize("lane", ["refused", "silent", "resetting"])
 def test_an_unreachable_lane_leaves_the_sessions_on_grpc(lane: str, caplog: pytest.LogCaptureFixture) -> None:
     """A lane port that refuses connections, or takes them and never answers (another service, a firewall,
-    a wrong forward): the requests complete over gRPC, and the client's second session does not try again."""
+    a wrong forward): the requests complete over gRPC, and the client's second session does not try again.
+
+    ``resetting``: the lane takes each connection and resets it before the session opens. Each session
+    goes back through gRPC after each break, and after three in a row stays there.
+    """
     peers = [DecodeRank.for_spec(SPEC, pages=64) for _ in range(2)]
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # never accepted: connections complete in the kernel and hear nothing
-    port = silent.getsockname()[1] if lane == "silent" else _free_port()
+    port = silent.getsockname()[1] if lane != "refused" else _free_port()
+    if lane == "resetting":
+        threading.Thread(target=_reset_each, args=(silent,), daemon=True).start()
     try:
         with running_server(*SERVE_ARGS, *LANE, "--lane-advertise-port", str(port)) as srv, \
                 HandshakeClient(srv.target, timeout=20) as client, caplog.at_level("WARNING", "pdproto.client"):
@@ -65,9 +85,15 @@ def test_an_unreachable_lane_leaves_the_sessions_on_grpc(lane: str, caplog: pyte
                 view = _view(client, peer_id)
                 assert (view.sessions_connected, view.sessions_on_lane) == (1, 0), view
                 peer.verify(placed, SPEC.prompt_tokens)
-            warned = [r.getMessage() for r in caplog.records if "staying on gRPC" in r.getMessage()]
-            assert len(warned) == 1 and f":{port} " in warned[0], warned
+            if lane == "resetting":
+                warned = [r.getMessage() for r in caplog.records if "broke 3 times before opening" in r.getMessage()]
+                assert len(warned) == 2 and all(f"port {port} " in w for w in warned), warned
+            else:
+                warned = [r.getMessage() for r in caplog.records if "staying on gRPC" in r.getMessage()]
+                assert len(warned) == 1 and f":{port} " in warned[0], warned
     finally:
+        if lane == "resetting":
+            silent.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
         silent.close()
         for peer in peers:
             peer.close()

@@ -59,13 +59,16 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
     """The link is cut again and again while requests run; each still ends exactly once, bytes intact.
 
     ``lane``: the session moved to the session lane, and the relay is cut on the lane's way
-    (the server names the relay's port as its lane's).
+    (the server names the relay's port as its lane's). A lane stream cut before it opened sends the
+    session back through gRPC (not cut here); after three in a row one stream stays there.
     """
     session, lane = mode != "unary-watch", mode == "lane"
     peer = DecodeRank.for_spec(SPEC, pages=128)
     rooms = list(range(1, 25))
     placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=(i % 8) * 16) for i, room in enumerate(rooms)}
     proxy = CuttableProxy(0)
+    stop = threading.Event()
+    cuts: threading.Thread | None = None
     try:
         with running_server(*SERVE_ARGS, *(LANE + ("--lane-advertise-port", str(proxy.port)) if lane else ())) as srv:
             proxy.upstream = srv.lane_port if lane else srv.port
@@ -75,7 +78,6 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
                 seen: list[transfer_pb2.TransferStatus] = []
                 # The watch ends when the peer is deregistered below; its deadline only bounds a hang.
                 watcher = threading.Thread(target=_watch_all, args=(client, peer_id, set(rooms), 90, seen))
-                stop = threading.Event()
                 if session:  # submits ride the session too, so cut while they go out
                     cuts = proxy.cut_repeatedly(stop)
                     watcher.start()
@@ -90,6 +92,7 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
                 done = client.wait_for(peer_id, rooms, timeout=20)
                 time.sleep(1.0)
                 stop.set()
+                assert cuts is not None
                 cuts.join()
                 assert proxy.cuts >= 3 and proxy.connections >= 3, (proxy.cuts, proxy.connections)
                 assert proxy.dropped > 0
@@ -98,7 +101,7 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
                 view = direct.describe(peer_id=peer_id, include_finished=True, request_limit=100).peers[0]
                 if session:
                     assert view.sessions_connected + view.sessions_detached == 1, view
-                assert view.sessions_on_lane == (1 if lane and view.sessions_connected else 0), view
+                assert view.sessions_on_lane <= (view.sessions_connected if lane else 0), view
                 assert view.finished_kept == len(rooms) and view.open_requests == 0
                 assert sorted(s.room for s in view.finished if s.state == SUCCESS) == rooms
                 # The watch has every terminal status before the peer goes (a watch cut later
@@ -113,6 +116,9 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
         last = {room: placed[room] for room in rooms[-8:]}  # the last room on each page range
         peer.verify(last, SPEC.prompt_tokens)
     finally:
+        stop.set()  # a failed check above must not leave the cutting thread on a closed proxy
+        if cuts is not None:
+            cuts.join()
         proxy.close()
         peer.close()
 
