@@ -44,6 +44,19 @@ _STATE = (common_pb2.TRANSFER_STATE_BOOTSTRAPPING, common_pb2.TRANSFER_STATE_WAI
 _DONE = (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED)
 
 
+NUMPY_FROM = 256
+"""Page lists at least this long are bounded with numpy; shorter ones (most) in plain Python, which is cheaper."""
+
+
+def page_extent(pages: Sequence[int] | I64) -> tuple[int, int]:
+    """The smallest and largest page of a non-empty list or array ((0, 0) when empty)."""
+    if len(pages) >= NUMPY_FROM:
+        array = np.asarray(pages)
+        return int(array.min()), int(array.max())
+    listed = pages.tolist() if isinstance(pages, np.ndarray) else pages
+    return (min(listed), max(listed)) if len(listed) else (0, 0)
+
+
 @dataclass(frozen=True)
 class KvSource:
     """The prefill pools: one registered buffer per KV entry, aux buffer and state tensor, and the topology."""
@@ -333,7 +346,8 @@ class PrefillEngine:
             raise PlanError(f"room {room}: {num_tokens} tokens do not fit {pages.size} pages of {ps}",
                             reason=Reason.PLAN_TOKENS_BEYOND_SOURCE,
                             metadata={"room": room, "numTokens": num_tokens, "pages": pages.size})
-        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.source.num_pages):
+        low, high = page_extent(pages)
+        if pages.size and (low < 0 or high >= self.source.num_pages):
             raise PlanError(f"room {room}: source page out of range 0..{self.source.num_pages - 1}",
                             reason=Reason.PLAN_BAD_OFFSET,
                             metadata={"room": room, "numPages": self.source.num_pages})

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from pdproto import backends
 from pdproto.reach import unreachable
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
@@ -22,6 +19,7 @@ from pdproto.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import registration_pb2, transfer_pb2
 
+from .engine import page_extent
 from .registry import Peer
 
 _MAX_PAGE = (1 << 31) - 1
@@ -140,10 +138,6 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
     return reg
 
 
-_NUMPY_FROM = 256
-"""Page lists at least this long are bounded with numpy; shorter ones (most) in plain Python, which is cheaper."""
-
-
 def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> Sequence[int]:
     """The destination pages of ``t`` (the message's own list, not a copy), checked with its aux
     index and state slots against the memory the peer registered."""
@@ -152,11 +146,7 @@ def check_transfer(t: transfer_pb2.TransferInfo, peer: Peer) -> Sequence[int]:
     if not t.is_dummy and not pages:
         bad.append(("transfer.dst_kv_pages", "a non-dummy request needs destination pages"))
     if pages:
-        if len(pages) >= _NUMPY_FROM:
-            array = np.asarray(pages, dtype=np.int64)
-            low, high = int(array.min()), int(array.max())
-        else:
-            low, high = min(pages), max(pages)
+        low, high = page_extent(pages)
         if low < 0:
             bad.append(("transfer.dst_kv_pages", "page indexes must be >= 0"))
     _most("transfer.decode_prefix_len", t.decode_prefix_len, Bounds.PREFIX, bad)
