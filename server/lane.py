@@ -54,6 +54,8 @@ class LaneContext:
         self.open_by = open_by
         """Loop time by which the first message must have arrived."""
         self.opened = False
+        self.answered = False
+        """A response went out: the session opened (SessionOpened is always the first)."""
         self.on_open = on_open
         """Called once the first message arrived (whatever it holds): the connection stops counting as unopened."""
 
@@ -83,6 +85,7 @@ class LaneContext:
         """Send one response; waits only while the peer has more than ``HIGH_WATER`` bytes unread."""
         if self.writer.is_closing():
             raise ConnectionResetError("the session lane connection is closed")
+        self.answered = True
         write_frame(self.writer, message)
         if self.writer.transport.get_write_buffer_size() > HIGH_WATER:
             await self.writer.drain()
@@ -139,6 +142,9 @@ class SessionLane:
         if self._server is not None:
             await self._server.wait_closed()
 
+    def _turned_away(self, why: str) -> None:
+        self.hub.core.metrics.lane_turned_away.labels(why=why).inc()
+
     def _opened(self) -> None:
         task = asyncio.current_task()
         if task is not None:
@@ -148,6 +154,7 @@ class SessionLane:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        context: LaneContext | None = None
         try:
             if len(self._waiting) >= self.max_unopened:
                 now = asyncio.get_running_loop().time()
@@ -155,6 +162,7 @@ class SessionLane:
                     self._warned_at = now
                     log.warning("session lane: %d connections have not opened a session; closing new ones "
                                 "(the last from %s)", len(self._waiting), writer.get_extra_info("peername"))
+                self._turned_away("crowded")
                 return
             self._waiting.add(task)
             keepalive(writer.get_extra_info("socket"))
@@ -162,16 +170,22 @@ class SessionLane:
             try:
                 async with asyncio.timeout_at(open_by):
                     preface = await reader.readexactly(len(PREFACE))
-            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            except TimeoutError:
+                self._turned_away("silent")
                 return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # it left
             if preface != PREFACE:
                 log.info("session lane: %s did not send the lane preface (a gRPC client on the wrong port?)",
                          writer.get_extra_info("peername"))
+                self._turned_away("preface")
                 return
             context = LaneContext(reader, writer, token=self.token, max_bytes=self.max_bytes, open_by=open_by,
                                   on_open=self._opened)
             await self.hub.serve(context, lane=True)
         except PdprotoError as exc:
+            if context is None or not context.answered:  # its session never opened
+                self._turned_away("silent" if exc.reason is Reason.DEADLINE_EXCEEDED else "refused")
             await _end(writer, command_error(exc))
         except (ConnectionError, ssl.SSLError):
             pass  # the peer went away: its session is kept for a resume (SessionHub.serve's finally)

@@ -56,6 +56,15 @@ class ServiceMetrics:
         self.notifications = Counter(
             "pdproto_chunk_notifications", "Per-chunk completion notifications delivered through the engine.",
             registry=r)
+        self.session_streams = Gauge(
+            "pdproto_session_streams", "Session streams being served, by transport (grpc, or lane: the session lane).",
+            ["transport"], registry=r)
+        self.lane_turned_away = Counter(
+            "pdproto_lane_turned_away",
+            "Session lane connections closed before a session opened, by why: crowded (--lane-max-unopened"
+            " reached), silent (no preface or SessionOpen within --lane-open-timeout), preface (not the lane's"
+            " preface), refused (the open was refused: token, credential, session id, size).",
+            ["why"], registry=r)
         self._outcome_children: dict[str, Any] = {}
         self._registration_children: dict[str, Any] = {}
         self.outcomes: dict[str, int] = {}

@@ -197,9 +197,12 @@ class SessionHub:
         stream = session.stream
         assert stream is not None
         reader = asyncio.get_running_loop().create_task(self._read(context, session, stream, first))
+        streams = self.core.metrics.session_streams.labels(transport="lane" if lane else "grpc")
+        streams.inc()
         try:
             await self._write(context, session, stream, opened, reader)
         finally:
+            streams.dec()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader

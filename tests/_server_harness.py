@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,14 @@ class ServerProcess:
     def target(self) -> str:
         """gRPC target string."""
         return f"127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        """The server's /metrics samples by name, labels included (started with ``--metrics-port``)."""
+        assert self.metrics_port is not None, "the server was started without --metrics-port"
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
 
     def stderr(self) -> str:
         """What the server logged so far."""

@@ -73,7 +73,7 @@ def test_an_unreachable_lane_leaves_the_sessions_on_grpc(lane: str, caplog: pyte
     if lane == "resetting":
         threading.Thread(target=_reset_each, args=(silent,), daemon=True).start()
     try:
-        with running_server(*SERVE_ARGS, *LANE, "--lane-advertise-port", str(port)) as srv, \
+        with running_server(*SERVE_ARGS, *LANE, "--lane-advertise-port", str(port), "--metrics-port", "0") as srv, \
                 HandshakeClient(srv.target, timeout=20) as client, caplog.at_level("WARNING", "pdproto.client"):
             for peer in peers:
                 peer_id = client.register(peer.registration()).peer_id
@@ -85,6 +85,14 @@ def test_an_unreachable_lane_leaves_the_sessions_on_grpc(lane: str, caplog: pyte
                 view = _view(client, peer_id)
                 assert (view.sessions_connected, view.sessions_on_lane) == (1, 0), view
                 peer.verify(placed, SPEC.prompt_tokens)
+            # What an operator sees: both sessions served over gRPC (the streams a client left
+            # for the lane end on the server a moment later: wait for that, bounded).
+            waited = time.monotonic()
+            while (streams := srv.metrics())['pdproto_session_streams{transport="grpc"}'] != 2 \
+                    and time.monotonic() - waited < 10:
+                time.sleep(0.1)
+            assert streams['pdproto_session_streams{transport="grpc"}'] == 2, streams
+            assert streams.get('pdproto_session_streams{transport="lane"}', 0) == 0, streams
             if lane == "resetting":
                 warned = [r.getMessage() for r in caplog.records if "broke 3 times before opening" in r.getMessage()]
                 assert len(warned) == 2 and all(f"port {port} " in w for w in warned), warned
@@ -159,7 +167,7 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
     token = "s3cret"
     try:
         with running_server(*SERVE_ARGS, *LANE, "--lane-open-timeout", "1", "--lane-max-unopened", "4",
-                            token=token) as srv, HandshakeClient(srv.target, token=token, timeout=20) as client:
+                            "--metrics-port", "0", token=token) as srv, HandshakeClient(srv.target, token=token, timeout=20) as client:
             peer_id = client.register(peer.registration()).peer_id
             other_id = client.register(other.registration()).peer_id
             cred, other_cred = client.credential(peer_id), client.credential(other_id)
@@ -236,6 +244,13 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
             assert client.wait_for(peer_id, [1], timeout=20)[1].state == SUCCESS
             assert _view(client, peer_id).sessions_on_lane == 1
             peer.verify(placed, SPEC.prompt_tokens)
+            # An operator sees each of them: one wrong protocol, seven refused opens (token, bytes,
+            # sizes, credential, session id), five silent (one after its preface, four idlers), one crowded.
+            metrics = srv.metrics()
+            turned = {why: metrics.get(f'pdproto_lane_turned_away_total{{why="{why}"}}')
+                      for why in ("preface", "refused", "silent", "crowded")}
+            assert turned == {"preface": 1, "refused": 7, "silent": 5, "crowded": 1}, turned
+            assert metrics['pdproto_session_streams{transport="lane"}'] == 1, metrics
             assert "Traceback" not in srv.stderr(), srv.stderr()[-3000:]
     finally:
         peer.close()

@@ -288,15 +288,6 @@ def test_tls(tmp_path: Path) -> None:
         assert info.value.reason is Reason.UNAVAILABLE
 
 
-def _metrics(metrics_port: int | None) -> dict[str, float]:
-    """The server's /metrics samples by name (with labels)."""
-    assert metrics_port is not None
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
-
-
 def test_metrics_count_registrations_requests_and_bytes(server: ServerProcess) -> None:
     peer = DecodeRank.for_spec(SPEC, pages=32)
     try:
@@ -304,7 +295,7 @@ def test_metrics_count_registrations_requests_and_bytes(server: ServerProcess) -
             peer.verify(_transfer(client, peer, [900]), SPEC.prompt_tokens)
     finally:
         peer.close()
-    values = _metrics(server.metrics_port)
+    values = server.metrics()
     assert values['pdproto_registrations_total{outcome="ACCEPTED"}'] >= 1
     assert values['pdproto_requests_total{outcome="SUCCESS"}'] >= 1
     assert values["pdproto_kv_bytes_total"] >= SPEC.prompt_tokens * SPEC.row_bytes * SPEC.layers
@@ -375,7 +366,7 @@ def test_inline_bytes_picks_the_path_and_inline_jobs_counts_it(inline_bytes: str
         with running_server(*SERVE_ARGS, "--backend", "mooncake", "--metrics-port", "0", *flag) as srv, \
                 HandshakeClient(srv.target, timeout=10) as client:
             peer.verify(_transfer(client, peer, [31]), SPEC.prompt_tokens)
-            values = _metrics(srv.metrics_port)
+            values = srv.metrics()
             assert values["pdproto_chunks_total"] == chunks
             assert values["pdproto_inline_jobs_total"] == (chunks if inline else 0)
     finally:
