@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import signal
 import threading
+import time
 from collections.abc import Iterable
 
 from pdproto import errors as E
@@ -70,6 +71,13 @@ class _Streams:
             pass  # the stream ends with the peer or the server: what it sent before counts
         finally:
             first.set()
+
+    def wait_for_terminal(self, rooms: Iterable[int], timeout: float) -> None:
+        """Until each stream has a terminal status for every room, or ``timeout`` s (``count`` judges)."""
+        want, waited = set(rooms), time.monotonic()
+        while time.monotonic() - waited < timeout and any(
+                not want <= {s.room for s in list(statuses) if is_terminal(s)} for statuses in self.seen.values()):
+            time.sleep(0.05)
 
     def close(self, timeout: float) -> None:
         """Wait for both streams to end, then close their clients."""
@@ -155,6 +163,9 @@ def _reconnect(out: Outcome, rank: DecodeRank) -> None:
                 client.wait_for(pid, rooms, timeout=30)
                 stop.set()
                 cuts.join()
+                # A watch cut at the end re-opens after a backoff: deregistering before then would
+                # end it on PEER_NOT_FOUND, without the statuses the last cut lost. Wait (bounded).
+                streams.wait_for_terminal(rooms, 30)
                 client.deregister(pid)  # ends both streams once they sent everything
                 streams.close(30)
                 out.faults += proxy.cuts
