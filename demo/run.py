@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated prompt lengths in tokens")
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES),
                         help=f"comma-separated subset of {', '.join(TOPOLOGIES)}")
-    parser.add_argument("--layers", type=int, default=8, help="model layers (MLA rows of 1152 bytes; the Kimi case has one MLA layer in four)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="model layers (MLA rows of 1152 bytes; the Kimi case has one MLA layer in four)")
     parser.add_argument("--page-size", type=int, default=64, help="page size in tokens")
     parser.add_argument("--kda-heads", type=int, default=32, help="Kimi case: KDA heads before TP")
     parser.add_argument("--kda-head-dim", type=int, default=128,

@@ -269,7 +269,8 @@ class HandshakeClient:
 
     def register(self, registration: registration_pb2.KvRegistration, *,
                  timeout: float | None = None) -> server_info_pb2.NegotiationResult:
-        """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class) on rejection."""
+        """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class)
+        on rejection."""
         return self._creds.keep(self._call(self._stub.Register, hs.RegisterRequest(registration=registration),
                                            timeout))
 

@@ -264,7 +264,8 @@ class PeerSession:
                         fut.set_result(status)
 
     async def flush(self) -> None:
-        """Write queued commands and a due acknowledgement; a caller that finds a write in progress leaves it to that writer."""
+        """Write queued commands and a due acknowledgement; a caller that finds a write in progress
+        leaves it to that writer."""
         if self._writing or self._call is None:
             return
         self._writing = True

@@ -34,7 +34,8 @@ def is_loopback(host: str) -> bool:
 
 
 def grpc_peer_host(peer: str) -> str | None:
-    """The host of a gRPC peer string (``ipv4:10.0.0.2:5000``, ``ipv6:[::1]:5000``); None for ``unix:`` and the unknown."""
+    """The host of a gRPC peer string (``ipv4:10.0.0.2:5000``, ``ipv6:[::1]:5000``); None for ``unix:``
+    and the unknown."""
     kind, _, rest = unquote(peer).partition(":")
     if kind == "ipv4":
         return rest.rpartition(":")[0] or None

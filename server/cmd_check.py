@@ -18,7 +18,8 @@ from typing import Any
 from google.protobuf import json_format
 
 from pdproto import backends, v1
-from pdproto.config import SGLANG_ONLY_DCP_BACKENDS, CacheMode, DeploymentConfig, Finding, Role, Severity, check_deployment
+from pdproto.config import (SGLANG_ONLY_DCP_BACKENDS, CacheMode, DeploymentConfig, Finding, Role, Severity,
+                             check_deployment)
 from pdproto.errors import InvalidFieldError
 from pdproto.topology import (
     Decision,
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        " in protobuf JSON; overrides the topology flags of this side")
         s.add_argument(f"--{side}-dcp", type=int, metavar="N", default=1, help="DCP size (default 1)")
         s.add_argument(f"--{side}-dcp-rank", type=int, metavar="R", default=0, help="DCP rank (default 0)")
-        s.add_argument(f"--{side}-page-size", type=int, default=None, metavar="N", help="page size (default --page-size)")
+        s.add_argument(f"--{side}-page-size", type=int, default=None, metavar="N",
+                       help="page size (default --page-size)")
         s.add_argument(f"--{side}-pp", type=int, metavar="N", default=1, help="PP size (default 1)")
         s.add_argument(f"--{side}-pp-rank", type=int, metavar="R", default=0, help="PP rank (default 0)")
         s.add_argument(f"--{side}-tp", type=int, metavar="N", default=1, help="attention TP size (default 1)")

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-inflight", type=int, default=1024, help="open requests per peer")
     lim.add_argument("--max-finished", type=int, default=4096,
                      help="final statuses kept per peer for late queries (oldest dropped first)")
-    lim.add_argument("--max-streams", type=int, default=8, help="open status streams per peer (WatchStatus and Session)")
+    lim.add_argument("--max-streams", type=int, default=8,
+                     help="open status streams per peer (WatchStatus and Session)")
     lim.add_argument("--match-timeout", type=float, default=30.0,
                      help="seconds a request waits for the next chunk")
     lim.add_argument("--engine-timeout", type=float, default=30.0,

@@ -347,4 +347,5 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "StatusSink", "TERMINAL", "identity_of"]
+__all__ = ["CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "StatusSink", "TERMINAL",
+           "identity_of"]

@@ -237,7 +237,8 @@ class TransferRunner:
             request.state = TRANSFERRING
             peer.publish(request.status())
         results = await peer.lane.run(run_jobs, self.engine.executor, peer.peer_id, jobs,
-                                      timeout=self.limits.engine_timeout, what=f"room {request.room} chunk {chunk.index}",
+                                      timeout=self.limits.engine_timeout,
+                                      what=f"room {request.room} chunk {chunk.index}",
                                       drain=self.limits.drain_timeout, tag=(request.room, request.generation),
                                       wanted=lambda: request.cancel_reason is None and not request.terminal)
         result = results[0]
