@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from grpc_status import rpc_status
 
 from pdproto.errors import PdprotoError, Reason, UnavailableError
 from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
@@ -135,6 +136,12 @@ class PeerSession:
                     return
                 if exc.code() is grpc.StatusCode.CANCELLED:  # the server stopped the call
                     error = UnavailableError(f"the session stream was cancelled: {exc.details()}")
+                if exc.code() is grpc.StatusCode.INTERNAL and rpc_status.from_call(exc) is None:
+                    # gRPC's own, not the server's (which sends every INTERNAL with an ErrorInfo): a
+                    # write racing the server's end of the call reads back "Internal error from Core"
+                    # instead of the server's status. A new stream learns the real one.
+                    error = UnavailableError(f"the session stream failed inside gRPC: {exc.details()}")
+                    error.__cause__ = exc
             except PdprotoError as exc:  # a server that broke the numbering rules
                 error = exc
             finally:
