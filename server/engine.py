@@ -49,7 +49,7 @@ NUMPY_FROM = 256
 
 
 def page_extent(pages: Sequence[int] | I64) -> tuple[int, int]:
-    """The smallest and largest page of a non-empty list or array ((0, 0) when empty)."""
+    """The smallest and largest page of a list or array ((0, 0) when empty)."""
     if len(pages) >= NUMPY_FROM:
         array = np.asarray(pages)
         return int(array.min()), int(array.max())
