@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-
 from pdproto.errors import InvalidFieldError, NotFoundError, PdprotoError, Reason
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
@@ -37,7 +36,6 @@ from .expiry import Deadlines
 from .registry import Peer
 
 log = logging.getLogger("pdproto_server.session")
-
 
 
 class Ctx(Protocol):
