@@ -78,12 +78,12 @@ class BackendSettings:
             token = _read(token_file, "PDPROTO_TOKEN_FILE").decode().strip() or None
         return cls(
             engine=engine, token=token,
-            allow_unauthenticated=env.get("PDPROTO_ALLOW_UNAUTHENTICATED", "") in ("1", "true", "yes"),
+            allow_unauthenticated=_flag(env, "PDPROTO_ALLOW_UNAUTHENTICATED"),
             tls_cert=_read(env["PDPROTO_TLS_CERT"], "PDPROTO_TLS_CERT") if env.get("PDPROTO_TLS_CERT") else None,
             tls_key=_read(env["PDPROTO_TLS_KEY"], "PDPROTO_TLS_KEY") if env.get("PDPROTO_TLS_KEY") else None,
             tls_root=_read(env["PDPROTO_TLS_ROOT"], "PDPROTO_TLS_ROOT") if env.get("PDPROTO_TLS_ROOT") else None,
             port=_number(env, "PDPROTO_PORT", cls.port, int, 0, 65535),
-            session_lane=env.get("PDPROTO_SESSION_LANE", "") in ("1", "true", "yes"),
+            session_lane=_flag(env, "PDPROTO_SESSION_LANE"),
             lane_port=_number(env, "PDPROTO_LANE_PORT", cls.lane_port, int, 0, 65535),
             staging_mb=_number(env, "PDPROTO_STAGING_MB", cls.staging_mb, int, 0, 1 << 20),
             rpc_timeout_s=_number(env, "PDPROTO_RPC_TIMEOUT_S", cls.rpc_timeout_s, float, 0.1, 3600.0))
@@ -99,6 +99,11 @@ def _read(path: str, name: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise _bad(name, path, f"a readable file ({exc.strerror})") from exc
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    """An on/off variable: on for 1, true or yes."""
+    return env.get(name, "") in ("1", "true", "yes")
 
 
 _N = TypeVar("_N", int, float)
