@@ -151,8 +151,14 @@ def test_settings_come_from_the_environment_and_bad_values_name_their_variable(t
                                     "PDPROTO_LANE_PORT": "50200"})
     assert (got.engine, got.token, got.port, got.staging_mb) == ("nixl", "s3cret", 50100, 0)
     assert (got.session_lane, got.lane_port) == (True, 50200)
+    for flag in ("PDPROTO_SESSION_LANE", "PDPROTO_ALLOW_UNAUTHENTICATED"):
+        for on in ("1", "TRUE", "Yes", " on "):
+            assert getattr(BackendSettings.from_env({flag: on}), flag.lower()[len("PDPROTO_"):]) is True
+        for off in ("", "0", "False", "NO", "off"):
+            assert getattr(BackendSettings.from_env({flag: off}), flag.lower()[len("PDPROTO_"):]) is False
     for name, value in (("PDPROTO_ENGINE", "local"), ("PDPROTO_PORT", "70000"), ("PDPROTO_STAGING_MB", "x"),
-                        ("PDPROTO_LANE_PORT", "-1"),
+                        ("PDPROTO_LANE_PORT", "-1"), ("PDPROTO_SESSION_LANE", "ture"),
+                        ("PDPROTO_ALLOW_UNAUTHENTICATED", "2"),
                         ("PDPROTO_TOKEN_FILE", str(tmp_path / "missing"))):
         with pytest.raises(ConfigError) as info:
             BackendSettings.from_env({name: value})

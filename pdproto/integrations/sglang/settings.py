@@ -21,6 +21,9 @@ every scheduler process:
 ``PDPROTO_RPC_TIMEOUT_S``            deadline of one Register/Submit/Abort call (default 10)
 ===================================  ==========================================================
 
+On/off variables read ``1``, ``true``, ``yes`` or ``on`` as on and ``0``, ``false``, ``no``,
+``off`` or unset as off, in any case; any other value is refused.
+
 Mooncake's own transport settings stay Mooncake's (``MOONCAKE_PROTOCOL``, ``MC_*``).
 """
 
@@ -101,9 +104,20 @@ def _read(path: str, name: str) -> bytes:
         raise _bad(name, path, f"a readable file ({exc.strerror})") from exc
 
 
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+
 def _flag(env: Mapping[str, str], name: str) -> bool:
-    """An on/off variable: on for 1, true or yes."""
-    return env.get(name, "") in ("1", "true", "yes")
+    """An on/off variable: 1, true, yes or on, and 0, false, no, off or unset, in any case."""
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        # A typo read as "off" would quietly leave a security or transport choice unmade.
+        raise _bad(name, raw, "1, true, yes or on; 0, false, no or off")
+    return False
 
 
 _N = TypeVar("_N", int, float)
