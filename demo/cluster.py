@@ -162,6 +162,8 @@ class Cluster:
         self.geo = geometry
         self.dst_dcp = dst_dcp
         self.token = token
+        self.operator_token = os.urandom(16).hex()
+        """Each prefill's operator token: ``Describe`` shows every room to it (the reliability suite reads them)."""
         self.env = env or {}
         self.prefills: dict[int, list[Child]] = {}
         self.ports: dict[int, list[int]] = {}
@@ -180,6 +182,7 @@ class Cluster:
                             "--kda-heads", str(self.kda[0]), "--kda-head-dim", str(self.kda[1]),
                             "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
                             "--port", str(port), *self.prefill_args,
+                            "--operator-token", self.operator_token,
                             *(["--token", self.token] if self.token else [])],
                            env=self.env, log_dir=self.log_dir)
 

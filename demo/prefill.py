@@ -63,7 +63,7 @@ class PrefillRank:
         self.engine = PrefillEngine(source, self.executor, prefill_rank=args.tp_rank * args.dcp_size + args.dcp_rank)
         a = self.args
         self.core = HandshakeCore(self.engine, limits=Limits(**json.loads(a.limits)) if a.limits else Limits())
-        config = ServerConfig(listen=f"{a.host}:{a.port}", token=a.token, grace=2.0,
+        config = ServerConfig(listen=f"{a.host}:{a.port}", token=a.token, operator_token=a.operator_token, grace=2.0,
                               tls_cert=Path(a.tls_cert).read_bytes() if a.tls_cert else None,
                               tls_key=Path(a.tls_key).read_bytes() if a.tls_key else None)
         self.service = ServiceThread(self.core, config, name="service")
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls-cert", default=None)
     ap.add_argument("--tls-key", default=None)
     ap.add_argument("--token", default=None)
+    ap.add_argument("--operator-token", default=None, help="the token Describe shows every peer's rooms to")
     ap.add_argument("--dcp-size", type=int, default=1)
     ap.add_argument("--dcp-rank", type=int, default=0)
     ap.add_argument("--layers", type=int, default=8)

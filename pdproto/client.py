@@ -53,6 +53,7 @@ from .client_rpc import (
     Settings,
     abort_request,
     deadline_error,
+    describe_request,
     error_from_rpc,
     make_settings,
 )
@@ -262,10 +263,14 @@ class HandshakeClient:
         return self._call(self._stub.GetServerInfo, hs.GetServerInfoRequest(), timeout).info
 
     def describe(self, *, peer_id: str = "", request_limit: int = 0, include_finished: bool = False,
-                 timeout: float | None = None) -> hs.DescribeResponse:
-        """The server's state for operators: peers, open requests, limits (``pdproto status``)."""
-        req = hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished)
-        return self._call(self._stub.Describe, req, timeout)
+                 timeout: float | None = None, credential: bytes | None = None) -> hs.DescribeResponse:
+        """The server's state for operators: peers, open requests, limits (``pdproto status``).
+
+        ``peer_id``'s credential (given, or kept from its Register) goes along, so that peer is
+        shown in full; other peers' rooms and engine identities need the operator token.
+        """
+        return self._call(self._stub.Describe, describe_request(peer_id, request_limit, include_finished,
+                                                                self._creds.of(peer_id, credential)), timeout)
 
     def register(self, registration: registration_pb2.KvRegistration, *,
                  timeout: float | None = None) -> server_info_pb2.NegotiationResult:
@@ -416,9 +421,9 @@ class AsyncHandshakeClient:
         return resp.info
 
     async def describe(self, *, peer_id: str = "", request_limit: int = 0, include_finished: bool = False,
-                       timeout: float | None = None) -> hs.DescribeResponse:
-        """The server's state for operators: peers, open requests, limits."""
-        req = hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished)
+                       timeout: float | None = None, credential: bytes | None = None) -> hs.DescribeResponse:
+        """The server's state for operators: peers, open requests, limits (as ``HandshakeClient.describe``)."""
+        req = describe_request(peer_id, request_limit, include_finished, self._creds.of(peer_id, credential))
         resp: hs.DescribeResponse = await self._core.call(self._core.stub.Describe, req, timeout)
         return resp
 

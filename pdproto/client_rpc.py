@@ -235,6 +235,12 @@ def deadline_error(message: str, **metadata: object) -> E.DeadlineExceededError:
                                    metadata={"grpcCode": "DEADLINE_EXCEEDED", **metadata})
 
 
+def describe_request(peer_id: str, request_limit: int, include_finished: bool, credential: bytes) -> hs.DescribeRequest:
+    """A DescribeRequest; the credential only with a peer id (it shows that peer in full)."""
+    return hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished,
+                              peer_credential=credential if peer_id else b"")
+
+
 def abort_request(peer_id: str, credential: bytes, room: int, generation: int | None) -> hs.AbortRequest:
     """An AbortRequest for one room (and generation, when given)."""
     note = transfer_pb2.AbortNotification(room=room)
@@ -252,6 +258,7 @@ __all__ = [
     "TERMINAL_STATES",
     "abort_request",
     "deadline_error",
+    "describe_request",
     "error_from_command",
     "error_from_parts",
     "error_from_rpc",

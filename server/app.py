@@ -20,7 +20,7 @@ from pdproto.client import ChannelConfig
 from pdproto.errors import ConfigError, DeadlineExceededError, Reason
 from pdproto.v1 import SERVICE_NAME
 
-from .auth import BearerTokenInterceptor, require_token_policy
+from .auth import BearerTokenInterceptor, OperatorToken, require_token_policy
 from .core import HandshakeCore
 from .lane import SessionLane, server_tls
 from .service import HandshakeServicer, add_to_server
@@ -36,6 +36,9 @@ class ServerConfig:
     """host:port; port 0 picks a free one."""
     token: str | None = None
     """Bearer token; required when ``listen`` is not loopback (unless allow_unauthenticated)."""
+    operator_token: str | None = None
+    """A second bearer token, for ``Describe`` and ``GetServerInfo`` only: ``Describe`` shows room ids
+    and engine identities to it (to the deployment's token, only a peer's own with its credential)."""
     allow_unauthenticated: bool = False
     """Serve without a token on a non-loopback address (trusted networks only)."""
     tls_cert: bytes | None = None
@@ -92,9 +95,10 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     if config.session_lane is not None:
         require_token_policy(config.session_lane, config.token, allow_insecure=config.allow_unauthenticated)
     # An empty token is refused by the interceptor, never read as "no authentication".
-    interceptors = [BearerTokenInterceptor(config.token)] if config.token is not None else []
+    operator = OperatorToken(config.operator_token) if config.operator_token is not None else None
+    interceptors = [BearerTokenInterceptor(config.token, operator=operator)] if config.token is not None else []
     server = grpc.aio.server(interceptors=interceptors, options=config.channel.server_options())
-    servicer = HandshakeServicer(core)
+    servicer = HandshakeServicer(core, operator=operator)
     add_to_server(servicer, server)
     health = _health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -28,15 +28,47 @@ def _deny_handler(message: str) -> grpc.RpcMethodHandler[Any, Any]:
     return grpc.unary_unary_rpc_method_handler(deny, request_deserializer=lambda b: b)
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
+# What the operator token opens: looking, not acting as a decode.
+OPERATOR_METHODS = frozenset(f"/pdproto.v1.HandshakeService/{name}" for name in ("GetServerInfo", "Describe"))
+
+
+def _bearer(token: str, setting: str) -> bytes:
+    if not token:
+        raise ConfigError(f"empty {setting}", metadata={"setting": setting})
+    return f"Bearer {token}".encode()
+
+
+def _presented(metadata: Any) -> bytes | None:
+    """The ``authorization`` metadata value of a call, as bytes; None when it has none."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value.encode() if isinstance(value, str) else bytes(value)
+    return None
+
+
+class OperatorToken:
+    """The operator's bearer token: ``Describe`` shows everything to a call that carries it."""
 
     def __init__(self, token: str) -> None:
-        if not token:
-            raise ConfigError("empty bearer token", metadata={"setting": "token"})
-        self._expected = f"Bearer {token}".encode()
+        self._expected = _bearer(token, "operator token")
+
+    def matches(self, metadata: Any) -> bool:
+        """True when the call's ``authorization`` is ``Bearer <operator token>`` (constant-time)."""
+        presented = _presented(metadata)
+        return presented is not None and hmac.compare_digest(presented, self._expected)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``; the operator
+    token, when there is one, opens ``OPERATOR_METHODS`` only."""
+
+    def __init__(self, token: str, *, operator: OperatorToken | None = None) -> None:
+        self._expected = _bearer(token, "bearer token")
+        self._operator = operator
         self._missing = _deny_handler("missing bearer token")
         self._wrong = _deny_handler("invalid bearer token")
+        self._looking_only = _deny_handler("the operator token opens GetServerInfo and Describe only; "
+                                           "a decode calls with the deployment's token")
 
     async def intercept_service(
         self,
@@ -47,16 +79,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method or ""
         if method.startswith(EXEMPT_PREFIXES):
             return await continuation(handler_call_details)
-        presented: str | None = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value if isinstance(value, str) else value.decode("latin-1")
-                break
+        metadata = handler_call_details.invocation_metadata
+        presented = _presented(metadata)
         if presented is None:
             return self._missing
         # Constant-time compare so the token cannot be guessed byte by byte.
-        if not hmac.compare_digest(presented.encode(), self._expected):
-            return self._wrong
+        if not hmac.compare_digest(presented, self._expected):
+            if self._operator is None or not self._operator.matches(metadata):
+                return self._wrong
+            if method not in OPERATOR_METHODS:
+                return self._looking_only
         return await continuation(handler_call_details)
 
 
@@ -82,4 +114,5 @@ def require_token_policy(address: str, token: str | None, *, allow_insecure: boo
     )
 
 
-__all__ = ["EXEMPT_PREFIXES", "BearerTokenInterceptor", "is_loopback", "require_token_policy"]
+__all__ = ["EXEMPT_PREFIXES", "OPERATOR_METHODS", "BearerTokenInterceptor", "OperatorToken", "is_loopback",
+           "require_token_policy"]

@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     net.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0 picks one)")
     net.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    net.add_argument("--operator-token-file", type=Path,
+                     help="file holding a second token, for Describe (pdproto status) and GetServerInfo only: "
+                          "it shows every peer's room ids and engine identity, which the --token-file token "
+                          "shows a peer only for itself")
     net.add_argument("--allow-unauthenticated", action="store_true",
                      help="serve a non-loopback address without a token (trusted networks only)")
     net.add_argument("--tls-cert", type=Path, help="PEM server certificate chain")
@@ -110,20 +114,20 @@ def _read_file(path: Path, flag: str) -> bytes:
         raise ConfigError(f"{flag} {path}: cannot read it ({exc.strerror})", metadata={"setting": flag}) from None
 
 
-def _token(path: Path) -> str:
+def _token(path: Path, flag: str = "--token-file") -> str:
     """The bearer token in ``path``: one word of printable ASCII; warns when others may read the file."""
-    raw = _read_file(path, "--token-file")
+    raw = _read_file(path, flag)
     token = raw.decode("ascii", errors="replace").strip()
     if not token:
-        raise ConfigError(f"--token-file {path} is empty: an empty token would turn authentication off; "
-                          "write the token into it", metadata={"setting": "--token-file"})
+        raise ConfigError(f"{flag} {path} is empty: an empty token would turn authentication off; "
+                          "write the token into it", metadata={"setting": flag})
     if not all(c.isascii() and c.isprintable() and not c.isspace() for c in token):
-        raise ConfigError(f"--token-file {path} must hold one token of printable ASCII without spaces",
-                          metadata={"setting": "--token-file"})
+        raise ConfigError(f"{flag} {path} must hold one token of printable ASCII without spaces",
+                          metadata={"setting": flag})
     mode = path.stat().st_mode
     if mode & (stat.S_IRGRP | stat.S_IROTH):
         who = "everyone" if mode & stat.S_IROTH else "its group"
-        print(f"pdproto serve: warning: --token-file {path} is readable by {who} (mode {stat.S_IMODE(mode):o}); "
+        print(f"pdproto serve: warning: {flag} {path} is readable by {who} (mode {stat.S_IMODE(mode):o}); "
               f"run chmod 600 {path}", file=sys.stderr, flush=True)
     return token
 
@@ -135,8 +139,13 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         raise ConfigError(f"{given} without {missing}: TLS needs both, and with one the server would serve "
                           "plaintext; pass both", metadata={"setting": missing})
     token = _token(args.token_file) if args.token_file else None
+    operator = _token(args.operator_token_file, "--operator-token-file") if args.operator_token_file else None
+    if operator is not None and operator == token:
+        raise ConfigError("--operator-token-file holds the --token-file token: every decode could then read "
+                          "every peer's room ids; give the operator a token of its own",
+                          metadata={"setting": "--operator-token-file"})
     return ServerConfig(
-        listen=args.listen, token=token, allow_unauthenticated=args.allow_unauthenticated,
+        listen=args.listen, token=token, operator_token=operator, allow_unauthenticated=args.allow_unauthenticated,
         tls_cert=_read_file(args.tls_cert, "--tls-cert") if args.tls_cert else None,
         tls_key=_read_file(args.tls_key, "--tls-key") if args.tls_key else None,
         channel=ChannelConfig(max_message_bytes=args.max_message_bytes, keepalive_time_ms=args.keepalive_ms,

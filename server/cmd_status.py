@@ -26,7 +26,9 @@ from pdproto.v1 import handshake_service_pb2 as hs
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the status subcommand's options."""
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the prefill's gRPC address")
-    parser.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    parser.add_argument("--token-file", type=Path,
+                        help="file holding the bearer token: the operator token (serve --operator-token-file) "
+                             "shows every peer's room ids and engine identity, the deployment's token does not")
     parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate to verify the server (enables TLS)")
     parser.add_argument("--server-name", help="TLS name to expect from the server (when it differs from HOST)")
     parser.add_argument("--peer", default="", metavar="PEER_ID", help="only this peer")
@@ -36,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
                         help="refresh every SECONDS until interrupted")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+
+
+HIDDEN = "(hidden)"
+"""What the table shows for a room id or engine identity the server left out (``PeerView.redacted``)."""
 
 
 def _name(enum: object, value: int, prefix: str) -> str:
@@ -53,19 +59,24 @@ def render(d: hs.DescribeResponse) -> str:
     for p in d.peers:
         mode = _name(v1.NegotiationMode, p.result.mode, "NEGOTIATION_MODE_")
         sessions = f"{p.sessions_connected}+{p.sessions_detached}" if p.sessions_detached else str(p.sessions_connected)
+        engine = HIDDEN if p.redacted else p.engine_identity[:28]
         lines.append(f"{p.peer_id:<20} {_name(v1.PeerState, p.state, 'PEER_STATE_'):<5} {mode:<13} "
-                     f"{_name(v1.Backend, p.result.backend, 'BACKEND_'):<8} {p.engine_identity[:28]:<28} "
+                     f"{_name(v1.Backend, p.result.backend, 'BACKEND_'):<8} {engine:<28} "
                      f"{p.age_ms / 1000:>7.1f} {p.open_requests:>5} {p.finished_kept:>5} {sessions:>5} "
                      f"{p.sessions_on_lane:>4} {p.watch_streams:>5} {p.events_unacknowledged:>7}")
     if not d.peers:
         lines.append("(no peers)")
-    requests = [(p.peer_id, r) for p in d.peers for r in p.requests]
+    requests = [(p, r) for p in d.peers for r in p.requests]
     if requests:
         lines += ["", f"{'peer':<20} {'room':>12} {'gen':>4} {'state':<17} {'bytes':>12} {'chunks':>6} {'age s':>7}"]
-        for peer_id, r in requests:
+        for p, r in requests:
             state = _name(v1.TransferState, r.state, "TRANSFER_STATE_") + (" (dummy)" if r.is_dummy else "")
-            lines.append(f"{peer_id:<20} {r.room:>12} {r.generation:>4} {state:<17} {r.bytes_transferred:>12} "
+            room = HIDDEN if p.redacted else str(r.room)
+            lines.append(f"{p.peer_id:<20} {room:>12} {r.generation:>4} {state:<17} {r.bytes_transferred:>12} "
                          f"{r.chunks_done:>6} {r.age_ms / 1000:>7.1f}")
+    if any(p.redacted for p in d.peers):
+        lines += ["", f"{HIDDEN}: hidden from this token; the operator token (pdproto serve --operator-token-file) "
+                      "shows room ids and engine identities"]
     lines += ["", f"{'limit':<24} {'used':>8} {'of':>8}"]
     lines += [f"{lim.name:<24} {lim.used:>8} {lim.limit:>8}" for lim in d.limits]
     return "\n".join(lines)

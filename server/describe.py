@@ -1,7 +1,11 @@
 """``Describe``: the server's state for operators, read from the core in one step (no await).
 
 It shows peer ids, negotiated decisions, open requests and limits, and never a
-credential or a memory address (a registration's buffer pointers are left out).
+credential or a memory address (a registration's buffer pointers are left out). Room ids,
+final statuses, engine identities and notify endpoints are shown only to the operator
+token, or for one peer to a caller with its credential: a room id is enough to submit for
+that room and receive its KV, and an engine identity to replace the peer that has it
+(docs/security.md), so a token holder must not read them off other peers.
 """
 
 from __future__ import annotations
@@ -24,14 +28,13 @@ def _ms(seconds: float) -> int:
 
 
 def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
-               include_finished: bool) -> describe_pb2.PeerView:
+               include_finished: bool, full: bool) -> describe_pb2.PeerView:
     sessions = hub.of(peer)
     view = describe_pb2.PeerView(
         peer_id=peer.peer_id,
         state=describe_pb2.PEER_STATE_GONE if peer.gone_at is not None else describe_pb2.PEER_STATE_LIVE,
         result=peer.result,
-        engine_identity=backends.identity_key(peer.registration) or "",
-        notify_endpoint=peer.registration.notify_endpoint,
+        redacted=not full,
         age_ms=_ms(now - peer.registered_at),
         open_requests=len(peer.open),
         finished_kept=len(peer.finished),
@@ -41,20 +44,30 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         watch_streams=len(peer.feeds) - len(sessions),
         events_unacknowledged=sum(s.log.unacknowledged for s in sessions),
     )
+    if full:
+        view.engine_identity = backends.identity_key(peer.registration) or ""
+        view.notify_endpoint.CopyFrom(peer.registration.notify_endpoint)
     oldest = sorted(peer.open.values(), key=lambda r: r.admitted_at)[:request_limit]
     view.requests.extend(
-        describe_pb2.RequestView(room=r.room, generation=r.generation, state=r.state,  # type: ignore[arg-type]
+        describe_pb2.RequestView(room=r.room if full else 0, generation=r.generation,
+                                 state=r.state,  # type: ignore[arg-type]
                                  bytes_transferred=r.bytes, chunks_done=r.chunks_done,
                                  age_ms=_ms(now - r.admitted_at), is_dummy=r.transfer.is_dummy)
         for r in oldest)
-    if include_finished:
+    if include_finished and full:
         kept = list(peer.finished.values())[-request_limit:]
         view.finished.extend(f.status() for f in kept)
     return view
 
 
-def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) -> hs.DescribeResponse:
-    """Peers (one, when ``request.peer_id`` is set), their open requests, and the limits in use."""
+def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, *,
+             operator: bool = False) -> hs.DescribeResponse:
+    """Peers (one, when ``request.peer_id`` is set), their open requests, and the limits in use.
+
+    ``operator``: the call carries the operator token, and every peer is shown in full. Else only
+    the peer whose credential ``request`` carries is (a wrong one is PEER_NOT_FOUND, as on every call).
+    """
+    caller = core.peer(request.peer_id, request.peer_credential) if request.peer_credential else None
     now = time.monotonic()
     limit = request.request_limit or DEFAULT_REQUEST_LIMIT
     peers = list(core.registry.peers.values())
@@ -67,7 +80,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest) 
         backend=backends.by_name(core.engine.executor.backend).enum,
         uptime_ms=_ms(now - hub.started_at),
         draining=core.shutting_down,
-        peers=[_peer_view(p, hub, now, limit, request.include_finished) for p in shown],
+        peers=[_peer_view(p, hub, now, limit, request.include_finished, operator or p is caller) for p in shown],
         limits=[
             describe_pb2.LimitUse(name="max_peers", limit=core.limits.max_peers, used=core.registry.held()),
             describe_pb2.LimitUse(name="max_inflight", limit=core.limits.max_inflight_per_peer, used=most_open),

@@ -12,6 +12,7 @@ from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import handshake_service_pb2_grpc as hs_grpc
 
 from . import _status
+from .auth import OperatorToken
 from .core import HandshakeCore
 from .describe import describe
 from .session import SessionHub
@@ -22,9 +23,11 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     """Every handler goes through ``_status.unary``/``_status.stream``: no UNKNOWN ever leaves."""
 
-    def __init__(self, core: HandshakeCore) -> None:
+    def __init__(self, core: HandshakeCore, *, operator: OperatorToken | None = None) -> None:
         self.core = core
         self.sessions = SessionHub(core)
+        self.operator = operator
+        """The operator token: ``Describe`` shows every peer in full to a call that carries it."""
 
     @_status.unary
     async def GetServerInfo(self, request: hs.GetServerInfoRequest, context: Ctx) -> hs.GetServerInfoResponse:
@@ -63,7 +66,8 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def Describe(self, request: hs.DescribeRequest, context: Ctx) -> hs.DescribeResponse:
         """The server's state, for operators."""
-        return describe(self.core, self.sessions, request)
+        operator = self.operator is not None and self.operator.matches(context.invocation_metadata())
+        return describe(self.core, self.sessions, request, operator=operator)
 
     @_status.unary
     async def Deregister(self, request: hs.DeregisterRequest, context: Ctx) -> hs.DeregisterResponse:

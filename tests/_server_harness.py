@@ -109,16 +109,21 @@ def _read_ready(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, obje
 
 
 @contextlib.contextmanager
-def running_server(*args: str, token: str | None = None, timeout: float = 30.0,
-                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """Run ``pdproto serve --listen 127.0.0.1:0 <args>``; always stopped on exit."""
+def running_server(*args: str, token: str | None = None, operator_token: str | None = None,
+                   timeout: float = 30.0, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """Run ``pdproto serve --listen 127.0.0.1:0 <args>``; always stopped on exit.
+
+    The tokens are written to ``token`` and ``operator-token`` beside ``srv.stderr_path``.
+    """
     tmp = Path(tempfile.mkdtemp(prefix="pdproto-srv-"))
     cmd = [sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", *args]
-    if token is not None:
-        token_file = tmp / "token"
-        token_file.write_text(token)
-        token_file.chmod(0o600)
-        cmd += ["--token-file", str(token_file)]
+    for value, name, flag in ((token, "token", "--token-file"),
+                              (operator_token, "operator-token", "--operator-token-file")):
+        if value is not None:
+            token_file = tmp / name
+            token_file.write_text(value)
+            token_file.chmod(0o600)
+            cmd += [flag, str(token_file)]
     stderr_path = tmp / "stderr.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(stderr_path, "wb") as err:

@@ -31,12 +31,12 @@ def _status(*args: str) -> subprocess.CompletedProcess[str]:
 def test_status_shows_a_registered_peer_and_its_request_in_flight() -> None:
     peer = DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=1, pages=32)
     try:
-        with running_server(*SLOW, token="operator-and-peers") as srv, \
+        with running_server(*SLOW, token="peers", operator_token="operator") as srv, \
                 HandshakeClient(srv.target, token=srv.token) as client:
             peer_id = client.register(peer.registration()).peer_id
             credential = client.credential(peer_id)
             client.submit_transfer(peer_id, peer.transfer_info(4242, peer.pages_for(SPEC.prompt_tokens)))
-            token_file = srv.stderr_path.parent / "token"
+            token_file = srv.stderr_path.parent / "operator-token"
 
             table = _status("--target", srv.target, "--token-file", str(token_file))
             assert table.returncode == 0, table.stderr
@@ -63,6 +63,11 @@ def test_status_shows_a_registered_peer_and_its_request_in_flight() -> None:
             assert '"ptr"' not in raw.stdout
             assert not [b.ptr for b in peer.registration().kv_buffers if b.ptr > 1 << 16 and str(b.ptr) in raw.stdout]
 
+            # The deployment's token shows the peer, but not its rooms or engine identity.
+            peers_view = _status("--target", srv.target, "--token-file", str(srv.stderr_path.parent / "token"))
+            assert peers_view.returncode == 0, peers_view.stderr
+            assert peer_id in peers_view.stdout and "4242" not in peers_view.stdout
+            assert "(hidden)" in peers_view.stdout and "--operator-token-file" in peers_view.stdout
             # The bearer token is required like on every other call.
             refused = _status("--target", srv.target)
             assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
@@ -97,3 +102,54 @@ def test_describe_filters_one_peer_and_bounds_the_request_list() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_token_holder_reads_no_other_peers_rooms_or_engine_identity() -> None:
+    """A room id is enough to submit for that room and receive its KV, and an engine identity to replace
+    its peer (docs/security.md): Describe shows them only to the operator token or the peer itself."""
+    victim, attacker = DecodeRank.for_spec(SPEC, pages=80), DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=0, pages=64)
+    room = 777_001
+    try:
+        with running_server(*SLOW, token="peers", operator_token="operator") as srv, \
+                HandshakeClient(srv.target, token=srv.token) as mine, \
+                HandshakeClient(srv.target, token=srv.token) as theirs, \
+                HandshakeClient(srv.target, token="operator", session=False) as operator:
+            victim_id = mine.register(victim.registration()).peer_id
+            mine.submit_transfer(victim_id, victim.transfer_info(room, victim.pages_for(SPEC.prompt_tokens)))
+            mine.submit_transfer(victim_id, victim.transfer_info(room + 1, victim.pages_for(SPEC.prompt_tokens)))
+            mine.abort(victim_id, room + 1)  # a kept final status, too
+            mine.wait_for(victim_id, [room + 1], timeout=20)
+            attacker_id = theirs.register(attacker.registration()).peer_id
+            identity = operator.describe(peer_id=victim_id).peers[0].engine_identity
+            assert identity
+
+            for seen in (theirs.describe(include_finished=True, request_limit=100),
+                         theirs.describe(peer_id=victim_id, include_finished=True)):
+                (view,) = [p for p in seen.peers if p.peer_id == victim_id]
+                assert view.redacted and view.open_requests == 1 and len(view.requests) == 1
+                assert view.requests[0].room == 0 and not view.finished
+                assert not view.engine_identity and not view.HasField("notify_endpoint")
+                assert identity.encode() not in seen.SerializeToString()
+            # Its own peer, with its own credential, in full; its credential names no other peer.
+            own = theirs.describe(peer_id=attacker_id).peers[0]
+            assert not own.redacted and own.engine_identity
+            with pytest.raises(E.NotFoundError) as wrong:
+                theirs.describe(peer_id=victim_id, credential=theirs.credential(attacker_id))
+            assert wrong.value.reason is Reason.PEER_NOT_FOUND
+
+            # The operator sees every peer in full, and can do nothing a decode does.
+            full = {p.peer_id: p for p in operator.describe(include_finished=True).peers}
+            assert not full[victim_id].redacted and [r.room for r in full[victim_id].requests] == [room]
+            assert [s.room for s in full[victim_id].finished] == [room + 1]
+            assert full[victim_id].notify_endpoint.port == victim.registration().notify_endpoint.port
+            assert operator.get_server_info().page_size == SPEC.page_size
+            with pytest.raises(E.PdprotoError) as refused:
+                operator.register(attacker.registration())
+            assert refused.value.reason is Reason.UNAUTHENTICATED and "Describe" in refused.value.message
+            with pytest.raises(E.PdprotoError) as guessed:
+                with HandshakeClient(srv.target, token="operator-guess", session=False) as guess:
+                    guess.describe()
+            assert guessed.value.reason is Reason.UNAUTHENTICATED
+    finally:
+        victim.close()
+        attacker.close()

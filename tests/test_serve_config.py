@@ -116,6 +116,19 @@ def test_a_token_file_that_cannot_serve_is_refused(tmp_path: Path, case: str) ->
     _refused(err, "--token-file", phrase)
 
 
+def test_an_operator_token_must_be_its_own(tmp_path: Path) -> None:
+    token, operator = tmp_path / "token", tmp_path / "operator"
+    for path in (token, operator):
+        path.write_text("s3cret-token\n")
+        path.chmod(0o600)
+    rc, err = _serve("--token-file", str(token), "--operator-token-file", str(operator))
+    assert rc == 2
+    _refused(err, "--operator-token-file", "its own")
+    rc, err = _serve("--operator-token-file", str(_empty(tmp_path)))
+    assert rc == 2
+    _refused(err, "--operator-token-file", "is empty")
+
+
 def test_a_token_file_others_can_read_starts_with_one_warning(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("s3cret-token\n")

@@ -98,7 +98,8 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
                 assert proxy.dropped > 0
                 assert all(s.state == SUCCESS for s in done.values()), done
                 # Every reconnect resumed the one session: none was started over.
-                view = direct.describe(peer_id=peer_id, include_finished=True, request_limit=100).peers[0]
+                view = direct.describe(peer_id=peer_id, include_finished=True, request_limit=100,
+                                       credential=client.credential(peer_id)).peers[0]
                 if session:
                     assert view.sessions_connected + view.sessions_detached == 1, view
                 assert view.sessions_on_lane <= (view.sessions_connected if lane else 0), view

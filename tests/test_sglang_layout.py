@@ -151,6 +151,12 @@ def test_settings_come_from_the_environment_and_bad_values_name_their_variable(t
                                     "PDPROTO_LANE_PORT": "50200"})
     assert (got.engine, got.token, got.port, got.staging_mb) == ("nixl", "s3cret", 50100, 0)
     assert (got.session_lane, got.lane_port) == (True, 50200)
+    operator = tmp_path / "operator"
+    operator.write_text("look\n")
+    assert BackendSettings.from_env({"PDPROTO_OPERATOR_TOKEN_FILE": str(operator)}).operator_token == "look"
+    with pytest.raises(ConfigError) as same:
+        BackendSettings.from_env({"PDPROTO_TOKEN": "look", "PDPROTO_OPERATOR_TOKEN_FILE": str(operator)})
+    assert "PDPROTO_OPERATOR_TOKEN_FILE" in same.value.message
     for flag in ("PDPROTO_SESSION_LANE", "PDPROTO_ALLOW_UNAUTHENTICATED"):
         for on in ("1", "TRUE", "Yes", " on "):
             assert getattr(BackendSettings.from_env({flag: on}), flag.lower()[len("PDPROTO_"):]) is True

@@ -425,22 +425,28 @@ class DescribeRequest(_message.Message):
     REQUEST_LIMIT_FIELD_NUMBER: _builtins.int
     PEER_ID_FIELD_NUMBER: _builtins.int
     INCLUDE_FINISHED_FIELD_NUMBER: _builtins.int
+    PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     request_limit: _builtins.int
     """Open requests listed per peer (oldest first); 0 means the server's default (64)."""
     peer_id: _builtins.str
     """Only this peer; empty means every peer."""
     include_finished: _builtins.bool
     """Also list each peer's kept final statuses (newest last, at most request_limit)."""
+    peer_credential: _builtins.bytes
+    """The credential of peer_id (RegisterResponse.peer_credential): that peer is shown in
+    full (PeerView.redacted) to a caller without the operator token.
+    """
     def __init__(
         self,
         *,
         request_limit: _builtins.int = ...,
         peer_id: _builtins.str = ...,
         include_finished: _builtins.bool = ...,
+        peer_credential: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_finished", b"include_finished", "peer_id", b"peer_id", "request_limit", b"request_limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_finished", b"include_finished", "peer_credential", b"peer_credential", "peer_id", b"peer_id", "request_limit", b"request_limit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -135,7 +135,9 @@ class HandshakeServiceServicer:
 
     def Describe(self, request, context):
         """Describe shows an operator the server's state: peers with their negotiated decisions,
-        open requests, limits and their use. It never shows credentials or memory addresses.
+        open requests, limits and their use. It never shows credentials or memory addresses,
+        and shows room ids and engine identities only to the operator token or the peer's own
+        credential (PeerView.redacted).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

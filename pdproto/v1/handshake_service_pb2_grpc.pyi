@@ -53,7 +53,9 @@ class HandshakeServiceStub:
     """
     Describe: _grpc.UnaryUnaryMultiCallable[_handshake_service_pb2.DescribeRequest, _handshake_service_pb2.DescribeResponse]
     """Describe shows an operator the server's state: peers with their negotiated decisions,
-    open requests, limits and their use. It never shows credentials or memory addresses.
+    open requests, limits and their use. It never shows credentials or memory addresses,
+    and shows room ids and engine identities only to the operator token or the peer's own
+    credential (PeerView.redacted).
     """
 
 @_typing.type_check_only
@@ -81,7 +83,9 @@ class HandshakeServiceAsyncStub(HandshakeServiceStub):
     """
     Describe: _aio.UnaryUnaryMultiCallable[_handshake_service_pb2.DescribeRequest, _handshake_service_pb2.DescribeResponse]  # type: ignore[assignment]
     """Describe shows an operator the server's state: peers with their negotiated decisions,
-    open requests, limits and their use. It never shows credentials or memory addresses.
+    open requests, limits and their use. It never shows credentials or memory addresses,
+    and shows room ids and engine identities only to the operator token or the peer's own
+    credential (PeerView.redacted).
     """
 
 class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -154,7 +158,9 @@ class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_handshake_service_pb2.DescribeResponse, _abc.Awaitable[_handshake_service_pb2.DescribeResponse]]:
         """Describe shows an operator the server's state: peers with their negotiated decisions,
-        open requests, limits and their use. It never shows credentials or memory addresses.
+        open requests, limits and their use. It never shows credentials or memory addresses,
+        and shows room ids and engine identities only to the operator token or the peer's own
+        credential (PeerView.redacted).
         """
 
 def add_HandshakeServiceServicer_to_server(servicer: HandshakeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -123,7 +123,9 @@ def prefill_stats(c: Cluster, group: int = 1, rank: int = 0) -> dict[str, Any]:
     flight), outcomes (finished requests by outcome), requests ("peer/room" -> [generation,
     state, failure code], open and kept final ones).
     """
-    with HandshakeClient(f"127.0.0.1:{c.ports[group][rank]}", token=c.token, timeout=20, session=False) as client:
+    # The operator token: every peer's rooms (the deployment's token shows a peer's rooms only to itself).
+    with HandshakeClient(f"127.0.0.1:{c.ports[group][rank]}", token=c.operator_token, timeout=20,
+                         session=False) as client:
         d = client.describe(request_limit=100_000, include_finished=True)
     requests: dict[str, list[Any]] = {}
     for p in d.peers:

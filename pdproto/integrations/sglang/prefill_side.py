@@ -56,7 +56,8 @@ class PrefillSide:
 
             lane = address(settings.lane_port) if settings.session_lane else None
             config = ServerConfig(listen=address(settings.port),
-                                  token=settings.token, allow_unauthenticated=settings.allow_unauthenticated,
+                                  token=settings.token, operator_token=settings.operator_token,
+                                  allow_unauthenticated=settings.allow_unauthenticated,
                                   tls_cert=settings.tls_cert, tls_key=settings.tls_key, session_lane=lane)
             self.service = ServiceThread(HandshakeCore(self.engine, limits=limits), config,
                                          name=f"pdproto-prefill-{prefill_rank}")

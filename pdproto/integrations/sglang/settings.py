@@ -9,6 +9,8 @@ every scheduler process:
 ===================================  ==========================================================
 ``PDPROTO_ENGINE``                   transfer engine: ``mooncake`` (default) or ``nixl``
 ``PDPROTO_TOKEN`` / ``PDPROTO_TOKEN_FILE``  bearer token the prefill requires and the decode sends
+``PDPROTO_OPERATOR_TOKEN_FILE``      prefill: a second token, for ``pdproto status`` only: it shows every
+                                     peer's room ids and engine identity (docs/security.md)
 ``PDPROTO_ALLOW_UNAUTHENTICATED``    ``1``: a prefill serves without a token on a non-loopback address
 ``PDPROTO_TLS_CERT`` / ``PDPROTO_TLS_KEY``  prefill: PEM files that turn TLS on
 ``PDPROTO_TLS_ROOT``                 decode: PEM root certificate (TLS to every prefill rank)
@@ -47,6 +49,8 @@ class BackendSettings:
     """Transfer engine name (``pdproto.backends``)."""
     token: str | None = None
     """Bearer token; None: no authentication (loopback only, unless allowed)."""
+    operator_token: str | None = None
+    """Prefill: the operator's token (``Describe`` only), which may not be ``token``."""
     allow_unauthenticated: bool = False
     """Serve without a token on a non-loopback address (trusted networks only)."""
     tls_cert: bytes | None = None
@@ -79,8 +83,15 @@ class BackendSettings:
         token_file = env.get("PDPROTO_TOKEN_FILE")
         if token_file:
             token = _read(token_file, "PDPROTO_TOKEN_FILE").decode().strip() or None
+        operator_file = env.get("PDPROTO_OPERATOR_TOKEN_FILE")
+        operator = None
+        if operator_file:
+            operator = _read(operator_file, "PDPROTO_OPERATOR_TOKEN_FILE").decode().strip() or None
+        if operator is not None and operator == token:
+            raise _bad("PDPROTO_OPERATOR_TOKEN_FILE", operator_file or "", "a token other than PDPROTO_TOKEN's "
+                       "(with the same one every decode could read every peer's room ids)")
         return cls(
-            engine=engine, token=token,
+            engine=engine, token=token, operator_token=operator,
             allow_unauthenticated=_flag(env, "PDPROTO_ALLOW_UNAUTHENTICATED"),
             tls_cert=_read(env["PDPROTO_TLS_CERT"], "PDPROTO_TLS_CERT") if env.get("PDPROTO_TLS_CERT") else None,
             tls_key=_read(env["PDPROTO_TLS_KEY"], "PDPROTO_TLS_KEY") if env.get("PDPROTO_TLS_KEY") else None,
