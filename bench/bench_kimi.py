@@ -44,8 +44,8 @@ def _prefill(backend: str) -> PrefillRank:
     """Prefill TP rank RANK of a Kimi-shaped model, its service running on its own loop."""
     args = argparse.Namespace(
         backend=backend, name=f"bench-kimi-prefill-{os.getpid()}", host="127.0.0.1", port=0, tls_cert=None,
-        tls_key=None, token=None, dcp_size=1, dcp_rank=0, layers=LAYERS, model="hybrid", tp_size=TP,
-        tp_rank=RANK, slots=4, replicated_bytes=0, kda_heads=32, kda_head_dim=128,
+        tls_key=None, token=None, operator_token=None, dcp_size=1, dcp_rank=0, layers=LAYERS, model="hybrid",
+        tp_size=TP, tp_rank=RANK, slots=4, replicated_bytes=0, kda_heads=32, kda_head_dim=128,
         pages=TOKENS // PAGE + 8, page_size=PAGE, staging_mb=256, info_minor=0, limits="")
     return PrefillRank(args)
 
