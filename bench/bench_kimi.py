@@ -18,7 +18,6 @@ Environment: PDPROTO_BENCH_BACKENDS=mooncake,nixl picks the engines.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -30,6 +29,7 @@ from pdproto.transfer import LayerSpan, TransferJob
 from pdproto_demo import data
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 from pdproto_demo.prefill import PrefillRank
+from pdproto_demo.prefill import parser as prefill_parser
 
 TOKENS = 32768
 PAGE = 64
@@ -42,11 +42,12 @@ ROUNDS = 3
 
 def _prefill(backend: str) -> PrefillRank:
     """Prefill TP rank RANK of a Kimi-shaped model, its service running on its own loop."""
-    args = argparse.Namespace(
-        backend=backend, name=f"bench-kimi-prefill-{os.getpid()}", host="127.0.0.1", port=0, tls_cert=None,
-        tls_key=None, token=None, operator_token=None, dcp_size=1, dcp_rank=0, layers=LAYERS, model="hybrid",
-        tp_size=TP, tp_rank=RANK, slots=4, replicated_bytes=0, kda_heads=32, kda_head_dim=128,
-        pages=TOKENS // PAGE + 8, page_size=PAGE, staging_mb=256, info_minor=0, limits="")
+    # The prefill process's own parser, so a flag added there has its default here too.
+    args = prefill_parser().parse_args([
+        "--backend", backend, "--name", f"bench-kimi-prefill-{os.getpid()}", "--layers", str(LAYERS),
+        "--model", "hybrid", "--tp-size", str(TP), "--tp-rank", str(RANK), "--slots", "4", "--kda-heads", "32",
+        "--kda-head-dim", "128", "--pages", str(TOKENS // PAGE + 8), "--page-size", str(PAGE),
+        "--staging-mb", "256"])
     return PrefillRank(args)
 
 

@@ -146,8 +146,8 @@ class PrefillRank:
         self.executor.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the prefill rank process."""
+def parser() -> argparse.ArgumentParser:
+    """The prefill rank's flags (a caller in process builds its arguments here, defaults included)."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", required=True)
     ap.add_argument("--name", default=f"prefill-{os.getpid()}")
@@ -172,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staging-mb", type=int, default=64)
     ap.add_argument("--info-minor", type=int, default=0, help="publish this protocol minor (skew tests)")
     ap.add_argument("--limits", default="", help="JSON keywords of pdproto_server.registry.Limits")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the prefill rank process."""
+    args = parser().parse_args(argv)
     out = redirect_stdout_to_stderr()
     rank = PrefillRank(args)
     try:
