@@ -30,7 +30,8 @@ from pdproto.errors import Reason, TopologyError
 from pdproto.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.v1 import common_pb2
 
-STATE_KINDS: dict[str, common_pb2.StateKind.ValueType] = {"mamba": v1.STATE_KIND_RECURRENT, "swa": v1.STATE_KIND_SLIDING_WINDOW}
+STATE_KINDS: dict[str, common_pb2.StateKind.ValueType] = {
+    "mamba": v1.STATE_KIND_RECURRENT, "swa": v1.STATE_KIND_SLIDING_WINDOW}
 """SGLang ``StateType`` value -> ``pdproto.v1.StateKind``, for the state types pdproto moves."""
 
 CAPABILITIES = ("dcp-relayout", "packed")
