@@ -126,10 +126,45 @@ class ZmqPeer:
                 assert int(frames[1]) == 4
                 return
 
+    def pipelined(self) -> PipelinedZmqPeer:
+        """This peer with one reader for its statuses, so several requests can be in flight."""
+        return PipelinedZmqPeer(self)
+
     def close(self) -> None:
         """Close both sockets."""
         self.push.close(0)
         self.pull.close(0)
+
+
+class PipelinedZmqPeer:
+    """A ``ZmqPeer`` whose statuses one reader task hands to each waiting request by room."""
+
+    def __init__(self, peer: ZmqPeer) -> None:
+        self.peer = peer
+        self._waiting: dict[int, asyncio.Future[int]] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.peer.pull.recv_multipart()
+            waiter = self._waiting.pop(int(frames[0]), None)
+            if waiter is not None:
+                waiter.set_result(int(frames[1]))
+
+    async def request(self, room: int) -> None:
+        """Send ``room``'s TransferInfo frames and wait for its status."""
+        waiter = self._waiting[room] = asyncio.get_running_loop().create_future()
+        await self.peer.push.send_multipart(transfer_frames(room, "127.0.0.1", self.peer.port, self.peer.session,
+                                                            PAGES))
+        assert await waiter == 4
+
+    async def close(self) -> None:
+        """Stop the reader (the sockets stay the peer's)."""
+        self._reader.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
 
 
 # -- bare gRPC echo -------------------------------------------------------------------

@@ -14,7 +14,9 @@ KV bytes move), so only the control plane is measured.
 * echo: a gRPC stream that sends each message straight back: what gRPC itself costs.
 
 The four run in turn at each concurrency, three times, so a shared machine's noise hits
-them alike; each ratio is taken within one repetition. CPU per request is each process's
+them alike; each ratio is taken within one repetition. Then the session (lane) and ZMQ
+again with several requests in flight per peer (``DEPTH``, as a scheduler step submits
+them), the ZMQ peer with one reader handing each status to its request. CPU per request is each process's
 user+system time over the measured window divided by the requests it completed: the
 server from ``/proc/<pid>/stat``, the clients (this process) from ``getrusage``.
 
@@ -24,6 +26,7 @@ Run: ``python -m bench bench_control`` (about two minutes on two cores).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -54,6 +57,8 @@ CONCURRENCY = (1, 8, 32)
 REPETITIONS = 3
 SECONDS = float(os.environ.get("BENCH_CONTROL_SECONDS", "3"))
 REGISTER_CALLS = 300
+DEEP_PEERS, DEPTH = 8, 8
+"""The pipelined cell: peers, and requests each keeps in flight (a scheduler step's worth)."""
 
 
 def _registration(executor_endpoint: registration_pb2.LocalEndpoint, index: int) -> registration_pb2.KvRegistration:
@@ -93,10 +98,14 @@ class PdprotoPeer:
     async def request(self) -> None:
         """Submit one dummy request on the session and wait for its terminal status."""
         self.room += 1
+        await self.request_room(self.room)
+
+    async def request_room(self, room: int) -> None:
+        """``request`` for a given room (several may be in flight)."""
         await self.client.submit_transfer(self.peer_id, transfer_pb2.TransferInfo(
-            room=self.room, dst_kv_pages=PAGES, decode_prefix_len=0, is_dummy=True))
-        done = await self.client.wait_for(self.peer_id, [self.room])
-        assert done[self.room].state == common_pb2.TRANSFER_STATE_SUCCESS, done[self.room]
+            room=room, dst_kv_pages=PAGES, decode_prefix_len=0, is_dummy=True))
+        done = await self.client.wait_for(self.peer_id, [room])
+        assert done[room].state == common_pb2.TRANSFER_STATE_SUCCESS, done[room]
 
     async def close(self) -> None:
         """Deregister and release everything."""
@@ -130,16 +139,30 @@ def _self_cpu() -> float:
 
 async def measure(peers: Sequence[Peer], server_pid: int) -> Sample:
     """Run every peer's request loop for SECONDS; requests/s and CPU per request of both sides."""
-    stop = False
-    counts = [0] * len(peers)
+    return await _measure([p.request for p in peers], server_pid)
 
-    async def loop(i: int, peer: Peer) -> None:
+
+async def measure_deep(requests: Sequence[Callable[[int], Awaitable[None]]], server_pid: int) -> Sample:
+    """``measure`` with DEPTH request loops per peer, each on rooms of its own."""
+    def looping(request: Callable[[int], Awaitable[None]], rooms: Iterator[int]) -> Callable[[], Awaitable[None]]:
+        return lambda: request(next(rooms))
+
+    loops = [looping(request, itertools.count(500_000_000 + (i * DEPTH + j) * 1_000_000))
+             for i, request in enumerate(requests) for j in range(DEPTH)]
+    return await _measure(loops, server_pid)
+
+
+async def _measure(loops: Sequence[Callable[[], Awaitable[None]]], server_pid: int) -> Sample:
+    stop = False
+    counts = [0] * len(loops)
+
+    async def loop(i: int, request: Callable[[], Awaitable[None]]) -> None:
         while not stop:
-            await peer.request()
+            await request()
             counts[i] += 1
 
     s0, c0, t0 = _proc_cpu(server_pid), _self_cpu(), time.monotonic()
-    tasks = [asyncio.create_task(loop(i, p)) for i, p in enumerate(peers)]
+    tasks = [asyncio.create_task(loop(i, r)) for i, r in enumerate(loops)]
     await asyncio.sleep(SECONDS)
     stop = True
     await asyncio.gather(*tasks)
@@ -163,23 +186,29 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, in
             proc.wait(timeout=5)
 
 
-async def _run_pdproto(target: str, n: int, pid: int, *, lane: bool = True) -> Sample:
+async def _run_pdproto(target: str, n: int, pid: int, *, lane: bool = True, deep: bool = False) -> Sample:
     peers = [PdprotoPeer(target, 1000 + i, lane=lane) for i in range(n)]
     try:
         await asyncio.gather(*(p.setup() for p in peers))
-        return await measure(peers, pid)
+        return await (measure_deep([p.request_room for p in peers], pid) if deep else measure(peers, pid))
     finally:
         await asyncio.gather(*(p.close() for p in peers))
 
 
-async def _run_zmq(port: int, n: int, pid: int) -> Sample:
+async def _run_zmq(port: int, n: int, pid: int, *, deep: bool = False) -> Sample:
     ctx = zmq.asyncio.Context()
     peers = [ZmqPeer(ctx, f"tcp://127.0.0.1:{port}", i) for i in range(n)]
     try:
         for p in peers:
             await p.setup()
         await asyncio.gather(*(p.request() for p in peers))
-        return await measure(peers, pid)
+        if not deep:
+            return await measure(peers, pid)
+        piped = [p.pipelined() for p in peers]
+        try:
+            return await measure_deep([p.request for p in piped], pid)
+        finally:
+            await asyncio.gather(*(p.close() for p in piped))
     finally:
         for p in peers:
             p.close()
@@ -243,7 +272,7 @@ def _pct(values: list[float], q: float) -> float:
 Runner = Callable[[int], Awaitable[Sample]]
 
 
-async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[Sample]]]]:
+async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[Sample]]], dict[str, list[Sample]]]:
     """Start the three servers, then measure Register and every system at every concurrency."""
     serve = ["-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", "--layers", "4", "--row-bytes", "1152",
              "--pages", "64", "--page-size", str(PAGE_SIZE), "--prompt-tokens", "64", "--chunk-tokens", "64",
@@ -265,11 +294,15 @@ async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[
             for _ in range(REPETITIONS):
                 for name, run in runners.items():
                     samples[name][peers].append(await run(peers))
+        deep: dict[str, list[Sample]] = {"pdproto": [], "zmq": []}
+        for _ in range(REPETITIONS):
+            deep["pdproto"].append(await _run_pdproto(target, DEEP_PEERS, pd.pid, deep=True))
+            deep["zmq"].append(await _run_zmq(zq_port["port"], DEEP_PEERS, zq.pid, deep=True))
         stop = zmq.Context.instance().socket(zmq.PUSH)
         stop.connect(f"tcp://127.0.0.1:{zq_port['port']}")
         stop.send_multipart([b"STOP"])
         stop.close(linger=1000)
-        return ours, bare, samples
+        return ours, bare, samples, deep
 
 
 def _med(samples: list[Sample], key: str) -> float:
@@ -279,7 +312,7 @@ def _med(samples: list[Sample], key: str) -> float:
 def main() -> int:
     """Run every measurement and print the tables; returns 0."""
     pure = negotiation_latency()
-    ours, bare, samples = asyncio.run(run_all())
+    ours, bare, samples, deep = asyncio.run(run_all())
     reg, echo = _pct(ours, 50), _pct(bare, 50)
     print("negotiation latency")
     print(f"  negotiate() in process        p50 {_pct(pure, 50) * 1e6:8.1f} us   p99 {_pct(pure, 99) * 1e6:8.1f} us")
@@ -307,6 +340,14 @@ def main() -> int:
         cells = [f"{_med(samples[n][p], 'server_us'):.0f} / {_med(samples[n][p], 'client_us'):.0f}"
                  for n in ("pdproto", "grpc", "zmq", "echo")]
         print(f"  {p:>5}  {cells[0]:>15}  {cells[1]:>12}  {cells[2]:>11}  {cells[3]:>12}")
+    pd, zq = deep["pdproto"], deep["zmq"]
+    ratios = sorted(a.rate / b.rate for a, b in zip(pd, zq, strict=True))
+    print(f"\nseveral requests in flight: {DEEP_PEERS} peers x {DEPTH} each, session (lane) against ZMQ with one "
+          f"status reader per peer; {REPETITIONS} x {SECONDS:g} s")
+    print(f"  session {_med(pd, 'rate'):.0f} req/s, ZMQ {_med(zq, 'rate'):.0f} req/s; session/ZMQ min/med/max "
+          f"{ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}; CPU us srv/cli: session "
+          f"{_med(pd, 'server_us'):.0f} / {_med(pd, 'client_us'):.0f}, ZMQ "
+          f"{_med(zq, 'server_us'):.0f} / {_med(zq, 'client_us'):.0f}  (no target)")
     return 0
 
 
