@@ -16,9 +16,10 @@ KV bytes move), so only the control plane is measured.
 The four run in turn at each concurrency, three times, so a shared machine's noise hits
 them alike; each ratio is taken within one repetition. Then the session (lane) and ZMQ
 again with several requests in flight per peer (``DEPTH``, as a scheduler step submits
-them), the ZMQ peer with one reader handing each status to its request. CPU per request is each process's
-user+system time over the measured window divided by the requests it completed: the
-server from ``/proc/<pid>/stat``, the clients (this process) from ``getrusage``.
+them), the ZMQ peer with one reader handing each status to its request. CPU per request
+is each process's user+system time over the measured window divided by the requests it
+completed: the server from ``/proc/<pid>/stat``, the clients (this process) from
+``getrusage``.
 
 Run: ``python -m bench bench_control`` (about two minutes on two cores).
 """
