@@ -85,6 +85,7 @@ class Reason(enum.IntEnum):
     TOO_MANY_STREAMS = 68
     SESSION_NOT_FOUND = 69
     CONFIG_INVALID = 70
+    IDENTITY_IN_USE = 71
     TOPOLOGY_STATE_KIND_MISMATCH = 80
     TOPOLOGY_STATE_SIZE_MISMATCH = 81
     TOPOLOGY_STATE_SLICE_MISMATCH = 82
@@ -257,6 +258,11 @@ class DuplicateRequestError(RequestFailedError):
     """The same room and generation were submitted twice; watch the first instead."""
 
 
+@_declares(Reason.IDENTITY_IN_USE, code="ALREADY_EXISTS")
+class IdentityInUseError(PdprotoError):
+    """A registration names a live decode's endpoint or engine: that decode still holds a status stream."""
+
+
 @_declares(Reason.TRANSFER_FAILED, code="ABORTED")
 class TransferError(PdprotoError):
     """A transfer engine reported a failure."""
@@ -322,6 +328,7 @@ __all__ = [
     "DuplicateRequestError",
     "EngineUnavailableError",
     "GRPC_CODE_NAMES",
+    "IdentityInUseError",
     "InvalidFieldError",
     "LegacyFormatError",
     "MessageTooLargeError",

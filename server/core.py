@@ -12,6 +12,7 @@ from typing import Any
 from pdproto.errors import (
     DeadlineExceededError,
     DuplicateRequestError,
+    IdentityInUseError,
     InvalidFieldError,
     NotFoundError,
     PdprotoError,
@@ -39,6 +40,10 @@ from .runner import TransferRunner, drained
 from .validate import check_registration, check_transfer, page_limit
 
 log = logging.getLogger("pdproto_server.core")
+
+IDENTITY_GRACE_S = 1.0
+"""How long a registration naming a live peer waits for that peer's streams to end (a client closing them)."""
+IDENTITY_POLLS = 20
 
 
 class HandshakeCore:
@@ -176,6 +181,7 @@ class HandshakeCore:
         async with self.registry.serialized(identity):
             self._accepting()
             stale = self.registry.stale_for(identity)
+            await self._refuse_live(stale, identity)
             self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
                 # Same notify endpoint or engine identity: the decode restarted. Its old
@@ -206,6 +212,30 @@ class HandshakeCore:
                 self._registering -= 1
         self.metrics.peers.set(self.registry.live())
         return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
+
+    @staticmethod
+    async def _refuse_live(stale: list[Peer], identity: tuple[str, ...]) -> None:
+        """Refuse to replace a peer whose decode still reads a stream: that is a live decode, not a restart.
+
+        A decode's exit closes its streams, so a restarted one finds them closed; one that
+        is still reading them is alive, and whoever names its endpoint or engine is not it
+        (docs/security.md). Streams a client has just closed may take a moment to end
+        here, so the check waits up to ``IDENTITY_GRACE_S`` for them.
+        """
+        for poll in range(IDENTITY_POLLS + 1):
+            live = [p for p in stale if not p.closed and p.gone_at is None and p.attached()]
+            if not live:
+                return
+            if poll < IDENTITY_POLLS:
+                await asyncio.sleep(IDENTITY_GRACE_S / IDENTITY_POLLS)
+        old = live[0]
+        keys = sorted(set(identity) & set(old.identity))
+        log.warning("refused a registration naming %s of live peer %s", ", ".join(keys), old.peer_id)
+        raise IdentityInUseError(
+            f"a registered decode with {', '.join(keys)} still reads its status stream: it is alive, so this "
+            "is not its restart. A restarted decode can register once its old process is gone (its streams "
+            "close with it); otherwise give this decode its own notify endpoint and engine",
+            reason=Reason.IDENTITY_IN_USE, metadata={"identity": ",".join(keys)})
 
     async def deregister(self, request: hs.DeregisterRequest) -> int:
         """Fail the peer's open requests with PEER_GONE, cancel them, disconnect, forget it."""

@@ -62,6 +62,11 @@ class StatusFeed:
         self._wake.set()
 
     @property
+    def attached(self) -> bool:
+        """Its WatchStatus stream runs (the feed leaves the peer's set when that stream ends)."""
+        return not self._closed
+
+    @property
     def pending(self) -> int:
         """Statuses queued and not yet sent."""
         return len(self._items)

@@ -132,6 +132,10 @@ class StatusSink(Protocol):
     def close(self) -> None:
         """No more changes (the peer is over, or the server drains): end after what is queued."""
 
+    @property
+    def attached(self) -> bool:
+        """A client is reading this stream now (a session kept for a resume is not)."""
+
 
 @dataclass
 class Peer:
@@ -203,6 +207,10 @@ class Peer:
             del self.finished[room]
             dropped += 1
         return dropped
+
+    def attached(self) -> bool:
+        """Some client reads one of its streams now: the decode process is alive (its exit closes them)."""
+        return any(feed.attached for feed in self.feeds)
 
     def publish(self, status: transfer_pb2.TransferStatus) -> None:
         """Push a status to every stream of this peer."""

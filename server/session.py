@@ -95,6 +95,11 @@ class ServerSession:
         self.wake()
         self.progress.set()
 
+    @property
+    def attached(self) -> bool:
+        """A stream (gRPC or lane) serves the session now; a detached one waits for a resume."""
+        return self.stream is not None
+
     def wake(self) -> None:
         """Tell the attached stream's writer to look at the log."""
         if self.stream is not None and not self.stream.applying:

@@ -9,8 +9,9 @@ transfers land byte-exact.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -81,31 +82,69 @@ def test_hostile_peer_cannot_touch_another_peers_requests() -> None:
                                     (12, common_pb2.TRANSFER_STATE_SUCCESS, "")], seen
             # A deregistered peer's credential is dead too, even for its own id.
             _refused(vc.submit_transfer, vid, victim.transfer_info(14, placed[12]), credential=old)
-            # So is a replaced peer's: the same decode registering again is a restart.
-            again = hc.register(hostile.registration()).peer_id
-            assert again != hid and hc.credential(again) != own
-            _refused(hc.submit_transfer, hid, hostile.transfer_info(22, hostile.pages_for(SPEC.prompt_tokens)),
-                     credential=own)
-            assert hc.deregister(again) == 0
+            # So is a replaced peer's: the same decode registering again once its old client (its
+            # process, in a real restart) is gone is a restart.
+            hc.close()
+            with HandshakeClient(srv.target, token=TOKEN, timeout=10) as rc:
+                again = rc.register(hostile.registration()).peer_id
+                assert again != hid and rc.credential(again) != own
+                _refused(rc.submit_transfer, hid, hostile.transfer_info(22, hostile.pages_for(SPEC.prompt_tokens)),
+                         credential=own)
+                assert rc.deregister(again) == 0
     finally:
         victim.close()
         hostile.close()
 
 
-def test_a_registration_naming_a_live_decode_replaces_it_even_when_refused() -> None:
-    """docs/security.md, what a token holder can still do: naming a live decode's notify endpoint
-    drops that peer, even when the new registration is refused at connect (no arena behind it)."""
+@contextlib.contextmanager
+def _victim_and_stranger() -> Iterator[tuple[DecodeRank, HandshakeClient, HandshakeClient]]:
+    """A decode rank, its client and another token holder's client, on one token-protected server."""
     victim = DecodeRank.for_spec(SPEC, pages=16)
     try:
         with running_server(*SERVE_ARGS, token=TOKEN) as srv, \
                 HandshakeClient(srv.target, token=TOKEN, timeout=10) as vc, \
                 HandshakeClient(srv.target, token=TOKEN, timeout=10) as hc:
-            vid = vc.register(victim.registration()).peer_id
-            impostor = victim.registration()
-            impostor.local.socket = f"pdproto-arena-1-{'0' * 32}"  # nothing listens there
-            with pytest.raises(E.PdprotoError) as refused:
-                hc.register(impostor)
-            assert refused.value.reason is Reason.PEER_GONE, refused.value
-            _refused(vc.submit_transfer, vid, victim.transfer_info(1, victim.pages_for(SPEC.prompt_tokens)))
+            yield victim, vc, hc
     finally:
         victim.close()
+
+
+def test_a_registration_naming_a_decode_that_reads_its_stream_is_refused() -> None:
+    """docs/security.md: naming the notify endpoint or engine of a decode that still reads its
+    status stream is refused (IDENTITY_IN_USE), and that decode's requests go on; closing the
+    stream, as a process's exit does, makes the same registration a restart."""
+    with _victim_and_stranger() as (victim, vc, hc):
+        vid = vc.register(victim.registration()).peer_id
+        pages = victim.pages_for(SPEC.prompt_tokens)
+        vc.submit_transfer(vid, victim.transfer_info(1, pages))  # opens the victim's session
+        assert vc.wait_for(vid, [1], timeout=20)[1].state == common_pb2.TRANSFER_STATE_SUCCESS
+        vc.submit_transfer(vid, victim.transfer_info(2, pages))  # in flight while the impostors try
+        impostors = {"notify endpoint": victim.registration(), "engine": victim.registration()}
+        impostors["notify endpoint"].local.socket = f"pdproto-arena-1-{'0' * 32}"
+        impostors["engine"].notify_endpoint.port += 1
+        for what, impostor in impostors.items():
+            with pytest.raises(E.IdentityInUseError) as refused:
+                hc.register(impostor)
+            assert refused.value.reason is Reason.IDENTITY_IN_USE, (what, refused.value)
+            assert refused.value.metadata["grpcCode"] == "ALREADY_EXISTS"
+        # The victim was not touched: its open request lands, byte-exact.
+        assert vc.wait_for(vid, [2], timeout=20)[2].state == common_pb2.TRANSFER_STATE_SUCCESS
+        victim.verify({2: pages}, SPEC.prompt_tokens)
+        vc.close()  # the victim's process exits: its streams close, and the same decode may come back
+        restarted = hc.register(victim.registration()).peer_id
+        assert restarted != vid
+        _refused(hc.submit_transfer, vid, victim.transfer_info(3, pages), credential=vc.credential(vid))
+
+
+def test_a_registration_naming_a_decode_without_a_stream_replaces_it_even_when_refused() -> None:
+    """docs/security.md, what a token holder can still do: a decode that reads no status stream
+    cannot be told from a restarted one, so naming its notify endpoint drops it, even when the new
+    registration is then refused at connect (no arena behind it)."""
+    with _victim_and_stranger() as (victim, vc, hc):
+        vid = vc.register(victim.registration()).peer_id
+        impostor = victim.registration()
+        impostor.local.socket = f"pdproto-arena-1-{'0' * 32}"  # nothing listens there
+        with pytest.raises(E.PdprotoError) as refused:
+            hc.register(impostor)
+        assert refused.value.reason is Reason.PEER_GONE, refused.value
+        _refused(vc.submit_transfer, vid, victim.transfer_info(1, victim.pages_for(SPEC.prompt_tokens)))

@@ -131,22 +131,24 @@ def test_abort_generation_reregister_and_deregister(server: ServerProcess) -> No
             assert ack.room == 300 and ack.generation == 2
             status = client.wait_for(first.peer_id, [300], timeout=10)[300]
             assert status.state == common_pb2.TRANSFER_STATE_FAILED and status.failure_code == "ABORTED"
-            # An open request, then the decode "restarts": same identity re-registers.
-            client.submit_transfer(first.peer_id, peer.transfer_info(301, pages))
-            seen: list[tuple[int, str]] = []
-            watcher = threading.Thread(target=lambda: seen.extend(
-                (s.state, s.failure_code) for s in client.watch_status(first.peer_id, [301], timeout=15)))
-            watcher.start()
-            while not seen:  # the stream's first item is the current status
-                watcher.join(0.05)
-                assert watcher.is_alive() or seen
+            # Registering the same decode again while it still reads a stream (the session its
+            # submits opened) is refused: it is alive, not restarted (docs/security.md).
+            before = server.metrics()
+            with pytest.raises(E.IdentityInUseError):
+                client.register(peer.registration())
+            client.submit_transfer(first.peer_id, peer.transfer_info(301, pages))  # open (chunks 50 ms apart)
+            old = client.credential(first.peer_id)
+        # The decode "restarts": its process (client, streams) is gone, the same identity registers.
+        with HandshakeClient(server.target) as client:
             second = client.register(peer.registration())
-            watcher.join(15)
-            assert not watcher.is_alive()
-            assert seen[-1] == (common_pb2.TRANSFER_STATE_FAILED, "PEER_GONE"), seen
             assert second.peer_id != first.peer_id
             with pytest.raises(E.NotFoundError):
-                client.submit_transfer(first.peer_id, peer.transfer_info(302, pages))
+                client.submit_transfer(first.peer_id, peer.transfer_info(302, pages), credential=old)
+            after = server.metrics()
+            gone, refused = 'pdproto_requests_total{outcome="PEER_GONE"}', \
+                'pdproto_registrations_total{outcome="IDENTITY_IN_USE"}'
+            assert after[gone] - before.get(gone, 0) == 1  # the old peer's open request 301
+            assert after[refused] - before.get(refused, 0) == 1
             client.submit_transfer(second.peer_id, peer.transfer_info(303, pages))
             assert client.deregister(second.peer_id) == 1
             with pytest.raises(E.NotFoundError):

@@ -152,6 +152,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A Session stream asks to resume a session the server no longer keeps (it ended, or was detached too long)."""
     ERROR_REASON_CONFIG_INVALID: _ErrorReason.ValueType  # 70
     """A deployment setting violates a PD rule."""
+    ERROR_REASON_IDENTITY_IN_USE: _ErrorReason.ValueType  # 71
+    """A registration names the notify endpoint or engine identity of a registered decode that still holds a status stream open: a live decode, not a restart."""
     ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
     """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
     ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: _ErrorReason.ValueType  # 81
@@ -308,6 +310,8 @@ ERROR_REASON_SESSION_NOT_FOUND: ErrorReason.ValueType  # 69
 """A Session stream asks to resume a session the server no longer keeps (it ended, or was detached too long)."""
 ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
 """A deployment setting violates a PD rule."""
+ERROR_REASON_IDENTITY_IN_USE: ErrorReason.ValueType  # 71
+"""A registration names the notify endpoint or engine identity of a registered decode that still holds a status stream open: a live decode, not a restart."""
 ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80
 """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
 ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: ErrorReason.ValueType  # 81

@@ -31,6 +31,7 @@ from tests.sglang._models import (
 )
 from tests.sglang.pd_harness import (
     FAILED,
+    AGAIN,
     KILL,
     POLL_S,
     SUCCESS,
@@ -329,6 +330,8 @@ def run_prefill(args: argparse.Namespace) -> None:
     for req, sender, state in zip(requests, senders, polls):
         results[req.room].update(_conclude(sender, state))
     _emit({"results": results, "seconds": seconds, "sessions": _sessions(manager)})
+    if spec.again:
+        _emit({"again": _served_again(args, rank)})
     if spec.kill:
         _emit({"kill": _killed_mid_transfer(args, rank)})
     sys.stdin.readline()  # keep the engine and bootstrap server up until the driver is done
@@ -349,6 +352,18 @@ def _conclude(sender: Any, state: int) -> dict[str, Any]:
         metric = sender.get_transfer_metric()  # prefill.py:1256
         out["metric_bytes"] = metric.transfer_total_bytes
     return out
+
+
+def _served_again(args: argparse.Namespace, rank: _Prefill) -> dict[str, Any]:
+    """The ``AGAIN`` request, from a decode that forgot this prefill's ranks and registers anew."""
+    (sender,) = senders = rank.senders([AGAIN])
+    polls = _poll_until(lambda: rank.poll(senders), {WAITING, FAILED}, args.timeout)
+    if polls != [WAITING]:
+        return {"bootstrap_polls": polls, **_conclude(sender, polls[0])}
+    started = rank.start(AGAIN, sender)
+    rank.send(AGAIN, sender, started)
+    (state,) = _poll_until(lambda: rank.poll(senders), {SUCCESS, FAILED}, args.timeout)
+    return _conclude(sender, state)
 
 
 def _killed_mid_transfer(args: argparse.Namespace, rank: _Prefill) -> dict[str, Any]:
@@ -499,6 +514,27 @@ def run_decode(args: argparse.Namespace) -> None:
     indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
     report["mismatches"] = _check(args, pools, metadata, indices)
     _emit(report)
+    if spec.again:
+        # SGLang's heartbeat missed the prefill (common/conn.py:2060): its ranks are forgotten, and
+        # a later request reaches it again (conn.py:2078), registering anew with each prefill rank.
+        manager._handle_node_failure(addr)
+        receivers, gated = prepare([AGAIN])
+        (state,) = _poll_until(
+            lambda: poll_and_all_reduce(receivers, group, decode_reqs=gated, metadata_buffers=metadata),
+            {SUCCESS, FAILED},
+            args.timeout,
+        )
+        again: dict[str, Any] = {"poll": state}
+        if state == FAILED:
+            try:
+                receivers[0].failure_exception()
+            except Exception as exc:  # its message is the failure reason
+                again["reason"] = str(exc)
+        else:
+            receivers[0].clear()
+        indices[AGAIN.room] = gated[0].metadata_buffer_index
+        again["mismatches"] = _check(args, pools, metadata, indices)
+        _emit({"again": again})
     if spec.kill:
         prepare([KILL])
         _emit({"submitted": KILL.room})
@@ -513,9 +549,11 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
     src_pools = build_pools(spec.model, spec.pool_pages, args.model_dir, tp=1)
     fill_prefill(src_pools)
     src_pages, dst_pages = prefill_pages(spec), decode_pages(spec, args.dcp)
+    # Every request the decode asked for (the ``AGAIN`` one once it has a metadata row).
+    requests = [*spec.requests, *([AGAIN] if AGAIN.room in indices else [])]
     pairs = [
         pair
-        for req in spec.requests
+        for req in requests
         if not req.abort
         for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank,
                                   whole_pages=args.backend != "pdproto")
@@ -532,12 +570,12 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
         if bad:
             mismatches.append(f"KV layer {layer}: {len(bad)} rows differ, first {bad[:5]}")
     src_meta, _ = _metadata()
-    for req in spec.requests:
+    for req in requests:
         if not req.abort:
             _write_aux_row(src_meta, indices[req.room], req.room)
     for k, (got, want) in enumerate(zip(_aux_tensors(metadata), _aux_tensors(src_meta))):
         if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
             mismatches.append(f"aux buffer {k} differs")
-    moved = {req.room for req in spec.requests if not req.abort}
+    moved = {req.room for req in requests if not req.abort}
     slots = {room: pair for room, pair in state_slots(spec).items() if room in moved}
     return mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)

@@ -19,6 +19,8 @@ prefill's bytes from one seed.
 
 ``--kill`` adds a last request during which the driver kills every decode rank: the
 prefill's sender must turn Failed and ``failure_exception()`` must name the reason.
+``--again`` then runs SGLang's heartbeat-loss handler on every decode rank (the prefill
+alive) and one more request, which must register anew and land byte-exact.
 ``--bench TOKENS`` runs one request of that many tokens and reports the prefill's
 first-send-to-Success time (GB/s over the rows that had to move).
 
@@ -79,6 +81,8 @@ ABORTS = (
 )
 KILL = Request(room=999, tokens=1536, chunk=1024)
 """The request a ``--kill`` run kills its decode ranks in: after the first chunk moved."""
+AGAIN = Request(room=998, tokens=320, chunk=128)
+"""The request an ``--again`` run sends after SGLang's heartbeat lost the prefill: it reaches it again."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +93,14 @@ class Spec:
     requests: tuple[Request, ...] = REQUESTS
     kill: bool = False
     shared_engine: bool = False
+    again: bool = False
+    """After the requests, the decode's heartbeat loses the prefill (SGLang forgets its ranks), then
+    one more request reaches it again."""
     """Start SGLang's shared Mooncake engine in every rank first, as HiCache's Mooncake store does."""
     extra_pages: int = 8
 
     def all_requests(self) -> list[Request]:
-        return [*self.requests, *([KILL] if self.kill else [])]
+        return [*self.requests, *([AGAIN] if self.again else []), *([KILL] if self.kill else [])]
 
     @property
     def pool_pages(self) -> int:
@@ -205,6 +212,7 @@ def run(
     dcp: int = 1,
     kill: bool = False,
     shared_engine: bool = False,
+    again: bool = False,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -212,9 +220,10 @@ def run(
 
     Keys: ``prefill`` (its results and seconds, or None), ``decode`` (one report per rank,
     None where a rank printed none), ``kill`` (the prefill's view of the ``--kill`` request),
-    ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
+    ``again`` and ``again_decode`` (the prefill's and every decode rank's view of the ``--again``
+    request), ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
     """
-    spec = Spec(model, tuple(requests), kill, shared_engine)
+    spec = Spec(model, tuple(requests), kill, shared_engine, again)
     env = dict(
         os.environ,
         MOONCAKE_PROTOCOL="tcp",  # no RDMA device here (mooncake_transfer_engine.py:209)
@@ -254,6 +263,9 @@ def run(
             decode_lines = [_Lines(d) for d in decodes]
             out["decode"] = [d.next(timeout * 3) for d in decode_lines]
             out["prefill"] = lines.next(timeout)
+            if again:
+                out["again_decode"] = [(d.next(timeout * 2) or {}).get("again") for d in decode_lines]
+                out["again"] = (lines.next(timeout) or {}).get("again")
             if kill:
                 out["submitted"] = [d.next(timeout) for d in decode_lines]
                 out["transferring"] = lines.next(timeout)
@@ -296,6 +308,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(LAYERS), default="mla")
     parser.add_argument("--kill", action="store_true", help="kill the decode ranks during a last request")
     parser.add_argument("--shared-engine", action="store_true", help="start SGLang's shared Mooncake engine first")
+    parser.add_argument("--again", action="store_true",
+                        help="the decode's heartbeat loses the prefill, then a last request reaches it again")
     parser.add_argument("--bench", type=int, default=0, help="one request of this many tokens; report GB/s")
     parser.add_argument("--bench-chunk", type=int, default=8192, help="its prefill chunk (tokens)")
     parser.add_argument("--rank", type=int, default=0)
@@ -315,7 +329,7 @@ def main() -> None:
             requests = tuple(r for r in REQUESTS if r.decode_prefix == 0)
         started = time.monotonic()
         report = run(args.backend, requests, model=args.model, dcp=args.dcp, kill=args.kill,
-                     shared_engine=args.shared_engine, timeout=args.timeout)
+                     shared_engine=args.shared_engine, again=args.again, timeout=args.timeout)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
             moved = args.bench * LAYERS[args.model] * ROW_BYTES  # every token row lands once

@@ -51,8 +51,9 @@ def test_sglang_mooncake_moves_every_byte() -> None:
 
 def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     """pdproto relays a dense MLA prefill into four DCP ranks' shards, every byte where it belongs;
-    a request either side aborts fails on the other side too, with the reason, and moves nothing."""
-    out = run("pdproto", REQUESTS + ABORTS, dcp=4, env={**TOKEN, "PDPROTO_SESSION_LANE": "1"})
+    a request either side aborts fails on the other side too, with the reason, and moves nothing;
+    after SGLang's heartbeat lost the prefill, a last request reaches it again."""
+    out = run("pdproto", REQUESTS + ABORTS, dcp=4, again=True, env={**TOKEN, "PDPROTO_SESSION_LANE": "1"})
     _assert_ranks_ok(out, 4, len(REQUESTS), failed=len(ABORTS))  # mismatches: aborted rooms stay zero
     assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
     results = {int(room): r for room, r in out["prefill"]["results"].items()}
@@ -81,6 +82,11 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     # PDPROTO_SESSION_LANE=1: the decode ranks' sessions moved to the prefill's session lane.
     sessions = out["prefill"]["sessions"]
     assert sessions["lane"] == sessions["connected"] > 0, sessions
+    # The heartbeat loss made SGLang forget the prefill's ranks; the last request registered every
+    # decode rank anew (after closing its old streams: the prefill refuses a rank that still reads
+    # them as an impostor, IDENTITY_IN_USE) and landed byte-exact.
+    assert out["again"]["poll"] == SUCCESS, out["again"]
+    assert out["again_decode"] == [{"poll": SUCCESS, "mismatches": []}] * 4, out["again_decode"]
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:

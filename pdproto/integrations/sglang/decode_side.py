@@ -99,6 +99,9 @@ class DecodeSide:
         self._lock = threading.Lock()
         """Guards the tracker and the peers' room sets (scheduler thread and loop thread)."""
         self._done: set[int] = set()
+        self._closing: dict[str, asyncio.Task[None]] = {}
+        """Clients of dropped peers still closing, by address (loop only): a new registration waits for
+        its old streams to end, or the server would read this live rank as an impostor (IDENTITY_IN_USE)."""
         self._submits: dict[int, dict[str, concurrent.futures.Future[None]]] = {}
         """Submits by room and rank: an abort of the room waits for its submit, so the rank never
         sees the abort first (calls on one channel may be served out of order)."""
@@ -121,6 +124,9 @@ class DecodeSide:
 
     async def _register(self, address: str) -> Peer:
         s = self.settings
+        closing = self._closing.pop(address, None)
+        if closing is not None:
+            await asyncio.wait([closing], timeout=s.rpc_timeout_s)
         client = AsyncHandshakeClient(address, token=s.token, root_cert=s.tls_root, timeout=s.rpc_timeout_s)
         try:
             result = await client.register(self.registration)
@@ -177,7 +183,7 @@ class DecodeSide:
             rooms, peer.rooms = set(peer.rooms), set()
         for room in rooms:
             self._fail(room, code, f"lost prefill rank {peer.address}: {message}")
-        asyncio.get_running_loop().create_task(peer.client.close())
+        self._retire(peer)
 
     def _fail(self, room: int, code: str, reason: str) -> None:
         with self._lock:
@@ -192,7 +198,13 @@ class DecodeSide:
         with self._peers_lock:
             gone = [self._peers.pop(a) for a in addresses if a in self._peers]
         for peer in gone:
-            self.loop.call_soon_threadsafe(self._cancel, peer)
+            self.loop.call_soon_threadsafe(self._retire, peer)
+
+    def _retire(self, peer: Peer) -> None:
+        """Stop the peer's status stream (unless it is the caller) and close its client (loop only)."""
+        if peer.watch is not None and peer.watch is not asyncio.current_task():
+            peer.watch.cancel()
+        self._closing[peer.address] = self.loop.create_task(peer.client.close(), name=f"close-{peer.address}")
 
     @staticmethod
     def _cancel(peer: Peer) -> None:
@@ -305,6 +317,8 @@ class DecodeSide:
                 except PdprotoError:
                     pass
                 await peer.client.close()
+            if self._closing:
+                await asyncio.wait(self._closing.values(), timeout=2.0)
 
         if self._thread.is_alive():
             try:
