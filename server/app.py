@@ -91,6 +91,11 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("TLS needs both tls_cert and tls_key; with one the server would serve plaintext",
                           metadata={"setting": "tls_key" if config.tls_key is None else "tls_cert"})
+    if config.operator_token is not None and config.operator_token == config.token:
+        # `pdproto serve` and the SGLang settings say so first, naming their flag or variable.
+        raise ConfigError("operator_token equals token: every decode could then read every peer's room ids "
+                          "and engine identity; give the operator a token of its own",
+                          metadata={"setting": "operator_token"})
     require_token_policy(config.listen, config.token, allow_insecure=config.allow_unauthenticated)
     if config.session_lane is not None:
         require_token_policy(config.session_lane, config.token, allow_insecure=config.allow_unauthenticated)

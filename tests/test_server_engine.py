@@ -52,6 +52,27 @@ def _run(scenario: Scenario, limits: Limits | None = None,
         executor.close()
 
 
+def test_an_embedder_cannot_give_the_operator_the_decodes_token() -> None:
+    """start_server refuses operator_token == token, as ``pdproto serve`` and the SGLang settings do."""
+    executor = create_executor("local", arena_bytes=1 << 20)
+
+    async def main() -> None:
+        core = HandshakeCore(PrefillEngine(build_source(SPEC, executor), executor))
+        try:
+            with pytest.raises(E.ConfigError) as refused:
+                await start_server(core, ServerConfig(token="shared", operator_token="shared"))
+            assert refused.value.metadata["setting"] == "operator_token"
+            running = await start_server(core, ServerConfig(token="shared", operator_token="other"))
+            await running.shutdown()
+        finally:
+            await core.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 40))
+    finally:
+        executor.close()
+
+
 def _engine_thread(engine: PrefillEngine, room: int, chunk_tokens: int = 32) -> threading.Thread:
     """The prefill scheduler: reports a room's chunks from its own thread."""
 
