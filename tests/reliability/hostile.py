@@ -7,6 +7,8 @@ token-holding decode tries everything the issue named:
   bystander's pages, abort, watch, deregister (unary calls), and open a Session as it;
 * its own peer: a destination page past its memory, sizes and names past every bound
   (``tests/test_bad_input.py``), a message over the size limit, bytes that are no message;
+* registrations naming the bystander: its notify endpoint, and its arena (engine identity),
+  each refused ``IDENTITY_IN_USE`` while the bystander reads its status stream;
 * registrations naming hostile arenas: every kind ``tests/_arena_peer.py`` serves (unsealed,
   FIFO, /dev/shm and disk files, ...), and old-style arena names that are a symlink to a
   file it does not own and a FIFO.
@@ -84,6 +86,17 @@ def _other_peers_id(out: Outcome, target: str, victim: DecodeRank, vid: str, pla
             session.adopt(vid, cred)
             _expect_error(out, f"a Session as another peer ({name})", NOT_FOUND,
                           lambda s=session: s.wait_for(vid, [11], timeout=5))
+
+
+def _impersonations(out: Outcome, client: HandshakeClient, victim: DecodeRank) -> None:
+    """Register as the bystander (its notify endpoint, then its arena) while it reads its stream."""
+    other = _stranger()
+    by_notify, by_engine = victim.registration(), victim.registration()
+    by_notify.local.CopyFrom(other.local)
+    by_engine.notify_endpoint.CopyFrom(other.notify_endpoint)
+    for name, reg in (("notify endpoint", by_notify), ("arena", by_engine)):
+        _expect_error(out, f"register as the bystander (its {name})", {Reason.IDENTITY_IN_USE},
+                      lambda r=reg: client.register(r))
 
 
 def _stranger() -> registration_pb2.KvRegistration:
@@ -198,6 +211,7 @@ def hostile_peer(backend: str = "local") -> Outcome:
                 s.room for s in vc.watch_status(vid, placed, timeout=60) if s.state == SUCCESS), daemon=True)
             watcher.start()
             _other_peers_id(out, srv.target, bystander, vid, placed, hc.credential(hid))
+            _impersonations(out, hc, bystander)
             _bad_inputs(out, srv.target, attacker, hc, hid)
             if backend == "local":
                 _hostile_arenas(out, hc)
