@@ -56,8 +56,13 @@ class CuttableProxy:
             return
         self.connections += 1
         self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer, downstream=True),
-                             return_exceptions=True)
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer, downstream=True),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:
+            # ``close`` cancels the relays. asyncio's stream callback asks a connection handler's
+            # task for its exception, which a cancelled task raises (a logged traceback per link).
+            pass
         self._writers -= {writer, up_writer}
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
