@@ -272,6 +272,11 @@ class HandshakeClient:
         return self._call(self._stub.Describe, describe_request(peer_id, request_limit, include_finished,
                                                                 self._creds.of(peer_id, credential)), timeout)
 
+    def evict(self, peer_id: str, *, timeout: float | None = None) -> int:
+        """Drop another peer, as the operator (the client's token must be the operator token);
+        returns how many open requests were failed with PEER_GONE (``pdproto evict``)."""
+        return int(self._call(self._stub.Evict, hs.EvictRequest(peer_id=peer_id), timeout).failed_requests)
+
     def register(self, registration: registration_pb2.KvRegistration, *,
                  timeout: float | None = None) -> server_info_pb2.NegotiationResult:
         """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class)
@@ -426,6 +431,12 @@ class AsyncHandshakeClient:
         req = describe_request(peer_id, request_limit, include_finished, self._creds.of(peer_id, credential))
         resp: hs.DescribeResponse = await self._core.call(self._core.stub.Describe, req, timeout)
         return resp
+
+    async def evict(self, peer_id: str, *, timeout: float | None = None) -> int:
+        """Drop another peer, as the operator (as ``HandshakeClient.evict``)."""
+        resp: hs.EvictResponse = await self._core.call(self._core.stub.Evict, hs.EvictRequest(peer_id=peer_id),
+                                                       timeout)
+        return int(resp.failed_requests)
 
     async def register(self, registration: registration_pb2.KvRegistration, *,
                        timeout: float | None = None) -> server_info_pb2.NegotiationResult:

@@ -28,8 +28,9 @@ def _deny_handler(message: str) -> grpc.RpcMethodHandler[Any, Any]:
     return grpc.unary_unary_rpc_method_handler(deny, request_deserializer=lambda b: b)
 
 
-# What the operator token opens: looking, not acting as a decode.
-OPERATOR_METHODS = frozenset(f"/pdproto.v1.HandshakeService/{name}" for name in ("GetServerInfo", "Describe"))
+# What the operator token opens: looking, and evicting a peer; never acting as a decode.
+OPERATOR_METHODS = frozenset(f"/pdproto.v1.HandshakeService/{name}"
+                             for name in ("GetServerInfo", "Describe", "Evict"))
 
 
 def _bearer(token: str, setting: str) -> bytes:
@@ -67,7 +68,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._operator = operator
         self._missing = _deny_handler("missing bearer token")
         self._wrong = _deny_handler("invalid bearer token")
-        self._looking_only = _deny_handler("the operator token opens GetServerInfo and Describe only; "
+        self._looking_only = _deny_handler("the operator token opens GetServerInfo, Describe and Evict only; "
                                            "a decode calls with the deployment's token")
 
     async def intercept_service(

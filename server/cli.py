@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("pdproto_server.cmd_plan", "show a DCP relayout plan: runs, descriptors, bytes per rank"),
     "check": ("pdproto_server.cmd_check", "topology verdict and deployment findings for a P/D pair"),
     "status": ("pdproto_server.cmd_status", "what a running prefill is doing: peers, open requests, limits"),
+    "evict": ("pdproto_server.cmd_evict", "drop one decode peer from a running prefill (the operator token)"),
 }
 
 

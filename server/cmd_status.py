@@ -23,21 +23,32 @@ from pdproto.errors import PdprotoError
 from pdproto.v1 import handshake_service_pb2 as hs
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the status subcommand's options."""
+def connection_arguments(parser: argparse.ArgumentParser, token_help: str) -> None:
+    """The options that reach a running prefill (``connect``): address, token file, TLS, timeout."""
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the prefill's gRPC address")
-    parser.add_argument("--token-file", type=Path,
-                        help="file holding the bearer token: the operator token (serve --operator-token-file) "
-                             "shows every peer's room ids and engine identity, the deployment's token does not")
+    parser.add_argument("--token-file", type=Path, help=token_help)
     parser.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate to verify the server (enables TLS)")
     parser.add_argument("--server-name", help="TLS name to expect from the server (when it differs from HOST)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+
+
+def connect(args: argparse.Namespace) -> HandshakeClient:
+    """A unary-only client for ``connection_arguments``' options."""
+    token = args.token_file.read_text().strip() if args.token_file else None
+    return HandshakeClient(args.target, token=token, root_cert=args.tls_ca, server_name=args.server_name,
+                           timeout=args.timeout, session=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the status subcommand's options."""
+    connection_arguments(parser, "file holding the bearer token: the operator token (serve --operator-token-file) "
+                                 "shows every peer's room ids and engine identity, the deployment's token does not")
     parser.add_argument("--peer", default="", metavar="PEER_ID", help="only this peer")
     parser.add_argument("--requests", type=int, default=16, metavar="N",
                         help="open requests listed per peer, oldest first (default 16)")
     parser.add_argument("--json", action="store_true", help="print the DescribeResponse as JSON")
     parser.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
                         help="refresh every SECONDS until interrupted")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
 
 
 HIDDEN = "(hidden)"
@@ -84,9 +95,7 @@ def render(d: hs.DescribeResponse) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Describe the server once, or every ``--watch`` seconds."""
-    token = args.token_file.read_text().strip() if args.token_file else None
-    with HandshakeClient(args.target, token=token, root_cert=args.tls_ca, server_name=args.server_name,
-                         timeout=args.timeout, session=False) as client:
+    with connect(args) as client:
         while True:
             try:
                 d = client.describe(peer_id=args.peer, request_limit=args.requests)

@@ -242,6 +242,15 @@ class HandshakeCore:
         peer = self.peer(request.peer_id, request.peer_credential)
         return await self._drop(peer, Reason.PEER_GONE, "the decode deregistered")
 
+    async def evict(self, request: hs.EvictRequest) -> int:
+        """Drop a peer for the operator (the caller checked the operator token); like ``deregister``."""
+        peer = self.registry.peers.get(request.peer_id)
+        if peer is None or peer.closed:
+            raise NotFoundError(f"peer {request.peer_id!r} is not registered", reason=Reason.PEER_NOT_FOUND,
+                                metadata={"peerId": request.peer_id})
+        log.warning("the operator evicted peer %s", peer.peer_id)
+        return await self._drop(peer, Reason.PEER_GONE, "the operator evicted the peer")
+
     async def _drop(self, peer: Peer, reason: Reason, message: str) -> int:
         """Remove a peer and free everything it held; returns how many requests were failed.
 

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from pdproto.errors import AuthError, Reason
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import handshake_service_pb2_grpc as hs_grpc
 
@@ -68,6 +69,14 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
         """The server's state, for operators."""
         operator = self.operator is not None and self.operator.matches(context.invocation_metadata())
         return describe(self.core, self.sessions, request, operator=operator)
+
+    @_status.unary
+    async def Evict(self, request: hs.EvictRequest, context: Ctx) -> hs.EvictResponse:
+        """Drop a peer, for the operator token only (even on a server without a bearer token)."""
+        if self.operator is None or not self.operator.matches(context.invocation_metadata()):
+            raise AuthError("Evict needs the operator token (pdproto serve --operator-token-file)",
+                            reason=Reason.UNAUTHENTICATED, metadata={"method": "Evict"})
+        return hs.EvictResponse(failed_requests=await self.core.evict(request))
 
     @_status.unary
     async def Deregister(self, request: hs.DeregisterRequest, context: Ctx) -> hs.DeregisterResponse:

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.process
 SLOW = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "5000", "--match-timeout", "30")
 
 
-def _status(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdproto_server.cli", "status", *args], cwd=REPO,
+def _status(*args: str, command: str = "status") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdproto_server.cli", command, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -153,3 +153,47 @@ def test_a_token_holder_reads_no_other_peers_rooms_or_engine_identity() -> None:
     finally:
         victim.close()
         attacker.close()
+
+
+def test_the_operator_evicts_a_squatter_and_no_one_else_can() -> None:
+    """docs/security.md, "Squat a decode's identity": a token holder registered under a decode's
+    notify endpoint, holding a stream, keeps that decode out (IDENTITY_IN_USE) until the operator
+    runs ``pdproto evict``; no token holder may evict, nor anyone on a server without an operator token."""
+    victim = DecodeRank.for_spec(SPEC, pages=32)
+    squatter = DecodeRank.for_spec(SPEC, pages=32)
+    try:
+        with running_server(*SERVE_ARGS, token="peers", operator_token="operator") as srv, \
+                HandshakeClient(srv.target, token=srv.token, timeout=10) as sc, \
+                HandshakeClient(srv.target, token=srv.token, timeout=10) as vc:
+            squat = squatter.registration()
+            squat.notify_endpoint.CopyFrom(victim.registration().notify_endpoint)
+            sid = sc.register(squat).peer_id
+            pages = squatter.pages_for(SPEC.prompt_tokens)
+            sc.submit_transfer(sid, squatter.transfer_info(1, pages))  # its session stays open
+            assert sc.wait_for(sid, [1], timeout=20)[1].state == common_pb2.TRANSFER_STATE_SUCCESS
+            with pytest.raises(E.IdentityInUseError):
+                vc.register(victim.registration())
+            for client in (vc, sc):  # the deployment's token evicts no one, not even itself
+                with pytest.raises(E.AuthError):
+                    client.evict(sid)
+            token_file = str(srv.stderr_path.parent / "operator-token")
+            evicted = _status("--target", srv.target, "--token-file", token_file, "--peer", sid, command="evict")
+            assert evicted.returncode == 0, evicted.stderr
+            assert f"evicted {sid}: 0 open request(s)" in evicted.stdout
+            again = _status("--target", srv.target, "--token-file", token_file, "--peer", sid, command="evict")
+            assert again.returncode == 1 and "PEER_NOT_FOUND" in again.stderr, again.stderr
+            vid = vc.register(victim.registration()).peer_id  # the decode is back
+            mine = victim.pages_for(SPEC.prompt_tokens)
+            vc.submit_transfer(vid, victim.transfer_info(2, mine))
+            assert vc.wait_for(vid, [2], timeout=20)[2].state == common_pb2.TRANSFER_STATE_SUCCESS
+            victim.verify({2: mine}, SPEC.prompt_tokens)
+            with pytest.raises(E.NotFoundError):
+                sc.submit_transfer(sid, squatter.transfer_info(3, pages))
+        with running_server(*SERVE_ARGS) as open_srv, HandshakeClient(open_srv.target, timeout=10) as anyone:
+            pid = anyone.register(squatter.registration()).peer_id
+            with pytest.raises(E.AuthError) as refused:
+                anyone.evict(pid)
+            assert "--operator-token-file" in refused.value.message
+    finally:
+        victim.close()
+        squatter.close()

@@ -453,6 +453,50 @@ class DescribeRequest(_message.Message):
 Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
 
 @_typing.final
+class EvictRequest(_message.Message):
+    """EvictRequest names the peer an operator drops (a peer id from Describe)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ID_FIELD_NUMBER: _builtins.int
+    peer_id: _builtins.str
+    """The peer to drop."""
+    def __init__(
+        self,
+        *,
+        peer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_id", b"peer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictRequest: _TypeAlias = EvictRequest  # noqa: Y015
+
+@_typing.final
+class EvictResponse(_message.Message):
+    """EvictResponse answers once the peer is dropped."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FAILED_REQUESTS_FIELD_NUMBER: _builtins.int
+    failed_requests: _builtins.int
+    """Open requests that were failed with PEER_GONE."""
+    def __init__(
+        self,
+        *,
+        failed_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed_requests", b"failed_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictResponse: _TypeAlias = EvictResponse  # noqa: Y015
+
+@_typing.final
 class DescribeResponse(_message.Message):
     """DescribeResponse is the server's state at one moment."""
 

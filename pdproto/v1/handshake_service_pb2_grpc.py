@@ -76,6 +76,11 @@ class HandshakeServiceStub:
                 request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/pdproto.v1.HandshakeService/Evict',
+                request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictRequest.SerializeToString,
+                response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictResponse.FromString,
+                _registered_method=True)
 
 
 class HandshakeServiceServicer:
@@ -143,6 +148,14 @@ class HandshakeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Evict drops one peer for the operator (the operator token only): its open requests end
+        FAILED with PEER_GONE, and its decode may register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandshakeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +198,11 @@ def add_HandshakeServiceServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeRequest.FromString,
                     response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictRequest.FromString,
+                    response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +423,33 @@ class HandshakeService:
             '/pdproto.v1.HandshakeService/Describe',
             pdproto_dot_v1_dot_handshake__service__pb2.DescribeRequest.SerializeToString,
             pdproto_dot_v1_dot_handshake__service__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdproto.v1.HandshakeService/Evict',
+            pdproto_dot_v1_dot_handshake__service__pb2.EvictRequest.SerializeToString,
+            pdproto_dot_v1_dot_handshake__service__pb2.EvictResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,10 @@ class HandshakeServiceStub:
     and shows room ids and engine identities only to the operator token or the peer's own
     credential (PeerView.redacted).
     """
+    Evict: _grpc.UnaryUnaryMultiCallable[_handshake_service_pb2.EvictRequest, _handshake_service_pb2.EvictResponse]
+    """Evict drops one peer for the operator (the operator token only): its open requests end
+    FAILED with PEER_GONE, and its decode may register again.
+    """
 
 @_typing.type_check_only
 class HandshakeServiceAsyncStub(HandshakeServiceStub):
@@ -86,6 +90,10 @@ class HandshakeServiceAsyncStub(HandshakeServiceStub):
     open requests, limits and their use. It never shows credentials or memory addresses,
     and shows room ids and engine identities only to the operator token or the peer's own
     credential (PeerView.redacted).
+    """
+    Evict: _aio.UnaryUnaryMultiCallable[_handshake_service_pb2.EvictRequest, _handshake_service_pb2.EvictResponse]  # type: ignore[assignment]
+    """Evict drops one peer for the operator (the operator token only): its open requests end
+    FAILED with PEER_GONE, and its decode may register again.
     """
 
 class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -161,6 +169,16 @@ class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
         open requests, limits and their use. It never shows credentials or memory addresses,
         and shows room ids and engine identities only to the operator token or the peer's own
         credential (PeerView.redacted).
+        """
+
+    @_abc_1.abstractmethod
+    def Evict(
+        self,
+        request: _handshake_service_pb2.EvictRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_handshake_service_pb2.EvictResponse, _abc.Awaitable[_handshake_service_pb2.EvictResponse]]:
+        """Evict drops one peer for the operator (the operator token only): its open requests end
+        FAILED with PEER_GONE, and its decode may register again.
         """
 
 def add_HandshakeServiceServicer_to_server(servicer: HandshakeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
