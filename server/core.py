@@ -182,6 +182,7 @@ class HandshakeCore:
             self._accepting()
             stale = self.registry.stale_for(identity)
             await self._refuse_live(stale, identity)
+            self._accepting()  # a drain may have begun while it waited for a closing client's streams
             self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
                 # Same notify endpoint or engine identity: the decode restarted. Its old

@@ -202,8 +202,8 @@ class DecodeSide:
 
     def _retire(self, peer: Peer) -> None:
         """Stop the peer's status stream (unless it is the caller) and close its client (loop only)."""
-        if peer.watch is not None and peer.watch is not asyncio.current_task():
-            peer.watch.cancel()
+        if peer.watch is not asyncio.current_task():
+            self._cancel(peer)
         self._closing[peer.address] = self.loop.create_task(peer.client.close(), name=f"close-{peer.address}")
 
     @staticmethod
