@@ -308,6 +308,10 @@ def run_prefill(args: argparse.Namespace) -> None:
         prefill_pages(spec),
     )  # fmt: skip
     _emit({"ready": True, "engine": _engine_report(manager)})
+    # SGLang's decodes are up before a request reaches the prefill: the driver says "go" once
+    # every decode rank is, so their start-up (a minute on a loaded host) is not counted
+    # against the bootstrap timeout the senders below start.
+    sys.stdin.readline()
 
     requests = list(spec.requests)
     senders = rank.senders(requests)
@@ -445,6 +449,7 @@ def run_decode(args: argparse.Namespace) -> None:
     group = get_parallel().attn_tp_group.cpu_group  # gloo_group, decode.py:421 and 2545
     addr = f"127.0.0.1:{args.bootstrap_port}"
     dst_pages = decode_pages(spec, args.dcp)
+    _emit({"up": args.rank})
 
     def prepare(requests: list[Request]) -> tuple[list[Any], list[_GatedRequest]]:
         """From receiver creation to send_metadata (decode.py:900-1877) for ``requests``."""

@@ -186,6 +186,8 @@ class _Lines:
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.proc = proc
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._ended = False
+        """The rank's stdout closed: every later ``next`` answers None at once, not after its timeout."""
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
@@ -197,11 +199,16 @@ class _Lines:
 
     def next(self, timeout: float) -> Any:
         """The next JSON line, or None if none comes in time (or the rank exited)."""
+        if self._ended:
+            return None
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             return None
-        return None if line is None else json.loads(line)
+        if line is None:
+            self._ended = True
+            return None
+        return json.loads(line)
 
 
 def run(
@@ -218,10 +225,11 @@ def run(
 ) -> dict[str, Any]:
     """Run one prefill rank and ``dcp`` decode ranks for ``backend``; return their reports.
 
-    Keys: ``prefill`` (its results and seconds, or None), ``decode`` (one report per rank,
-    None where a rank printed none), ``kill`` (the prefill's view of the ``--kill`` request),
-    ``again`` and ``again_decode`` (the prefill's and every decode rank's view of the ``--again``
-    request), ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
+    Keys: ``prefill`` (its results and seconds, or None), ``up`` (each decode rank's start-up
+    line), ``decode`` (one report per rank, None where a rank printed none), ``kill`` (the
+    prefill's view of the ``--kill`` request), ``again`` and ``again_decode`` (the prefill's and
+    every decode rank's view of the ``--again`` request), ``prefill_rc``, ``decode_rc`` (list)
+    and the tail of every stderr.
     """
     spec = Spec(model, tuple(requests), kill, shared_engine, again)
     env = dict(
@@ -230,6 +238,11 @@ def run(
         SGLANG_HOST_IP="127.0.0.1",  # every rank on loopback (utils/network.py:417)
         SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(int(timeout)),
         SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(int(timeout)),
+        # SGLang's decode gives up on a prefill after two /health calls that took over 3 s
+        # (common/conn.py:2004-2034); a loaded two-core host can starve the prefill that long,
+        # and a spurious node failure fails every room in flight. ``--again`` runs the
+        # handler itself.
+        SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1000",
         # CPU ranks beyond the NUMA node count must be told where their threads go
         # (utils/numa_utils.py:459-496); this only matters on AMX or arm64 hosts.
         SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp),
@@ -261,7 +274,9 @@ def run(
             dist_port = str(free_port())
             decodes = [spawn("decode", f"decode{r}", "--dist-port", dist_port, "--rank", str(r)) for r in range(dcp)]
             decode_lines = [_Lines(d) for d in decodes]
-            out["decode"] = [d.next(timeout * 3) for d in decode_lines]
+            out["up"] = [d.next(timeout * 3) for d in decode_lines]  # {"up": rank}
+            _say(prefill, "go")
+            out["decode"] = [d.next(timeout * 2) for d in decode_lines]
             out["prefill"] = lines.next(timeout)
             if again:
                 out["again_decode"] = [(d.next(timeout * 2) or {}).get("again") for d in decode_lines]
@@ -272,9 +287,7 @@ def run(
                 for d in decodes:  # the decode server dies mid-transfer
                     d.send_signal(signal.SIGKILL)
                     d.wait()
-                assert prefill.stdin is not None
-                prefill.stdin.write("go\n")
-                prefill.stdin.flush()
+                _say(prefill, "go")
                 out["kill"] = (lines.next(timeout * 2) or {}).get("kill")
         for proc in (prefill, *decodes):
             _stop(proc, quit_first=True)
@@ -283,6 +296,15 @@ def run(
         out["prefill_stderr"] = (Path(tmp) / "prefill.err").read_text()[-3000:]
         out["decode_stderr"] = [(Path(tmp) / f"decode{r}.err").read_text()[-3000:] for r in range(len(decodes))]
     return out
+
+
+def _say(proc: subprocess.Popen[str], line: str) -> None:
+    """One line to a rank's stdin (it reads one where the driver paces it); a rank that died
+    is left to the report."""
+    assert proc.stdin is not None
+    with contextlib.suppress(OSError):
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
 
 
 def _stop(proc: subprocess.Popen[str], quit_first: bool = False) -> None:
