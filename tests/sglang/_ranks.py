@@ -522,14 +522,19 @@ def run_decode(args: argparse.Namespace) -> None:
     if spec.again:
         # SGLang's heartbeat missed the prefill (common/conn.py:2060): its ranks are forgotten, and
         # a later request reaches it again (conn.py:2078), registering anew with each prefill rank.
+        side = manager.decode_side
+        old = [(peer.address, peer.peer_id, peer.client._creds.of(peer.peer_id, None))
+               for peer in side._peers.values()]
         manager._handle_node_failure(addr)
+        # The prefill is alive: the dropped registrations must end there too (no more writes here).
+        dropped = [_registration_ended(*o, args.timeout) for o in old]
         receivers, gated = prepare([AGAIN])
         (state,) = _poll_until(
             lambda: poll_and_all_reduce(receivers, group, decode_reqs=gated, metadata_buffers=metadata),
             {SUCCESS, FAILED},
             args.timeout,
         )
-        again: dict[str, Any] = {"poll": state}
+        again: dict[str, Any] = {"poll": state, "dropped": dropped}
         if state == FAILED:
             try:
                 receivers[0].failure_exception()
@@ -544,6 +549,25 @@ def run_decode(args: argparse.Namespace) -> None:
         prepare([KILL])
         _emit({"submitted": KILL.room})
         sys.stdin.readline()  # the driver kills this rank here, mid-transfer
+
+
+def _registration_ended(address: str, peer_id: str, credential: bytes, timeout: float) -> str:
+    """How the prefill rank at ``address`` answers for a registration the decode dropped: its
+    reason once it has ended there (``PEER_NOT_FOUND``), or "registered" if it outlives ``timeout``."""
+    import os
+
+    from pdproto.client import HandshakeClient
+    from pdproto.errors import PdprotoError
+
+    deadline = time.monotonic() + timeout
+    with HandshakeClient(address, token=os.environ.get("PDPROTO_TOKEN"), session=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                client.describe(peer_id=peer_id, credential=credential, timeout=5)
+            except PdprotoError as exc:
+                return exc.reason.name
+            time.sleep(POLL_S)
+    return "registered"
 
 
 def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[int, int]) -> list[str]:

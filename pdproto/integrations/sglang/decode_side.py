@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 WATCH_S = 3600.0
 """Deadline of one status stream; it is opened again at once when it passes."""
+RELEASE_S = 2.0
+"""Longest wait for a dropped prefill rank to answer our ``Deregister`` (it may be dead)."""
 
 
 @dataclass
@@ -100,8 +102,9 @@ class DecodeSide:
         """Guards the tracker and the peers' room sets (scheduler thread and loop thread)."""
         self._done: set[int] = set()
         self._closing: dict[str, asyncio.Task[None]] = {}
-        """Clients of dropped peers still closing, by address (loop only): a new registration waits for
-        its old streams to end, or the server would read this live rank as an impostor (IDENTITY_IN_USE)."""
+        """Dropped peers being released (deregistered, their clients closed), by address (loop only): a
+        new registration waits for it, or a prefill that is in fact alive would read this live rank as an
+        impostor (IDENTITY_IN_USE); an abort on that rank is acknowledged once it is done."""
         self._submits: dict[int, dict[str, concurrent.futures.Future[None]]] = {}
         """Submits by room and rank: an abort of the room waits for its submit, so the rank never
         sees the abort first (calls on one channel may be served out of order)."""
@@ -124,7 +127,7 @@ class DecodeSide:
 
     async def _register(self, address: str) -> Peer:
         s = self.settings
-        closing = self._closing.pop(address, None)
+        closing = self._closing.get(address)
         if closing is not None:
             await asyncio.wait([closing], timeout=s.rpc_timeout_s)
         client = AsyncHandshakeClient(address, token=s.token, root_cert=s.tls_root, timeout=s.rpc_timeout_s)
@@ -201,10 +204,28 @@ class DecodeSide:
             self.loop.call_soon_threadsafe(self._retire, peer)
 
     def _retire(self, peer: Peer) -> None:
-        """Stop the peer's status stream (unless it is the caller) and close its client (loop only)."""
+        """Stop the peer's status stream (unless it is the caller) and release it in the background (loop only)."""
         if peer.watch is not asyncio.current_task():
             self._cancel(peer)
-        self._closing[peer.address] = self.loop.create_task(peer.client.close(), name=f"close-{peer.address}")
+        self._closing[peer.address] = self.loop.create_task(self._release(peer), name=f"release-{peer.address}")
+
+    async def _release(self, peer: Peer) -> None:
+        """Deregister a dropped peer, then close its client.
+
+        SGLang drops a rank on missed heartbeats, and may be wrong: a prefill that is alive
+        would go on writing the rooms SGLang just failed and may reuse. ``Deregister`` returns
+        once that rank's in-flight chunks drained, so afterwards it writes nothing here, and
+        it frees this rank's identity at once for the next registration. A rank that is
+        really gone answers with an error (or not in time): nothing is left to stop there.
+        """
+        try:
+            await peer.client.deregister(peer.peer_id, timeout=min(RELEASE_S, self.settings.rpc_timeout_s))
+        except PdprotoError as exc:
+            log.info("pdproto: deregistering from dropped prefill rank %s: %s", peer.address, exc.reason.name)
+        except Exception:  # noqa: BLE001 - the client must still close
+            log.exception("pdproto: deregistering from dropped prefill rank %s failed", peer.address)
+        finally:
+            await peer.client.close()
 
     @staticmethod
     def _cancel(peer: Peer) -> None:
@@ -260,16 +281,26 @@ class DecodeSide:
               on_ack: Callable[[int], None]) -> None:
         """Abort the request on every prefill rank; ``on_ack(i)`` once ``addresses[i]`` drained it.
 
-        A rank that never got the request (or was lost since) has nothing in flight: acknowledged at once.
+        A rank that never got the request has nothing in flight: acknowledged at once. One
+        dropped since is acknowledged once its release (``_release``) is done.
         """
         for i, address in enumerate(addresses):
             peer = self._peers.get(address)
-            if peer is None or generation is None:
+            if generation is None:
                 on_ack(i)
+            elif peer is None:
+                asyncio.run_coroutine_threadsafe(self._ack_released(address, functools.partial(on_ack, i)), self.loop)
             else:
                 acked = functools.partial(on_ack, i)
                 submitted = self._submits.get(room, {}).get(address)
                 asyncio.run_coroutine_threadsafe(self._abort(peer, room, generation, acked, submitted), self.loop)
+
+    async def _ack_released(self, address: str, acked: Callable[[], None]) -> None:
+        """Acknowledge an abort on a dropped rank once its release is done (at once if there is none)."""
+        closing = self._closing.get(address)
+        if closing is not None:
+            await asyncio.wait([closing])
+        acked()
 
     async def _abort(self, peer: Peer, room: int, generation: int, acked: Callable[[], None],
                      submitted: concurrent.futures.Future[None] | None) -> None:
