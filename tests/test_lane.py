@@ -1,4 +1,5 @@
-"""The session lane against a real ``pdproto serve --session-lane``: what a decode relies on, and what an attacker tries.
+"""The session lane against a real ``pdproto serve --session-lane``: what a decode relies on,
+and what an attacker tries.
 
 A client that reaches the gRPC port moves its session to the lane on its own; a lane
 that cannot be reached leaves the session on gRPC, and a lane over TLS takes no
@@ -167,7 +168,8 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
     token = "s3cret"
     try:
         with running_server(*SERVE_ARGS, *LANE, "--lane-open-timeout", "1", "--lane-max-unopened", "4",
-                            "--metrics-port", "0", token=token) as srv, HandshakeClient(srv.target, token=token, timeout=20) as client:
+                            "--metrics-port", "0", token=token) as srv, \
+                HandshakeClient(srv.target, token=token, timeout=20) as client:
             peer_id = client.register(peer.registration()).peer_id
             other_id = client.register(other.registration()).peer_id
             cred, other_cred = client.credential(peer_id), client.credential(other_id)

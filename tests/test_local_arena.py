@@ -47,7 +47,8 @@ def prefill() -> Iterator[LocalExecutor]:
 
 
 WAYS = ["thread", "loop"]
-"""How a test connects: ``connect`` (blocking, as on a lane) or ``start_connect`` + ``finish`` (Register's loop path)."""
+"""How a test connects: ``connect`` (blocking, as on a lane) or ``start_connect`` + ``finish``
+(Register's loop path)."""
 
 
 def _connect(ex: LocalExecutor, reg: registration_pb2.KvRegistration, way: str) -> None:

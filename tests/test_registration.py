@@ -85,6 +85,7 @@ def test_executor_buffers_are_regions() -> None:
         reg = make_registration(layout, ex.endpoint(), bufs)
         assert backends.of_registration(reg) is backends.by_name("local")
         assert [(b.ptr, b.length, b.memory_kind) for b in reg.kv_buffers] == [(b.ptr, b.length, b.kind) for b in bufs]
-        assert check_pair(reg, example_server_info(page_size=16, token_bytes=64, num_layers=2)).backend == v1.BACKEND_LOCAL
+        info = example_server_info(page_size=16, token_bytes=64, num_layers=2)
+        assert check_pair(reg, info).backend == v1.BACKEND_LOCAL
     finally:
         ex.close()

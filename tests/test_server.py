@@ -214,7 +214,8 @@ def test_a_draining_server_reports_not_serving_and_takes_no_new_work() -> None:
     UNAVAILABLE (SHUTTING_DOWN) while open requests drain; they complete, and the process exits 0."""
     peer, late = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=16)
     try:
-        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "1000", "--match-timeout", "10", "--grace", "30") as srv:
+        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "1000", "--match-timeout", "10",
+                            "--grace", "30") as srv:
             with HandshakeClient(srv.target, timeout=10) as client, grpc.insecure_channel(srv.target) as ch:
                 peer_id = client.register(peer.registration()).peer_id
                 pages = peer.pages_for(SPEC.prompt_tokens)

@@ -230,7 +230,8 @@ def multihost(backend: str) -> Outcome:
 
 
 def _decode(target: str, backend: str, mode: str, room: int, spec: SyntheticSpec = SPEC) -> dict[str, Any]:
-    """Decode side: ``serve`` moves one request and checks every byte; ``die`` reports its ids and waits to be killed."""
+    """Decode side: ``serve`` moves one request and checks every byte; ``die`` reports its ids
+    and waits to be killed."""
     rank = DecodeRank.for_spec(spec, pages=max(32, -(-spec.prompt_tokens // spec.page_size)), backend=backend)
     try:
         with HandshakeClient(target, timeout=30) as client:

@@ -48,7 +48,8 @@ class _Streams:
 
     def __init__(self, target: str, peer_id: str, credential: bytes, timeout: float, *, snapshot: bool = True) -> None:
         self.seen: dict[str, list[transfer_pb2.TransferStatus]] = {"WatchStatus": [], "Session": []}
-        self.clients = [HandshakeClient(target, timeout=timeout, session=False), HandshakeClient(target, timeout=timeout)]
+        self.clients = [HandshakeClient(target, timeout=timeout, session=False),
+                        HandshakeClient(target, timeout=timeout)]
         self.threads = []
         for (name, statuses), client in zip(self.seen.items(), self.clients, strict=True):
             client.adopt(peer_id, credential)
@@ -102,7 +103,8 @@ class _Streams:
                 out.ok += ended
             else:
                 out.failed_expected += ended
-            out.expect(not missing, f"{what} ({name}): {len(missing)} rooms without a terminal status, e.g. {missing[:5]}")
+            out.expect(not missing,
+                       f"{what} ({name}): {len(missing)} rooms without a terminal status, e.g. {missing[:5]}")
             out.expect(not twice, f"{what} ({name}): rooms with two terminal statuses: {twice[:5]}")
             out.expect(not wrong, f"{what} ({name}): terminal statuses other than {code}: {wrong}")
         out.notes.append(f"{what}: {len(rooms)} rooms, each one {code} on WatchStatus and on a Session")

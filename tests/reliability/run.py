@@ -60,7 +60,8 @@ def write_doc(outcomes: list[Outcome], elapsed: float) -> None:
     """Replace the results block of docs/reliability.md with this run's table and notes."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"Run {stamp}, {elapsed:.0f} s, `make reliability` on a shared 2-core host.", "",
-             "| scenario | backend | runs | faults | ok | failed as expected | lost | corrupted | bytes verified | result |",
+             "| scenario | backend | runs | faults | ok | failed as expected | lost | corrupted "
+             "| bytes verified | result |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
         lines.append(f"| {o.scenario} | {o.backend} | {o.runs} | {o.faults} | {o.ok} | {o.failed_expected} | "

@@ -225,14 +225,15 @@ for _ in range(200):
             break
     except requests.ConnectionError:
         time.sleep(0.05)
-before = requests.get(url + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1").status_code
+ROUTE_QUERY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+before = requests.get(url + ROUTE_QUERY).status_code
 # Two prefill TP ranks register as common/conn.py:1584-1612 does, each with a gRPC endpoint.
 for rank, grpc_port in ((0, 50051), (1, 50052)):
     body = dict(attn_tp_size=2, attn_tp_rank=rank, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1,
                 attn_dp_rank=0, pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0,
                 rank_ip="10.0.0.7", rank_port=grpc_port, page_size=64, kv_cache_dtype="bfloat16")
     assert requests.put(url + "/route", json=body).status_code == 200
-info = requests.get(url + "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1").json()
+info = requests.get(url + ROUTE_QUERY).json()
 ranks = [requests.get(url + f"/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={{r}}&target_pp_rank=0").json()
          for r in (0, 1)]
 missing = requests.get(url + "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=2&target_pp_rank=0").status_code
