@@ -30,8 +30,9 @@ from tests.sglang._models import (
     state_indices,
 )
 from tests.sglang.pd_harness import (
-    FAILED,
     AGAIN,
+    DROPPED,
+    FAILED,
     KILL,
     POLL_S,
     SUCCESS,
@@ -335,7 +336,8 @@ def run_prefill(args: argparse.Namespace) -> None:
         results[req.room].update(_conclude(sender, state))
     _emit({"results": results, "seconds": seconds, "sessions": _sessions(manager)})
     if spec.again:
-        _emit({"again": _served_again(args, rank)})
+        dropped = _dropped_by_decode(args, rank)
+        _emit({"dropped": dropped, "again": _served_again(args, rank)})
     if spec.kill:
         _emit({"kill": _killed_mid_transfer(args, rank)})
     sys.stdin.readline()  # keep the engine and bootstrap server up until the driver is done
@@ -356,6 +358,14 @@ def _conclude(sender: Any, state: int) -> dict[str, Any]:
         metric = sender.get_transfer_metric()  # prefill.py:1256
         out["metric_bytes"] = metric.transfer_total_bytes
     return out
+
+
+def _dropped_by_decode(args: argparse.Namespace, rank: _Prefill) -> dict[str, Any]:
+    """The ``DROPPED`` request: bootstrapped, never sent, until the decode deregisters (its heartbeat
+    lost this prefill) and the request fails here with the reason."""
+    (sender,) = senders = rank.senders([DROPPED])
+    (state,) = _poll_until(lambda: rank.poll(senders), {FAILED, SUCCESS}, args.timeout)
+    return _conclude(sender, state)
 
 
 def _served_again(args: argparse.Namespace, rank: _Prefill) -> dict[str, Any]:
@@ -522,12 +532,8 @@ def run_decode(args: argparse.Namespace) -> None:
     if spec.again:
         # SGLang's heartbeat missed the prefill (common/conn.py:2060): its ranks are forgotten, and
         # a later request reaches it again (conn.py:2078), registering anew with each prefill rank.
-        side = manager.decode_side
-        old = [(peer.address, peer.peer_id, peer.client._creds.of(peer.peer_id, None))
-               for peer in side._peers.values()]
-        manager._handle_node_failure(addr)
-        # The prefill is alive: the dropped registrations must end there too (no more writes here).
-        dropped = [_registration_ended(*o, args.timeout) for o in old]
+        dropped = _dropped(args, manager, addr, prepare, lambda r, g: poll_and_all_reduce(
+            r, group, decode_reqs=g, metadata_buffers=metadata), group)
         receivers, gated = prepare([AGAIN])
         (state,) = _poll_until(
             lambda: poll_and_all_reduce(receivers, group, decode_reqs=gated, metadata_buffers=metadata),
@@ -551,22 +557,51 @@ def run_decode(args: argparse.Namespace) -> None:
         sys.stdin.readline()  # the driver kills this rank here, mid-transfer
 
 
-def _registration_ended(address: str, peer_id: str, credential: bytes, timeout: float) -> str:
-    """How the prefill rank at ``address`` answers for a registration the decode dropped: its
-    reason once it has ended there (``PEER_NOT_FOUND``), or "registered" if it outlives ``timeout``."""
+def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callable[..., Any],
+             poll: Callable[[Any, Any], list[Any]], group: Any) -> dict[str, Any]:
+    """SGLang's heartbeat handler runs while ``DROPPED`` is in flight and the prefill is alive:
+    the room fails, and once SGLang may release its pages (every prefill rank acknowledged the
+    abort) the prefill must already have ended this rank's registration, so nothing more lands."""
+    import torch.distributed as dist
+
+    side = manager.decode_side
+    receivers, gated = prepare([DROPPED])
+    for submitted in side._submits.get(DROPPED.room, {}).values():
+        submitted.result(args.timeout)  # the prefill holds the request
+    dist.barrier(group=group)  # ... from every decode rank
+    old = [(peer.address, peer.peer_id, peer.client._creds.of(peer.peer_id, None))
+           for peer in side._peers.values()]
+    manager._handle_node_failure(addr)
+    (state,) = _poll_until(lambda: poll(receivers, gated), {SUCCESS, FAILED}, args.timeout)
+    receiver = receivers[0]
+    receiver.ensure_abort_notified(force_arm=True)  # as decode.py:2894-2912 does for a failed room
+    deadline = time.monotonic() + args.timeout
+    while not (safe := manager.is_abort_release_safe(DROPPED.room, len(receiver.bootstrap_infos))):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
+    out = {"poll": state, "release_safe": safe, "registrations": [_registration(*o) for o in old]}
+    manager.clear_deferred_abort_state(DROPPED.room)
+    try:
+        receiver.failure_exception()
+    except Exception as exc:  # its message is the failure reason
+        out["reason"] = str(exc)
+    return out
+
+
+def _registration(address: str, peer_id: str, credential: bytes) -> str:
+    """How the prefill rank at ``address`` answers for a registration now: "registered", or the
+    reason it is not (``PEER_NOT_FOUND`` once it ended)."""
     import os
 
     from pdproto.client import HandshakeClient
     from pdproto.errors import PdprotoError
 
-    deadline = time.monotonic() + timeout
     with HandshakeClient(address, token=os.environ.get("PDPROTO_TOKEN"), session=False) as client:
-        while time.monotonic() < deadline:
-            try:
-                client.describe(peer_id=peer_id, credential=credential, timeout=5)
-            except PdprotoError as exc:
-                return exc.reason.name
-            time.sleep(POLL_S)
+        try:
+            client.describe(peer_id=peer_id, credential=credential, timeout=10)
+        except PdprotoError as exc:
+            return exc.reason.name
     return "registered"
 
 

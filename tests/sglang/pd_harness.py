@@ -83,6 +83,9 @@ KILL = Request(room=999, tokens=1536, chunk=1024)
 """The request a ``--kill`` run kills its decode ranks in: after the first chunk moved."""
 AGAIN = Request(room=998, tokens=320, chunk=128)
 """The request an ``--again`` run sends after SGLang's heartbeat lost the prefill: it reaches it again."""
+DROPPED = Request(room=997, tokens=192)
+"""The request an ``--again`` run has in flight when SGLang's heartbeat loses the prefill: it fails on
+both sides, and the decode releases its pages only once the prefill has stopped it."""
 
 
 @dataclass(frozen=True)
@@ -93,14 +96,14 @@ class Spec:
     requests: tuple[Request, ...] = REQUESTS
     kill: bool = False
     shared_engine: bool = False
-    again: bool = False
-    """After the requests, the decode's heartbeat loses the prefill (SGLang forgets its ranks), then
-    one more request reaches it again."""
     """Start SGLang's shared Mooncake engine in every rank first, as HiCache's Mooncake store does."""
+    again: bool = False
+    """After the requests, the decode's heartbeat loses the prefill (SGLang forgets its ranks) while
+    ``DROPPED`` is in flight, then one more request (``AGAIN``) reaches it again."""
     extra_pages: int = 8
 
     def all_requests(self) -> list[Request]:
-        return [*self.requests, *([AGAIN] if self.again else []), *([KILL] if self.kill else [])]
+        return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *([KILL] if self.kill else [])]
 
     @property
     def pool_pages(self) -> int:
@@ -280,7 +283,8 @@ def run(
             out["prefill"] = lines.next(timeout)
             if again:
                 out["again_decode"] = [(d.next(timeout * 2) or {}).get("again") for d in decode_lines]
-                out["again"] = (lines.next(timeout) or {}).get("again")
+                again_line = lines.next(timeout) or {}
+                out["dropped"], out["again"] = again_line.get("dropped"), again_line.get("again")
             if kill:
                 out["submitted"] = [d.next(timeout) for d in decode_lines]
                 out["transferring"] = lines.next(timeout)

@@ -52,7 +52,8 @@ def test_sglang_mooncake_moves_every_byte() -> None:
 def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     """pdproto relays a dense MLA prefill into four DCP ranks' shards, every byte where it belongs;
     a request either side aborts fails on the other side too, with the reason, and moves nothing;
-    after SGLang's heartbeat lost the prefill, a last request reaches it again."""
+    SGLang's heartbeat loses the prefill with a request in flight, which stops on the prefill before
+    the decode may reuse its pages; a last request reaches it again."""
     out = run("pdproto", REQUESTS + ABORTS, dcp=4, again=True, env={**TOKEN, "PDPROTO_SESSION_LANE": "1"})
     _assert_ranks_ok(out, 4, len(REQUESTS), failed=len(ABORTS))  # mismatches: aborted rooms stay zero
     assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
@@ -82,14 +83,21 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     # PDPROTO_SESSION_LANE=1: the decode ranks' sessions moved to the prefill's session lane.
     sessions = out["prefill"]["sessions"]
     assert sessions["lane"] == sessions["connected"] > 0, sessions
-    # The heartbeat loss made SGLang forget the prefill's ranks; the last request registered every
-    # decode rank anew (after closing its old streams: the prefill refuses a rank that still reads
-    # them as an impostor, IDENTITY_IN_USE) and landed byte-exact.
+    # The heartbeat loss made SGLang forget the prefill's ranks while room 997 was in flight. Each
+    # decode rank deregistered the rank SGLang dropped: the prefill failed 997 with PEER_GONE, and
+    # by the time SGLang could release its pages (every abort acknowledged) the registration had
+    # already ended there; nothing landed in them (mismatches covers every byte of the pool).
+    assert out["dropped"]["poll"] == FAILED, out["dropped"]
+    assert out["dropped"]["failure_reason"].startswith("PEER_GONE: "), out["dropped"]
+    for again in out["again_decode"]:
+        assert again is not None, out["decode_stderr"]
+        dropped = again["dropped"]
+        assert (dropped["poll"], dropped["release_safe"], dropped["registrations"]) == (
+            FAILED, True, ["PEER_NOT_FOUND"]), dropped
+        assert "Lost connection with prefill instance" in dropped["reason"], dropped
+    # The last request registered every decode rank anew and landed byte-exact.
     assert out["again"]["poll"] == SUCCESS, out["again"]
-    # Each decode rank deregistered the rank SGLang dropped: it ended on the prefill before the
-    # rank registered again (not left to be replaced as a restart).
-    assert out["again_decode"] == [{"poll": SUCCESS, "dropped": ["PEER_NOT_FOUND"], "mismatches": []}] * 4, \
-        out["again_decode"]
+    assert [(a["poll"], a["mismatches"]) for a in out["again_decode"]] == [(SUCCESS, [])] * 4, out["again_decode"]
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:
