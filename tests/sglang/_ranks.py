@@ -512,18 +512,7 @@ def run_decode(args: argparse.Namespace) -> None:
             except Exception as exc:  # its message is the failure reason
                 report["reasons"][req.room] = str(exc)
             if manager.enable_deferred_decode_kv_release:
-                # The pages stay held until every prefill rank acknowledged an abort
-                # (decode.py:2894-2912 arms it for a failure the decode did not start, 3056-3071
-                # waits for the acknowledgements, 3027 drops the tracker).
-                if not receiver.abort_notified:
-                    receiver.ensure_abort_notified(force_arm=True)
-                deadline = time.monotonic() + args.timeout
-                while not (safe := manager.is_abort_release_safe(req.room, len(receiver.bootstrap_infos))):
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(POLL_S)
-                report["release_safe"][req.room] = safe
-                manager.clear_deferred_abort_state(req.room)
+                report["release_safe"][req.room] = _until_release_safe(args, manager, receiver, req.room)
         elif state == SUCCESS:
             receiver.clear()  # _commit_transfer_to_req, decode.py:2774
     indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
@@ -574,19 +563,28 @@ def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callabl
     manager._handle_node_failure(addr)
     (state,) = _poll_until(lambda: poll(receivers, gated), {SUCCESS, FAILED}, args.timeout)
     receiver = receivers[0]
-    receiver.ensure_abort_notified(force_arm=True)  # as decode.py:2894-2912 does for a failed room
-    deadline = time.monotonic() + args.timeout
-    while not (safe := manager.is_abort_release_safe(DROPPED.room, len(receiver.bootstrap_infos))):
-        if time.monotonic() > deadline:
-            break
-        time.sleep(POLL_S)
+    safe = _until_release_safe(args, manager, receiver, DROPPED.room)
     out = {"poll": state, "release_safe": safe, "registrations": [_registration(*o) for o in old]}
-    manager.clear_deferred_abort_state(DROPPED.room)
     try:
         receiver.failure_exception()
     except Exception as exc:  # its message is the failure reason
         out["reason"] = str(exc)
     return out
+
+
+def _until_release_safe(args: argparse.Namespace, manager: Any, receiver: Any, room: int) -> bool:
+    """Whether SGLang may release a failed room's pages within the timeout: every prefill rank
+    acknowledged its abort (decode.py:2894-2912 arms it for a failure the decode did not start,
+    3056-3071 waits for the acknowledgements, 3027 drops the tracker)."""
+    if not receiver.abort_notified:
+        receiver.ensure_abort_notified(force_arm=True)
+    deadline = time.monotonic() + args.timeout
+    while not (safe := manager.is_abort_release_safe(room, len(receiver.bootstrap_infos))):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(POLL_S)
+    manager.clear_deferred_abort_state(room)
+    return safe
 
 
 def _registration(address: str, peer_id: str, credential: bytes) -> str:

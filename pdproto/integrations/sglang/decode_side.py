@@ -127,9 +127,7 @@ class DecodeSide:
 
     async def _register(self, address: str) -> Peer:
         s = self.settings
-        closing = self._closing.get(address)
-        if closing is not None:
-            await asyncio.wait([closing], timeout=s.rpc_timeout_s)
+        await self._released(address, timeout=s.rpc_timeout_s)
         client = AsyncHandshakeClient(address, token=s.token, root_cert=s.tls_root, timeout=s.rpc_timeout_s)
         try:
             result = await client.register(self.registration)
@@ -297,10 +295,14 @@ class DecodeSide:
 
     async def _ack_released(self, address: str, acked: Callable[[], None]) -> None:
         """Acknowledge an abort on a dropped rank once its release is done (at once if there is none)."""
+        await self._released(address)
+        acked()
+
+    async def _released(self, address: str, timeout: float | None = None) -> None:
+        """Wait for the release of the peer dropped at ``address``, if there is one (loop only)."""
         closing = self._closing.get(address)
         if closing is not None:
-            await asyncio.wait([closing])
-        acked()
+            await asyncio.wait([closing], timeout=timeout)
 
     async def _abort(self, peer: Peer, room: int, generation: int, acked: Callable[[], None],
                      submitted: concurrent.futures.Future[None] | None) -> None:
