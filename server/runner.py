@@ -63,6 +63,7 @@ class TransferRunner:
         """Called when a peer keeps a final status and kept none before (its expiry starts)."""
         self.open = 0
         """Requests started and not finished, over every peer."""
+        metrics.open_requests = lambda: self.open
         self._idle: list[asyncio.Future[None]] = []
         self._queues: dict[str, deque[tuple[Request, Chunk]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
@@ -73,7 +74,6 @@ class TransferRunner:
 
     def start(self, peer: Peer, request: Request) -> None:
         """Admit the request: claim its room and take whatever chunks are there already."""
-        self.metrics.inflight.inc()
         self.open += 1
         peer.open[request.room] = request
         tp = peer.decision.tp
@@ -159,7 +159,6 @@ class TransferRunner:
         status = request.final = request.status()  # built once: kept serialized, sent to every stream
         if peer.record_finished(status, self.limits.max_finished_per_peer) and self.on_kept is not None:
             self.on_kept(peer)
-        self.metrics.inflight.dec()
         self.metrics.finished(reason.code if reason is not None else "SUCCESS")
         peer.publish(status)
         self.open -= 1
