@@ -47,16 +47,48 @@ def keepalive(sock: socket.socket | None) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
-    """One frame's body, or None at the end of the stream; a length over ``max_bytes`` is refused unread."""
-    try:
-        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if size > max_bytes:
-            raise MessageTooLargeError(f"a session lane frame of {size} bytes exceeds the limit of {max_bytes}",
-                                       metadata={"bytes": size, "limit": max_bytes})
-        return await reader.readexactly(size)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
+class FrameReader:
+    """Frames off a stream, taking whatever has arrived in one read.
+
+    ``readexactly`` for the header and again for the body cost two awaits per frame; a
+    read of what is buffered costs one per arrival, however many frames it holds (on the
+    server, about 5 % of a request's CPU at 32 peers; docs/protocol.md, run N). Bytes
+    read stay here between calls, so a call cancelled while waiting loses no frame.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self.reader = reader
+        self._buf = bytearray()
+        self._ended = False
+
+    async def next(self, max_bytes: int) -> bytes | None:
+        """One frame's body, or None at the end of the stream; a length over ``max_bytes`` is refused unread."""
+        buf = self._buf
+        while True:
+            want = HEADER.size
+            if len(buf) >= HEADER.size:
+                (size,) = HEADER.unpack_from(buf)
+                if size > max_bytes:
+                    raise MessageTooLargeError(f"a session lane frame of {size} bytes exceeds the limit of "
+                                               f"{max_bytes}", metadata={"bytes": size, "limit": max_bytes})
+                want += size
+                if len(buf) >= want:
+                    body = bytes(buf[HEADER.size:want])
+                    del buf[:want]
+                    return body
+            if self._ended:
+                return None  # a frame cut short counts as the end, as a closed connection does
+            try:
+                data = await self.reader.read(max(want - len(buf), READ_BYTES))
+            except ConnectionError:
+                data = b""
+            if not data:
+                self._ended = True
+            buf += data
+
+
+READ_BYTES = 1 << 16
+"""Bytes asked of the stream per read (it hands over what it has, up to this, or what a frame still needs)."""
 
 
 def write_frame(writer: asyncio.StreamWriter, message: Message) -> None:
@@ -123,7 +155,7 @@ class LaneCall:
     def __init__(self, dialer: LaneDialer, port: int) -> None:
         self.dialer = dialer
         self.port = port
-        self._reader: asyncio.StreamReader | None = None
+        self._reader: FrameReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._answered = False
 
@@ -131,13 +163,14 @@ class LaneCall:
         d = self.dialer
         try:
             async with asyncio.timeout(d.connect_timeout):
-                self._reader, writer = await asyncio.open_connection(
+                reader, writer = await asyncio.open_connection(
                     d.host, self.port, ssl=d.tls, server_hostname=d.server_name, limit=1 << 16)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             raise LaneUnreachableError(f"the session lane at {d.host}:{self.port} took no connection: {exc!r}",
                                        metadata={"host": d.host, "port": self.port}) from exc
         keepalive(writer.get_extra_info("socket"))
         writer.write(PREFACE)
+        self._reader = FrameReader(reader)
         self._writer = writer
         return writer
 
@@ -164,7 +197,7 @@ class LaneCall:
             return grpc.aio.EOF
         try:
             if self._answered:
-                body = await read_frame(self._reader, self.dialer.max_bytes)
+                body = await self._reader.next(self.dialer.max_bytes)
             else:
                 body = await self._first()
         except MessageTooLargeError as exc:
@@ -190,7 +223,7 @@ class LaneCall:
         d = self.dialer
         try:
             async with asyncio.timeout(d.connect_timeout):
-                body = await read_frame(self._reader, d.max_bytes)
+                body = await self._reader.next(d.max_bytes)
         except TimeoutError:
             raise LaneUnreachableError(f"the session lane at {d.host}:{self.port} did not answer within "
                                        f"{d.connect_timeout:g} s",
@@ -204,5 +237,5 @@ class LaneCall:
             self._writer.close()
 
 
-__all__ = ["HEADER", "HIGH_WATER", "PREFACE", "LaneCall", "LaneDialer", "LaneUnreachableError", "keepalive",
-           "lane_host", "read_frame", "write_frame"]
+__all__ = ["HEADER", "HIGH_WATER", "PREFACE", "FrameReader", "LaneCall", "LaneDialer", "LaneUnreachableError", "keepalive",
+           "lane_host", "write_frame"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc.aio
 
-from pdproto.client_lane import HIGH_WATER, PREFACE, keepalive, read_frame, write_frame
+from pdproto.client_lane import HIGH_WATER, PREFACE, FrameReader, keepalive, write_frame
 from pdproto.errors import AuthError, DeadlineExceededError, PdprotoError, Reason
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2
 
@@ -47,7 +47,7 @@ class LaneContext:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, token: str | None,
                  max_bytes: int, open_by: float, on_open: Callable[[], None]) -> None:
-        self.reader = reader
+        self.frames = FrameReader(reader)
         self.writer = writer
         self.token = token
         self.max_bytes = max_bytes
@@ -62,10 +62,10 @@ class LaneContext:
     async def read(self) -> object:
         """The next request (``Malformed`` if it does not parse), or ``grpc.aio.EOF``."""
         if self.opened:
-            return _request(await read_frame(self.reader, self.max_bytes))
+            return _request(await self.frames.next(self.max_bytes))
         try:
             async with asyncio.timeout_at(self.open_by):
-                body = await read_frame(self.reader, min(self.max_bytes, OPEN_LIMIT))
+                body = await self.frames.next(min(self.max_bytes, OPEN_LIMIT))
         except TimeoutError:
             raise DeadlineExceededError("no SessionOpen arrived in time after connecting to the session lane",
                                         reason=Reason.DEADLINE_EXCEEDED) from None
