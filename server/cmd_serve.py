@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import stat
@@ -200,6 +201,7 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
         producer = SyntheticProducer(engine, spec)
 
         def ready(running: RunningServer) -> None:
+            _collect_less()
             print(json.dumps({"event": "listening", "port": running.port, "metrics_port": metrics_port,
                               "lane_port": running.lane_port}), flush=True)
 
@@ -209,6 +211,22 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
             await producer.close()
     finally:
         executor.close()
+
+
+GC_YOUNG = 20_000
+"""Allocations between young-generation collections in ``pdproto serve`` (CPython's default: 700)."""
+
+
+def _collect_less() -> None:
+    """Leave start-up's objects out of every later collection, and collect the young generation less often.
+
+    Every request allocates a few container objects that outlive it (statuses kept for
+    ``--keep-finished``), so CPython's defaults collect every few hundred requests, walking a
+    heap that grows with what is kept. Measured at 32 peers (docs/protocol.md, run N): server
+    CPU per request 171 -> 164 us. Embedders own their process's collector; this is ours.
+    """
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG, 20, 20)
 
 
 def run(args: argparse.Namespace) -> int:
