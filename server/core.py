@@ -381,14 +381,29 @@ class HandshakeCore:
             safe = await self.runner.stop(peer, req, Reason.ABORTED, "aborted by the decode")
         else:  # finished, maybe while its chunk was still inside the engine (DEADLINE_EXCEEDED)
             safe = await drained(peer, note.room, current, self.limits.drain_timeout)
-        # The executor may have given a call up at its own deadline while the engine still runs it.
-        safe = safe and await asyncio.to_thread(self.engine.executor.quiesce, peer.peer_id, self.limits.drain_timeout)
+        safe = safe and await self._quiet(peer, note.room)
         if not safe:
             raise DeadlineExceededError(
                 f"room {note.room} is aborted, but a chunk is still inside the transfer engine after "
                 f"{self.limits.drain_timeout:g} s; its pages may still be written until the engine returns",
                 reason=Reason.DEADLINE_EXCEEDED, metadata={"room": note.room, "generation": current})
         return transfer_pb2.AbortAck(room=note.room, prefill_rank=self.engine.prefill_rank, generation=current)
+
+    async def _quiet(self, peer: Peer, room: int) -> bool:
+        """True once no engine call for the peer is inside the engine (it waits a thread, up to the drain timeout).
+
+        The executor may have given a call up at its own deadline while the engine still runs
+        it. A process that is exiting (a host's ``SystemExit`` with this service on a daemon
+        thread) has no thread to wait with: that is SHUTTING_DOWN, not an acknowledgement,
+        for nothing then says the engine is done with the pages.
+        """
+        try:
+            return await asyncio.to_thread(self.engine.executor.quiesce, peer.peer_id, self.limits.drain_timeout)
+        except RuntimeError as exc:  # the interpreter's or the loop's executors take no more work
+            raise ShuttingDownError(
+                f"room {room}: the prefill process is exiting and cannot confirm that no transfer for this decode"
+                " is still inside its engine; keep the pages until it is gone",
+                reason=Reason.SHUTTING_DOWN, metadata={"room": room}) from exc
 
     # -- WatchStatus ------------------------------------------------------------
 

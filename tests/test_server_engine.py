@@ -245,3 +245,57 @@ def test_a_chunk_reported_as_the_peers_mover_winds_down_is_still_moved() -> None
         peer.verify({room: pages}, SPEC.prompt_tokens)
 
     _run(scenario, cores=cores)
+
+
+_EXITING_HOST = """
+import atexit, json, sys
+from pdproto.client import HandshakeClient
+from pdproto.errors import PdprotoError
+from pdproto.transfer import create_executor
+from pdproto_demo.decode import DecodeRank
+from pdproto_demo.synthetic import SyntheticProducer, build_source
+from pdproto_server.app import ServerConfig, ServiceThread
+from pdproto_server.core import HandshakeCore
+from pdproto_server.engine import PrefillEngine
+from tests._server_harness import SPEC
+
+executor = create_executor("local", arena_bytes=1 << 20)
+engine = PrefillEngine(build_source(SPEC, executor), executor)
+SyntheticProducer(engine, SPEC)
+service = ServiceThread(HandshakeCore(engine), ServerConfig(listen="127.0.0.1:0"))
+decode = DecodeRank.for_spec(SPEC, pages=32)
+client = HandshakeClient(f"127.0.0.1:{service.start()}", timeout=10)
+pid = client.register(decode.registration()).peer_id
+client.submit_transfer(pid, decode.transfer_info(1, decode.pages_for(SPEC.prompt_tokens)))
+print(json.dumps({"done": client.wait_for(pid, [1])[1].state}), flush=True)
+
+
+def abort_while_exiting():
+    try:
+        client.abort(pid, 1)
+        print(json.dumps({"abort": "ACKNOWLEDGED"}), flush=True)
+    except PdprotoError as exc:
+        print(json.dumps({"abort": exc.reason.name, "message": exc.message}), flush=True)
+
+
+atexit.register(abort_while_exiting)  # runs once the interpreter's executors take no more work
+sys.exit(0)
+"""
+
+
+def test_an_abort_reaching_a_host_that_exits_is_refused_shutting_down_not_acknowledged() -> None:
+    """A scheduler's ``SystemExit`` with the service on its daemon thread: an abort that arrives then
+    cannot wait for the engine (no thread will run), so it is SHUTTING_DOWN, typed, and never acked."""
+    import json
+    import subprocess
+    import sys
+
+    from ._server_harness import REPO
+
+    run = subprocess.run([sys.executable, "-c", _EXITING_HOST], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines[0] == {"done": common_pb2.TRANSFER_STATE_SUCCESS}, (run.stdout, run.stderr[-3000:])
+    assert lines[1]["abort"] == "SHUTTING_DOWN", (lines, run.stderr[-3000:])
+    assert "exiting" in lines[1]["message"]
+    assert "abort failed unexpectedly" not in run.stderr, run.stderr[-3000:]
