@@ -247,6 +247,37 @@ def test_a_chunk_reported_as_the_peers_mover_winds_down_is_still_moved() -> None
     _run(scenario, cores=cores)
 
 
+def test_requests_and_inflight_metrics_follow_the_requests() -> None:
+    """``pdproto_requests_inflight`` counts an open request, then none; ``pdproto_requests`` its outcome."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cores: list[HandshakeCore] = []
+
+    def scrape() -> dict[str, float]:
+        text = generate_latest(cores[0].metrics.registry).decode()
+        return {f"{s.name}{sorted(s.labels.items())}": s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
+        peer_id = (await client.register(peer.registration())).peer_id
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        for room in (21, 22):
+            await client.submit_transfer(peer_id, peer.transfer_info(room, pages if room == 21 else pages[:1]))
+        assert scrape()["pdproto_requests_inflight[]"] == 2  # no chunk reported yet: both are open
+        await client.abort(peer_id, 22)
+        producer = _engine_thread(engine, 21)
+        producer.start()
+        assert (await _final(client, peer_id, 21)).state == common_pb2.TRANSFER_STATE_SUCCESS
+        producer.join(10)
+        after = scrape()
+        assert after["pdproto_requests_inflight[]"] == 0
+        assert after["pdproto_requests_total[('outcome', 'SUCCESS')]"] == 1
+        assert after["pdproto_requests_total[('outcome', 'ABORTED')]"] == 1
+
+    _run(scenario, cores=cores)
+
+
 _EXITING_HOST = """
 import atexit, json, sys
 from pdproto.client import HandshakeClient
