@@ -23,9 +23,14 @@ pytestmark = pytest.mark.process
 SLOW = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "5000", "--match-timeout", "30")
 
 
-def _status(*args: str, command: str = "status") -> subprocess.CompletedProcess[str]:
+def _cli(command: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``pdproto COMMAND ARGS...`` in a subprocess, its output captured."""
     return subprocess.run([sys.executable, "-m", "pdproto_server.cli", command, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
+
+
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    return _cli("status", *args)
 
 
 def test_status_shows_a_registered_peer_and_its_request_in_flight() -> None:
@@ -177,10 +182,10 @@ def test_the_operator_evicts_a_squatter_and_no_one_else_can() -> None:
                 with pytest.raises(E.AuthError):
                     client.evict(sid)
             token_file = str(srv.stderr_path.parent / "operator-token")
-            evicted = _status("--target", srv.target, "--token-file", token_file, "--peer", sid, command="evict")
+            evicted = _cli("evict", "--target", srv.target, "--token-file", token_file, "--peer", sid)
             assert evicted.returncode == 0, evicted.stderr
             assert f"evicted {sid}: 0 open request(s)" in evicted.stdout
-            again = _status("--target", srv.target, "--token-file", token_file, "--peer", sid, command="evict")
+            again = _cli("evict", "--target", srv.target, "--token-file", token_file, "--peer", sid)
             assert again.returncode == 1 and "PEER_NOT_FOUND" in again.stderr, again.stderr
             vid = vc.register(victim.registration()).peer_id  # the decode is back
             mine = victim.pages_for(SPEC.prompt_tokens)
