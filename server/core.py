@@ -381,7 +381,7 @@ class HandshakeCore:
             safe = await self.runner.stop(peer, req, Reason.ABORTED, "aborted by the decode")
         else:  # finished, maybe while its chunk was still inside the engine (DEADLINE_EXCEEDED)
             safe = await drained(peer, note.room, current, self.limits.drain_timeout)
-        safe = safe and await self._quiet(peer, note.room)
+        safe = safe and await self._quiet(peer)
         if not safe:
             raise DeadlineExceededError(
                 f"room {note.room} is aborted, but a chunk is still inside the transfer engine after "
@@ -389,21 +389,26 @@ class HandshakeCore:
                 reason=Reason.DEADLINE_EXCEEDED, metadata={"room": note.room, "generation": current})
         return transfer_pb2.AbortAck(room=note.room, prefill_rank=self.engine.prefill_rank, generation=current)
 
-    async def _quiet(self, peer: Peer, room: int) -> bool:
-        """True once no engine call for the peer is inside the engine (it waits a thread, up to the drain timeout).
+    async def _quiet(self, peer: Peer) -> bool:
+        """True once no engine call for the peer is inside the engine; False after the drain timeout.
 
         The executor may have given a call up at its own deadline while the engine still runs
-        it. A process that is exiting (a host's ``SystemExit`` with this service on a daemon
-        thread) has no thread to wait with: that is SHUTTING_DOWN, not an acknowledgement,
-        for nothing then says the engine is done with the pages.
+        it. The wait holds no thread: a frozen peer's aborts, however many, cannot take the
+        threads another peer's abort needs (as ``asyncio.to_thread`` on the loop's shared
+        executor did). A process that is exiting cannot say (``ShuttingDownError``, never an
+        acknowledgement).
         """
+        marker = self.engine.executor.drained(peer.peer_id)
+        if marker is None:
+            return True
         try:
-            return await asyncio.to_thread(self.engine.executor.quiesce, peer.peer_id, self.limits.drain_timeout)
-        except RuntimeError as exc:  # the interpreter's or the loop's executors take no more work
-            raise ShuttingDownError(
-                f"room {room}: the prefill process is exiting and cannot confirm that no transfer for this decode"
-                " is still inside its engine; keep the pages until it is gone",
-                reason=Reason.SHUTTING_DOWN, metadata={"room": room}) from exc
+            # Shielded: the marker may be the peer's queued disconnect, which must still run.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(marker)), self.limits.drain_timeout)
+        except TimeoutError:
+            return False
+        except PdprotoError:
+            pass  # the call failed, and it has left the engine
+        return True
 
     # -- WatchStatus ------------------------------------------------------------
 

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import numpy as np
@@ -134,8 +135,11 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     stuck.join(TIMEOUT + 30)
     report["stuck"] = result
     report["quiet_while_stuck"] = rig.ex.quiesce("A", 0.1)
+    marker = rig.ex.drained("A")  # what the server's Abort awaits on its loop, holding no thread
+    report["drained_while_stuck"] = marker is None or bool(futures.wait([marker], timeout=0.1).done)
     report["next"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
     report["quiet_later"] = rig.ex.quiesce("A", 120)
+    report["drained_later"] = marker is None or marker.result(timeout=120) is None
     waited = time.monotonic()
     while rig.ex.held() != (0, 0) and time.monotonic() - waited < 120:
         time.sleep(0.2)

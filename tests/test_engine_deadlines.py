@@ -28,6 +28,8 @@ def test_a_frozen_decode_fails_its_own_transfer_at_the_deadline_and_blocks_nobod
     # Mooncake keeps the stuck batch until its own timeout (8 s here): the peer is not quiet
     # (its pages may still be written) until then. NIXL cancels the transfer at the deadline.
     assert r["quiet_while_stuck"] is (backend == "nixl") and r["quiet_later"] is True, r
+    # drained() says the same with a future the server awaits on its loop (no thread waits for it).
+    assert r["drained_while_stuck"] is (backend == "nixl") and r["drained_later"] is True, r
     # Once the engine let go of the stuck call, no engine handle and no staging byte is held.
     assert r["held_after"] == [0, 0], r
     assert r["stats_timeouts"] >= 1

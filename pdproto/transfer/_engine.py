@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason
+from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason, ShuttingDownError
 from pdproto.v1 import registration_pb2
 
 from .base import (
@@ -57,6 +57,10 @@ def rdma_present() -> bool:
     except OSError:
         return False
 
+
+
+def _nothing() -> None:
+    """A lane marker's call."""
 
 @dataclass
 class PeerState:
@@ -209,17 +213,13 @@ class EngineExecutor(JobPaths):
 
         A call that overran its deadline may still be writing into the peer's pages; a
         caller that lets the decode reuse them (an Abort acknowledgement) waits here first.
-        A disconnected peer counts until its lane finished; an unknown one is quiet.
+        A disconnected peer counts until its lane finished; an unknown one is quiet. False
+        when the process is exiting and a live peer's lane can no longer say.
         """
-        with self._lock:
-            peer = self._peers.get(peer_id) or self._retiring.get(peer_id)
-        if peer is None or peer.lane is None:
-            return True
-        marker: Future[Any] | None
         try:
-            marker = peer.lane.submit(lambda: None)
-        except RuntimeError:
-            marker = peer.retired  # shut down: the queued disconnect is its last task
+            marker = self.drained(peer_id)
+        except ShuttingDownError:
+            return False
         if marker is None:
             return True
         try:
@@ -229,6 +229,27 @@ class EngineExecutor(JobPaths):
         except PdprotoError:
             pass
         return True
+
+    def drained(self, peer_id: str) -> Future[Any] | None:
+        """A future done once every call queued on the peer's lane so far has returned (None: no lane).
+
+        The lane runs one call at a time, in order, so a no-op queued now finishes after all
+        of them; a call the engine still holds past its deadline holds it too.
+        """
+        with self._lock:
+            peer = self._peers.get(peer_id) or self._retiring.get(peer_id)
+        if peer is None or peer.lane is None:
+            return None
+        try:
+            return peer.lane.submit(_nothing)
+        except RuntimeError:
+            if peer.retired is not None:
+                return peer.retired  # shut down by _retire: the queued disconnect is its last task
+            # concurrent.futures takes no work once the interpreter exits, and says nothing of what runs.
+            raise ShuttingDownError(f"peer {peer_id}: the process is exiting; whether an engine call for this "
+                                    "peer is still running cannot be known; keep its pages until the process is gone",
+                                    reason=Reason.SHUTTING_DOWN,
+                                    metadata={"peer": peer_id}) from None
 
     def _retire(self, peer: PeerState) -> None:
         """Drop ``peer``'s engine connection on its lane, then let the lane's thread end."""

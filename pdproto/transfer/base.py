@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol, TypeAlias, runtime_checkable
@@ -228,6 +229,14 @@ class TransferExecutor(Protocol):
 
     def quiesce(self, peer_id: str, timeout: float) -> bool:
         """Wait up to ``timeout`` until no engine call for the peer (a timed-out one included) runs."""
+        ...
+
+    def drained(self, peer_id: str) -> Future[Any] | None:
+        """``quiesce`` without a waiting thread: a future done once every engine call for the peer made
+        so far has left the engine, or None when none can be inside it; never cancel it.
+
+        Raises ``ShuttingDownError`` when the process is exiting and that cannot be known.
+        """
         ...
 
     def notifications(self) -> list[Notification]:

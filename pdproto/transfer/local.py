@@ -218,6 +218,10 @@ class LocalExecutor:
         """True: a copy never outlives its ``execute`` call here."""
         return True
 
+    def drained(self, peer_id: str) -> None:
+        """None: a copy never outlives its ``execute`` call here."""
+        return None
+
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
         """The local backend has no notification channel; always False."""
         self._peer(peer_id)
