@@ -58,9 +58,9 @@ def rdma_present() -> bool:
         return False
 
 
-
 def _nothing() -> None:
     """A lane marker's call."""
+
 
 @dataclass
 class PeerState:
