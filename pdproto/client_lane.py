@@ -52,7 +52,7 @@ class FrameReader:
 
     ``readexactly`` for the header and again for the body cost two awaits per frame; a
     read of what is buffered costs one per arrival, however many frames it holds (on the
-    server, about 5 % of a request's CPU at 32 peers; docs/protocol.md, run N). Bytes
+    server, about 5 % of a request's CPU at 32 peers; docs/protocol.md, section 2c). Bytes
     read stay here between calls, so a call cancelled while waiting loses no frame.
     """
 

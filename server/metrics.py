@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -85,7 +84,7 @@ class _PerRequest(Collector):
     """``pdproto_requests`` and ``pdproto_requests_inflight``, read from plain counts when scraped.
 
     Both change on every request, on the event loop; a prometheus_client child takes a lock
-    per change, about 5 % of the server's CPU per request at 32 peers (docs/protocol.md, run N).
+    per change, about 5 % of the server's CPU per request at 32 peers (docs/protocol.md, section 2c, the lane's cost).
     A scrape (another thread) copies the dict in one C call under the GIL.
     """
 
