@@ -237,5 +237,5 @@ class LaneCall:
             self._writer.close()
 
 
-__all__ = ["HEADER", "HIGH_WATER", "PREFACE", "FrameReader", "LaneCall", "LaneDialer", "LaneUnreachableError", "keepalive",
-           "lane_host", "write_frame"]
+__all__ = ["HEADER", "HIGH_WATER", "PREFACE", "FrameReader", "LaneCall", "LaneDialer", "LaneUnreachableError",
+           "keepalive", "lane_host", "write_frame"]

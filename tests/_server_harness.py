@@ -37,6 +37,12 @@ SERVE_ARGS = ("--layers", str(SPEC.layers), "--row-bytes", str(SPEC.row_bytes), 
               "--chunk-tokens", str(SPEC.chunk_tokens), "--chunk-delay-ms", "50", "--match-timeout", "10")
 
 
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus exposition text as {sample name with its labels: value}."""
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 @dataclass
 class ServerProcess:
     """A running server subprocess."""
@@ -59,9 +65,7 @@ class ServerProcess:
         """The server's /metrics samples by name, labels included (started with ``--metrics-port``)."""
         assert self.metrics_port is not None, "the server was started without --metrics-port"
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+            return metric_samples(resp.read().decode())
 
     def stderr(self) -> str:
         """What the server logged so far."""

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 
 import pytest
+from prometheus_client import generate_latest
 
 from pdproto import errors as E
 from pdproto.client import AsyncHandshakeClient
@@ -20,7 +24,7 @@ from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
 from pdproto_server.registry import Limits
 
-from ._server_harness import SPEC
+from ._server_harness import REPO, SPEC, metric_samples
 
 pytestmark = pytest.mark.process
 
@@ -249,37 +253,32 @@ def test_a_chunk_reported_as_the_peers_mover_winds_down_is_still_moved() -> None
 
 def test_requests_and_inflight_metrics_follow_the_requests() -> None:
     """``pdproto_requests_inflight`` counts an open request, then none; ``pdproto_requests`` its outcome."""
-    from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
     cores: list[HandshakeCore] = []
 
     def scrape() -> dict[str, float]:
-        text = generate_latest(cores[0].metrics.registry).decode()
-        return {f"{s.name}{sorted(s.labels.items())}": s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return metric_samples(generate_latest(cores[0].metrics.registry).decode())
 
     async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
         peer_id = (await client.register(peer.registration())).peer_id
         pages = peer.pages_for(SPEC.prompt_tokens)
         for room in (21, 22):
             await client.submit_transfer(peer_id, peer.transfer_info(room, pages if room == 21 else pages[:1]))
-        assert scrape()["pdproto_requests_inflight[]"] == 2  # no chunk reported yet: both are open
+        assert scrape()["pdproto_requests_inflight"] == 2  # no chunk reported yet: both are open
         await client.abort(peer_id, 22)
         producer = _engine_thread(engine, 21)
         producer.start()
         assert (await _final(client, peer_id, 21)).state == common_pb2.TRANSFER_STATE_SUCCESS
         producer.join(10)
         after = scrape()
-        assert after["pdproto_requests_inflight[]"] == 0
-        assert after["pdproto_requests_total[('outcome', 'SUCCESS')]"] == 1
-        assert after["pdproto_requests_total[('outcome', 'ABORTED')]"] == 1
+        assert after["pdproto_requests_inflight"] == 0
+        assert after['pdproto_requests_total{outcome="SUCCESS"}'] == 1
+        assert after['pdproto_requests_total{outcome="ABORTED"}'] == 1
 
     _run(scenario, cores=cores)
 
 
 _EXITING_HOST = """
-import atexit, json, sys
+import atexit, dataclasses, json, sys
 from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError
 from pdproto.transfer import create_executor
@@ -291,7 +290,7 @@ from pdproto_server.engine import PrefillEngine
 from tests._server_harness import SPEC
 
 backend = sys.argv[1]
-spec = SPEC.__class__(**{**SPEC.__dict__, "backend": backend})
+spec = dataclasses.replace(SPEC, backend=backend)
 executor = create_executor(backend, arena_bytes=1 << 20)
 engine = PrefillEngine(build_source(spec, executor), executor)
 SyntheticProducer(engine, spec)
@@ -322,12 +321,6 @@ def test_an_abort_reaching_a_host_that_exits_is_answered_typed(backend: str, ans
     needed to wait for the engine, so the local backend (whose copies end with their call) acknowledges
     it; an engine's lane takes no marker once the interpreter exits, so Mooncake answers SHUTTING_DOWN,
     typed and never acknowledged. Before, both were INTERNAL and a traceback in the log."""
-    import json
-    import subprocess
-    import sys
-
-    from ._server_harness import REPO
-
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
     run = subprocess.run([sys.executable, "-c", _EXITING_HOST, backend], cwd=REPO, capture_output=True,
