@@ -418,7 +418,21 @@ class HandshakeCore:
         Each request's terminal status is sent exactly once per stream (``server/feed.py``).
         """
         peer = self.peer(request.peer_id, request.peer_credential)
-        feed = StatusFeed(request.rooms)
+        task = asyncio.current_task()
+        delivered = False
+
+        def cut() -> None:
+            # The peer is over and so counts toward no limit: a client that reads nothing
+            # must not keep its stream (and its handler) after drain_timeout.
+            if not delivered and task is not None and not task.done():
+                log.info("a status stream of peer %s took nothing for %.0f s after the peer ended; cutting it",
+                         peer.peer_id, self.limits.drain_timeout)
+                task.cancel()
+
+        def cut_later() -> None:
+            asyncio.get_running_loop().call_later(self.limits.drain_timeout, cut)
+
+        feed = StatusFeed(request.rooms, on_close=cut_later)
         snapshot, ended = self.subscribe(peer, feed)
         for status in snapshot:
             feed.push(status)
@@ -427,6 +441,7 @@ class HandshakeCore:
         try:
             async for status in feed:
                 yield status
+            delivered = True
         finally:
             peer.feeds.discard(feed)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 
 from pdproto.v1 import transfer_pb2
 
@@ -29,12 +29,14 @@ Status = transfer_pb2.TransferStatus
 class StatusFeed:
     """One subscriber's queue of statuses: in order, coalesced per request generation under backlog."""
 
-    def __init__(self, rooms: Collection[int] = (), *, limit: int = 1024) -> None:
+    def __init__(self, rooms: Collection[int] = (), *, limit: int = 1024,
+                 on_close: Callable[[], None] | None = None) -> None:
         self._rooms = frozenset(rooms)
         self._items: deque[Status] = deque()
         self._limit = max(1, limit)
         self._closed = False
         self._wake = asyncio.Event()
+        self._on_close = on_close
 
     def push(self, status: Status) -> None:
         """Queue a status (ignored when it is for a room this stream did not ask for)."""
@@ -58,8 +60,12 @@ class StatusFeed:
 
     def close(self) -> None:
         """No more statuses: the stream ends after sending what is queued."""
+        if self._closed:
+            return
         self._closed = True
         self._wake.set()
+        if self._on_close is not None:
+            self._on_close()
 
     @property
     def attached(self) -> bool:

@@ -61,6 +61,13 @@ class _Stream:
         """A write is in progress (one at a time); whoever writes sends everything sendable."""
         self.applying = False
         """The reader is applying commands and writes what they produced itself: no wake-up needed."""
+        self.in_command = False
+        """The reader waits inside a command (a submit superseding a chunk in the engine): it is not
+        cancelled there, since the command counts as applied and its result must reach the session."""
+        self.closing = False
+        """The stream is over: its reader stops after the command it is in."""
+        self.task: asyncio.Task[object] | None = None
+        """The task serving the stream (cut when an ended session's client does not take its tail)."""
 
 
 class ServerSession:
@@ -80,6 +87,10 @@ class ServerSession:
         """Commands received beyond the credit, in order, waiting for acknowledgements."""
         self.progress = asyncio.Event()
         """Set when a command result frees credit without an acknowledgement (an abort finished)."""
+        self.applier = asyncio.Lock()
+        """One stream applies commands at a time: a replaced stream's reader may finish a command while
+        the new stream's reader has the next ones."""
+        self._cut: asyncio.TimerHandle | None = None
 
     def push(self, status: transfer_pb2.TransferStatus) -> None:
         """A status change of one of the peer's requests."""
@@ -92,8 +103,28 @@ class ServerSession:
             self.ended = self.hub.core.ended_reason(self.peer)
         if self.stream is None:
             self.hub.drop(self)
+        else:
+            self.cut_later()
         self.wake()
         self.progress.set()
+
+    def cut_later(self) -> None:
+        """Give the attached stream ``drain_timeout`` seconds to deliver what is left, then end it.
+
+        An ended session counts toward no limit (its peer is released), so a client that keeps
+        the stream open and never reads or acknowledges must not keep it, and its tasks, forever.
+        """
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().call_later(
+                self.hub.core.limits.drain_timeout, self._cut_now)
+
+    def _cut_now(self) -> None:
+        stream = self.stream
+        if stream is not None and stream.task is not None and not stream.task.done():
+            log.info("session %s of peer %s: the client took nothing for %.0f s after it ended; cutting its stream",
+                     self.session_id, self.peer.peer_id, self.hub.core.limits.drain_timeout)
+            stream.closing = True
+            stream.task.cancel()
 
     @property
     def attached(self) -> bool:
@@ -136,12 +167,19 @@ class SessionHub:
                     f"session {opening.resume_session_id!r} of peer {peer.peer_id} is not kept any more "
                     "(it ended or was detached too long); open a new session",
                     reason=Reason.SESSION_NOT_FOUND, metadata={"sessionId": opening.resume_session_id})
+            session.log.ack(request.event_ack)  # before anything changes: a bad one leaves the session as it was
             session.log.rewind()
+            # The client sends every command after applied_command_seq again, so what the old
+            # stream left unapplied goes: kept, each resume would add a frame's worth to it.
+            session.held.clear()
             resumed = True
         else:
+            if request.event_ack:
+                # Checked before the session exists: raised after, it would stay subscribed, unserved.
+                raise InvalidFieldError("event_ack", f"acknowledges event {request.event_ack} of a new session, "
+                                        "which has sent none", metadata={"eventAck": request.event_ack})
             session = self._new(peer, opening.event_window)
             resumed = False
-        session.log.ack(request.event_ack)
         if session.stream is not None:
             session.stream.replaced = True
             session.stream.wake.set()
@@ -199,14 +237,27 @@ class SessionHub:
         session, opened = self.open(first, lane=lane)
         stream = session.stream
         assert stream is not None
+        stream.task = asyncio.current_task()
+        if session.ended is not None:
+            session.cut_later()
         reader = asyncio.get_running_loop().create_task(self._read(context, session, stream, first))
         streams = self.core.metrics.session_streams.labels(transport="lane" if lane else "grpc")
         streams.inc()
         try:
             await self._write(context, session, stream, opened, reader)
+        except asyncio.CancelledError:
+            if not stream.closing or session.ended is None:
+                raise
+            # Cut by cut_later: end with the session's reason (a lane sends it in its end frame).
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            raise session.ended from None
         finally:
             streams.dec()
-            reader.cancel()
+            stream.closing = True
+            if not stream.in_command:
+                reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
             if session.stream is stream:
@@ -256,19 +307,25 @@ class SessionHub:
         try:
             message = first  # its acknowledgement was applied when it opened the session
             while True:
-                session.held.extend(message.commands)
+                if session.ended is None:  # an ended session applies nothing more
+                    session.held.extend(message.commands)
                 stream.applying = True
                 try:
-                    await self._apply(session)
+                    await self._apply(session, stream)
                 finally:
                     stream.applying = False
+                if stream.closing:
+                    return
                 await self._flush(context, session, stream)
-                while len(session.held) >= session.log.command_window and session.ended is None:
-                    # A client beyond its window: read nothing more (HTTP/2 flow control then
-                    # stops its writes) until results free credit.
+                while session.held and session.ended is None:
+                    # Commands beyond the credit (a client ignoring its window; a compliant one
+                    # never has any): read nothing more, so HTTP/2 (or TCP) flow control stops
+                    # its writes and what is held stays within one message, until credit frees.
                     session.progress.clear()
                     await session.progress.wait()
-                    await self._apply(session)
+                    await self._apply(session, stream)
+                    if stream.closing:
+                        return
                 received: object = await context.read()
                 if isinstance(received, Malformed):
                     received.raise_error()  # the reader's error ends the stream, typed
@@ -279,22 +336,33 @@ class SessionHub:
         finally:
             stream.wake.set()
 
-    async def _apply(self, session: ServerSession) -> None:
-        """Apply held commands while the credit allows, in order."""
+    async def _apply(self, session: ServerSession, stream: _Stream) -> None:
+        """Apply held commands while the credit allows, in order, one stream at a time."""
         log_ = session.log
-        while session.held and log_.credit > 0 and session.ended is None:
-            command = session.held.popleft()
-            if not log_.admit(command):
-                continue
-            if command.HasField("submit"):
-                result = await self._submit(session.peer, command)
-                log_.result(result)
-            elif command.HasField("abort"):
-                # An abort waits for an in-flight chunk to drain: the stream does not wait with it.
-                task = asyncio.get_running_loop().create_task(self._abort(session.peer, command))
-                task.add_done_callback(_deliver(session, command.seq, task))
-            else:
-                log_.result(_refused(command.seq, InvalidFieldError("commands[].kind", "submit or abort is required")))
+        async with session.applier:
+            while session.held and log_.credit > 0 and session.ended is None and not stream.closing:
+                command = session.held.popleft()
+                if not log_.admit(command):
+                    continue
+                if command.HasField("submit"):
+                    stream.in_command = True
+                    try:
+                        result = await self._submit(session.peer, command)
+                    except asyncio.CancelledError:
+                        # The server stops: the command was applied, so it gets a result all the same.
+                        log_.result(_refused(command.seq, PdprotoError("the submit was cancelled (the server "
+                                                                       "is stopping)")))
+                        raise
+                    finally:
+                        stream.in_command = False
+                    log_.result(result)
+                elif command.HasField("abort"):
+                    # An abort waits for an in-flight chunk to drain: the stream does not wait with it.
+                    task = asyncio.get_running_loop().create_task(self._abort(session.peer, command))
+                    task.add_done_callback(_deliver(session, command.seq, task))
+                else:
+                    log_.result(_refused(command.seq, InvalidFieldError("commands[].kind",
+                                                                        "submit or abort is required")))
 
     async def _submit(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
         try:

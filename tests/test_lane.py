@@ -23,10 +23,11 @@ import pytest
 
 from pdproto.client import HandshakeClient
 from pdproto.client_lane import HEADER, PREFACE
-from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 
 from ._flood import check_held_back, flood, flooding
+from ._raw_lane import Raw, ended, open_request
 from ._server_harness import SERVE_ARGS, SPEC, running_server, self_signed
 
 pytestmark = pytest.mark.process
@@ -111,57 +112,6 @@ def test_an_unreachable_lane_leaves_the_sessions_on_grpc(lane: str, caplog: pyte
 # -- raw lane connections ---------------------------------------------------------------
 
 
-class Raw:
-    """A hand-driven lane connection: exactly the bytes a test writes."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def frame(self, message: hs.SessionRequest) -> None:
-        body = message.SerializeToString()
-        self.send(HEADER.pack(len(body)) + body)
-
-    def read(self) -> hs.SessionResponse | None:
-        """The next frame, or None when the server closed the connection."""
-        head = self._exactly(HEADER.size)
-        if head is None:
-            return None
-        body = self._exactly(HEADER.unpack(head)[0])
-        assert body is not None
-        return hs.SessionResponse.FromString(body)
-
-    def _exactly(self, n: int) -> bytes | None:
-        data = b""
-        while len(data) < n:
-            try:
-                chunk = self.sock.recv(n - len(data))
-            except ConnectionResetError:
-                return None
-            if not chunk:
-                return None
-            data += chunk
-        return data
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def _open(peer_id: str, credential: bytes, token: str = "", resume: str = "") -> hs.SessionRequest:
-    return hs.SessionRequest(open=session_pb2.SessionOpen(peer_id=peer_id, peer_credential=credential,
-                                                          bearer_token=token, resume_session_id=resume))
-
-
-def _ended(raw: Raw) -> session_pb2.CommandError:
-    """The end frame the server closed the connection with."""
-    last = raw.read()
-    assert last is not None and last.HasField("end"), last
-    assert raw.read() is None
-    return last.end
-
-
 def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
     """Wrong protocol, no token, a wrong token or credential, a huge length, silence, a crowd of idlers."""
     peer, other = DecodeRank.for_spec(SPEC, pages=64), DecodeRank.for_spec(SPEC, pages=64)
@@ -183,50 +133,50 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
             for presented, why in (("", "missing bearer token"), ("s3cre7", "invalid bearer token")):
                 raw = Raw(port)
                 raw.send(PREFACE)
-                raw.frame(_open(peer_id, cred, presented))
-                end = _ended(raw)
+                raw.frame(open_request(peer_id, cred, presented))
+                end = ended(raw)
                 assert end.reason == "UNAUTHENTICATED" and end.message.startswith(why), end
                 raw.close()
 
             raw = Raw(port)  # bytes that are no SessionRequest cannot carry a token
             raw.send(PREFACE + HEADER.pack(5) + b"\xff\xff\xff\xff\xff")
-            assert _ended(raw).reason == "UNAUTHENTICATED"
+            assert ended(raw).reason == "UNAUTHENTICATED"
             raw.close()
 
             raw = Raw(port)  # a length that would make the server allocate 4 GiB: refused unread
             raw.send(PREFACE + HEADER.pack(0xFFFF_FFFF))
-            end = _ended(raw)
+            end = ended(raw)
             assert end.reason == "MESSAGE_TOO_LARGE" and end.metadata["bytes"] == str(0xFFFF_FFFF), end
             raw.close()
             raw = Raw(port)  # before the session is open, 64 KiB is the most a frame may have
             raw.send(PREFACE + HEADER.pack((64 << 10) + 1))
-            assert _ended(raw).metadata["limit"] == str(64 << 10)
+            assert ended(raw).metadata["limit"] == str(64 << 10)
             raw.close()
 
             # The token is not enough: the peer's credential is checked, and another peer's does not do.
             raw = Raw(port)
             raw.send(PREFACE)
-            raw.frame(_open(peer_id, other_cred, token))
-            assert _ended(raw).reason == "PEER_NOT_FOUND"
+            raw.frame(open_request(peer_id, other_cred, token))
+            assert ended(raw).reason == "PEER_NOT_FOUND"
             raw.close()
             # A session id is no capability: another peer cannot resume it.
             raw = Raw(port)
             raw.send(PREFACE)
-            raw.frame(_open(other_id, other_cred, token))
+            raw.frame(open_request(other_id, other_cred, token))
             opened = raw.read()
             assert opened is not None and opened.opened.session_id and opened.opened.lane_port == port
             raw.close()
             raw = Raw(port)
             raw.send(PREFACE)
-            raw.frame(_open(peer_id, cred, token, resume=opened.opened.session_id))
-            assert _ended(raw).reason == "SESSION_NOT_FOUND"
+            raw.frame(open_request(peer_id, cred, token, resume=opened.opened.session_id))
+            assert ended(raw).reason == "SESSION_NOT_FOUND"
             raw.close()
 
             # Silence: the preface, then nothing. Closed at the open deadline, with why.
             raw = Raw(port)
             raw.send(PREFACE)
             t0 = time.monotonic()
-            assert _ended(raw).reason == "DEADLINE_EXCEEDED"
+            assert ended(raw).reason == "DEADLINE_EXCEEDED"
             assert time.monotonic() - t0 < 8  # the open deadline (1 s), not the socket's 10 s timeout
             raw.close()
 
@@ -259,10 +209,119 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
         other.close()
 
 
+def _rss_bytes(pid: int) -> int:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+def _aborts(first_seq: int, n: int) -> list[session_pb2.SessionCommand]:
+    """Aborts of rooms nobody submitted: each is answered at once (REQUEST_NOT_FOUND)."""
+    return [session_pb2.SessionCommand(seq=first_seq + i, abort=transfer_pb2.AbortNotification(room=10**9 + i))
+            for i in range(n)]
+
+
+def test_resuming_again_and_again_with_frames_of_commands_holds_one_frame_at_most() -> None:
+    """A peer spends its command window and never acknowledges, then resumes its session over and
+    over, each time with an opening frame full of commands (64 KiB: about 5,000). Commands beyond the
+    credit are held until it frees, but only one frame's worth: each resume replaces what the last
+    stream left (the client sends again everything after ``applied_command_seq`` anyway). Before,
+    every resume added its frame's commands to the session for good (about 1.6 MB each)."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            cred = client.credential(peer_id)
+            raw = Raw(srv.lane_port)
+            raw.send(PREFACE)
+            window = 256  # DEFAULT_COMMAND_WINDOW: every abort is applied, none acknowledged
+            first = open_request(peer_id, cred)
+            first.commands.extend(_aborts(1, window))
+            raw.frame(first)
+            opened = raw.read()
+            assert opened is not None and opened.opened.command_window == window, opened
+            session_id = opened.opened.session_id
+            results = len(opened.events)
+            while results < window:  # every result comes back unacknowledged: the credit is spent
+                frame = raw.read()
+                assert frame is not None
+                results += sum(1 for e in frame.events if e.HasField("result"))
+            raw.close()
+            frame_commands = _aborts(window + 1, 5000)
+            request = open_request(peer_id, cred, resume=session_id)
+            request.commands.extend(frame_commands)
+            assert len(request.SerializeToString()) < 64 << 10  # the opening frame's limit
+            before = _rss_bytes(srv.proc.pid)
+            for _ in range(60):
+                raw = Raw(srv.lane_port)
+                raw.send(PREFACE)
+                raw.frame(request)
+                resumed = raw.read()
+                assert resumed is not None and resumed.opened.resumed, resumed
+                assert resumed.opened.applied_command_seq == window  # nothing beyond the credit applied
+                raw.close()
+            grown = _rss_bytes(srv.proc.pid) - before
+            assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB over 60 resumes"
+            assert "Traceback" not in srv.stderr(), srv.stderr()[-3000:]
+    finally:
+        peer.close()
+
+
+def test_an_ended_session_whose_client_takes_nothing_is_cut_after_the_grace() -> None:
+    """A peer opens a session with an event window of one, never acknowledges, and deregisters: its
+    session ends with events still queued. The server gives the stream ``--grace`` seconds to take them,
+    then closes it with why (its peer no longer counts toward any limit, so nothing else would)."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE, "--grace", "2", "--metrics-port", "0") as srv, \
+                HandshakeClient(srv.target, timeout=20) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            raw = Raw(srv.lane_port)
+            raw.send(PREFACE)
+            opening = open_request(peer_id, client.credential(peer_id))
+            opening.open.event_window = 1
+            opening.commands.extend(_aborts(1, 4))
+            raw.frame(opening)
+            opened = raw.read()
+            assert opened is not None and len(opened.events) <= 1, opened
+            client.deregister(peer_id)
+            t0 = time.monotonic()
+            frames = []
+            while (frame := raw.read()) is not None:  # the socket's own timeout is 10 s
+                frames.append(frame)
+            assert frames and frames[-1].HasField("end"), frames
+            assert frames[-1].end.reason == "PEER_NOT_FOUND", frames[-1]
+            assert time.monotonic() - t0 < 9
+            assert srv.metrics().get('pdproto_session_streams{transport="lane"}', 0) == 0
+            raw.close()
+    finally:
+        peer.close()
+
+
+def test_a_new_session_acknowledging_events_it_never_got_is_refused_and_not_kept() -> None:
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            raw = Raw(srv.lane_port)
+            raw.send(PREFACE)
+            opening = open_request(peer_id, client.credential(peer_id))
+            opening.event_ack = 5
+            raw.frame(opening)
+            end = ended(raw)
+            assert end.reason == "INVALID_FIELD" and end.field_violations[0].field == "event_ack", end
+            raw.close()
+            view = client.describe(peer_id=peer_id).peers[0]
+            # Before, the refused session stayed subscribed to the peer's statuses, detached and
+            # never expired.
+            assert (view.sessions_connected, view.sessions_detached) == (0, 0), view
+    finally:
+        peer.close()
+
+
 async def _flood(port: int, peer_id: str, credential: bytes, written: list[int], stop: asyncio.Event) -> None:
     """A peer that writes submits on its lane as fast as TCP lets it, and never reads or acknowledges."""
     _, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = _open(peer_id, credential).SerializeToString()
+    body = open_request(peer_id, credential).SerializeToString()
     writer.write(PREFACE + HEADER.pack(len(body)) + body)
 
     async def send(request: hs.SessionRequest) -> None:
