@@ -115,16 +115,16 @@ class SessionLane:
         """Connections that have not opened a session: counted against ``max_unopened``, and a
         shutdown closes them at once."""
         self._warned_at = float("-inf")
+        self._tls: ssl.SSLContext | None = None
 
     async def start(self, address: str, tls: ssl.SSLContext | None) -> int:
         """Listen on ``address`` ("host:port", port 0 picks one); returns the bound port."""
         host, _, port = address.rpartition(":")
         bind = host.strip("[]") or None
-        if tls is None:
-            self._server = await asyncio.start_server(self._handle, bind, int(port), limit=1 << 16)
-        else:
-            self._server = await asyncio.start_server(self._handle, bind, int(port), limit=1 << 16, ssl=tls,
-                                                      ssl_handshake_timeout=self.open_timeout)
+        # TLS starts inside _handle, not in the listener: a connection still in its handshake then
+        # counts against max_unopened, and the open deadline covers the handshake too.
+        self._tls = tls
+        self._server = await asyncio.start_server(self._handle, bind, int(port), limit=1 << 16)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -169,12 +169,14 @@ class SessionLane:
             open_by = asyncio.get_running_loop().time() + self.open_timeout
             try:
                 async with asyncio.timeout_at(open_by):
+                    if self._tls is not None:
+                        await writer.start_tls(self._tls)
                     preface = await reader.readexactly(len(PREFACE))
             except TimeoutError:
                 self._turned_away("silent")
                 return
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # it left
+            except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+                return  # it left, or spoke no TLS
             if preface != PREFACE:
                 log.info("session lane: %s did not send the lane preface (a gRPC client on the wrong port?)",
                          writer.get_extra_info("peername"))

@@ -352,6 +352,27 @@ def test_a_flooding_lane_peer_is_held_back_while_another_peer_completes() -> Non
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_connections_in_their_tls_handshake_count_as_unopened(tmp_path: Path) -> None:
+    """On a TLS lane, connections that never finish (or start) the handshake hold unopened slots and
+    meet the open deadline like any other: the next one past the cap is closed at once. Before, the
+    listener ran the handshake before the lane counted the connection, so any number could wait."""
+    key, cert = self_signed(tmp_path)
+    with running_server(*SERVE_ARGS, *LANE, "--tls-cert", str(cert), "--tls-key", str(key), "--lane-max-unopened",
+                        "2", "--lane-open-timeout", "2", "--metrics-port", "0") as srv:
+        idlers = [Raw(srv.lane_port) for _ in range(2)]  # TCP only: no ClientHello ever comes
+        time.sleep(0.3)
+        extra = Raw(srv.lane_port)
+        assert extra.read() is None
+        extra.close()
+        for idler in idlers:
+            assert idler.read() is None  # closed at the open deadline
+            idler.close()
+        metrics = srv.metrics()
+        turned = {why: metrics.get(f'pdproto_lane_turned_away_total{{why="{why}"}}') for why in ("crowded", "silent")}
+        assert turned == {"crowded": 1, "silent": 2}, turned
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 def test_the_lane_speaks_tls_when_the_server_does(tmp_path: Path) -> None:
     key, cert = self_signed(tmp_path)
     peer = DecodeRank.for_spec(SPEC, pages=64)
