@@ -13,6 +13,8 @@ arguments by hand):
   plain pool holds its stage's layers in order, so the prefill numbers them from
   ``prefill_start_layer`` and a single-stage decode from 0 (draft entries after the target's
   layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
+* A prefill whose every attention-CP rank sends a share of each request (SGLang's
+  ``enable_all_cp_ranks_for_transfer`` with CP > 1) is refused (``refuse_cp_sharded_prefill``).
 * State: ``mamba`` components are recurrent (one slot per request), ``swa`` ones sliding
   windows (pages); SGLang's other state types are refused with
   ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type.
@@ -26,7 +28,7 @@ from typing import Any
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp.layers import EntryRole
-from pdproto.errors import Reason, TopologyError
+from pdproto.errors import ConfigError, Reason, TopologyError
 from pdproto.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.v1 import common_pb2
 
@@ -56,6 +58,33 @@ class Ranks:
     """(size, rank) of decode context parallelism."""
     state_tp_size: int = 0
     """TP size that splits state tensors (SGLang ``linear_attn_tp_size``); 0: attention TP."""
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC takes it: an IPv6 host in brackets (``[::1]:50051``)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def refuse_cp_sharded_prefill(attn_cp_size: int, all_cp_ranks_send: bool, *, hybrid_mla: bool) -> None:
+    """Raise ``ConfigError`` for a prefill whose every attention-CP rank sends a share of each request.
+
+    SGLang sets ``enable_all_cp_ranks_for_transfer`` for a hybrid MLA (Kimi Linear) or DSA
+    layer-split prefill with attention CP > 1, and for ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``;
+    each CP rank then sends its slice of the pages and the decode asks every CP rank. pdproto
+    plans a request from one CP rank only (the others are refused as TOPOLOGY_NOT_A_SENDER), so
+    every request would fail at run time: refuse the configuration when the manager is built.
+    """
+    if attn_cp_size <= 1 or not all_cp_ranks_send:
+        return
+    why = ("a hybrid MLA model (Kimi Linear) shards its KV over the CP ranks" if hybrid_mla else
+           "SGLang makes every CP rank send (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, DSA layer split)")
+    raise ConfigError(
+        f"--attn-cp-size {attn_cp_size} on the prefill is not supported with --disaggregation-transfer-backend "
+        f"pdproto: {why}, and pdproto moves a request from CP rank 0 only; run this prefill with "
+        "--attn-cp-size 1, or use --disaggregation-transfer-backend mooncake or nixl for it",
+        reason=Reason.CONFIG_INVALID,
+        metadata={"setting": "attn_cp_size", "value": str(attn_cp_size), "hybridMla": str(hybrid_mla)})
 
 
 def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
@@ -210,5 +239,5 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
                                for _, _, tensors in _state_components(kv_args)))
 
 
-__all__ = ["CAPABILITIES", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout", "kv_layer_ids",
-           "regions", "server_info"]
+__all__ = ["CAPABILITIES", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout", "host_port",
+           "kv_layer_ids", "refuse_cp_sharded_prefill", "regions", "server_info"]

@@ -10,6 +10,9 @@ docs/sglang-notes.md). What it adds is a translation, no protocol:
   handshake service) and publishes the service's gRPC port as the rank's ``rank_port``.
   SGLang's sends become ``PrefillEngine.submit_chunk`` (``add_transfer_request``); the
   engine's room status becomes SGLang's ``KVPoll`` and failure reason (``refresh_room``).
+  With PP > 1 a thread of the manager (``StatusPump``) does that for every open room as
+  well: SGLang then polls only PP rank 0, which reads every rank's status from the
+  ``PPConsensusStore`` each rank fills through ``update_status``.
 * **decode**: it builds its ``DecodeSide`` (pools registered, one client and status stream
   per prefill rank); outcomes folded over a request's prefill ranks become SGLang's room
   status and failure reason (``_on_outcome``).
@@ -18,6 +21,8 @@ docs/sglang-notes.md). What it adds is a translation, no protocol:
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -45,10 +50,70 @@ _KVPOLL: dict[int, int] = {
 """pdproto ``TransferState`` -> SGLang ``KVPoll`` (only FAILED differs in value)."""
 
 
+PP_REFRESH_S = 0.005
+"""How often the status pump (PP > 1) copies the engine's state of each open room into SGLang's table."""
+
+
 def rank_address(info: dict[str, Any]) -> str:
     """host:port of the prefill rank a ``/route`` answer names (its handshake service, for pdproto)."""
-    ip = str(info["rank_ip"])
-    return f"[{ip}]:{int(info['rank_port'])}" if ":" in ip else f"{ip}:{int(info['rank_port'])}"
+    return layout.host_port(str(info["rank_ip"]), int(info["rank_port"]))
+
+
+class StatusPump:
+    """Calls ``refresh(room)`` for every watched room, off the scheduler thread, until stopped.
+
+    SGLang's own backends write a room's status from their background threads the moment
+    it changes (Mooncake's bootstrap thread and transfer workers call ``update_status``).
+    pdproto's engine changes state on its service loop and says so to nobody, so with PP > 1,
+    where SGLang polls only PP rank 0 during bootstrap (``poll_and_all_reduce_prefill_pp``)
+    and reads every other rank's status from the ``PPConsensusStore``, each rank copies its
+    engine's state into its own store here; the store replicates it to rank 0.
+    """
+
+    def __init__(self, refresh: Callable[[int], bool], lock: threading.RLock, *,
+                 interval_s: float = PP_REFRESH_S, name: str = "pdproto-pp-status") -> None:
+        self._refresh = refresh
+        """Copies one room's state; False once the room is concluded (no more refreshes)."""
+        self._lock = lock
+        """Held around each refresh; ``unwatch`` takes it, so no refresh of the room runs after it."""
+        self._rooms: set[int] = set()
+        self._interval = interval_s
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, room: int) -> None:
+        """Refresh ``room`` until it concludes or is unwatched."""
+        with self._lock:
+            self._rooms.add(room)
+        self._wake.set()
+
+    def unwatch(self, room: int) -> None:
+        """Stop refreshing ``room``; returns once no refresh of it is running."""
+        with self._lock:
+            self._rooms.discard(room)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            with self._lock:
+                rooms = list(self._rooms)
+            if not rooms:
+                # Nothing open: sleep until a room is watched (or the manager closes).
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            for room in rooms:
+                with self._lock:
+                    if room in self._rooms and not self._refresh(room):
+                        self._rooms.discard(room)
+            self._stopped.wait(self._interval)
+
+    def stop(self) -> None:
+        """End the thread (the manager closes)."""
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(5)
 
 
 class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
@@ -69,7 +134,14 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
                               metadata={"setting": "enable_memory_saver"})
         self.prefill_side: PrefillSide | None = None
         self.decode_side: DecodeSide | None = None
+        # SGLang writes a room's status from the scheduler thread; the status pump writes it too.
+        # update_status reads, then writes: one lock keeps a write from undoing another (Failed).
+        self._status_lock = threading.RLock()
+        self.status_pump: StatusPump | None = None
         super().__init__(args, disaggregation_mode, server_args, bool(is_mla_backend))
+        if self.disaggregation_mode == DisaggregationMode.PREFILL and self.pp_size > 1:
+            self.status_pump = StatusPump(self._pump_refresh, self._status_lock,
+                                          name=f"pdproto-pp{self.pp_rank}-status")
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self.decode_side = DecodeSide(
                 args, self._ranks(), is_mla_backend=self.is_mla_backend, settings=self.settings,
@@ -87,6 +159,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
     def register_to_bootstrap(self) -> None:
         """Start this rank's handshake service, then ``PUT /route`` with its gRPC port as ``rank_port``."""
         if self.prefill_side is None:
+            layout.refuse_cp_sharded_prefill(self.attn_cp_size, bool(self.enable_all_cp_ranks_for_transfer),
+                                      hybrid_mla=bool(self.is_hybrid_mla_backend))
             from sglang.srt.environ import envs
 
             match_timeout = max(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get(),
@@ -123,13 +197,43 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
 
     def refresh_room(self, room: int) -> None:
         """Copy the engine's view of ``room`` into SGLang's status table (and its reason, once failed)."""
-        if self.prefill_side is None or room not in self.request_status:
+        if self.prefill_side is None:
             return
-        status = self.prefill_side.status(room)
-        if status.state == common_pb2.TRANSFER_STATE_FAILED:
-            self.fail_room(room, f"{status.failure_code}: {status.failure_reason}")
-        elif status.state in _KVPOLL and status.state != common_pb2.TRANSFER_STATE_BOOTSTRAPPING:
-            self.update_status(room, _KVPOLL[status.state])
+        with self._status_lock:
+            current = self.request_status.get(room)
+            if current is None or current == KVPoll.Failed:
+                return  # cleared (never recreated here), or failed for good
+            status = self.prefill_side.status(room)
+            if status.state == common_pb2.TRANSFER_STATE_FAILED:
+                self.fail_room(room, f"{status.failure_code}: {status.failure_reason}")
+            elif status.state in _KVPOLL and _KVPOLL[status.state] > current:
+                # Only a change is written: with PP > 1 each write is a message to PP rank 0.
+                self.update_status(room, _KVPOLL[status.state])
+
+    def watch_room(self, room: int) -> None:
+        """Keep ``room``'s status current without a poll (PP > 1: SGLang polls only PP rank 0)."""
+        if self.status_pump is not None:
+            self.status_pump.watch(room)
+
+    def unwatch_room(self, room: int) -> None:
+        """Stop keeping ``room``'s status current (its sender is cleared)."""
+        if self.status_pump is not None:
+            self.status_pump.unwatch(room)
+
+    def _pump_refresh(self, room: int) -> bool:
+        """The status pump's refresh of ``room``; False once it concluded (Success, Failed, or cleared)."""
+        try:
+            self.refresh_room(room)
+        except Exception as exc:  # noqa: BLE001 - the room must end with a reason, not wait for a timeout
+            log.exception("pdproto: status of room %d could not be read", room)
+            self.fail_room(room, f"{Reason.INTERNAL.name}: reading the room's status failed: {exc!r}")
+            return False
+        return self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed)
+
+    def update_status(self, bootstrap_room: int, status: Any) -> None:
+        """SGLang's ``update_status``, serialized with the status pump's writes."""
+        with self._status_lock:
+            super().update_status(bootstrap_room, status)
 
     # -- decode -------------------------------------------------------------------------
 
@@ -161,6 +265,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """Stop this rank's service or streams and release its engine (tests, shutdown)."""
         if getattr(self, "_heartbeat_shutdown", None) is not None:
             self._heartbeat_shutdown.set()
+        if self.status_pump is not None:
+            self.status_pump.stop()
         for side in (self.prefill_side, self.decode_side):
             if side is not None:
                 side.close()
@@ -173,4 +279,4 @@ def _device() -> str:
     return "cuda" if str(get_device().device).startswith("cuda") else "cpu"
 
 
-__all__ = ["PdprotoKVManager", "rank_address"]
+__all__ = ["PP_REFRESH_S", "PdprotoKVManager", "StatusPump", "rank_address"]

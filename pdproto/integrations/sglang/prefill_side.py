@@ -52,7 +52,7 @@ class PrefillSide:
             gpu_id = int(getattr(kv_args, "gpu_id", 0) or 0)
 
             def address(base: int) -> str:
-                return f"{host}:{base + gpu_id if base else 0}"
+                return layout.host_port(host, base + gpu_id if base else 0)
 
             lane = address(settings.lane_port) if settings.session_lane else None
             config = ServerConfig(listen=address(settings.port),
@@ -66,7 +66,8 @@ class PrefillSide:
             self.executor.close()
             raise
         self.info.rank_endpoint.port = self.port
-        log.info("pdproto: prefill rank %d serves %s:%d (%s)", prefill_rank, host, self.port, settings.engine)
+        log.info("pdproto: prefill rank %d serves %s (%s)", prefill_rank, layout.host_port(host, self.port),
+                 settings.engine)
 
     def submit(self, room: int, pages: Sequence[int], num_tokens: int, last: bool,
                state_indices: Sequence[Any] | None, aux_index: int | None) -> None:

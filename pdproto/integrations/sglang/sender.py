@@ -9,6 +9,9 @@ engine API (``server/README.md``):
 ``poll()``                 ``PrefillEngine.status(room)`` copied into SGLang's table, then
                            SGLang's poll (Bootstrapping -> WaitingForInput -> Transferring ->
                            Success, or Failed with the engine's reason)
+``poll_pp_consensus()``    the same on PP rank 0, over every PP rank's table; with PP > 1 the
+                           manager's status pump copies the room's state on every rank
+                           between polls (SGLang polls only PP rank 0 during bootstrap)
 ``pop_decode_prefix_len``  ``PrefillEngine.decode_prefix_len(room)``
 ``abort()``                SGLang's abort, and ``PrefillEngine.abort``: the decodes are told
 ``clear()``                ``release_room`` after Success; after a failure the room stays
@@ -35,6 +38,9 @@ class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         self._final: RoomStatus | None = None
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        if self.conclude_state is None and self._engine_room:
+            # PP > 1: this rank's state must reach PP rank 0's consensus though nobody polls here.
+            mgr.watch_room(bootstrap_room)
 
     @property
     def _engine_room(self) -> bool:
@@ -46,6 +52,12 @@ class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
         if self.conclude_state is None and self._engine_room:
             self.kv_mgr.refresh_room(self.bootstrap_room)
         return super().poll()
+
+    def poll_pp_consensus(self) -> Any:
+        """SGLang's ``KVPoll`` of the room over every PP rank (PP rank 0), after reading this rank's engine."""
+        if self.conclude_state is None and self._engine_room:
+            self.kv_mgr.refresh_room(self.bootstrap_room)
+        return super().poll_pp_consensus()
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode holds already (``decode_prefix_len`` of its request); 0 if none."""
@@ -62,6 +74,7 @@ class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
     def clear(self) -> None:
         """Free the room: forgotten after Success, left aborted (with its reason) after a failure."""
         side, room = self.kv_mgr.prefill_side, self.bootstrap_room
+        self.kv_mgr.unwatch_room(room)
         if self._engine_room and self._final is None:
             self._final = side.status(room)
             with self.kv_mgr.failure_lock:

@@ -1,0 +1,155 @@
+"""One rank of a two-rank SGLang prefill (``tests/sglang/test_manager.py``), in its own process.
+
+``--cp``: a Kimi-Linear-shaped prefill with ``--tp-size 2 --attn-cp-size 2``, where SGLang makes
+every CP rank send its share (``enable_all_cp_ranks_for_transfer``); building the pdproto manager
+must raise ``ConfigError``, printed as one JSON line. Without it, PP 2:
+
+Each rank boots SGLang with ``--pp-size 2`` (ServerArgs, ``publish``, ``init_parallel_runtime``:
+real gloo groups, PP included), builds the MLA pool of ``_models.py`` and the pdproto manager
+from ``get_kv_class`` (so its status table is SGLang's ``PPConsensusStore``), and creates one
+``PdprotoKVSender`` per room, as ``prefill.py:409-414`` does. It then polls the bootstrap queue
+the way ``pop_bootstrapped`` does with PP > 1 (``prefill.py:507-515``):
+``poll_and_all_reduce_prefill_pp``, which polls only on PP rank 0 (``poll_pp_consensus``) and
+hands rank 0's answer down the pipeline.
+
+No decode runs: each rank's engine is told what a decode's ``SubmitTransfer`` would tell it.
+
+* room ``BOTH``: a decode request for it reaches both ranks' services (``engine.claim``, as the
+  service's runner does at admission, with the request waiting for input). SGLang must see
+  WaitingForInput only once both ranks' states reached rank 0's consensus.
+* room ``STAGE1_FAILS``: only rank 1's engine fails it (``PrefillSide.abort``: the request
+  failed on that rank); rank 0's engine still waits for its decode. The consensus must be
+  Failed, which only rank 1 knows.
+
+Both ranks call the PP poll the same number of times (its answer is the same on both), until
+every room is WaitingForInput or Failed; SGLang's bootstrap timeout bounds the wait (a room it
+fails has the timeout as its reason on rank 0). Each rank prints one JSON line with the polls
+and its failure reasons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from tests.sglang._models import LAYERS, build_pools
+
+BOTH, STAGE1_FAILS = 501, 502
+STAGE1_REASON = "stage 1 lost its decode"
+FAILED, BOOTSTRAPPING, WAITING = 0, 1, 2  # KVPoll (disaggregation/base/conn.py:123-128)
+
+
+def _boot(args: argparse.Namespace, model_flags: list[str]) -> Any:
+    from tests.sglang import _stubs
+
+    _stubs.install()
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    server_args = prepare_server_args([
+        "--model-path", args.model_dir, "--device", "cpu", "--host", "127.0.0.1", "--skip-tokenizer-init",
+        "--page-size", "64", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "pdproto",
+        "--disaggregation-bootstrap-port", str(args.bootstrap_port), *model_flags,
+    ])  # fmt: skip
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=args.rank, gpu_id=args.rank))
+    init_parallel_runtime(server_args=server_args, device="cpu", dist_port=args.dist_port)
+    return server_args
+
+
+def _tell_engine(manager: Any, rank: int) -> None:
+    """What a decode's SubmitTransfer would do to this rank's engine (module docstring)."""
+    side = manager.prefill_side
+    waiting = SimpleNamespace(state=WAITING, failure_code="", failure_reason="", bytes=0, aux_bytes=0, state_bytes=0)
+
+    async def claim(room: int) -> None:
+        side.engine.claim(room, peer_id="decode-0", request=waiting, expected=1)
+
+    side.service.call(claim(BOTH))
+    if rank == 1:
+        side.abort(STAGE1_FAILS, STAGE1_REASON)
+
+
+def _cp_sharded(args: argparse.Namespace) -> None:
+    """Build the manager of a CP-sharded hybrid MLA prefill rank; print what refused it."""
+    # The Mamba radix cache needs GPU state snapshots (tests/sglang/_models.py server_flags).
+    server_args = _boot(args, ["--tp-size", "2", "--attn-cp-size", "2", "--disable-radix-cache"])
+    from pdproto.errors import PdprotoError
+    from tests.sglang._ranks import _manager, _metadata
+
+    pools = build_pools("kimi", 8, args.model_dir)
+    metadata, _ = _metadata()
+    out: dict[str, Any] = {"rank": args.rank}
+    try:
+        _manager(server_args, "prefill", pools.pool, metadata, LAYERS["kimi"])
+    except PdprotoError as exc:
+        out.update(error=type(exc).__name__, reason=exc.reason.name, message=exc.message, metadata=exc.metadata)
+    print(json.dumps(out), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--bootstrap-port", "--dist-port"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--cp", action="store_true")
+    args = parser.parse_args()
+    if args.cp:
+        _cp_sharded(args)
+        return
+    server_args = _boot(args, ["--pp-size", "2"])
+    from sglang.srt.disaggregation.utils import (
+        KVClassType,
+        TransferBackend,
+        get_kv_class,
+        poll_and_all_reduce_prefill_pp,
+    )
+    from sglang.srt.runtime_context import get_parallel
+
+    from tests.sglang._ranks import _manager, _metadata
+
+    bootstrap = None
+    if args.rank == 0:
+        from sglang.srt.managers.disagg_service import start_disagg_service
+
+        bootstrap = start_disagg_service()  # tokenizer_manager.py:806, in the leader's process
+    pools = build_pools("mla", 8, args.model_dir)
+    metadata, _ = _metadata()
+    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS["mla"])
+    sender_class = get_kv_class(TransferBackend.PDPROTO, KVClassType.SENDER)
+    rooms = [BOTH, STAGE1_FAILS]
+    senders = [sender_class(mgr=manager, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=room)
+               for room in rooms]
+    parallel = get_parallel()
+    # scheduler.py:1248-1250; the scheduler's pp_group (prefill.py:510)
+    tp_group, cp_group, pp_group = parallel.attn_tp_group.cpu_group, parallel.attn_cp_group.cpu_group, \
+        parallel.pp_group
+    work: list[Any] = []  # the bootstrap queue's pp_poll_sync_work_list (prefill.py:217)
+
+    def poll() -> list[int]:
+        polls = poll_and_all_reduce_prefill_pp(senders, cp_group, tp_group, pp_group, manager.pp_rank, 2, work)
+        return [int(p) for p in polls]
+
+    first = poll()  # before any decode: every room bootstrapping
+    _tell_engine(manager, args.rank)
+    polls = poll()
+    # The same answer on both ranks ends the loop on both, in the same round.
+    while any(p not in (WAITING, FAILED) for p in polls):
+        time.sleep(0.01)
+        polls = poll()
+    with manager.failure_lock:
+        reasons = {room: manager.failure_records.get(room) for room in rooms}
+    print(json.dumps({"rank": args.rank, "first": first, "polls": polls, "reasons": reasons}), flush=True)
+    # Leave together: rank 0's store must outlive rank 1's last message, the groups every send.
+    parallel.pp_group.barrier()
+    manager.close()
+    del bootstrap
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The pdproto manager and sender with SGLang 0.5.23's own objects, short of a full PD run.
+
+* PP 2 prefill: two ranks in two processes (``tests/sglang/_prefill_group.py``) on SGLang's real
+  gloo groups and ``PPConsensusStore``, polled through SGLang's ``poll_and_all_reduce_prefill_pp``
+  (only PP rank 0 polls): each rank's own engine state reaches the consensus.
+* IPv6: a prefill rank on ``::1`` serves its handshake service at ``[::1]:port``, and the
+  address the decode builds from ``/route`` reaches it.
+* A CP-sharded prefill (every attention-CP rank sends its share) is refused when the manager
+  is built, naming the setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdproto.errors import ConfigError, Reason
+from pdproto.integrations.sglang import layout
+from tests.sglang._models import write_config
+from tests.sglang._prefill_group import BOTH, FAILED, STAGE1_FAILS, STAGE1_REASON, WAITING
+from tests.sglang._run import REPO, run_sglang
+from tests.sglang.pd_harness import free_port
+
+TIMEOUT_S = 60
+"""SGLang's bootstrap timeout in the PP run: only a room nobody's state reached would see it."""
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def _run_group(tmp_path: Path, model: str, *extra: str) -> tuple[list[dict[str, Any] | None], list[int], list[str]]:
+    """Both ranks of ``tests/sglang/_prefill_group.py``: their JSON lines, exit codes and stderr tails."""
+    env = dict(os.environ, MOONCAKE_PROTOCOL="tcp", SGLANG_HOST_IP="127.0.0.1",
+               SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=str(TIMEOUT_S),
+               SGLANG_DISAGGREGATION_WAITING_TIMEOUT=str(TIMEOUT_S),
+               SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * 2))
+    common = ["--model-dir", str(write_config(model, tmp_path / model)), "--bootstrap-port", str(free_port()),
+              "--dist-port", str(free_port()), *extra]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.sglang._prefill_group", "--rank", str(r), *common],
+                              cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=(tmp_path / f"rank{r}.err").open("w"))
+             for r in range(2)]
+    outs: list[dict[str, Any] | None] = []
+    try:
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=TIMEOUT_S * 4)
+            lines = [line for line in stdout.splitlines() if line.startswith("{")]
+            outs.append(json.loads(lines[-1]) if lines else None)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    errs = [(tmp_path / f"rank{r}.err").read_text()[-3000:] for r in range(2)]
+    return outs, [p.returncode for p in procs], errs
+
+
+@pytest.mark.process
+def test_pp2_prefill_each_ranks_engine_state_reaches_the_consensus(tmp_path: Path) -> None:
+    """With PP 2 SGLang polls only PP rank 0 during bootstrap; rank 1's engine state must reach it."""
+    outs, codes, errs = _run_group(tmp_path, "mla")
+    assert outs[0] is not None and outs[1] is not None, errs
+    for out in outs:
+        assert out["first"] == [1, 1]  # Bootstrapping: no decode yet
+        # BOTH: waiting for input on both ranks; STAGE1_FAILS: failed on rank 1 only.
+        assert out["polls"] == [WAITING, FAILED], (out, errs)
+    # Rank 1 recorded its engine's reason; rank 0 none (no bootstrap timeout fired there).
+    assert STAGE1_REASON in (outs[1]["reasons"][str(STAGE1_FAILS)] or "")
+    assert outs[0]["reasons"] == {str(BOTH): None, str(STAGE1_FAILS): None}
+    assert codes == [0, 0], errs
+
+
+@pytest.mark.process
+def test_a_cp_sharded_hybrid_mla_prefill_is_refused_when_its_manager_is_built(tmp_path: Path) -> None:
+    """Kimi Linear with --attn-cp-size 2: SGLang makes every CP rank send; pdproto refuses at start-up."""
+    outs, _, errs = _run_group(tmp_path, "kimi", "--cp")
+    for out in outs:
+        assert out is not None and out.get("error") == "ConfigError", (out, errs)
+        assert out["reason"] == Reason.CONFIG_INVALID.name
+        assert out["metadata"]["setting"] == "attn_cp_size"
+        assert "--attn-cp-size 1" in out["message"] and "mooncake or nixl" in out["message"]
+
+
+def test_cp_refusal_covers_only_prefills_whose_every_cp_rank_sends() -> None:
+    refuse_cp_sharded_prefill = layout.refuse_cp_sharded_prefill
+    refuse_cp_sharded_prefill(1, True, hybrid_mla=True)  # no CP: served
+    refuse_cp_sharded_prefill(2, False, hybrid_mla=False)  # CP rank 0 sends, the rest are dummies: served
+    with pytest.raises(ConfigError) as info:
+        refuse_cp_sharded_prefill(2, True, hybrid_mla=True)
+    assert info.value.reason is Reason.CONFIG_INVALID and info.value.metadata["setting"] == "attn_cp_size"
+
+
+IPV6_PREFILL = """
+import numpy as np
+from types import SimpleNamespace
+from pdproto.client import HandshakeClient
+from pdproto.integrations.sglang import layout
+from pdproto.integrations.sglang.manager import rank_address
+from pdproto.integrations.sglang.prefill_side import PrefillSide
+from pdproto.integrations.sglang.settings import BackendSettings
+
+kv = [np.zeros((4 * 64, 1152), dtype=np.uint8) for _ in range(2)]
+aux = [np.zeros((4, 64), dtype=np.uint8)]
+kv_args = SimpleNamespace(
+    kv_data_ptrs=[a.ctypes.data for a in kv], kv_data_lens=[a.nbytes for a in kv], kv_item_lens=[64 * 1152] * 2,
+    kv_layer_ids=[], num_draft_entries=0, prefill_start_layer=0, page_size=64, kv_cache_dtype_str="bfloat16",
+    kv_layout=None, aux_data_ptrs=[a.ctypes.data for a in aux], aux_data_lens=[a.nbytes for a in aux],
+    aux_item_lens=[64], gpu_id=0, is_hybrid_mla_backend=False, state_types=[])
+side = PrefillSide(kv_args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, settings=BackendSettings.from_env(),
+                   host="::1", device="cpu", prefill_rank=0, match_timeout_s=5.0)
+try:
+    # What /route publishes (rank_ip, rank_port) and the decode dials.
+    address = rank_address({"rank_ip": "::1", "rank_port": side.port})
+    with HandshakeClient(address) as client:
+        client.describe()
+    print(json.dumps({"address": address, "port": side.port, "listen": side.service.config.listen}))
+finally:
+    side.close()
+"""
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this host cannot bind the IPv6 loopback ::1")
+def test_a_prefill_rank_on_ipv6_serves_and_the_decode_reaches_it() -> None:
+    """SGLANG_HOST_IP ::1: the service binds [::1]:port (unbracketed, gRPC cannot bind it)."""
+    out = run_sglang(IPV6_PREFILL, env={"MOONCAKE_PROTOCOL": "tcp"})
+    assert out["listen"] == "[::1]:0"
+    assert out["address"] == f"[::1]:{out['port']}"
+
+
+def test_host_port_brackets_ipv6_hosts_only() -> None:
+    assert layout.host_port("::1", 50051) == "[::1]:50051"
+    assert layout.host_port("[fe80::1]", 7) == "[fe80::1]:7"
+    assert layout.host_port("10.0.0.1", 0) == "10.0.0.1:0"
+    assert layout.host_port("prefill-0.local", 9) == "prefill-0.local:9"
+
+
