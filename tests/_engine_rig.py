@@ -21,6 +21,16 @@ agent starts.
 * ``bounds`` (NIXL): a peer whose ``KvBuffer.length`` says nothing (0) is sent a row past the
   memory it registered with NIXL: that job fails DESTINATION_OUT_OF_BOUNDS, the peer stays
   connected and its next job lands byte-exact.
+* ``stuck_close`` (Mooncake, whose transport here gives a stuck batch up only after 600 s):
+  a frozen peer's call times out, the peer is disconnected, then ``close()`` runs (as
+  ``pdproto serve`` does): memory and engine stay while the call is inside the engine, and the
+  process exits with the call still there (the decode is left frozen; the caller kills it).
+* ``unreleased`` (NIXL): NIXL's release of a frozen peer's transfer fails as it does while a
+  cancel is under way (REPOST_ACTIVE, injected at the agent's ``release_xfer_handle``): the
+  job's staging extent stays reserved and the peer is not quiet until the release goes through.
+* ``probes`` (Mooncake, one pending probe allowed): while a probe waits on a black-holed
+  session, a registration is refused UNAVAILABLE (retry later), and a healthy peer whose batch
+  fails is not written off (TRANSFER_FAILED, not PEER_GONE).
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ TIMEOUT = 3.0
 ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "MC_TCP_PROGRESS_TIMEOUT_SEC": "8", "MC_TRANSFER_TIMEOUT": "8"}
 """NIXL over TCP on loopback, in this process and in the decodes; Mooncake gives a stuck batch up
 after 8 s, well after the executor's 3 s deadline (as an operator's own setting would)."""
+SCENARIO_ENV = {"stuck_close": {"MC_TCP_PROGRESS_TIMEOUT_SEC": "600", "MC_TRANSFER_TIMEOUT": "600"}}
+"""This process's own overrides per scenario (the decodes keep ``ENV``)."""
 
 
 def _outcome(fn: Any) -> dict[str, Any]:
@@ -79,9 +91,10 @@ class Rig:
         ex.register_memory([self.src])
         self.peers: dict[str, DecodeProcess] = {}
 
-    def add(self, name: str) -> DecodeProcess:
+    def add(self, name: str, log_dir: str | None = None) -> DecodeProcess:
+        """Launch decode ``name`` and connect it (``log_dir``: its stderr goes there, not to ours)."""
         peer = DecodeProcess.launch(DecodeConfig(backend=self.backend, layers=1, pages=ROWS, page_size=1,
-                                                 row_bytes=ROW, background=0), label=name, env=ENV)
+                                                 row_bytes=ROW, background=0), label=name, env=ENV, log_dir=log_dir)
         self.peers[name] = peer
         self.ex.connect(name, peer.registration)
         return peer
@@ -272,8 +285,117 @@ def bounds(rig: Rig, report: dict[str, Any]) -> None:
     report["exact"] = rig.exact("A")
 
 
+def stuck_close(rig: Rig, report: dict[str, Any]) -> None:
+    """close() after the frozen peer was disconnected: nothing is torn down under its stuck call."""
+    # Its stderr must not hold our own open: the parent reads ours until it closes.
+    a = rig.add("A", log_dir=tempfile.mkdtemp())
+    report["warm"] = _warm(rig, "A")
+    a.kill(signal.SIGSTOP)
+    report["stuck"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    rig.ex.disconnect("A")  # what the server's core does to every peer before executor.close()
+    report["quiet_before_close"] = rig.ex.quiesce("A", 0.1)
+    rig.ex.close()
+    report["engine_kept"] = rig.ex._engine is not None  # type: ignore[attr-defined]
+    report["buffers_kept"] = len(rig.ex._buffers)
+    report["frozen_pid"] = a.proc.pid
+    del rig.peers["A"]  # stays frozen: this process must exit with A's call still inside the engine
+
+
+class _CancelUnderWay:
+    """A NIXL agent whose ``release_xfer_handle`` fails, as it does while a cancel is under way, until ``done``."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.done = threading.Event()
+        self.refused = 0
+
+    def release_xfer_handle(self, handle: Any) -> Any:
+        if not self.done.is_set():
+            self.refused += 1
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        return self._agent.release_xfer_handle(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+def unreleased(rig: Rig, report: dict[str, Any]) -> None:
+    """A transfer NIXL will not release yet keeps its staging extent, and its peer is not quiet."""
+    a = rig.add("A")
+    report["warm"] = _warm(rig, "A")
+    agent = _CancelUnderWay(rig.ex._agent)  # type: ignore[attr-defined]
+    rig.ex._agent = agent  # type: ignore[attr-defined]
+    a.kill(signal.SIGSTOP)
+    report["stuck"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    stuck = rig.ex._peers["A"].stuck
+    # The lane's own call has returned (it retried the release for a while, then left it).
+    report["lane_returned"] = stuck is not None and bool(futures.wait([stuck], timeout=60).done)
+    report["refused_releases"] = agent.refused
+    report["held_while_cancelling"] = list(rig.ex.held())
+    report["quiet_while_cancelling"] = rig.ex.quiesce("A", 0.5)
+    marker = rig.ex.drained("A")
+    report["drained_while_cancelling"] = marker is None or bool(futures.wait([marker], timeout=0.5).done)
+    report["next_while_cancelling"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+    agent.done.set()  # NIXL lets go of the handle
+    report["quiet_later"] = rig.ex.quiesce("A", 60)
+    report["drained_later"] = marker is None or marker.result(timeout=60) is None
+    waited = time.monotonic()
+    while rig.ex.held() != (0, 0) and time.monotonic() - waited < 60:
+        time.sleep(0.1)
+    report["held_after"] = list(rig.ex.held())
+    a.kill(signal.SIGCONT)
+    a.fill(0)
+    for _ in range(20):
+        report["resumed"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+        if report["resumed"]["ok"]:
+            break
+        time.sleep(0.5)
+    report["resumed_exact"] = rig.exact("A")
+
+
+def probes(rig: Rig, report: dict[str, Any]) -> None:
+    """A probe that cannot say (none free) neither refuses a peer as gone nor writes a healthy one off."""
+    from pdproto.transfer import mooncake
+
+    mooncake.MAX_PENDING_PROBES = 1
+    b = rig.add("B")
+    report["warm"] = _warm(rig, "B")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(silent.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        hole = registration_pb2.KvRegistration()
+        hole.mooncake.session_id = f"127.0.0.1:{silent.getsockname()[1]}"
+        hole.kv_buffers.add(ptr=1 << 40, length=ROWS * ROW)
+        # Its probe waits on the silent session for up to a minute after connect gives up.
+        report["hole"] = _outcome(lambda: rig.ex.connect("hole", hole))
+        report["another"] = _refused(lambda: rig.ex.connect("B2", b.registration))
+        # A batch of B's fails (its session is named wrongly for it) while no probe is free.
+        peer = rig.ex._peers["B"]
+        session, peer.remote = peer.remote, "127.0.0.1:1"
+        report["failed_batch"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))
+        peer.remote = session
+        report["b_connected"] = "B" in rig.ex._peers
+        report["b_after"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))
+    finally:
+        silent.close()
+        for s in held:
+            s.close()
+
+
 SCENARIOS: dict[str, Callable[[Rig, dict[str, Any]], None]] = {
-    "frozen": frozen, "blackhole": blackhole, "identity": identity, "shared": shared, "bounds": bounds}
+    "frozen": frozen, "blackhole": blackhole, "identity": identity, "shared": shared, "bounds": bounds,
+    "stuck_close": stuck_close, "unreleased": unreleased, "probes": probes}
 
 
 def run_scenario(scenario: str, backend: str, timeout: float = 240.0) -> dict[str, Any]:
@@ -289,9 +411,10 @@ def run_scenario(scenario: str, backend: str, timeout: float = 240.0) -> dict[st
 
 def main(argv: list[str]) -> int:
     """Run one scenario and print its report as one JSON line on the real stdout."""
-    os.environ.update(ENV)  # before the first NIXL agent of this process starts
-    out = redirect_stdout_to_stderr()
     scenario, backend = argv
+    os.environ.update(ENV)  # before the first NIXL agent of this process starts
+    os.environ.update(SCENARIO_ENV.get(scenario, {}))
+    out = redirect_stdout_to_stderr()
     rig = Rig(backend)
     report: dict[str, Any] = {}
     try:

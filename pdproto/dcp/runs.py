@@ -7,7 +7,7 @@ first and last rows are its extent on each side. A run of one row has both strid
 to 1 so that "stride 1" alone means "contiguous".
 
 The planner builds runs (``progression_runs``); executors check them (``bad_run``,
-``extents``), gather from them and cut descriptors from them (``segments``). Everything
+``overflowing_run``, ``extents``), gather from them and cut descriptors from them (``segments``). Everything
 is vectorised over pages or runs. ``expand`` and ``from_rows`` are O(tokens) and not on
 the request path; ``source_rows`` is, once per chunk and row set, as the index of the
 executors' gather kernel (8 bytes a row, against the row's bytes in every layer).
@@ -36,13 +36,32 @@ def bad_run(runs: I64) -> int | None:
     return int(bad[0]) if bad.size else None
 
 
+def overflowing_run(runs: I64) -> int | None:
+    """Index of the first run whose last row (start + (count-1)*stride) does not fit in int64; None if all fit.
+
+    Checked without computing it (which would wrap silently); runs must pass ``bad_run`` first.
+    """
+    if runs.shape[0] == 0:
+        return None
+    top = np.iinfo(np.int64).max
+    last = runs[:, COUNT] - 1
+    # last*stride <= top - start  <=>  last <= (top - start) // stride, for start >= 0 and stride >= 1.
+    room = np.minimum((top - runs[:, SRC_START]) // runs[:, SRC_STRIDE],
+                      (top - runs[:, DST_START]) // runs[:, DST_STRIDE])
+    bad = np.flatnonzero(last > room)
+    return int(bad[0]) if bad.size else None
+
+
 def num_rows(runs: I64) -> int:
     """Row pairs the runs hold."""
     return int(runs[:, COUNT].sum())
 
 
 def extents(runs: I64) -> tuple[int, int, int, int]:
-    """(lowest src row, highest src row, lowest dst row, highest dst row) in O(runs); runs must be non-empty."""
+    """(lowest src row, highest src row, lowest dst row, highest dst row) in O(runs).
+
+    Runs must be non-empty and pass ``bad_run`` and ``overflowing_run`` (else the highest rows wrap).
+    """
     last = runs[:, COUNT] - 1
     return (int(runs[:, SRC_START].min()), int((runs[:, SRC_START] + last * runs[:, SRC_STRIDE]).max()),
             int(runs[:, DST_START].min()), int((runs[:, DST_START] + last * runs[:, DST_STRIDE]).max()))

@@ -11,7 +11,9 @@ call that overruns raises ``DEADLINE_EXCEEDED`` to its caller and leaves only th
 peer's own lane busy: that peer's next calls fail at once until the engine gives
 the stuck call up, and no other peer waits for anything it holds. The stuck call
 keeps its staging extent and engine handles until the engine returns, then frees
-them like any finished call.
+them like any finished call. An engine that returns before it let go of a transfer
+(NIXL, whose cancel may still be under way) leaves the peer *unsettled*: the job's
+extent, ``drained`` and ``quiesce`` wait for that transfer too.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .base import (
     remote_regions,
     validate_job,
 )
+from ._lane import Lane
 from ._paths import INLINE_BYTES, JobPaths
 from .memory import allocate, host_view
 from .packing import Gatherer, StagingExtents
@@ -62,6 +65,24 @@ def _nothing() -> None:
     """A lane marker's call."""
 
 
+def _all_done(futures: Sequence[Future[Any]]) -> Future[None]:
+    """A future done once every one of ``futures`` is (how each ended does not matter: it left the engine)."""
+    out: Future[None] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and out.set_running_or_notify_cancel():
+            out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
 @dataclass
 class PeerState:
     """What an engine executor keeps per connected peer."""
@@ -72,8 +93,8 @@ class PeerState:
     regions: list[tuple[int, int]]
     device: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-    lane: ThreadPoolExecutor | None = None
-    """The peer's own thread: every engine call for this peer runs there, one at a time."""
+    lane: Lane | None = None
+    """The peer's own (daemon) thread: every engine call for this peer runs there, one at a time."""
     deadline: float = 0.0
     """``time.monotonic()`` by which the call running on the lane must finish (engine waits read it)."""
     stuck: Future[Any] | None = None
@@ -81,6 +102,9 @@ class PeerState:
     stuck_at: float = 0.0
     retired: Future[Any] | None = None
     """The disconnect queued on the lane; done once every earlier call on the lane ended."""
+    unsettled: Future[None] | None = None
+    """Done once the engine let go of every transfer of this peer that outlived its call (NIXL:
+    a handle it would not release yet); None while there is none."""
 
 
 class EngineExecutor(JobPaths):
@@ -90,6 +114,10 @@ class EngineExecutor(JobPaths):
 
     disconnect_waits = False
     """True when ``_disconnect`` must not run before the peer's in-flight call ended (NIXL)."""
+
+    settle_wait_s = 2.0
+    """How long a call keeps asking the engine to let go of a transfer it would not release yet
+    (NIXL, cancel under way) before it returns and leaves the retries to later calls."""
 
     def __init__(self, *, staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
                  inline_bytes: int = INLINE_BYTES) -> None:
@@ -112,7 +140,12 @@ class EngineExecutor(JobPaths):
         self._pool: ThreadPoolExecutor | None = None
         self._handles = 0
         self._retiring: dict[str, PeerState] = {}
-        """Disconnected peers whose lane still runs (a stuck call, then the disconnect)."""
+        """Disconnected peers whose lane still runs (a stuck call, then the disconnect) or that are unsettled."""
+        self._winding: dict[int, PeerState] = {}
+        """Every retiring peer by identity: ``_retiring`` keeps the latest per peer id, and a peer id
+        that connected again may have an older state still stuck (``close`` waits for all)."""
+        self._settler: threading.Thread | None = None
+        """Retries, while some peer is unsettled, to make the engine let go (``_settle_later``)."""
         self._closed = False
 
     # ---- hooks for subclasses ----------------------------------------------------------
@@ -133,6 +166,64 @@ class EngineExecutor(JobPaths):
 
     def _close_engine(self) -> None:
         raise NotImplementedError
+
+    def _settle(self, peer: PeerState, until: float) -> bool:
+        """Ask the engine until ``until`` (monotonic) to let go of the peer's outliving transfers; True once none is."""
+        return peer.unsettled is None
+
+    # ---- transfers that outlive their call --------------------------------------------
+    def _hold(self, peer: PeerState) -> None:
+        """The engine still holds a transfer of ``peer`` that its call gave up: the peer is unsettled."""
+        with self._lock:
+            if peer.unsettled is None:
+                peer.unsettled = Future()
+            settler = None
+            if self._settler is None:
+                settler = self._settler = threading.Thread(target=self._settle_later, name="pdproto-settle",
+                                                           daemon=True)
+        if settler is not None:
+            settler.start()
+
+    def _settle_later(self) -> None:
+        """Until no peer is unsettled, ask the engine again now and then (no caller may come to ask)."""
+        delay = 0.01
+        while True:
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            with self._lock:
+                peers = [p for p in (*self._peers.values(), *self._winding.values()) if p.unsettled is not None]
+                if not peers:
+                    self._settler = None
+                    return
+            for peer in peers:
+                self._settle(peer, 0.0)
+
+    def _let_go(self, peer: PeerState) -> None:
+        """The engine let go of every outliving transfer of ``peer``: release what waited for that."""
+        with self._lock:
+            done, peer.unsettled = peer.unsettled, None
+        if done is not None and done.set_running_or_notify_cancel():
+            done.set_result(None)
+
+    def _unsettled(self, peer: PeerState) -> Future[None] | None:
+        """After one more try to settle the peer, the future its outliving transfers hold (None: none)."""
+        if peer.unsettled is None:
+            return None
+        self._settle(peer, 0.0)
+        with self._lock:
+            return peer.unsettled
+
+    def _give_back(self, peer: PeerState, extent: tuple[int, int], settled: bool) -> None:
+        """Return a job's staging extent, or, while the engine may still read it, once it let go."""
+        extents = self._extents
+        assert extents is not None
+        with self._lock:
+            pending = None if settled else peer.unsettled
+        if pending is None:
+            extents.release(*extent)
+        else:
+            # Another peer's job packing into bytes UCX may still read would send garbage.
+            pending.add_done_callback(lambda _: extents.release(*extent))
 
     # ---- memory -----------------------------------------------------------------------
     def _init_staging(self) -> None:
@@ -181,7 +272,7 @@ class EngineExecutor(JobPaths):
         """Load the peer's transport from its registration; replaces an earlier connection."""
         state = self._connect(peer_id, registration)
         state.regions = remote_regions(registration)
-        state.lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-peer")
+        state.lane = Lane(f"pdproto-peer-{peer_id}"[:64])
         with self._lock:
             old = self._peers.pop(peer_id, None)
             self._peers[peer_id] = state
@@ -235,21 +326,23 @@ class EngineExecutor(JobPaths):
 
         The lane runs one call at a time, in order, so a no-op queued now finishes after all
         of them; a call the engine still holds past its deadline holds it too.
+        A transfer the engine has not let go of yet (``PeerState.unsettled``) holds it too.
         """
         with self._lock:
             peer = self._peers.get(peer_id) or self._retiring.get(peer_id)
         if peer is None or peer.lane is None:
             return None
         try:
-            return peer.lane.submit(_nothing)
+            marker = peer.lane.submit(_nothing)
         except RuntimeError:
-            if peer.retired is not None:
-                return peer.retired  # shut down by _retire: the queued disconnect is its last task
-            # concurrent.futures takes no work once the interpreter exits, and says nothing of what runs.
-            raise ShuttingDownError(f"peer {peer_id}: the process is exiting; whether an engine call for this "
-                                    "peer is still running cannot be known; keep its pages until the process is gone",
-                                    reason=Reason.SHUTTING_DOWN,
-                                    metadata={"peer": peer_id}) from None
+            if peer.retired is None:
+                # A lane takes no work once the interpreter exits, and says nothing of what runs.
+                raise ShuttingDownError(f"peer {peer_id}: the process is exiting; whether an engine call for this "
+                                        "peer is still running cannot be known; keep its pages until the process "
+                                        "is gone", reason=Reason.SHUTTING_DOWN, metadata={"peer": peer_id}) from None
+            marker = peer.retired  # shut down by _retire: the queued disconnect is its last task
+        unsettled = self._unsettled(peer)
+        return marker if unsettled is None else _all_done([marker, unsettled])
 
     def _retire(self, peer: PeerState) -> None:
         """Drop ``peer``'s engine connection on its lane, then let the lane's thread end."""
@@ -264,9 +357,15 @@ class EngineExecutor(JobPaths):
         lane.shutdown(wait=False)
         with self._lock:
             self._retiring[peer.peer_id] = peer
+            self._winding[id(peer)] = peer
 
         def forget(_: Future[Any]) -> None:
+            unsettled = peer.unsettled
+            if unsettled is not None and not unsettled.done():
+                unsettled.add_done_callback(forget)  # still counted until the engine let go
+                return
             with self._lock:
+                self._winding.pop(id(peer), None)
                 if self._retiring.get(peer.peer_id) is peer:
                     del self._retiring[peer.peer_id]
 
@@ -291,6 +390,11 @@ class EngineExecutor(JobPaths):
                 f"an earlier call to this peer has been stuck in the engine for "
                 f"{time.monotonic() - peer.stuck_at + self.transfer_timeout_s:.0f} s (the peer is frozen or "
                 f"not answering); its {what}s fail until the engine gives that call up",
+                reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
+        if self._unsettled(peer) is not None:
+            raise DeadlineExceededError(
+                f"an earlier transfer to this peer ran past its deadline and the engine has not let go of it yet "
+                f"(its cancel is under way; the peer is frozen or not answering); its {what}s fail until it does",
                 reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
         timeout = self.transfer_timeout_s
         deadline = time.monotonic() + timeout
@@ -365,16 +469,19 @@ class EngineExecutor(JobPaths):
             extent = self._extents.acquire(widest, total, wait)
             fits = extent is not None
         inline = False
-        if extent is not None:
-            assert self._extents is not None
-            try:
+        try:
+            if extent is not None:
                 inline = total <= self.inline_bytes and extent[1] >= total
                 run = self._run_inline if inline else self._run_packed
                 ndesc, pack_s = run(peer, units, extent)
-            finally:
-                self._extents.release(*extent)
-        else:
-            ndesc, pack_s = self._run_rows(peer, units), 0.0
+            else:
+                ndesc, pack_s = self._run_rows(peer, units), 0.0
+        finally:
+            # A transfer the engine would not let go of yet may still read the extent and
+            # write the peer's pages: the lane waits a little for it, then leaves it held.
+            settled = self._settle(peer, time.monotonic() + self.settle_wait_s)
+            if extent is not None:
+                self._give_back(peer, extent, settled)
         notified = False
         if job.notification is not None:
             notified = self._send_notification(peer, job.notification)
@@ -394,7 +501,8 @@ class EngineExecutor(JobPaths):
     def held(self) -> tuple[int, int]:
         """(engine batches submitted and not yet waited out, staging bytes reserved by jobs).
 
-        Both are 0 once every call, stuck ones included, has left the engine.
+        Both are 0 once every call, stuck ones included, has left the engine (and the engine
+        let go of every transfer it ran).
         """
         with self._lock:
             handles = self._handles
@@ -403,7 +511,11 @@ class EngineExecutor(JobPaths):
 
     # ---- shutdown ---------------------------------------------------------------------
     def close(self) -> None:
-        """Disconnect peers, deregister memory and stop the engine; safe to call twice."""
+        """Disconnect peers, deregister memory and stop the engine; safe to call twice.
+
+        Waits (at most ``transfer_timeout_s`` + 5 s) for every peer's lane, those disconnected
+        earlier included; while one is still inside the engine, memory and engine stay.
+        """
         if self._closed:
             return
         self._closed = True
@@ -414,7 +526,11 @@ class EngineExecutor(JobPaths):
                 self.disconnect(peer.peer_id)
             except PdprotoError:
                 pass
-        if not self._lanes_idle(peers, self.transfer_timeout_s + 5.0):
+        # Every peer is retiring now; those a disconnect() retired earlier (all of them under
+        # `pdproto serve`, whose core disconnects every peer first) may still be stuck.
+        with self._lock:
+            retiring = list(self._winding.values())
+        if not self._lanes_idle(retiring, self.transfer_timeout_s + 5.0):
             # A call is still inside the engine and may read our buffers: deregistering
             # or stopping the engine under it could crash the process. Leave both to exit.
             return
@@ -429,20 +545,20 @@ class EngineExecutor(JobPaths):
             self._pool.shutdown(wait=True)
         self._close_engine()
 
-
-    @staticmethod
-    def _lanes_idle(peers: list[PeerState], timeout: float) -> bool:
-        """Wait up to ``timeout`` for every retired peer's lane to finish; False if one is still busy."""
+    def _lanes_idle(self, peers: list[PeerState], timeout: float) -> bool:
+        """Wait up to ``timeout`` for every retired peer's lane to finish and the engine to let go of
+        its transfers; False if one is still busy."""
         end = time.monotonic() + timeout
         for peer in peers:
-            if peer.retired is None:
-                continue
-            try:
-                peer.retired.result(timeout=max(0.0, end - time.monotonic()))
-            except FutureTimeout:
+            if peer.retired is not None:
+                try:
+                    peer.retired.result(timeout=max(0.0, end - time.monotonic()))
+                except FutureTimeout:
+                    return False
+                except PdprotoError:
+                    pass
+            if not self._settle(peer, end):
                 return False
-            except PdprotoError:
-                pass
         return True
 
 

@@ -31,6 +31,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 from pdproto.errors import DeadlineExceededError, InvalidFieldError, Reason, RequestFailedError
@@ -47,7 +48,7 @@ _WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 _ANSWER = struct.Struct("<8sQ")
 _UCRED = struct.Struct("3i")
 _HANDOVER_S = 2.0
-"""How long the decode waits for a client to present its secret."""
+"""How long the decode gives a client, in all, to present its secret and take the arena."""
 _FIELD = "registration.local"
 
 
@@ -93,11 +94,14 @@ class ArenaServer:
                 conn.close()  # a client that vanished or stalled costs nothing but its socket
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(_HANDOVER_S)
-        hello = _recv_exact(conn, len(HELLO) + len(self.secret))
+        # One deadline for the whole handover, not one per recv: a client sending a byte at a
+        # time just inside a per-recv timeout would hold this single-threaded server for minutes.
+        deadline = time.monotonic() + _HANDOVER_S
+        hello = _recv_exact(conn, len(HELLO) + len(self.secret), deadline)
         if hello[:len(HELLO)] != HELLO or not hmac.compare_digest(hello[len(HELLO):], self.secret):
             conn.close()
             return
+        _time_left(conn, deadline)
         conn.sendmsg([_ANSWER.pack(HELLO, self.size)],
                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd]))])
         conn.settimeout(None)
@@ -382,9 +386,19 @@ def check(fd: int) -> int:
     return st.st_size
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _time_left(conn: socket.socket, deadline: float) -> None:
+    """Give ``conn``'s next call what is left until ``deadline``; TimeoutError once nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the client did not complete the handover in time")
+    conn.settimeout(left)
+
+
+def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes (fewer if the client closes), all received before ``deadline`` (else TimeoutError)."""
     buf = b""
     while len(buf) < n:
+        _time_left(conn, deadline)
         part = conn.recv(n - len(buf))
         if not part:
             break
@@ -393,7 +407,9 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def _hung_up(sock: socket.socket) -> bool:
-    """True when the other end closed (or sent something, which the protocol never does)."""
+    """True when the other end closed (or sent something, which the protocol never does), or this end was closed."""
+    if sock.fileno() < 0:
+        return True  # closed here (Lease.close): nothing can come through it any more
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
     try:

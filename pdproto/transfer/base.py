@@ -300,6 +300,12 @@ def validate_job(job: TransferJob) -> None:
             raise InvalidFieldError(f"job.segments[{i}].runs",
                                     "runs need non-negative starts and strides and counts of at least 1",
                                     metadata={"run": bad, "value": runs[bad].tolist()})
+        wide = run_arith.overflowing_run(runs)
+        if wide is not None:
+            raise InvalidFieldError(f"job.segments[{i}].runs",
+                                    "a run's last row (start + (count-1)*stride) does not fit in int64; "
+                                    "no registered buffer has that many rows",
+                                    metadata={"run": wide, "value": runs[wide].tolist()})
         for j, layer in enumerate(seg.layers):
             fields = (layer.row_bytes, layer.dst_row_bytes, layer.src_offset, layer.dst_offset, layer.width)
             if (layer.row_bytes <= 0 or min(fields) < 0 or layer.src_offset + layer.nbytes > layer.row_bytes
@@ -311,6 +317,10 @@ def validate_job(job: TransferJob) -> None:
                                                   "dst_row_bytes": layer.dst_row_bytes,
                                                   "src_offset": layer.src_offset,
                                                   "dst_offset": layer.dst_offset, "width": layer.width})
+
+
+_ADDRESS_END = (1 << 63) - 1
+"""Largest byte end a descriptor (an int64 address) can hold."""
 
 
 def _span_inside(start: int, end: int, regions: Sequence[tuple[int, int]]) -> bool:
@@ -348,11 +358,16 @@ def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]],
             raise DestinationOutOfBoundsError(
                 "destination names no buffer the peer registered",
                 metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr)})
-        if length and not _span_inside(*byte_span(layer.dst_ptr, dmin, dmax, layer.dst_pitch, layer.dst_offset,
-                                                  layer.nbytes), [(layer.dst_ptr, length)]):
+        span = byte_span(layer.dst_ptr, dmin, dmax, layer.dst_pitch, layer.dst_offset, layer.nbytes)
+        if length and not _span_inside(*span, [(layer.dst_ptr, length)]):
             raise DestinationOutOfBoundsError(
                 "destination rows fall outside the buffer the peer registered for that entry",
                 metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax, "registered": length})
+        if span[1] > _ADDRESS_END:
+            # A region of unknown length bounds nothing, but descriptors are int64 addresses.
+            raise DestinationOutOfBoundsError(
+                "destination rows reach past the largest address a descriptor can hold",
+                metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
 
 
 def remote_regions(registration: registration_pb2.KvRegistration) -> list[tuple[int, int]]:

@@ -166,7 +166,8 @@ class LocalExecutor:
             old = self._peers.pop(peer_id, None)
             self._peers[peer_id] = peer
         if old is not None:
-            _unmap(old)
+            with old.lock:  # a copy into the old arena may still run
+                _unmap(old)
 
     def _peer(self, peer_id: str) -> _Peer:
         with self._lock:
@@ -182,6 +183,7 @@ class LocalExecutor:
         PEER_GONE when the decode closed its arena socket (it exited or closed its
         executor), checked before and after the copy. The copy itself cannot fault: the
         arena is sealed against shrinking and the mapping lies inside its sealed size.
+        PEER_NOT_FOUND when the peer was disconnected while the call waited for it.
         """
         t0 = time.perf_counter()
         validate_job(job)
@@ -189,6 +191,12 @@ class LocalExecutor:
         ndesc = 0
         with peer.lock:
             try:
+                with self._lock:
+                    current = self._peers.get(peer_id) is peer
+                if not current:
+                    # Disconnected (or connected anew) while this call waited: its arena is unmapped.
+                    raise NotFoundError("peer is not connected: it was disconnected while this transfer waited",
+                                        reason=Reason.PEER_NOT_FOUND, metadata={"peer": peer_id})
                 _check_alive(peer_id, peer, "the decode closed its arena (it exited or closed its executor)")
                 with self._lock:
                     local = list(self._local)

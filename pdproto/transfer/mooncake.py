@@ -25,6 +25,7 @@ lane (measured: with the descriptor fetched at connect, a second peer's transfer
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import threading
@@ -40,6 +41,7 @@ from pdproto.errors import (
     RequestFailedError,
     TopologyError,
     TransferError,
+    UnavailableError,
     error_for,
 )
 from pdproto.v1 import registration_pb2
@@ -53,6 +55,19 @@ from .packing import Descs
 _INIT_LOCK = threading.Lock()
 MAX_PENDING_PROBES = 16
 """Probes that may wait on silent sessions at once; past that, registrations are refused at once."""
+
+
+class Probe(enum.Enum):
+    """What a probe of a session found."""
+
+    ANSWERED = "answered"
+    """The session answered (and, when asked, handed over its segment)."""
+    REFUSED = "refused"
+    """The session definitely does not answer: the probe failed (refused, reset, no engine)."""
+    SILENT = "silent"
+    """No answer within the time given: frozen, black-holed or slow. Unknown, not gone."""
+    BUSY = "busy"
+    """Not probed: ``MAX_PENDING_PROBES`` probes still wait on silent sessions. Unknown, not gone."""
 
 
 def _import_engine() -> Any:
@@ -152,26 +167,32 @@ class MooncakeExecutor(EngineExecutor):
         # would fetch it under a lock every peer's submit takes, and block them all while
         # a silent session does not answer. Fetched here, off that lock and bounded.
         answered = self._probe(session, self.connect_timeout_s, warm=True)
-        if answered is None:
+        if answered is Probe.BUSY:
+            raise UnavailableError(
+                f"the decode's Mooncake session {session} was not probed: {MAX_PENDING_PROBES} earlier probes "
+                "are still waiting on sessions that do not answer (each gives up within about a minute); "
+                "retry the registration later", reason=Reason.UNAVAILABLE,
+                metadata={"peer": peer_id, "session_id": session, "pending_probes": MAX_PENDING_PROBES})
+        if answered is Probe.SILENT:
             raise DeadlineExceededError(
                 f"the decode's Mooncake session {session} did not complete a handshake within "
                 f"{self.connect_timeout_s:g} s (frozen, or not a Mooncake engine)",
                 reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer_id, "session_id": session})
-        if not answered:
+        if answered is Probe.REFUSED:
             raise RequestFailedError(f"the decode's Mooncake session {session} does not answer its handshake port",
                                      reason=Reason.PEER_GONE, metadata={"peer": peer_id, "session_id": session})
         return PeerState(peer_id=peer_id, remote=session, regions=[])
 
-    def _probe(self, session: str, timeout: float, *, warm: bool = False) -> bool | None:
+    def _probe(self, session: str, timeout: float, *, warm: bool = False) -> Probe:
         """Whether ``session`` answers Mooncake's probe (and, with ``warm``, hands over its segment).
 
-        None if it did not within ``timeout``. Both calls block in native code for up to
+        SILENT if it did not within ``timeout``. Both calls block in native code for up to
         a minute on a silent session, so they run on a daemon thread of their own; at most
-        ``MAX_PENDING_PROBES`` may be waiting at once (past that, None at once).
+        ``MAX_PENDING_PROBES`` may be waiting at once (past that, BUSY at once).
         """
         with self._lock:
             if self._probing >= MAX_PENDING_PROBES:
-                return None
+                return Probe.BUSY
             self._probing += 1
         result: list[bool] = []
 
@@ -189,7 +210,9 @@ class MooncakeExecutor(EngineExecutor):
         thread = threading.Thread(target=probe, name="pdproto-mooncake-probe", daemon=True)
         thread.start()
         thread.join(max(0.0, timeout))
-        return result[0] if result else None
+        if not result:
+            return Probe.SILENT
+        return Probe.ANSWERED if result[0] else Probe.REFUSED
 
     def _disconnect(self, peer: PeerState) -> None:
         # The engine pools endpoints itself and has no per-session teardown call.
@@ -208,11 +231,17 @@ class MooncakeExecutor(EngineExecutor):
             raise self._failure(peer, "Mooncake batch failed", rc)
 
     def _failure(self, peer: PeerState, message: str, rc: object) -> PdprotoError:
-        """Map a bare engine rc to a reason: PEER_GONE when the peer does not answer a probe in time."""
-        alive = self._probe(peer.remote, min(self.connect_timeout_s, peer.deadline - time.monotonic()))
-        reason = Reason.TRANSFER_FAILED if alive else Reason.PEER_GONE
-        return error_for(reason, message if alive else f"{message}: peer unreachable",
-                         metadata={"peer": peer.peer_id, "session_id": peer.remote, "rc": rc})
+        """Map a bare engine rc to a reason: PEER_GONE only when a probe says the peer does not answer.
+
+        A probe that could not say (no answer in the time left, or too many probes pending)
+        gives TRANSFER_FAILED: the peer stays connected, since the server writes off a peer
+        for PEER_GONE.
+        """
+        found = self._probe(peer.remote, min(self.connect_timeout_s, peer.deadline - time.monotonic()))
+        metadata = {"peer": peer.peer_id, "session_id": peer.remote, "rc": rc, "probe": found.value}
+        if found is Probe.REFUSED:
+            return error_for(Reason.PEER_GONE, f"{message}: peer unreachable", metadata=metadata)
+        return error_for(Reason.TRANSFER_FAILED, message, metadata=metadata)
 
     def _max_inflight_descs(self) -> int:
         return self.max_batch
@@ -223,4 +252,4 @@ class MooncakeExecutor(EngineExecutor):
         self._engine = None
 
 
-__all__ = ["MooncakeExecutor", "rdma_present"]
+__all__ = ["MAX_PENDING_PROBES", "MooncakeExecutor", "Probe", "rdma_present"]

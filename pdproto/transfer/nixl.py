@@ -9,7 +9,9 @@ lists are built from N×3 numpy arrays, because a tuple list costs 170 ms or mor
 58k descriptors. A job's completion notification goes out only after every WRITE of
 the job is DONE, so a notification never overtakes data; it is sent even when the job
 has no rows. A transfer still running at its deadline is released (UCX cancels it);
-a handle NIXL will not release yet is retried later, never dropped.
+a handle NIXL will not release yet (its cancel is still under way) is retried, never
+dropped, and until NIXL lets go of it the peer is *unsettled* (``_engine.py``): the job's
+staging extent stays reserved and ``drained``/``quiesce`` for that peer wait.
 """
 
 from __future__ import annotations
@@ -171,8 +173,10 @@ class NixlExecutor(EngineExecutor):
         """Loaded remote agent -> the connections (one per ``connect``) that reach it; unloaded when none is left."""
         self._agent_lock = threading.Lock()
         self._connections = 0
-        self._unreleased: list[Any] = []
-        """Transfer handles NIXL would not release yet (still cancelling); retried later."""
+        self._unreleased: list[tuple[Any, PeerState]] = []
+        """Transfer handles NIXL would not release yet (still cancelling), with their peer; retried later."""
+        self._release_lock = threading.Lock()
+        """One release pass at a time, so a peer is never called settled while another pass retries its handle."""
         self._inbox_lock = threading.Lock()
         self._init_staging()
 
@@ -258,6 +262,12 @@ class NixlExecutor(EngineExecutor):
             pass
 
     def _disconnect(self, peer: PeerState) -> None:
+        if not self._settle(peer, time.monotonic() + self.settle_wait_s):
+            # Unloading the agent under a transfer NIXL still holds frees it inside NIXL: leave it
+            # loaded (the handle is still retried); it costs a metadata entry, not a crash.
+            with self._agent_lock:
+                self._agents.get(peer.remote, set()).discard(peer.extra["conn"])
+            return
         with self._agent_lock:
             holders = self._agents.get(peer.remote, set())
             holders.discard(peer.extra["conn"])
@@ -286,11 +296,11 @@ class NixlExecutor(EngineExecutor):
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001
-            self._release(handle)
+            self._release(peer, handle)
             raise RequestFailedError("NIXL could not post the transfer", reason=Reason.PEER_GONE,
                                      metadata={"peer": peer.peer_id, "error": exc}) from exc
         if state == "ERR":
-            self._release(handle)
+            self._release(peer, handle)
             raise RequestFailedError("NIXL rejected the transfer", reason=Reason.PEER_GONE,
                                      metadata={"peer": peer.peer_id})
         return handle
@@ -334,18 +344,51 @@ class NixlExecutor(EngineExecutor):
                 if spins > 50:
                     time.sleep(0.0002 if spins < 2000 else 0.002)
         finally:
-            self._release(handle)
+            self._release(peer, handle)
 
-    def _release(self, handle: Any) -> None:
-        """Release (and so cancel) a transfer; one NIXL cannot cancel yet is kept and retried later."""
-        with self._lock:
-            pending, self._unreleased = [*self._unreleased, handle], []
-        for h in pending:
-            try:
-                self._agent.release_xfer_handle(h)
-            except Exception:  # noqa: BLE001 - NIXL_ERR_REPOST_ACTIVE: the cancel is still under way
-                with self._lock:
-                    self._unreleased.append(h)
+    def _release(self, peer: PeerState, handle: Any = None) -> None:
+        """Release (and so cancel) ``handle`` and retry every handle kept earlier.
+
+        A handle NIXL cannot release yet is kept, and its peer is unsettled until it can be.
+        """
+        with self._release_lock:
+            with self._lock:
+                pending = [*self._unreleased, *([(handle, peer)] if handle is not None else [])]
+            kept = []
+            for h, p in pending:
+                try:
+                    self._agent.release_xfer_handle(h)
+                except Exception:  # noqa: BLE001 - NIXL_ERR_REPOST_ACTIVE: the cancel is still under way
+                    kept.append((h, p))
+            with self._lock:
+                self._unreleased = kept
+            holding = {id(p) for _, p in kept}
+            seen = {id(p): p for _, p in pending}
+            seen.setdefault(id(peer), peer)
+            for p in seen.values():
+                if id(p) in holding:
+                    self._hold(p)
+                else:
+                    self._let_go(p)
+
+    def _settle(self, peer: PeerState, until: float) -> bool:
+        """Retry the kept handles (with a growing pause) until none is ``peer``'s or ``until`` passed."""
+        pause = 0.001
+        while True:
+            with self._lock:
+                if peer.unsettled is None:
+                    return True
+            if self._agent is None:
+                return False  # closed with the engine kept for exit: nothing to retry with
+            self._release(peer)
+            with self._lock:
+                if peer.unsettled is None:
+                    return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
 
     def held(self) -> tuple[int, int]:
         """As ``EngineExecutor.held``, counting handles NIXL has not released yet (cancels under way)."""
