@@ -35,6 +35,7 @@ agent starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -44,7 +45,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -170,8 +171,9 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     report["stats_timeouts"] = rig.ex.stats.timeouts
 
 
-def blackhole(rig: Rig, report: dict[str, Any]) -> None:
-    """A session that accepts connections and never answers is refused at connect; B is served meanwhile."""
+@contextlib.contextmanager
+def _black_hole() -> Iterator[str]:
+    """host:port of a socket that accepts every connection and never answers (closed on exit)."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
@@ -186,11 +188,21 @@ def blackhole(rig: Rig, report: dict[str, Any]) -> None:
 
     threading.Thread(target=accept, daemon=True).start()
     try:
+        yield f"127.0.0.1:{silent.getsockname()[1]}"
+    finally:
+        silent.close()
+        for s in held:
+            s.close()
+
+
+def blackhole(rig: Rig, report: dict[str, Any]) -> None:
+    """A session that accepts connections and never answers is refused at connect; B is served meanwhile."""
+    with _black_hole() as hole:
         rig.add("B")
         report["warm"] = _warm(rig, "B")
         rig.peers["B"].fill(0)
         reg = registration_pb2.KvRegistration()
-        reg.mooncake.session_id = f"127.0.0.1:{silent.getsockname()[1]}"
+        reg.mooncake.session_id = hole
         reg.kv_buffers.add(ptr=1 << 40, length=ROWS * ROW)
         result: dict[str, Any] = {}
         connecting = threading.Thread(target=lambda: result.update(_outcome(lambda: rig.ex.connect("hole", reg))))
@@ -202,10 +214,6 @@ def blackhole(rig: Rig, report: dict[str, Any]) -> None:
         connecting.join(30)
         report["connect"] = result
         report["held_after"] = list(rig.ex.held())
-    finally:
-        silent.close()
-        for s in held:
-            s.close()
 
 
 def _refused(fn: Any) -> dict[str, Any]:
@@ -360,22 +368,9 @@ def probes(rig: Rig, report: dict[str, Any]) -> None:
     mooncake.MAX_PENDING_PROBES = 1
     b = rig.add("B")
     report["warm"] = _warm(rig, "B")
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(16)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                held.append(silent.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
+    with _black_hole() as silent:
         hole = registration_pb2.KvRegistration()
-        hole.mooncake.session_id = f"127.0.0.1:{silent.getsockname()[1]}"
+        hole.mooncake.session_id = silent
         hole.kv_buffers.add(ptr=1 << 40, length=ROWS * ROW)
         # Its probe waits on the silent session for up to a minute after connect gives up.
         report["hole"] = _outcome(lambda: rig.ex.connect("hole", hole))
@@ -387,10 +382,6 @@ def probes(rig: Rig, report: dict[str, Any]) -> None:
         peer.remote = session
         report["b_connected"] = "B" in rig.ex._peers
         report["b_after"] = _outcome(lambda: rig.ex.execute("B", rig.job("B")))
-    finally:
-        silent.close()
-        for s in held:
-            s.close()
 
 
 SCENARIOS: dict[str, Callable[[Rig, dict[str, Any]], None]] = {

@@ -21,8 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from .base import (
 )
 from ._lane import Lane
 from ._paths import INLINE_BYTES, JobPaths
+from ._settle import Settling, all_done
 from .memory import allocate, host_view
 from .packing import Gatherer, StagingExtents
 
@@ -63,24 +63,6 @@ def rdma_present() -> bool:
 
 def _nothing() -> None:
     """A lane marker's call."""
-
-
-def _all_done(futures: Sequence[Future[Any]]) -> Future[None]:
-    """A future done once every one of ``futures`` is (how each ended does not matter: it left the engine)."""
-    out: Future[None] = Future()
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one(_: Future[Any]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last and out.set_running_or_notify_cancel():
-            out.set_result(None)
-
-    for f in futures:
-        f.add_done_callback(one)
-    return out
 
 
 @dataclass
@@ -107,7 +89,7 @@ class PeerState:
     a handle it would not release yet); None while there is none."""
 
 
-class EngineExecutor(JobPaths):
+class EngineExecutor(JobPaths, Settling):
     """Base class of the Mooncake and NIXL executors (not a backend on its own)."""
 
     backend = "engine"
@@ -166,64 +148,6 @@ class EngineExecutor(JobPaths):
 
     def _close_engine(self) -> None:
         raise NotImplementedError
-
-    def _settle(self, peer: PeerState, until: float) -> bool:
-        """Ask the engine until ``until`` (monotonic) to let go of the peer's outliving transfers; True once none is."""
-        return peer.unsettled is None
-
-    # ---- transfers that outlive their call --------------------------------------------
-    def _hold(self, peer: PeerState) -> None:
-        """The engine still holds a transfer of ``peer`` that its call gave up: the peer is unsettled."""
-        with self._lock:
-            if peer.unsettled is None:
-                peer.unsettled = Future()
-            settler = None
-            if self._settler is None:
-                settler = self._settler = threading.Thread(target=self._settle_later, name="pdproto-settle",
-                                                           daemon=True)
-        if settler is not None:
-            settler.start()
-
-    def _settle_later(self) -> None:
-        """Until no peer is unsettled, ask the engine again now and then (no caller may come to ask)."""
-        delay = 0.01
-        while True:
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            with self._lock:
-                peers = [p for p in (*self._peers.values(), *self._winding.values()) if p.unsettled is not None]
-                if not peers:
-                    self._settler = None
-                    return
-            for peer in peers:
-                self._settle(peer, 0.0)
-
-    def _let_go(self, peer: PeerState) -> None:
-        """The engine let go of every outliving transfer of ``peer``: release what waited for that."""
-        with self._lock:
-            done, peer.unsettled = peer.unsettled, None
-        if done is not None and done.set_running_or_notify_cancel():
-            done.set_result(None)
-
-    def _unsettled(self, peer: PeerState) -> Future[None] | None:
-        """After one more try to settle the peer, the future its outliving transfers hold (None: none)."""
-        if peer.unsettled is None:
-            return None
-        self._settle(peer, 0.0)
-        with self._lock:
-            return peer.unsettled
-
-    def _give_back(self, peer: PeerState, extent: tuple[int, int], settled: bool) -> None:
-        """Return a job's staging extent, or, while the engine may still read it, once it let go."""
-        extents = self._extents
-        assert extents is not None
-        with self._lock:
-            pending = None if settled else peer.unsettled
-        if pending is None:
-            extents.release(*extent)
-        else:
-            # Another peer's job packing into bytes UCX may still read would send garbage.
-            pending.add_done_callback(lambda _: extents.release(*extent))
 
     # ---- memory -----------------------------------------------------------------------
     def _init_staging(self) -> None:
@@ -342,7 +266,7 @@ class EngineExecutor(JobPaths):
                                         "is gone", reason=Reason.SHUTTING_DOWN, metadata={"peer": peer_id}) from None
             marker = peer.retired  # shut down by _retire: the queued disconnect is its last task
         unsettled = self._unsettled(peer)
-        return marker if unsettled is None else _all_done([marker, unsettled])
+        return marker if unsettled is None else all_done([marker, unsettled])
 
     def _retire(self, peer: PeerState) -> None:
         """Drop ``peer``'s engine connection on its lane, then let the lane's thread end."""
