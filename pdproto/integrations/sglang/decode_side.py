@@ -23,6 +23,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ import numpy as np
 
 from pdproto import backends
 from pdproto.client import AsyncHandshakeClient
-from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
+from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, error_for
 from pdproto.fanin import FanInTracker, Outcome
 from pdproto.registration import make_registration
 from pdproto.senders import SenderSet
@@ -47,6 +48,10 @@ WATCH_S = 3600.0
 """Deadline of one status stream; it is opened again at once when it passes."""
 RELEASE_S = 2.0
 """Longest wait for a dropped prefill rank to answer our ``Deregister`` (it may be dead)."""
+RETRY_AFTER_S = 5.0
+"""A prefill rank whose registration failed is not tried again for this long: its requests fail at
+once with that failure, where each would block SGLang's scheduler thread for the whole Register
+deadline (a dead or unreachable prefill would stall every decode batch, request after request)."""
 
 
 @dataclass
@@ -95,6 +100,8 @@ class DecodeSide:
         """Guards ``_peers``; never held while waiting for the loop (the loop takes it too)."""
         self._connecting = threading.Lock()
         """Serializes registrations (callers' threads only), so a rank is registered once."""
+        self._failed: dict[str, tuple[float, PdprotoError]] = {}
+        """Prefill ranks whose registration failed: until when they are not tried again, and why."""
         self._numbers = itertools.count()
         self._generations = itertools.count(1)
         self._tracker = FanInTracker()
@@ -119,10 +126,23 @@ class DecodeSide:
         with self._connecting:
             with self._peers_lock:
                 peer = self._peers.get(address)
-            if peer is None:
+            if peer is not None:
+                return peer
+            failed = self._failed.get(address)
+            now = time.monotonic()
+            if failed is not None and now < failed[0]:
+                until, exc = failed
+                raise error_for(exc.reason, f"registration with prefill rank {address} failed "
+                                f"{RETRY_AFTER_S - (until - now):.1f} s ago and is retried after "
+                                f"{RETRY_AFTER_S:g} s: {exc.message}", metadata={"address": address})
+            try:
                 peer = self._run(self._register(address))
-                with self._peers_lock:
-                    self._peers[address] = peer
+            except PdprotoError as exc:
+                self._failed[address] = (time.monotonic() + RETRY_AFTER_S, exc)
+                raise
+            self._failed.pop(address, None)
+            with self._peers_lock:
+                self._peers[address] = peer
             return peer
 
     async def _register(self, address: str) -> Peer:

@@ -1,0 +1,74 @@
+"""The SGLang decode side's registration with a prefill rank that cannot be reached.
+
+``DecodeSide.connect`` runs on SGLang's scheduler thread. A prefill rank whose registration
+fails (nothing listens, a firewall, a wrong TLS root) is not tried again for
+``RETRY_AFTER_S``: the requests routed to it meanwhile fail at once with that failure,
+where each would hold the scheduler thread for the whole Register deadline and stall every
+decode batch. A real decode side (Mooncake over TCP, real memory) against a real socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pdproto.errors import PdprotoError
+from pdproto.integrations.sglang import decode_side, layout
+from pdproto.integrations.sglang.settings import BackendSettings
+
+from .test_sglang_layout import AUX, kv_args
+
+pytestmark = pytest.mark.process
+
+pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
+
+
+@pytest.fixture
+def resetting() -> Iterator[tuple[str, list[int]]]:
+    """host:port of a socket that takes each connection and closes it at once, and the connections it took."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    taken = [0]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            taken[0] += 1
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"127.0.0.1:{sock.getsockname()[1]}", taken
+    sock.close()
+
+
+def test_a_prefill_rank_whose_registration_failed_is_not_tried_again_for_a_while(
+        resetting: tuple[str, list[int]]) -> None:
+    address, taken = resetting
+    kv = np.zeros(64 * 1152 * 4, np.uint8)
+    aux = [np.zeros(n * 8, np.uint8) for n in AUX]
+    args = kv_args(layers=1)
+    args.kv_data_ptrs, args.kv_data_lens = [kv.ctypes.data], [kv.nbytes]
+    args.aux_data_ptrs, args.aux_data_lens = [a.ctypes.data for a in aux], [a.nbytes for a in aux]
+    side = decode_side.DecodeSide(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True,
+                                  settings=BackendSettings(engine="mooncake", rpc_timeout_s=2.0), host="127.0.0.1",
+                                  notify_port=0, device="cpu", on_outcome=lambda room, outcome: None)
+    try:
+        with pytest.raises(PdprotoError) as first:
+            side.connect(address)
+        tried = taken[0]
+        assert tried >= 1  # the registration really went out (and was retried within its deadline)
+        with pytest.raises(PdprotoError) as again:
+            side.connect(address)
+        assert again.value.reason is first.value.reason
+        assert "is retried after" in again.value.message and first.value.message in again.value.message
+        assert taken[0] == tried  # failed at once, from what the first attempt learned: nothing sent
+    finally:
+        side.close()
