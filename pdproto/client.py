@@ -299,7 +299,8 @@ class HandshakeClient:
                      credential: bytes | None = None) -> Iterator[transfer_pb2.TransferStatus]:
         """Stream status changes (first the current state of matching requests) until the deadline.
 
-        Raises ``DeadlineExceededError`` at the deadline; ends when the peer is removed.
+        Raises ``DeadlineExceededError`` at the deadline (``UnavailableError`` when the session's stream
+        is broken then); ends when the peer is removed.
         """
         budget = self._s.timeout if timeout is None else timeout
         end = time.monotonic() + budget
@@ -316,7 +317,8 @@ class HandshakeClient:
                 try:
                     item = items.get(timeout=max(end - time.monotonic(), 0.0))
                 except queue.Empty:
-                    raise deadline_error("the watch reached its deadline") from None
+                    # UNAVAILABLE with the cause when the stream was broken at the deadline (a dead prefill).
+                    raise self._loop.call(lambda: s.late_error("the watch reached its deadline")) from None
                 if item is None:
                     return
                 yield item
@@ -453,7 +455,8 @@ class AsyncHandshakeClient:
 
     async def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *, timeout: float | None = None,
                            credential: bytes | None = None) -> AsyncIterator[transfer_pb2.TransferStatus]:
-        """Stream status changes until the deadline (``DeadlineExceededError``) or the peer's removal."""
+        """Stream status changes until the deadline (``DeadlineExceededError``; ``UnavailableError`` when the
+        session's stream is broken then) or the peer's removal."""
         budget = self._s.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
@@ -471,7 +474,8 @@ class AsyncHandshakeClient:
                     async with asyncio.timeout_at(deadline):
                         item = await items.get()
                 except TimeoutError:
-                    raise deadline_error("the watch reached its deadline") from None
+                    # UNAVAILABLE with the cause when the stream was broken at the deadline (a dead prefill).
+                    raise s.late_error("the watch reached its deadline") from None
                 if item is None:
                     return
                 yield item

@@ -313,9 +313,9 @@ class PeerSession:
                 async with asyncio.timeout_at(deadline):
                     await self._changed.wait()
             except TimeoutError:
-                raise self._late(f"{what}: the session did not get there before the deadline") from None
+                raise self.late_error(f"{what}: the session did not get there before the deadline") from None
 
-    def _late(self, what: str, **metadata: object) -> PdprotoError:
+    def late_error(self, what: str, **metadata: object) -> PdprotoError:
         """The error of a deadline that passed: UNAVAILABLE with the cause when the stream was broken all along.
 
         A caller that waited on a dead or unreachable prefill learns that, not just that time ran out.
@@ -354,7 +354,7 @@ class PeerSession:
             return await result
         except TimeoutError:
             self._futures.pop(seq, None)
-            raise self._late(f"no result for command {seq} before the deadline (it may still be applied)",
+            raise self.late_error(f"no result for command {seq} before the deadline (it may still be applied)",
                              seq=seq) from None
         finally:
             timer.cancel()
@@ -400,7 +400,7 @@ class PeerSession:
                     done[room] = await fut
         except TimeoutError:
             pending = sorted(room for room, fut in futs if not fut.done())
-            raise self._late("no terminal status before the deadline", rooms=pending) from None
+            raise self.late_error("no terminal status before the deadline", rooms=pending) from None
         finally:
             for room, fut in futs:
                 waiting = self._waiters.get(room)

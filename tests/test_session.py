@@ -236,7 +236,12 @@ def test_a_killed_server_fails_waits_and_aborts_as_unavailable_within_their_dead
             with HandshakeClient(srv.target, timeout=20) as client:
                 peer_id = client.register(peer.registration()).peer_id
                 client.submit_transfer(peer_id, peer.transfer_info(1, peer.pages_for(SPEC.prompt_tokens)))
+                watch = client.watch_status(peer_id, [1], timeout=4)
+                assert next(watch).room == 1  # watching, on an open stream
                 srv.kill()
+                with pytest.raises(E.UnavailableError, match="unreachable"):
+                    for _ in watch:  # a watch that began on a live stream, too
+                        pass
                 with pytest.raises(E.UnavailableError, match="unreachable") as waited:
                     client.wait_for(peer_id, [1], timeout=3)
                 assert waited.value.metadata["cause"] == "UNAVAILABLE"

@@ -44,8 +44,10 @@ from .settings import BackendSettings
 
 log = logging.getLogger(__name__)
 
-WATCH_S = 3600.0
-"""Deadline of one status stream; it is opened again at once when it passes."""
+WATCH_S = 300.0
+"""Deadline of one status stream; it is opened again at once when it passes. A rank whose stream
+is broken then (its process died while its bootstrap server, so SGLang's heartbeat, lives on) ends
+UNAVAILABLE and is dropped as lost: within SGLang's own waiting timeout (300 s), not an hour later."""
 RELEASE_S = 2.0
 """Longest wait for a dropped prefill rank to answer our ``Deregister`` (it may be dead)."""
 RETRY_AFTER_S = 5.0
