@@ -138,14 +138,14 @@ class DecodeSide:
                                 f"{RETRY_AFTER_S - (until - now):.1f} s ago and is retried after "
                                 f"{RETRY_AFTER_S:g} s: {exc.message}", metadata={"address": address})
             try:
-                peer = self._run(self._register(address))
+                registered: Peer = self._run(self._register(address))
             except PdprotoError as exc:
                 self._failed[address] = (time.monotonic() + RETRY_AFTER_S, exc)
                 raise
             self._failed.pop(address, None)
             with self._peers_lock:
-                self._peers[address] = peer
-            return peer
+                self._peers[address] = registered
+            return registered
 
     async def _register(self, address: str) -> Peer:
         s = self.settings
