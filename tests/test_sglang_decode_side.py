@@ -1,4 +1,4 @@
-"""The SGLang decode side's registration with a prefill rank that cannot be reached.
+"""The SGLang decode side: registration with a prefill rank that cannot be reached, and aborts after forget.
 
 ``DecodeSide.connect`` runs on SGLang's scheduler thread. A prefill rank whose registration
 fails (nothing listens, a firewall, a wrong TLS root) is not tried again for
@@ -9,6 +9,7 @@ decode batch. A real decode side (Mooncake over TCP, real memory) against a real
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,23 @@ from .test_sglang_layout import AUX, kv_args
 pytestmark = pytest.mark.process
 
 pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
+
+
+_MEMORY: list[np.ndarray] = []
+"""The pools of every decode side made here (registered with its engine: kept alive)."""
+
+
+def _side() -> decode_side.DecodeSide:
+    """A decode rank (one MLA layer, SGLang's aux buffers) on a Mooncake engine of its own."""
+    kv = np.zeros(64 * 1152 * 4, np.uint8)
+    aux = [np.zeros(n * 8, np.uint8) for n in AUX]
+    _MEMORY.extend([kv, *aux])
+    args = kv_args(layers=1)
+    args.kv_data_ptrs, args.kv_data_lens = [kv.ctypes.data], [kv.nbytes]
+    args.aux_data_ptrs, args.aux_data_lens = [a.ctypes.data for a in aux], [a.nbytes for a in aux]
+    return decode_side.DecodeSide(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True,
+                                  settings=BackendSettings(engine="mooncake", rpc_timeout_s=2.0), host="127.0.0.1",
+                                  notify_port=0, device="cpu", on_outcome=lambda room, outcome: None)
 
 
 @pytest.fixture
@@ -52,14 +70,7 @@ def resetting() -> Iterator[tuple[str, list[int]]]:
 def test_a_prefill_rank_whose_registration_failed_is_not_tried_again_for_a_while(
         resetting: tuple[str, list[int]]) -> None:
     address, taken = resetting
-    kv = np.zeros(64 * 1152 * 4, np.uint8)
-    aux = [np.zeros(n * 8, np.uint8) for n in AUX]
-    args = kv_args(layers=1)
-    args.kv_data_ptrs, args.kv_data_lens = [kv.ctypes.data], [kv.nbytes]
-    args.aux_data_ptrs, args.aux_data_lens = [a.ctypes.data for a in aux], [a.nbytes for a in aux]
-    side = decode_side.DecodeSide(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True,
-                                  settings=BackendSettings(engine="mooncake", rpc_timeout_s=2.0), host="127.0.0.1",
-                                  notify_port=0, device="cpu", on_outcome=lambda room, outcome: None)
+    side = _side()
     try:
         with pytest.raises(PdprotoError) as first:
             side.connect(address)
@@ -70,5 +81,25 @@ def test_a_prefill_rank_whose_registration_failed_is_not_tried_again_for_a_while
         assert again.value.reason is first.value.reason
         assert "is retried after" in again.value.message and first.value.message in again.value.message
         assert taken[0] == tried  # failed at once, from what the first attempt learned: nothing sent
+    finally:
+        side.close()
+
+
+def test_an_abort_after_forget_still_waits_for_a_submit_on_its_way() -> None:
+    """SGLang clears a failed room, then aborts it: a submit of the room still on its way must stay
+    known, so the abort waits for it (a rank seeing the abort first would acknowledge it and then
+    write pages SGLang freed). Done submits are forgotten with the room, kept ones once they end."""
+    side = _side()
+    try:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.set_result(None)
+        on_way: concurrent.futures.Future[None] = concurrent.futures.Future()
+        side._submits[7] = {"a:1": done, "b:2": on_way}
+        side._submits[8] = {"a:1": done}
+        side.forget(7)
+        side.forget(8)
+        assert side._submits == {7: {"b:2": on_way}}
+        on_way.set_result(None)
+        assert side._submits == {}
     finally:
         side.close()

@@ -342,13 +342,26 @@ class DecodeSide:
         acked()
 
     def forget(self, room: int) -> None:
-        """Stop tracking ``room`` (SGLang cleared it)."""
-        self._submits.pop(room, None)
+        """Stop tracking ``room`` (SGLang cleared it); a submit still on its way is kept for an abort."""
+        submits = self._submits.pop(room, None)
+        pending = {a: f for a, f in (submits or {}).items() if not f.done()}
+        if pending:
+            # SGLang clears a failed room before it sends the abort (decode.py pop_transferred:
+            # failure_exception, then ensure_abort_notified): the abort must still wait for these,
+            # or a rank could see it first, acknowledge it, and then write pages SGLang freed.
+            self._submits[room] = pending
+            for future in pending.values():
+                future.add_done_callback(functools.partial(self._submitted, room, pending))
         with self._lock:
             self._tracker.forget(room)
             self._done.discard(room)
             for peer in list(self._peers.values()):
                 peer.rooms.discard(room)
+
+    def _submitted(self, room: int, pending: dict[str, concurrent.futures.Future[None]], _: object) -> None:
+        """A kept submit of a forgotten room ended: forget the room's submits once all have."""
+        if self._submits.get(room) is pending and all(f.done() for f in pending.values()):
+            self._submits.pop(room, None)
 
     # -- life cycle -----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +28,16 @@ from .settings import BackendSettings
 log = logging.getLogger(__name__)
 
 
+_SHARED_MOONCAKE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine"
+
+
 def sglang_shared_mooncake() -> Any:
     """SGLang's shared Mooncake engine wrapper of this process, or None when it started none."""
-    try:
-        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-            get_mooncake_transfer_engine,
-        )
-    except ImportError:  # an SGLang without the shared engine
-        return None
-    return get_mooncake_transfer_engine()
+    # SGLang imports its engine module before it starts that engine, so a process where the
+    # module was never imported has none; importing SGLang here would start nothing either.
+    module = sys.modules.get(_SHARED_MOONCAKE)
+    getter = getattr(module, "get_mooncake_transfer_engine", None)
+    return None if getter is None else getter()
 
 
 def make_executor(settings: BackendSettings, *, host: str, device: str, gpu_id: int,
