@@ -103,6 +103,14 @@ def test_cp_refusal_covers_only_prefills_whose_every_cp_rank_sends() -> None:
     assert info.value.reason is Reason.CONFIG_INVALID and info.value.metadata["setting"] == "attn_cp_size"
 
 
+def test_kv_cache_sharding_on_the_prefill_is_refused() -> None:
+    layout.refuse_kv_cache_sharding(1)  # no sharding: served
+    with pytest.raises(ConfigError) as info:
+        layout.refuse_kv_cache_sharding(2)
+    assert info.value.reason is Reason.CONFIG_INVALID
+    assert info.value.metadata["setting"] == "enable_kv_cache_sharding"
+
+
 IPV6_PREFILL = """
 import numpy as np
 from types import SimpleNamespace

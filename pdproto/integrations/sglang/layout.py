@@ -87,6 +87,22 @@ def refuse_cp_sharded_prefill(attn_cp_size: int, all_cp_ranks_send: bool, *, hyb
         metadata={"setting": "attn_cp_size", "value": str(attn_cp_size), "hybridMla": str(hybrid_mla)})
 
 
+def refuse_kv_cache_sharding(kv_shard_size: int) -> None:
+    """Raise ``ConfigError`` for a prefill with SGLang's KV cache sharding (``--enable-kv-cache-sharding``).
+
+    Each rank then holds every ``kv_shard_size``-th page of a request and SGLang hands the
+    sender only its own (``filter_kv_indices_for_shard_rank``), while pdproto plans a chunk
+    from all of its pages: every request would fail at run time.
+    """
+    if kv_shard_size > 1:
+        raise ConfigError(
+            f"KV cache sharding (--enable-kv-cache-sharding, {kv_shard_size} shards) on the prefill is not "
+            "supported with --disaggregation-transfer-backend pdproto; run this prefill without it, or use "
+            "--disaggregation-transfer-backend mooncake or nixl for it",
+            reason=Reason.CONFIG_INVALID,
+            metadata={"setting": "enable_kv_cache_sharding", "value": str(kv_shard_size)})
+
+
 def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
     return v1.ParallelGroup(size=pair[0], rank=pair[1])
 
@@ -240,4 +256,5 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
 
 
 __all__ = ["CAPABILITIES", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout", "host_port",
-           "kv_layer_ids", "refuse_cp_sharded_prefill", "regions", "server_info"]
+           "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding", "regions",
+           "server_info"]

@@ -164,7 +164,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """Start this rank's handshake service, then ``PUT /route`` with its gRPC port as ``rank_port``."""
         if self.prefill_side is None:
             layout.refuse_cp_sharded_prefill(self.attn_cp_size, bool(self.enable_all_cp_ranks_for_transfer),
-                                      hybrid_mla=bool(self.is_hybrid_mla_backend))
+                                             hybrid_mla=bool(self.is_hybrid_mla_backend))
+            layout.refuse_kv_cache_sharding(int(getattr(self, "kv_shard_size", 1) or 1))
             from sglang.srt.environ import envs
 
             match_timeout = max(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get(),
