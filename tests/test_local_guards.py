@@ -94,7 +94,7 @@ def test_a_transfer_racing_a_disconnect_fails_typed(pair: Pair) -> None:
     thread = threading.Thread(target=hammer)
     thread.start()
     try:
-        for _ in range(60):
+        for _ in range(20):  # a guard: the race window is too small to hit on demand
             pair.prefill.disconnect("d")
             pair.prefill.connect("d", pair.registration)
     finally:
