@@ -2,7 +2,8 @@
 
 Under deregistration (while the stream is still sending its first snapshot), a graceful
 restart and a reconnect; twenty concurrent Registers of one decode rank leave one live
-peer; a destination bounds violation refuses that request only.
+peer; a destination bounds violation refuses that request only; the stream of an ended peer
+whose client reads nothing is cut after the grace.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import collections
 import concurrent.futures
 import signal
 import threading
+import time
 import urllib.request
 
+import grpc
 import pytest
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
-from pdproto.v1 import common_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
@@ -155,5 +158,41 @@ def test_bounds_violation_refuses_that_request_only() -> None:
             client.submit_transfer(pid, peer.transfer_info(2, pages))
             assert client.wait_for(pid, [2], timeout=30)[2].state == common_pb2.TRANSFER_STATE_SUCCESS
             peer.verify({2: pages}, SPEC.prompt_tokens)  # the same peer, still served
+    finally:
+        peer.close()
+
+
+def test_a_watch_of_an_ended_peer_that_reads_nothing_is_cut_after_the_grace() -> None:
+    """A client opens WatchStatus on a peer with thousands of kept statuses and never reads, so the
+    server's writes stall under HTTP/2 flow control; then the peer deregisters. The peer counts toward
+    no limit any more, so its stream (and handler) must not stay: it is cut ``--grace`` seconds later.
+    Before, it stayed as long as the client kept the connection."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, "--grace", "2", "--log-level", "INFO") as srv, \
+                HandshakeClient(srv.target, timeout=30) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            rooms = range(1, 3001)
+            _submit(client, peer_id, rooms)
+            client.wait_for(peer_id, rooms, timeout=60)
+            # A small receive window that does not grow: the server's writes stall after a few KB.
+            channel = grpc.insecure_channel(srv.target, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                                 ("grpc.http2.bdp_probe", 0)])
+            watch = channel.unary_stream(
+                "/pdproto.v1.HandshakeService/WatchStatus",
+                request_serializer=hs.WatchStatusRequest.SerializeToString,
+                response_deserializer=hs.WatchStatusResponse.FromString)
+            call = watch(hs.WatchStatusRequest(peer_id=peer_id, peer_credential=client.credential(peer_id)))
+            try:
+                time.sleep(1.0)  # its snapshot fills the flow-control windows; nothing is read
+                client.deregister(peer_id)
+                waited = time.monotonic()
+                while "took nothing" not in srv.stderr() and time.monotonic() - waited < 20:
+                    time.sleep(0.2)
+                assert "a status stream of peer" in srv.stderr() and "took nothing" in srv.stderr(), \
+                    srv.stderr()[-2000:]
+            finally:
+                call.cancel()
+                channel.close()
     finally:
         peer.close()
