@@ -119,6 +119,14 @@ class Rig:
         self.ex.close()
 
 
+def _until_released(rig: Rig, timeout: float, poll: float) -> float:
+    """Wait (bounded) until the executor holds no engine batch and no staging byte; seconds waited."""
+    waited = time.monotonic()
+    while rig.ex.held() != (0, 0) and time.monotonic() - waited < timeout:
+        time.sleep(poll)
+    return round(time.monotonic() - waited, 1)
+
+
 def _warm(rig: Rig, name: str) -> dict[str, Any]:
     """The first call to a peer (torch loads on the first pack, the engine opens its connection).
 
@@ -154,11 +162,8 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     report["next"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
     report["quiet_later"] = rig.ex.quiesce("A", 120)
     report["drained_later"] = marker is None or marker.result(timeout=120) is None
-    waited = time.monotonic()
-    while rig.ex.held() != (0, 0) and time.monotonic() - waited < 120:
-        time.sleep(0.2)
+    report["released_after_s"] = _until_released(rig, 120, 0.2)
     report["held_after"] = list(rig.ex.held())
-    report["released_after_s"] = round(time.monotonic() - waited, 1)
     rig.peers["A"].kill(signal.SIGCONT)
     rig.peers["A"].fill(0)
     # The engine may still be tearing the stuck call down: retry a few times.
@@ -347,9 +352,7 @@ def unreleased(rig: Rig, report: dict[str, Any]) -> None:
     agent.done.set()  # NIXL lets go of the handle
     report["quiet_later"] = rig.ex.quiesce("A", 60)
     report["drained_later"] = marker is None or marker.result(timeout=60) is None
-    waited = time.monotonic()
-    while rig.ex.held() != (0, 0) and time.monotonic() - waited < 60:
-        time.sleep(0.1)
+    _until_released(rig, 60, 0.1)
     report["held_after"] = list(rig.ex.held())
     a.kill(signal.SIGCONT)
     a.fill(0)
