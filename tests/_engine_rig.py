@@ -127,6 +127,19 @@ def _until_released(rig: Rig, timeout: float, poll: float) -> float:
     return round(time.monotonic() - waited, 1)
 
 
+def _thaw_and_resume(rig: Rig, report: dict[str, Any]) -> None:
+    """SIGCONT decode A, clear its memory, and report whether its next job lands byte-exact."""
+    rig.peers["A"].kill(signal.SIGCONT)
+    rig.peers["A"].fill(0)
+    # The engine may still be tearing the stuck call down: retry a few times.
+    for _ in range(20):
+        report["resumed"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
+        if report["resumed"]["ok"]:
+            break
+        time.sleep(0.5)
+    report["resumed_exact"] = rig.exact("A")
+
+
 def _warm(rig: Rig, name: str) -> dict[str, Any]:
     """The first call to a peer (torch loads on the first pack, the engine opens its connection).
 
@@ -164,15 +177,7 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     report["drained_later"] = marker is None or marker.result(timeout=120) is None
     report["released_after_s"] = _until_released(rig, 120, 0.2)
     report["held_after"] = list(rig.ex.held())
-    rig.peers["A"].kill(signal.SIGCONT)
-    rig.peers["A"].fill(0)
-    # The engine may still be tearing the stuck call down: retry a few times.
-    for _ in range(20):
-        report["resumed"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
-        if report["resumed"]["ok"]:
-            break
-        time.sleep(0.5)
-    report["resumed_exact"] = rig.exact("A")
+    _thaw_and_resume(rig, report)
     report["stats_timeouts"] = rig.ex.stats.timeouts
 
 
@@ -354,14 +359,7 @@ def unreleased(rig: Rig, report: dict[str, Any]) -> None:
     report["drained_later"] = marker is None or marker.result(timeout=60) is None
     _until_released(rig, 60, 0.1)
     report["held_after"] = list(rig.ex.held())
-    a.kill(signal.SIGCONT)
-    a.fill(0)
-    for _ in range(20):
-        report["resumed"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
-        if report["resumed"]["ok"]:
-            break
-        time.sleep(0.5)
-    report["resumed_exact"] = rig.exact("A")
+    _thaw_and_resume(rig, report)
 
 
 def probes(rig: Rig, report: dict[str, Any]) -> None:
