@@ -11,6 +11,8 @@ agent starts.
   call entered the engine, completes; A's next call fails at once; once the engine gives
   A's call up, nothing is held (no engine handle, no staging byte); after SIGCONT, A is
   served byte-exact again.
+* ``slow`` (Mooncake): a decode frozen past the deadline and thawed before the engine gives
+  its batch up: the job fails DEADLINE_EXCEEDED and sends no layer after the one in flight.
 * ``blackhole`` (Mooncake): a socket that accepts and never answers is registered as a
   session: ``connect`` fails with DEADLINE_EXCEEDED within ``connect_timeout_s``, and B is
   served while that connect is still waiting.
@@ -52,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from pdproto.errors import PdprotoError
-from pdproto.transfer import LayerSpan, TransferJob, create_executor
+from pdproto.transfer import LayerSpan, Segment, TransferJob, create_executor
 from pdproto.transfer._engine import EngineExecutor
 from pdproto.v1 import registration_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
@@ -106,11 +108,15 @@ class Rig:
         dst = self.peers[name].registration.kv_buffers[0].ptr
         return TransferJob.of_runs([LayerSpan(self.src.addr, dst, ROW)], runs, pack=True)
 
-    def exact(self, name: str) -> bool:
-        """Whether the peer's buffer holds every source row."""
+    def dumped(self, name: str) -> np.ndarray:
+        """The peer's buffer, as it is now."""
         path = os.path.join(tempfile.mkdtemp(), "dump.bin")
         self.peers[name].dump(path)
-        return bool(np.array_equal(np.fromfile(path, dtype=np.uint8), np.asarray(self.src.array)))
+        return np.fromfile(path, dtype=np.uint8)
+
+    def exact(self, name: str) -> bool:
+        """Whether the peer's buffer holds every source row."""
+        return bool(np.array_equal(self.dumped(name), np.asarray(self.src.array)))
 
     def close(self) -> None:
         for peer in self.peers.values():
@@ -179,6 +185,35 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     report["held_after"] = list(rig.ex.held())
     _thaw_and_resume(rig, report)
     report["stats_timeouts"] = rig.ex.stats.timeouts
+
+
+def slow(rig: Rig, report: dict[str, Any]) -> None:
+    """A decode that thaws after the deadline, before the engine gives its batch up, gets no later layer.
+
+    Four units (segments) of 512 rows, one descriptor each, and one descriptor in flight at a time
+    (``max_batch`` 1; the real cap, 2,048, is reached the same way by a job of scattered
+    rows): each unit is submitted once the one before completed. Unit 0 waits on the
+    frozen decode past the deadline; the decode then thaws and unit 0 completes.
+    """
+    a = rig.add("A")
+    report["warm"] = _warm(rig, "A")
+    rig.peers["A"].fill(0)
+    rig.ex.max_batch = 1
+    quarter = ROWS // 4
+    dst = a.registration.kv_buffers[0].ptr
+    layer = (LayerSpan(rig.src.addr, dst, ROW),)
+    job = TransferJob(segments=tuple(
+        Segment(np.array([[i * quarter, 1, i * quarter, 1, quarter]], dtype=np.int64), layer) for i in range(4)),
+        pack=False)
+    rig.peers["A"].kill(signal.SIGSTOP)
+    report["slow"] = _outcome(lambda: rig.ex.execute("A", job))
+    rig.peers["A"].kill(signal.SIGCONT)  # within Mooncake's own 8 s: its batch completes
+    report["quiet"] = rig.ex.quiesce("A", 60)
+    report["released_after_s"] = _until_released(rig, 60, 0.1)
+    got = rig.dumped("A")[quarter * ROW:]
+    report["later_layers_untouched"] = bool(not got.any())
+    report["later_bytes_written"] = int(np.count_nonzero(got))
+    report["next"] = _outcome(lambda: rig.ex.execute("A", job))
 
 
 @contextlib.contextmanager
@@ -387,7 +422,7 @@ def probes(rig: Rig, report: dict[str, Any]) -> None:
 
 SCENARIOS: dict[str, Callable[[Rig, dict[str, Any]], None]] = {
     "frozen": frozen, "blackhole": blackhole, "identity": identity, "shared": shared, "bounds": bounds,
-    "stuck_close": stuck_close, "unreleased": unreleased, "probes": probes}
+    "stuck_close": stuck_close, "unreleased": unreleased, "probes": probes, "slow": slow}
 
 
 def run_scenario(scenario: str, backend: str, timeout: float = 240.0) -> dict[str, Any]:

@@ -43,3 +43,14 @@ def test_a_black_holed_mooncake_session_is_refused_at_connect_and_blocks_nobody(
     assert "handshake" in r["connect"]["message"]
     assert r["other"]["ok"] and r["other_done_while_connecting"] and r["other_exact"], r
     assert r["held_after"] == [0, 0]
+
+
+def test_a_slow_decode_past_the_deadline_gets_no_layer_after_the_one_in_flight() -> None:
+    r = _run("slow", "mooncake")
+    assert r["warm"]["ok"], r["warm"]
+    assert (r["slow"]["error"], r["slow"]["reason"]) == ("DeadlineExceededError", "DEADLINE_EXCEEDED"), r["slow"]
+    assert r["quiet"] is True and r["released_after_s"] < 60, r
+    # The caller was told the job failed: once the thawed decode let layer 0 through, the
+    # job stopped there instead of writing layers 1 to 3 into pages the decode may reuse.
+    assert r["later_layers_untouched"], r["later_bytes_written"]
+    assert r["next"]["ok"], r["next"]

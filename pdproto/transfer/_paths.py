@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pdproto.dcp.runs import source_rows
-from pdproto.errors import PdprotoError
+from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
 
 from .base import Buffer, LayerSpan, MemoryKind, Runs, Segment
 from .packing import Descs, Gatherer, packed_units, row_descriptors
@@ -89,6 +89,12 @@ class JobPaths:
             chunk = descs[i:i + self.max_batch]
             while inflight and sum(e[3] for e in inflight) + len(chunk) > cap:
                 self._finish(peer, inflight.popleft()[0])
+            # The caller was told DEADLINE_EXCEEDED at the deadline: a slow peer's job that
+            # comes back from a wait after it must not write the pages of layers still to go.
+            if time.monotonic() > peer.deadline:
+                raise DeadlineExceededError(
+                    "the transfer ran past its deadline; its remaining batches were not sent",
+                    reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id})
             handle = self._submit(peer, chunk, mem[0], mem[1])
             with self._lock:
                 self._handles += 1
