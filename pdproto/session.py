@@ -281,6 +281,13 @@ class EventLog:
         """A new stream: every unacknowledged event is written again, with its number."""
         self._cursor = 0
 
+    def discard(self) -> None:
+        """Forget every event, sent or queued: the session is over and nothing more is written."""
+        self._sent.clear()
+        self._pending.clear()
+        self._newest.clear()
+        self._cursor = 0
+
 
 
 

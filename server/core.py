@@ -432,7 +432,16 @@ class HandshakeCore:
         def cut_later() -> None:
             asyncio.get_running_loop().call_later(self.limits.drain_timeout, cut)
 
-        feed = StatusFeed(request.rooms, on_close=cut_later)
+        def cut_now() -> None:
+            log.warning("a status stream of peer %s left more than %d statuses unread; ending it",
+                        peer.peer_id, self.limits.max_unread)
+            peer.feeds.discard(feed)
+            # A stream waiting for a status ends with the feed's reason once woken; one stuck in a
+            # write the client never takes is cancelled.
+            if not feed.waiting and task is not None and task is not asyncio.current_task() and not task.done():
+                task.cancel()
+
+        feed = StatusFeed(request.rooms, on_close=cut_later, unread=self.limits.max_unread, on_behind=cut_now)
         snapshot, ended = self.subscribe(peer, feed)
         for status in snapshot:
             feed.push(status)

@@ -12,7 +12,10 @@ A reader that falls behind does not make the feed grow with every progress updat
 above ``limit`` queued statuses the feed keeps only the newest status of each request
 generation, in the order of their last change. A terminal status is always the newest of
 its generation, so it is never dropped; the queue then holds at most one status per
-request generation the peer has (open or finished).
+request generation the peer has (open or finished). Finished generations keep coming while
+the peer's own submits (on other calls) finish, so a reader that takes nothing would grow
+it for good: past ``unread`` queued statuses the feed is ended with ``UNAVAILABLE`` (watch
+again: a new stream starts from a snapshot).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection
 
+from pdproto.errors import PdprotoError, Reason, UnavailableError
 from pdproto.v1 import transfer_pb2
 
 Status = transfer_pb2.TransferStatus
@@ -29,14 +33,21 @@ Status = transfer_pb2.TransferStatus
 class StatusFeed:
     """One subscriber's queue of statuses: in order, coalesced per request generation under backlog."""
 
-    def __init__(self, rooms: Collection[int] = (), *, limit: int = 1024,
-                 on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, rooms: Collection[int] = (), *, limit: int = 1024, unread: int = 0,
+                 on_close: Callable[[], None] | None = None,
+                 on_behind: Callable[[], None] | None = None) -> None:
         self._rooms = frozenset(rooms)
         self._items: deque[Status] = deque()
-        self._limit = max(1, limit)
+        self._limit = max(1, min(limit, unread) if unread else limit)
+        self._unread = unread
         self._closed = False
         self._wake = asyncio.Event()
         self._on_close = on_close
+        self._on_behind = on_behind
+        self.behind: PdprotoError | None = None
+        """Why the feed was ended unread (``unread`` exceeded); its stream ends with it."""
+        self.waiting = False
+        """Its stream waits for a status (not in a write): waking it is enough to end it."""
 
     def push(self, status: Status) -> None:
         """Queue a status (ignored when it is for a room this stream did not ask for)."""
@@ -45,7 +56,21 @@ class StatusFeed:
         self._items.append(status)
         if len(self._items) > self._limit:
             self._compact()
+            if self._unread and len(self._items) > self._unread:
+                self._fell_behind()
+                return
         self._wake.set()
+
+    def _fell_behind(self) -> None:
+        self.behind = UnavailableError(
+            f"this status stream was ended: its reader took none of more than {self._unread} queued statuses "
+            "(twice what the peer can have open and kept). Watch again: a new stream starts from the "
+            "current statuses", reason=Reason.UNAVAILABLE, metadata={"limit": self._unread})
+        self._items.clear()
+        self._closed = True
+        self._wake.set()
+        if self._on_behind is not None:
+            self._on_behind()
 
     def _compact(self) -> None:
         """Keep the newest status per (room, generation), ordered by when each last changed."""
@@ -82,10 +107,16 @@ class StatusFeed:
         while True:
             while self._items:
                 yield self._items.popleft()
+            if self.behind is not None:
+                raise self.behind
             if self._closed:
                 return
             self._wake.clear()
-            await self._wake.wait()
+            self.waiting = True
+            try:
+                await self._wake.wait()
+            finally:
+                self.waiting = False
 
 
 __all__ = ["StatusFeed"]

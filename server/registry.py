@@ -54,6 +54,12 @@ class Limits:
     drain_timeout: float = 10.0
     """Seconds Abort/Deregister/shutdown wait for in-flight chunks to drain."""
 
+    @property
+    def max_unread(self) -> int:
+        """Statuses a status stream may leave unread before it is ended: twice what a peer can have
+        open and kept (a new stream's snapshot), so only a client that reads nothing reaches it."""
+        return 2 * (self.max_inflight_per_peer + self.max_finished_per_peer)
+
 
 @dataclass
 class Request:
@@ -214,7 +220,7 @@ class Peer:
 
     def publish(self, status: transfer_pb2.TransferStatus) -> None:
         """Push a status to every stream of this peer."""
-        for feed in self.feeds:
+        for feed in tuple(self.feeds):  # a stream that fell too far behind leaves the set as it is pushed to
             feed.push(status)
 
     def end_streams(self) -> None:

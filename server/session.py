@@ -95,7 +95,25 @@ class ServerSession:
     def push(self, status: transfer_pb2.TransferStatus) -> None:
         """A status change of one of the peer's requests."""
         self.log.status(status)
+        if self.ended is None and self.log.queued > self.hub.core.limits.max_unread:
+            self._fell_behind()
         self.wake()
+
+    def _fell_behind(self) -> None:
+        """End a session whose client acknowledged nothing while its events piled up (its peer's own
+        unary submits finish meanwhile); kept, each finished request would add one for good."""
+        limit = self.hub.core.limits.max_unread
+        log.warning("session %s of peer %s: more than %d events unacknowledged; ending it",
+                    self.session_id, self.peer.peer_id, limit)
+        self.ended = NotFoundError(
+            f"session {self.session_id} of peer {self.peer.peer_id} was ended: its client acknowledged no "
+            f"event while more than {limit} queued (twice what the peer can have open and kept). Open a "
+            "new session: its first events are the peer's current statuses",
+            reason=Reason.SESSION_NOT_FOUND, metadata={"sessionId": self.session_id, "limit": limit})
+        self.log.discard()
+        self.hub.drop(self)
+        self.progress.set()
+        self._cut_now()
 
     def close(self) -> None:
         """The peer is over (deregistered, replaced, gone) or the server drains: flush, then end."""
@@ -115,14 +133,19 @@ class ServerSession:
         the stream open and never reads or acknowledges must not keep it, and its tasks, forever.
         """
         if self._cut is None:
-            self._cut = asyncio.get_running_loop().call_later(
-                self.hub.core.limits.drain_timeout, self._cut_now)
+            self._cut = asyncio.get_running_loop().call_later(self.hub.core.limits.drain_timeout, self._late)
+
+    def _late(self) -> None:
+        log.info("session %s of peer %s: the client took nothing for %.0f s after it ended",
+                 self.session_id, self.peer.peer_id, self.hub.core.limits.drain_timeout)
+        self._cut_now()
 
     def _cut_now(self) -> None:
+        """End the attached stream with the session's reason (``serve`` raises it)."""
         stream = self.stream
         if stream is not None and stream.task is not None and not stream.task.done():
-            log.info("session %s of peer %s: the client took nothing for %.0f s after it ended; cutting its stream",
-                     self.session_id, self.peer.peer_id, self.hub.core.limits.drain_timeout)
+            log.info("session %s of peer %s: cutting its stream (%s)", self.session_id, self.peer.peer_id,
+                     self.ended.message if self.ended is not None else "")
             stream.closing = True
             stream.task.cancel()
 

@@ -297,6 +297,55 @@ def test_an_ended_session_whose_client_takes_nothing_is_cut_after_the_grace() ->
         peer.close()
 
 
+def test_a_session_that_acknowledges_nothing_while_its_peer_finishes_requests_is_ended_not_kept() -> None:
+    """A client opens a session with an event window of one and never acknowledges, while its peer's
+    unary submits finish request after request: each terminal status queues in the session. Past twice
+    what the peer can have open and kept (``--max-inflight`` + ``--max-finished``, 16 here: 32) the
+    session ends ``SESSION_NOT_FOUND`` and is forgotten, so a resume is refused (a new session starts
+    from a snapshot). Before, it queued every status for good."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE, "--chunk-delay-ms", "0", "--max-inflight", "8",
+                            "--max-finished", "8") as srv, \
+                HandshakeClient(srv.target, timeout=20, session=False) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            credential = client.credential(peer_id)
+            raw = Raw(srv.lane_port)
+            raw.send(PREFACE)
+            opening = open_request(peer_id, credential)
+            opening.open.event_window = 1
+            raw.frame(opening)
+            first = raw.read()
+            assert first is not None and first.HasField("opened"), first
+            kept = 1
+            for start in range(1, 400, 8):
+                rooms = range(start, start + 8)
+                for room in rooms:
+                    client.submit_transfer(peer_id, transfer_pb2.TransferInfo(room=room, dst_kv_pages=[0],
+                                                                              is_dummy=True))
+                client.wait_for(peer_id, rooms, timeout=20)
+                view = client.describe(peer_id=peer_id).peers[0]
+                kept = view.sessions_connected + view.sessions_detached
+                if not kept:
+                    break
+            assert kept == 0, view
+            frames = []
+            while (frame := raw.read()) is not None:
+                frames.append(frame)
+            assert frames and frames[-1].HasField("end"), frames
+            assert frames[-1].end.reason == "SESSION_NOT_FOUND" and "acknowledged no event" in frames[-1].end.message
+            raw.close()
+            again = Raw(srv.lane_port)
+            again.send(PREFACE)
+            again.frame(open_request(peer_id, credential, resume=first.opened.session_id))
+            assert ended(again).reason == "SESSION_NOT_FOUND"
+            again.close()
+            client.submit_transfer(peer_id, transfer_pb2.TransferInfo(room=1000, dst_kv_pages=[0], is_dummy=True))
+            assert client.wait_for(peer_id, [1000], timeout=20)[1000].state == common_pb2.TRANSFER_STATE_SUCCESS
+    finally:
+        peer.close()
+
+
 def test_a_new_session_acknowledging_events_it_never_got_is_refused_and_not_kept() -> None:
     peer = DecodeRank.for_spec(SPEC, pages=64)
     try:

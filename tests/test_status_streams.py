@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import urllib.request
+from typing import Any
 
 import grpc
 import pytest
@@ -40,6 +41,18 @@ def _terminals(statuses: list[transfer_pb2.TransferStatus]) -> collections.Count
 def _submit(client: HandshakeClient, peer_id: str, rooms: range) -> None:
     for room in rooms:
         client.submit_transfer(peer_id, transfer_pb2.TransferInfo(room=room, dst_kv_pages=[0], is_dummy=True))
+
+
+def _unread_watch(target: str, peer_id: str, credential: bytes) -> tuple[grpc.Channel, Any]:
+    """A WatchStatus call nobody reads, on a channel whose small receive window does not grow: the
+    server's writes stall after a few KB."""
+    channel = grpc.insecure_channel(target, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                     ("grpc.http2.bdp_probe", 0)])
+    watch = channel.unary_stream(
+        "/pdproto.v1.HandshakeService/WatchStatus",
+        request_serializer=hs.WatchStatusRequest.SerializeToString,
+        response_deserializer=hs.WatchStatusResponse.FromString)
+    return channel, watch(hs.WatchStatusRequest(peer_id=peer_id, peer_credential=credential))
 
 
 def test_deregister_during_first_snapshot_delivers_every_failed() -> None:
@@ -175,14 +188,7 @@ def test_a_watch_of_an_ended_peer_that_reads_nothing_is_cut_after_the_grace() ->
             rooms = range(1, 3001)
             _submit(client, peer_id, rooms)
             client.wait_for(peer_id, rooms, timeout=60)
-            # A small receive window that does not grow: the server's writes stall after a few KB.
-            channel = grpc.insecure_channel(srv.target, options=[("grpc.http2.lookahead_bytes", 1024),
-                                                                 ("grpc.http2.bdp_probe", 0)])
-            watch = channel.unary_stream(
-                "/pdproto.v1.HandshakeService/WatchStatus",
-                request_serializer=hs.WatchStatusRequest.SerializeToString,
-                response_deserializer=hs.WatchStatusResponse.FromString)
-            call = watch(hs.WatchStatusRequest(peer_id=peer_id, peer_credential=client.credential(peer_id)))
+            channel, call = _unread_watch(srv.target, peer_id, client.credential(peer_id))
             try:
                 time.sleep(1.0)  # its snapshot fills the flow-control windows; nothing is read
                 client.deregister(peer_id)
@@ -191,6 +197,38 @@ def test_a_watch_of_an_ended_peer_that_reads_nothing_is_cut_after_the_grace() ->
                     time.sleep(0.2)
                 assert "a status stream of peer" in srv.stderr() and "took nothing" in srv.stderr(), \
                     srv.stderr()[-2000:]
+            finally:
+                call.cancel()
+                channel.close()
+    finally:
+        peer.close()
+
+
+def test_a_watch_that_reads_nothing_while_its_peer_finishes_requests_is_ended_not_kept() -> None:
+    """A client opens WatchStatus and never reads, while the peer's requests (submitted on other calls)
+    finish one after another: each adds a terminal status the stream must deliver. Past twice what the
+    peer can have open and kept (``--max-inflight`` + ``--max-finished``, 16 here: 32) the stream is
+    ended; before, it queued every one for as long as the client kept the connection."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, "--chunk-delay-ms", "0", "--max-inflight", "8", "--max-finished", "8",
+                            "--metrics-port", "0") as srv, HandshakeClient(srv.target, timeout=30) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            channel, call = _unread_watch(srv.target, peer_id, client.credential(peer_id))
+            try:
+                for first in range(1, 400, 8):
+                    rooms = range(first, first + 8)
+                    _submit(client, peer_id, rooms)
+                    client.wait_for(peer_id, rooms, timeout=30)
+                    if "left more than 32 statuses unread" in srv.stderr():
+                        break
+                assert "left more than 32 statuses unread; ending it" in srv.stderr(), srv.stderr()[-2000:]
+                # The peer is served on: its own session is another stream, untouched.
+                _submit(client, peer_id, range(1000, 1008))
+                done = client.wait_for(peer_id, range(1000, 1008), timeout=30)
+                assert all(s.state == common_pb2.TRANSFER_STATE_SUCCESS for s in done.values()), done
+                view = client.describe(peer_id=peer_id).peers[0]
+                assert view.watch_streams == 0, view
             finally:
                 call.cancel()
                 channel.close()
