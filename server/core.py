@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdproto.errors import (
@@ -21,7 +22,7 @@ from pdproto.errors import (
     ResourceLimitError,
     ShuttingDownError,
 )
-from pdproto.topology import Rejection, negotiate
+from pdproto.topology import Decision, Rejection, negotiate
 from pdproto.transfer.base import ConnectsOnLoop, PendingConnect
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
@@ -37,9 +38,12 @@ from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, PeerRegistry, Request, StatusSink, identity_of
 from .runner import TransferRunner, drained
-from .validate import check_registration, check_transfer, page_limit
+from .validate import check_registration, check_transfer, page_limit, registration_entries
 
 log = logging.getLogger("pdproto_server.core")
+HEAVY_ENTRIES = 1024
+"""A registration listing more buffers and tensors than this is checked and negotiated off the loop;
+real ones list a few hundred at most (two per layer for MHA, plus state tensors)."""
 
 IDENTITY_GRACE_S = 1.0
 """How long a registration naming a live peer waits for that peer's streams to end (a client closing them)."""
@@ -67,6 +71,9 @@ class HandshakeCore:
         executor = engine.executor
         self._start_connect = executor.start_connect if isinstance(executor, ConnectsOnLoop) else None
         """Register connects on the loop (no thread hop) where the engine can (``ConnectsOnLoop``)."""
+        self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
+        """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
+        a time: on the loop, one would stall every other peer's calls for its whole length."""
         engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
         self.deadlines: Deadlines[Peer] = Deadlines()
         """When to look at a peer again: its oldest kept final status expires, or it is gone long enough."""
@@ -153,10 +160,16 @@ class HandshakeCore:
 
     async def _register(self, request: hs.RegisterRequest, origin: str) -> hs.RegisterResponse:
         self._accepting()
-        reg = check_registration(request, origin)
-        # An engine that connects on the loop starts now: the decode answers while we negotiate.
+        verdict = None
+        if registration_entries(request.registration) > HEAVY_ENTRIES:
+            reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
+            self._accepting()
+        else:
+            reg = check_registration(request, origin)
+        # An engine that connects on the loop starts now: the decode answers while we negotiate. A
+        # heavy registration connects on its lane instead (its buffers are checked there, off the loop).
         pending = None
-        if self._start_connect is not None:
+        if self._start_connect is not None and verdict is None:
             try:
                 pending = self._start_connect(reg)
             except PdprotoError:
@@ -164,18 +177,29 @@ class HandshakeCore:
                 # where a connect fails, after a restarted decode's old peer was dropped (docs/security.md).
                 pending = None
         try:
-            return await self._admit(reg, pending)
+            return await self._admit(reg, pending, verdict or self._negotiate(reg))
         finally:
             if pending is not None:
                 pending.close()
 
-    async def _admit(self, reg: registration_pb2.KvRegistration, pending: PendingConnect | None) -> hs.RegisterResponse:
-        """Negotiate, then connect (finishing ``pending``, or on the peer's lane) and add the peer."""
+    def _negotiate(self, reg: registration_pb2.KvRegistration) -> Decision:
+        """The verdict on ``reg``; a rejection raises its typed error."""
         started = time.perf_counter()
         verdict = negotiate(self.info, reg)
         self.metrics.negotiation_seconds.observe(time.perf_counter() - started)
         if isinstance(verdict, Rejection):
             raise verdict.to_error()
+        return verdict
+
+    def _check_and_negotiate(self, request: hs.RegisterRequest,
+                             origin: str) -> tuple[registration_pb2.KvRegistration, Decision]:
+        """``check_registration`` and ``_negotiate`` together (on the judge's thread)."""
+        reg = check_registration(request, origin)
+        return reg, self._negotiate(reg)
+
+    async def _admit(self, reg: registration_pb2.KvRegistration, pending: PendingConnect | None,
+                     verdict: Decision) -> hs.RegisterResponse:
+        """Connect (finishing ``pending``, or on the peer's lane) and add the peer, as ``verdict`` says."""
         identity = identity_of(reg)
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
         async with self.registry.serialized(identity):
@@ -519,6 +543,7 @@ class HandshakeCore:
         if stuck:
             log.warning("closing with engine calls still out for %d peers: %s", len(stuck), stuck[:8])
         self.pool.shutdown(wait=False)
+        self._judge.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_alive(peer: Peer) -> None:

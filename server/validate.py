@@ -48,6 +48,19 @@ class Bounds:
     """Tokens of a decode prefix (the planner's own limit on row arithmetic)."""
     ADDRESS = 1 << 64
     """End of a registered region (pointer + length) in a 64-bit address space."""
+    REGIONS = 1 << 16
+    """Buffers and tensors of one registration in all (KV buffers, aux buffers, state tensors)."""
+
+
+def registration_entries(reg: registration_pb2.KvRegistration) -> int:
+    """Buffers and tensors ``reg`` lists (KV, aux, state entries and their tensors); the count stops
+    once past ``Bounds.REGIONS``, so it costs little whatever the message holds."""
+    n = len(reg.kv_buffers) + len(reg.aux_ptrs) + len(reg.state_buffers)
+    for sb in reg.state_buffers:
+        if n > Bounds.REGIONS:
+            break
+        n += len(sb.data_ptrs)
+    return n
 
 
 def _name(field: str, value: str, bad: list[tuple[str, str]], *, required: bool = False) -> None:
@@ -94,6 +107,11 @@ def _sanity(reg: registration_pb2.KvRegistration, bad: list[tuple[str, str]]) ->
         _count(field, n, Bounds.ENTRIES, bad)
     for i, sb in enumerate(reg.state_buffers[:Bounds.ENTRIES]):
         _count(f"registration.state_buffers[{i}].data_ptrs", len(sb.data_ptrs), Bounds.ENTRIES, bad)
+    # Each buffer and tensor costs the server time at registration and a bound at every transfer.
+    listed = registration_entries(reg)
+    if listed > Bounds.REGIONS:
+        bad.append(("registration", f"more than {Bounds.REGIONS} buffers and tensors in all (KV buffers, aux "
+                                    f"buffers, state entries and their tensors: {listed} counted so far)"))
     for i, buf in enumerate(reg.kv_buffers[:Bounds.ENTRIES]):
         if buf.ptr + buf.length > Bounds.ADDRESS:
             bad.append((f"registration.kv_buffers[{i}].length", "ptr + length runs past the 64-bit address space"))
@@ -194,4 +212,4 @@ def _check_bounds(peer: Peer, max_page: int) -> None:
         raise InvalidFieldError.of([("transfer.dst_kv_pages", "page index too large")])
 
 
-__all__ = ["Bounds", "check_registration", "check_transfer", "page_limit"]
+__all__ = ["Bounds", "check_registration", "check_transfer", "page_limit", "registration_entries"]

@@ -15,8 +15,9 @@ from pdproto.dcp import plan_relayout
 from pdproto.dcp.runs import expand, from_rows, segments, source_rows
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, Segment, TransferJob
-from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, validate_job
+from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, remote_regions, validate_job
 from pdproto.transfer.packing import Gatherer, copy_runs, packed_descriptors, packed_layers, row_descriptors
+from pdproto.v1 import registration_pb2
 
 # Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
 run_rows = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 5), st.integers(0, 60), st.integers(1, 5),
@@ -151,18 +152,18 @@ def _job(runs: list[list[int]], layer: LayerSpan) -> TransferJob:
 def test_bounds_come_from_run_extents_and_name_the_side() -> None:
     layer = LayerSpan(1000, 5000, 10)
     job = _job([[0, 9, 0, 10, 2]], layer)  # rows 0, 9 -> 0, 10
-    check_bounds(job, local=[(1000, 100)], remote=[(5000, 110)])
+    check_bounds(job, local=[(1000, 100)], remote={5000: 110})
     with pytest.raises(DestinationOutOfBoundsError) as info:
-        check_bounds(job, local=[(1000, 100)], remote=[(5000, 109)])
+        check_bounds(job, local=[(1000, 100)], remote={5000: 109})
     assert info.value.reason == Reason.DESTINATION_OUT_OF_BOUNDS
     with pytest.raises(InvalidFieldError) as info:
-        check_bounds(job, local=[(1000, 99)], remote=[(5000, 110)])
+        check_bounds(job, local=[(1000, 99)], remote={5000: 110})
     assert info.value.reason == Reason.INVALID_FIELD and info.value.field == "job.segments.layers.src_ptr"
     # A length of 0 means "unknown" and leaves that buffer unbounded.
-    check_bounds(job, local=[(1000, 100)], remote=[(5000, 0)])
+    check_bounds(job, local=[(1000, 100)], remote={5000: 0})
     # A sub-range is bounded by its own bytes: the last row's 4 bytes at offset 6 end at byte 110.
     check_bounds(_job([[0, 9, 0, 10, 2]], LayerSpan(1000, 5000, 10, src_offset=6, dst_offset=6, width=4)),
-                 local=[(1000, 100)], remote=[(5000, 110)])
+                 local=[(1000, 100)], remote={5000: 110})
 
 
 @pytest.mark.parametrize("runs", [[[0, 1, -1, 1, 2]], [[0, 0, 0, 1, 2]], [[0, 1, 0, 1, 0]], [[0, 1, 0, 1]]])
@@ -218,3 +219,15 @@ def test_staging_extents_are_disjoint_and_a_held_extent_does_not_block_others() 
     ext.release(*c)
     assert ext.acquire(1000, 1000, timeout=0) == (0, 1000)  # freed ranges merge back
     assert ext.acquire(1001, 1001, timeout=0) is None
+
+
+def test_remote_regions_bound_every_registered_base_the_loosest_way() -> None:
+    reg = registration_pb2.KvRegistration()
+    reg.kv_buffers.add(ptr=100, length=50)
+    reg.kv_buffers.add(ptr=100, length=80)  # the same base twice: the looser bound
+    reg.kv_buffers.add(ptr=300, length=0)  # unknown length: unbounded
+    reg.aux_ptrs.extend([400, 500])
+    reg.aux_data_lens.extend([16])  # the second aux buffer's length is not given: unbounded
+    reg.state_buffers.add(data_ptrs=[600, 700, 300], data_lens=[8, 9, 10])  # 300 again, after an unknown
+    reg.state_buffers.add(data_ptrs=[800])
+    assert remote_regions(reg) == {100: 80, 300: 0, 400: 16, 500: 0, 600: 8, 700: 9, 800: 0}

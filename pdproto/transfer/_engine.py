@@ -41,6 +41,7 @@ from .base import (
     TransferStats,
     check_bounds,
     encode_notification,
+    Regions,
     remote_regions,
     validate_job,
 )
@@ -72,7 +73,8 @@ class PeerState:
     peer_id: str
     remote: str
     """Engine handle of the peer: Mooncake session id or NIXL agent name."""
-    regions: list[tuple[int, int]]
+    regions: Regions = field(default_factory=dict)
+    """The peer's registered destination regions (``remote_regions``), bounds for every job."""
     device: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     lane: Lane | None = None

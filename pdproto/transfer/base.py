@@ -31,6 +31,9 @@ from pdproto.v1 import common_pb2, registration_pb2
 Runs = npt.NDArray[np.int64]
 """(R, 5) int64 row runs: src_start, src_stride, dst_start, dst_stride, count (``pdproto.dcp.runs``)."""
 
+Regions: TypeAlias = dict[int, int]
+"""A peer's registered destination regions: base address -> bytes that bound writes from it (0: unknown)."""
+
 MemoryKind: TypeAlias = common_pb2.MemoryKind.ValueType
 """A ``pdproto.v1.MemoryKind`` value."""
 
@@ -332,28 +335,23 @@ def byte_span(ptr: int, lo_row: int, hi_row: int, pitch: int, offset: int, nbyte
     return ptr + lo_row * pitch + offset, ptr + hi_row * pitch + offset + nbytes
 
 
-def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]],
-                 remote: Sequence[tuple[int, int]]) -> None:
+def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]], remote: Regions) -> None:
     """Raise unless every layer's rows lie inside its own registered region on each side; O(runs) per segment.
 
     Each segment's runs give its lowest and highest row on each side (strides are
     positive), so one span per layer and side covers every row. A layer's ``dst_ptr`` must
     be the base of a region the peer registered (a KV buffer, an aux buffer, a state
-    tensor), and its rows must stay inside that region, not merely inside some region.
-    ``remote`` regions with length 0 (unknown) are not bounded, as the schema allows.
+    tensor: a key of ``remote``, from ``remote_regions``), and its rows must stay inside
+    that region, not merely inside some region. A length of 0 (unknown) is not bounded, as
+    the schema allows.
     """
-    regions: dict[int, int] = {}
-    for base, n in remote:
-        # Two regions at one base: the looser bound wins (0, unknown, is the loosest).
-        old = regions.get(base)
-        regions[base] = n if old is None else (0 if 0 in (old, n) else max(old, n))
     for i, (seg, layer) in enumerate(job.units()):
         smin, smax, dmin, dmax = seg.extents
         if not _span_inside(*byte_span(layer.src_ptr, smin, smax, layer.row_bytes, layer.src_offset,
                                        layer.nbytes), local):
             raise InvalidFieldError("job.segments.layers.src_ptr", "source rows fall outside registered local memory",
                                     metadata={"layer": i, "src_ptr": hex(layer.src_ptr), "max_row": smax})
-        length = regions.get(layer.dst_ptr)
+        length = remote.get(layer.dst_ptr)
         if length is None:
             raise DestinationOutOfBoundsError(
                 "destination names no buffer the peer registered",
@@ -370,13 +368,27 @@ def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]],
                 metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
 
 
-def remote_regions(registration: registration_pb2.KvRegistration) -> list[tuple[int, int]]:
-    """The (ptr, length) pairs a peer registered for KV, aux and state, as bounds for destination writes."""
-    aux_lens = registration.aux_data_lens
-    return [*((b.ptr, b.length) for b in registration.kv_buffers),
-            *((p, aux_lens[i] if i < len(aux_lens) else 0) for i, p in enumerate(registration.aux_ptrs)),
-            *((p, s.data_lens[i] if i < len(s.data_lens) else 0)
-              for s in registration.state_buffers for i, p in enumerate(s.data_ptrs))]
+def remote_regions(registration: registration_pb2.KvRegistration) -> Regions:
+    """Every base a peer registered for KV, aux and state, with the length that bounds writes from it.
+
+    Built once per connection, not per job: a registration may list tens of thousands of
+    state tensors. Two regions at one base: the looser bound wins (0, unknown, is the loosest).
+    """
+    bases: list[int] = [b.ptr for b in registration.kv_buffers]
+    lengths: list[int] = [b.length for b in registration.kv_buffers]
+    # Scalar lists convert through numpy at once; indexing them one by one costs a microsecond each.
+    for ptrs, lens in ((registration.aux_ptrs, registration.aux_data_lens),
+                       *((s.data_ptrs, s.data_lens) for s in registration.state_buffers)):
+        if not len(ptrs):
+            continue
+        given = np.asarray(lens, dtype=np.uint64)[:len(ptrs)]
+        bases += np.asarray(ptrs, dtype=np.uint64).tolist()
+        lengths += given.tolist() + [0] * (len(ptrs) - len(given))
+    regions: Regions = {}
+    for base, n in zip(bases, lengths):
+        old = regions.get(base)
+        regions[base] = n if old is None else (0 if 0 in (old, n) else max(old, n))
+    return regions
 
 
 __all__ = [
@@ -390,6 +402,7 @@ __all__ = [
     "MemoryKind",
     "Notification",
     "PendingConnect",
+    "Regions",
     "Runs",
     "Segment",
     "TransferExecutor",

@@ -42,6 +42,7 @@ from .base import (
     TransferResult,
     TransferStats,
     check_bounds,
+    Regions,
     remote_regions,
     validate_job,
 )
@@ -55,7 +56,7 @@ class _Peer:
 
     lease: arena.Lease
     view: np.ndarray
-    regions: list[tuple[int, int]]
+    regions: Regions
     lock: threading.Lock
 
 
@@ -138,7 +139,8 @@ class LocalExecutor:
         Every KV buffer must lie inside the arena (a length of 0 means "to the arena's end").
         """
         declared, need = _declared(registration)
-        self._install(peer_id, arena.fetch(registration.local, need, timeout=self._connect_timeout), declared)
+        self._install(peer_id, arena.fetch(registration.local, need, timeout=self._connect_timeout), declared,
+                      registration)
 
     def start_connect(self, registration: registration_pb2.KvRegistration) -> _ArenaConnect | None:
         """``connect`` for a caller on an event loop: the arena handover starts now and ends on the loop.
@@ -148,18 +150,18 @@ class LocalExecutor:
         """
         declared, need = _declared(registration)
         handover = arena.Handover.start(registration.local, need)
-        return None if handover is None else _ArenaConnect(self, handover, declared)
+        return None if handover is None else _ArenaConnect(self, handover, declared, registration)
 
-    def _install(self, peer_id: str, lease: arena.Lease, declared: list[tuple[int, int]]) -> None:
+    def _install(self, peer_id: str, lease: arena.Lease, declared: Regions,
+                 registration: registration_pb2.KvRegistration) -> None:
         """Check the buffers against the mapped arena and make the lease the peer's."""
-        regions = []
-        for i, (ptr, length) in enumerate(declared):
-            if ptr >= lease.size:
-                lease.close()
-                raise InvalidFieldError(f"registration.kv_buffers[{i}].ptr",
-                                        f"offset {ptr} is outside the {lease.size}-byte arena",
-                                        metadata={"ptr": ptr, "arena": lease.size})
-            regions.append((ptr, length or lease.size - ptr))
+        outside = [ptr for ptr in declared if ptr >= lease.size]
+        if outside:
+            lease.close()
+            ptr = min(outside)
+            raise InvalidFieldError(_field_at(registration, ptr), f"offset {ptr} is outside the {lease.size}-byte arena",
+                                    metadata={"ptr": ptr, "arena": lease.size})
+        regions = {ptr: length or lease.size - ptr for ptr, length in declared.items()}
         peer = _Peer(lease=lease, view=np.frombuffer(lease.mapping, dtype=np.uint8), regions=regions,
                      lock=threading.Lock())
         with self._lock:
@@ -272,33 +274,48 @@ class LocalExecutor:
 class _ArenaConnect:
     """A connect whose arena handover is under way (``LocalExecutor.start_connect``)."""
 
-    def __init__(self, executor: LocalExecutor, handover: arena.Handover, declared: list[tuple[int, int]]) -> None:
+    def __init__(self, executor: LocalExecutor, handover: arena.Handover, declared: Regions,
+                 registration: registration_pb2.KvRegistration) -> None:
         """Hold the handover until ``finish`` or ``close``."""
         self._executor = executor
         self._handover = handover
         self._declared = declared
+        self._registration = registration
 
     async def finish(self, peer_id: str, timeout: float) -> None:
         """Wait on the running loop for the arena (up to ``timeout`` seconds, and no longer than the
         executor's ``connect_timeout_s``), then connect ``peer_id`` to it."""
         lease = await self._handover.finish(min(timeout, self._executor._connect_timeout))
-        self._executor._install(peer_id, lease, self._declared)
+        self._executor._install(peer_id, lease, self._declared, self._registration)
 
     def close(self) -> None:
         """Drop the handover if ``finish`` did not take it (idempotent)."""
         self._handover.close()
 
 
-def _declared(registration: registration_pb2.KvRegistration) -> tuple[list[tuple[int, int]], int]:
-    """The registration's buffers (offset, length) and how much of the arena they need mapped."""
+def _declared(registration: registration_pb2.KvRegistration) -> tuple[Regions, int]:
+    """The registration's buffers (offset: length) and how much of the arena they need mapped."""
     if registration.WhichOneof("transport") != "local":
         raise TopologyError("registration carries no local endpoint",
                             reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
                             metadata={"transport": registration.WhichOneof("transport")})
     declared = remote_regions(registration)
     # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
-    need = 0 if any(n == 0 for _, n in declared) else max((p + n for p, n in declared), default=0)
+    need = 0 if 0 in declared.values() else max((p + n for p, n in declared.items()), default=0)
     return declared, need
+
+
+def _field_at(registration: registration_pb2.KvRegistration, ptr: int) -> str:
+    """The field that names offset ``ptr`` (for the error that refuses it)."""
+    for i, b in enumerate(registration.kv_buffers):
+        if b.ptr == ptr:
+            return f"registration.kv_buffers[{i}].ptr"
+    if ptr in registration.aux_ptrs:
+        return f"registration.aux_ptrs[{list(registration.aux_ptrs).index(ptr)}]"
+    for i, s in enumerate(registration.state_buffers):
+        if ptr in s.data_ptrs:
+            return f"registration.state_buffers[{i}].data_ptrs[{list(s.data_ptrs).index(ptr)}]"
+    return "registration"
 
 
 def _check_alive(peer_id: str, peer: _Peer, message: str) -> None:

@@ -181,7 +181,7 @@ class MooncakeExecutor(EngineExecutor):
         if answered is Probe.REFUSED:
             raise RequestFailedError(f"the decode's Mooncake session {session} does not answer its handshake port",
                                      reason=Reason.PEER_GONE, metadata={"peer": peer_id, "session_id": session})
-        return PeerState(peer_id=peer_id, remote=session, regions=[])
+        return PeerState(peer_id=peer_id, remote=session)
 
     def _probe(self, session: str, timeout: float, *, warm: bool = False) -> Probe:
         """Whether ``session`` answers Mooncake's probe (and, with ``warm``, hands over its segment).

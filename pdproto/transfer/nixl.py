@@ -220,7 +220,7 @@ class NixlExecutor(EngineExecutor):
         kinds = {b.memory_kind for b in registration.kv_buffers}
         # An unset kind reads as VRAM, as legacy SGLang does.
         kind = common_pb2.MEMORY_KIND_DRAM if kinds == {common_pb2.MEMORY_KIND_DRAM} else VRAM
-        state = PeerState(peer_id=peer_id, remote=name, regions=[], device=registration.gpu_id)
+        state = PeerState(peer_id=peer_id, remote=name, device=registration.gpu_id)
         state.extra["mem"] = self._mem(kind)
         state.extra["conn"] = conn
         return state
