@@ -10,13 +10,14 @@ that room and receive its KV, and an engine identity to replace the peer that ha
 
 from __future__ import annotations
 
+import heapq
 import time
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
 from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs
 
 from .core import HandshakeCore
-from .registry import Peer
+from .registry import Limits, Peer
 from .session import SessionHub
 
 DEFAULT_REQUEST_LIMIT = 64
@@ -28,7 +29,7 @@ def _ms(seconds: float) -> int:
 
 
 def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
-               include_finished: bool, full: bool) -> describe_pb2.PeerView:
+               finished_limit: int, full: bool) -> describe_pb2.PeerView:
     sessions = hub.of(peer)
     view = describe_pb2.PeerView(
         peer_id=peer.peer_id,
@@ -47,17 +48,33 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
     if full:
         view.engine_identity = backends.identity_key(peer.registration) or ""
         view.notify_endpoint.CopyFrom(peer.registration.notify_endpoint)
-    oldest = sorted(peer.open.values(), key=lambda r: r.admitted_at)[:request_limit]
+    oldest = heapq.nsmallest(request_limit, peer.open.values(), key=lambda r: r.admitted_at)
     view.requests.extend(
         describe_pb2.RequestView(room=r.room if full else 0, generation=r.generation,
                                  state=r.state,  # type: ignore[arg-type]
                                  bytes_transferred=r.bytes, chunks_done=r.chunks_done,
                                  age_ms=_ms(now - r.admitted_at), is_dummy=r.transfer.is_dummy)
         for r in oldest)
-    if include_finished and full:
-        kept = list(peer.finished.values())[-request_limit:]
+    if finished_limit and full:
+        kept = list(peer.finished.values())[-finished_limit:]
         view.finished.extend(f.status() for f in kept)
     return view
+
+
+def _peer_views(shown: list[Peer], hub: SessionHub, now: float, limit: int, include_finished: bool,
+                operator: bool, caller: Peer | None, limits: Limits) -> list[describe_pb2.PeerView]:
+    """Each shown peer's view; the request views of all of them together stop at what one peer can
+    hold (``max_inflight`` + ``max_finished``), so no ``request_limit`` makes a call cost more."""
+    budget = limits.max_inflight_per_peer + limits.max_finished_per_peer
+    views = []
+    for peer in shown:
+        full = operator or peer is caller
+        opened = min(limit, budget, len(peer.open))
+        finished = min(limit, budget - opened) if include_finished and full else 0
+        view = _peer_view(peer, hub, now, opened, finished, full)
+        budget -= len(view.requests) + len(view.finished)
+        views.append(view)
+    return views
 
 
 def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, *,
@@ -80,7 +97,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
         backend=backends.by_name(core.engine.executor.backend).enum,
         uptime_ms=_ms(now - hub.started_at),
         draining=core.shutting_down,
-        peers=[_peer_view(p, hub, now, limit, request.include_finished, operator or p is caller) for p in shown],
+        peers=_peer_views(shown, hub, now, limit, request.include_finished, operator, caller, core.limits),
         limits=[
             describe_pb2.LimitUse(name="max_peers", limit=core.limits.max_peers, used=core.registry.held()),
             describe_pb2.LimitUse(name="max_inflight", limit=core.limits.max_inflight_per_peer, used=most_open),

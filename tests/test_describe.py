@@ -109,6 +109,29 @@ def test_describe_filters_one_peer_and_bounds_the_request_list() -> None:
         b.close()
 
 
+def test_no_request_limit_makes_describe_list_more_than_one_peer_can_hold() -> None:
+    """Each view costs the server a few microseconds on its event loop, and a token holder names the
+    limit: ``request_limit`` 2^32 - 1 on a busy server built hundreds of thousands of them. The whole
+    response lists at most ``--max-inflight`` + ``--max-finished`` (4 + 2 here) request views."""
+    peers = [DecodeRank.for_spec(SPEC, pages=80) for _ in range(3)]
+    try:
+        with running_server(*SLOW, "--max-inflight", "4", "--max-finished", "2") as srv, \
+                HandshakeClient(srv.target) as client:
+            ids = [client.register(p.registration()).peer_id for p in peers]
+            for peer, peer_id in zip(peers, ids):
+                for room in range(4):
+                    client.submit_transfer(peer_id, peer.transfer_info(room, peer.pages_for(SPEC.prompt_tokens,
+                                                                                             room * 13)))
+            view = client.describe(request_limit=2**32 - 1)
+            assert sum(p.open_requests for p in view.peers) == 12
+            assert sum(len(p.requests) for p in view.peers) == 6, view
+            own = client.describe(peer_id=ids[0], request_limit=2**32 - 1, include_finished=True)
+            assert [r.room for r in own.peers[0].requests] == [0, 1, 2, 3]
+    finally:
+        for p in peers:
+            p.close()
+
+
 def test_a_token_holder_reads_no_other_peers_rooms_or_engine_identity() -> None:
     """A room id is enough to submit for that room and receive its KV, and an engine identity to replace
     its peer (docs/security.md): Describe shows them only to the operator token or the peer itself."""

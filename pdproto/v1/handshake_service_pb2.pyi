@@ -427,7 +427,10 @@ class DescribeRequest(_message.Message):
     INCLUDE_FINISHED_FIELD_NUMBER: _builtins.int
     PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     request_limit: _builtins.int
-    """Open requests listed per peer (oldest first); 0 means the server's default (64)."""
+    """Open requests listed per peer (oldest first); 0 means the server's default (64). Across
+    the whole response the server lists at most max_inflight + max_finished request views
+    (open and final together), the first peers first.
+    """
     peer_id: _builtins.str
     """Only this peer; empty means every peer."""
     include_finished: _builtins.bool
