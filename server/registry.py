@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -87,8 +87,9 @@ class Request:
     admitted_at: float = field(default_factory=time.monotonic)
     room_log: RoomLog | None = field(default=None, repr=False)
     """The room it takes its chunks from, until it ends (``server/runner.py``)."""
-    waiting: bool = False
-    """Its callback is on the room log, for the next chunk."""
+    waiter: Callable[[], None] | None = field(default=None, repr=False)
+    """Its callback on the room log's waiters, for the next chunk; taken off when it ends (kept, it
+    kept the whole ended request, pages included, for as long as the room)."""
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     """Fails it with MATCH_TIMEOUT if the next chunk does not come in time."""
     moving: bool = False

@@ -15,6 +15,7 @@ pages when it sees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -108,16 +109,16 @@ class TransferRunner:
             peer.publish(request.status())
 
     def _wait(self, peer: Peer, request: Request, room_log: RoomLog, index: int) -> None:
-        if not request.waiting:
-            request.waiting = True
-            room_log.waiters.append(lambda: self._arrived(peer, request))
+        if request.waiter is None:
+            request.waiter = lambda: self._arrived(peer, request)
+            room_log.waiters.append(request.waiter)
         if request.timer is None:
             request.timer = asyncio.get_running_loop().call_later(
                 self.limits.match_timeout, self._timed_out, peer, request, index)
 
     def _arrived(self, peer: Peer, request: Request) -> None:
         """The room log changed (a chunk, or an abort)."""
-        request.waiting = False
+        request.waiter = None
         if not request.terminal:
             self._advance(peer, request)
 
@@ -155,6 +156,11 @@ class TransferRunner:
             room_log.requests[peer.peer_id] = FinalState(
                 request.state, request.failure_code, request.failure_reason, request.bytes,
                 request.aux_bytes, request.state_bytes)
+        if request.waiter is not None and request.room_log is not None:
+            # A request superseded or aborted while its room waits for a chunk: the room may live on.
+            with contextlib.suppress(ValueError):
+                request.room_log.waiters.remove(request.waiter)
+        request.waiter = None
         request.room_log = None
         status = request.final = request.status()  # built once: kept serialized, sent to every stream
         if peer.record_finished(status, self.limits.max_finished_per_peer) and self.on_kept is not None:

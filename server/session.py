@@ -36,6 +36,8 @@ from .expiry import Deadlines
 from .registry import Peer
 
 log = logging.getLogger("pdproto_server.session")
+APPLY_TURN = 32
+"""Commands a stream applies before it lets the event loop run other peers' calls."""
 
 
 class Ctx(Protocol):
@@ -330,6 +332,13 @@ class SessionHub:
         try:
             message = first  # its acknowledgement was applied when it opened the session
             while True:
+                if len(message.commands) > session.log.command_window:
+                    # No more than the window may be outstanding, so no compliant message carries more;
+                    # checked before any is touched (a 4 MB frame holds two million empty commands).
+                    raise InvalidFieldError(
+                        "commands", f"{len(message.commands)} commands in one message, more than the command "
+                        f"window ({session.log.command_window}) a client may have outstanding",
+                        metadata={"commands": len(message.commands), "commandWindow": session.log.command_window})
                 if session.ended is None:  # an ended session applies nothing more
                     session.held.extend(message.commands)
                 stream.applying = True
@@ -362,8 +371,13 @@ class SessionHub:
     async def _apply(self, session: ServerSession, stream: _Stream) -> None:
         """Apply held commands while the credit allows, in order, one stream at a time."""
         log_ = session.log
+        taken = 0
         async with session.applier:
             while session.held and log_.credit > 0 and session.ended is None and not stream.closing:
+                taken += 1
+                if taken % APPLY_TURN == 0:
+                    await asyncio.sleep(0)  # a full window of submits must not hold other peers' calls
+                    continue  # the conditions may have changed meanwhile
                 command = session.held.popleft()
                 if not log_.admit(command):
                     continue

@@ -222,10 +222,10 @@ def _aborts(first_seq: int, n: int) -> list[session_pb2.SessionCommand]:
 
 def test_resuming_again_and_again_with_frames_of_commands_holds_one_frame_at_most() -> None:
     """A peer spends its command window and never acknowledges, then resumes its session over and
-    over, each time with an opening frame full of commands (64 KiB: about 5,000). Commands beyond the
-    credit are held until it frees, but only one frame's worth: each resume replaces what the last
-    stream left (the client sends again everything after ``applied_command_seq`` anyway). Before,
-    every resume added its frame's commands to the session for good (about 1.6 MB each)."""
+    over, each time with an opening frame full of commands (64 KiB: about 5,000). Before, every resume
+    added its frame's commands to the session for good (about 1.6 MB each); then each resume replaced
+    what the last stream held. Now a message with more commands than the window is refused outright
+    (``INVALID_FIELD``; ``test_a_message_with_more_commands_than_the_window_is_refused_unread``)."""
     peer = DecodeRank.for_spec(SPEC, pages=64)
     try:
         with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
@@ -258,6 +258,7 @@ def test_resuming_again_and_again_with_frames_of_commands_holds_one_frame_at_mos
                 resumed = raw.read()
                 assert resumed is not None and resumed.opened.resumed, resumed
                 assert resumed.opened.applied_command_seq == window  # nothing beyond the credit applied
+                assert ended(raw).reason == "INVALID_FIELD"
                 raw.close()
             grown = _rss_bytes(srv.proc.pid) - before
             assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB over 60 resumes"
@@ -292,6 +293,31 @@ def test_an_ended_session_whose_client_takes_nothing_is_cut_after_the_grace() ->
             assert frames[-1].end.reason == "PEER_NOT_FOUND", frames[-1]
             assert time.monotonic() - t0 < 9
             assert srv.metrics().get('pdproto_session_streams{transport="lane"}', 0) == 0
+            raw.close()
+    finally:
+        peer.close()
+
+
+def test_a_message_with_more_commands_than_the_window_is_refused_unread() -> None:
+    """No more commands than the command window may be outstanding, so a message with more is a
+    protocol violation: refused, typed, before any is touched. Before, the server took them all:
+    a 4 MB frame of two million empty commands held its event loop for 10 to 25 s (a review
+    measured it), and empty ones (seq 0) were skipped as already applied, with no error."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    try:
+        with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
+            peer_id = client.register(peer.registration()).peer_id
+            raw = Raw(srv.lane_port)
+            raw.send(PREFACE)
+            raw.frame(open_request(peer_id, client.credential(peer_id)))
+            opened = raw.read()
+            assert opened is not None and opened.HasField("opened"), opened
+            flood = hs.SessionRequest()
+            flood.commands.extend(session_pb2.SessionCommand() for _ in range(100_000))
+            raw.frame(flood)
+            end = ended(raw)
+            assert end.reason == "INVALID_FIELD" and end.field_violations[0].field == "commands", end
+            assert "100000 commands in one message" in end.message, end
             raw.close()
     finally:
         peer.close()

@@ -73,6 +73,35 @@ def test_finished_requests_keep_only_their_status() -> None:
         peer.close()
 
 
+def test_requests_superseded_while_their_room_waits_keep_nothing() -> None:
+    """A request waits for its room's next chunk on the room's list of waiters. A newer generation of
+    the room (or an abort) ends it, but the room lives on: before, its waiter stayed on the list and
+    kept the whole ended request, 1 MB of pages and the message they came in, for as long as the room
+    (about 190 MB for 24 here). Superseding a room again and again grew the server without bound."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    env = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # as above: measure the server, not the allocator
+    try:
+        with running_server(*SERVE_ARGS, "--chunk-delay-ms", "600000", "--match-timeout", "600", env=env) as srv, \
+                HandshakeClient(srv.target, timeout=30, session=False) as client:
+            pid = client.register(peer.registration()).peer_id
+            pages = [i % 64 for i in range(PAGES_PER_REQUEST)]
+
+            def supersede(generations: range) -> None:
+                for generation in generations:
+                    client.submit_transfer(pid, transfer_pb2.TransferInfo(room=7, generation=generation,
+                                                                          dst_kv_pages=pages))
+
+            supersede(range(1, 3))  # warm up
+            before = _rss(srv.proc.pid)
+            supersede(range(3, 27))
+            grown = _rss(srv.proc.pid) - before
+            assert grown < 48 << 20, f"resident memory grew by {grown >> 20} MiB after 24 superseded requests"
+            view = client.describe(peer_id=pid, include_finished=True, request_limit=64).peers[0]
+            assert view.open_requests == 1 and [f.failure_code for f in view.finished] == ["ABORTED"], view
+    finally:
+        peer.close()
+
+
 def test_gone_peers_count_toward_max_peers_until_released() -> None:
     spec = dataclasses.replace(SPEC, backend="mooncake")
     peer = DecodeRank.for_spec(spec, pages=64, backend="mooncake")
