@@ -80,8 +80,9 @@ def slot_copies(source: KvSource, peer: Peer, request: Request, chunk: Chunk) ->
         if chunk.state_slots is None:
             raise InvalidFieldError("state_slots", f"room {request.room}: the prefill engine's last chunk"
                                     " named no state slots, and this rank writes state")
+        # The repeated fields as they are: state_copies reads only the entries this rank writes.
         state = state_copies(tp.state, src_slots=chunk.state_slots,
-                             dst_slots=[list(s.indices) for s in t.dst_state_indices])
+                             dst_slots=[s.indices for s in t.dst_state_indices])
     aux: list[SlotCopy] = []
     if tp.aux:
         if chunk.aux_slot is None:
@@ -99,14 +100,17 @@ def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification:
     """
     reg = peer.registration
     segments = []
+    runs_of: dict[int, run_arith.I64] = {}  # by id(c.items): an entry's tensors share its items
     for c in copies:
         if c.kind == "aux":
             src, dst = source.aux[c.src_entry].addr, reg.aux_ptrs[c.dst_entry]
         else:
             src = source.state[c.src_entry][c.src_tensor].addr
             dst = reg.state_buffers[c.dst_entry].data_ptrs[c.dst_tensor]
-        runs = run_arith.from_rows(np.array([i for i, _ in c.items], dtype=np.int64),
-                                   np.array([j for _, j in c.items], dtype=np.int64))
+        runs = runs_of.get(id(c.items))
+        if runs is None:
+            pairs = np.array(c.items, dtype=np.int64).reshape(-1, 2)
+            runs = runs_of[id(c.items)] = run_arith.from_rows(pairs[:, 0], pairs[:, 1])
         segments += [Segment(runs, (LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=c.src_item_len,
                                               dst_row_bytes=c.dst_item_len, src_offset=g.src_offset,
                                               dst_offset=g.dst_offset, width=g.length),))
