@@ -139,10 +139,20 @@ class EventInbox:
 class _Pending:
     """An event not yet numbered; a status one may be superseded (coalesced) before it is sent."""
 
-    event: session_pb2.SessionEvent
+    event: session_pb2.SessionEvent | None
+    """None for a kept final status (``blob``), made into an event only once it is sent."""
     key: tuple[int, int] | None = None
     """(room, generation) of a coalescible (non-terminal) status."""
     superseded: bool = False
+    blob: bytes = b""
+    """A kept final status, serialized (``EventLog.final``)."""
+
+    def made(self) -> session_pb2.SessionEvent:
+        """The event itself."""
+        if self.event is None:
+            status = transfer_pb2.TransferStatus.FromString(self.blob)
+            self.event, self.blob = session_pb2.SessionEvent(status=status), b""
+        return self.event
 
 
 class EventLog:
@@ -217,6 +227,13 @@ class EventLog:
         if len(self._pending) > 2 * self._backlog:
             self._compact()
 
+    def final(self, blob: bytes) -> None:
+        """Queue a kept final status as the server stores it (serialized): a new session's snapshot
+        holds thousands, and it is parsed only once it is sent, not as the session opens."""
+        self._pending.append(_Pending(None, blob=blob))
+        if len(self._pending) > 2 * self._backlog:
+            self._compact()
+
     def _compact(self) -> None:
         """Drop superseded entries; the bound follows when every queued status is distinct."""
         self._pending = deque(p for p in self._pending if not p.superseded)
@@ -251,7 +268,7 @@ class EventLog:
             if item.key is not None and self._newest.get(item.key) is item:
                 del self._newest[item.key]
             self.last_seq += 1
-            event = item.event
+            event = item.made()
             event.seq = self.last_seq
             self._sent.append(event)
             out.append(event)

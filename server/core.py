@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,7 +36,7 @@ from .expiry import Deadlines
 from .feed import StatusFeed
 from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
-from .registry import Limits, Peer, PeerRegistry, Request, StatusSink, identity_of
+from .registry import Limits, Peer, PeerRegistry, Request, Snapshot, StatusSink, identity_of
 from .runner import TransferRunner, drained
 from .validate import check_registration, check_transfer, page_limit, registration_entries
 
@@ -105,9 +105,10 @@ class HandshakeCore:
         return NotFoundError(f"peer {peer.peer_id!r} was deregistered or replaced by a new registration",
                              reason=Reason.PEER_NOT_FOUND, metadata={"peerId": peer.peer_id})
 
-    def subscribe(self, peer: Peer, feed: StatusSink) -> tuple[list[transfer_pb2.TransferStatus], bool]:
-        """Add a status stream to ``peer``: its snapshot, taken in the same step (nothing missed or
-        sent twice), and whether the peer's streams have ended already (then it is not added).
+    def subscribe(self, peer: Peer, feed: StatusSink, rooms: Collection[int] = ()) -> tuple[Snapshot, bool]:
+        """Add a status stream to ``peer``: its snapshot (of ``rooms``, if given), taken in the same step
+        (nothing missed or sent twice), and whether the peer's streams have ended already (then it is not
+        added).
 
         Raises TOO_MANY_STREAMS at ``max_streams_per_peer`` (WatchStatus and Session streams together).
         """
@@ -120,7 +121,7 @@ class HandshakeCore:
         ended = peer.streams_ended or self._streams_closed
         if not ended:
             peer.feeds.add(feed)
-        return peer.snapshot(), ended
+        return peer.snapshot(rooms), ended
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
         """The registered peer whose credential this is; NOT_FOUND otherwise.
@@ -473,8 +474,10 @@ class HandshakeCore:
                 task.cancel()
 
         feed = StatusFeed(request.rooms, on_close=cut_later, unread=self.limits.max_unread, on_behind=cut_now)
-        snapshot, ended = self.subscribe(peer, feed)
-        for status in snapshot:
+        snapshot, ended = self.subscribe(peer, feed, request.rooms)
+        for blob in snapshot.finished:
+            feed.push(transfer_pb2.TransferStatus.FromString(blob))
+        for status in snapshot.open:
             feed.push(status)
         if ended:
             feed.close()

@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -130,6 +130,14 @@ class Finished(NamedTuple):
         return transfer_pb2.TransferStatus.FromString(self.blob)
 
 
+class Snapshot(NamedTuple):
+    """A peer's requests as a new status stream starts: kept final statuses (serialized, as kept:
+    parsing thousands would hold the loop), then the open requests' statuses."""
+
+    finished: list[bytes]
+    open: list[transfer_pb2.TransferStatus]
+
+
 class StatusSink(Protocol):
     """A subscriber to a peer's status changes: a WatchStatus feed or a session."""
 
@@ -188,9 +196,12 @@ class Peer:
         done = self.finished.get(room)
         return None if done is None else done.generation
 
-    def snapshot(self) -> list[transfer_pb2.TransferStatus]:
-        """The current status of every request the peer has a record of (finished first)."""
-        return [*(f.status() for f in self.finished.values()), *(r.status() for r in self.open.values())]
+    def snapshot(self, rooms: Collection[int] = ()) -> Snapshot:
+        """The current status of every request the peer has a record of (of ``rooms`` only, if given)."""
+        if not rooms:
+            return Snapshot([f.blob for f in self.finished.values()], [r.status() for r in self.open.values()])
+        finished = [f.blob for room in rooms if (f := self.finished.get(room)) is not None]
+        return Snapshot(finished, [r.status() for room in rooms if (r := self.open.get(room)) is not None])
 
     def record_finished(self, status: transfer_pb2.TransferStatus, keep: int) -> bool:
         """Keep a finished request's final status (only that), at most ``keep`` of them, oldest out first.

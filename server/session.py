@@ -225,7 +225,9 @@ class SessionHub:
                 self.drop(detached[0])
         session = ServerSession(self, secrets.token_hex(16), peer, event_window, self.command_window)
         snapshot, ended = self.core.subscribe(peer, session)
-        for status in snapshot:
+        for blob in snapshot.finished:
+            session.log.final(blob)
+        for status in snapshot.open:
             session.log.status(status)
         if ended:
             # A peer that is gone (or removed) but still known: its kept final statuses are

@@ -244,3 +244,19 @@ def test_outbox_resends_only_what_the_server_did_not_apply() -> None:
     assert [c.seq for c in box.take()] == [3]
     box.restart()  # the session is gone: its unanswered commands start a new one
     assert [(c.seq, c.submit.room) for c in box.take()] == [(1, 2), (2, 3)]
+
+
+def test_kept_final_statuses_queue_serialized_and_go_out_in_order() -> None:
+    """A new session's snapshot queues the peer's kept final statuses as the server stores them
+    (serialized); each becomes an event, numbered in queue order, only when the window lets it out."""
+    log = EventLog(event_window=2)
+    finals = [transfer_pb2.TransferStatus(room=r, generation=1, state=common_pb2.TRANSFER_STATE_SUCCESS)
+              for r in range(3)]
+    for status in finals:
+        log.final(status.SerializeToString())
+    log.status(transfer_pb2.TransferStatus(room=9, generation=1, state=common_pb2.TRANSFER_STATE_TRANSFERRING))
+    first = log.take()
+    assert [(e.seq, e.status) for e in first] == [(1, finals[0]), (2, finals[1])]
+    log.ack(2)
+    rest = log.take()
+    assert [(e.seq, e.status.room) for e in rest] == [(3, 2), (4, 9)]
