@@ -69,8 +69,9 @@ class Request:
     room: int
     generation: int
     transfer: transfer_pb2.TransferInfo
-    dst_pages: Sequence[int]
-    """Destination pages after the prefix (the TransferInfo's own list; the planner reads it per chunk)."""
+    dst_pages: Sequence[int] | npt.NDArray[np.int64]
+    """Destination pages after the prefix: the TransferInfo's own list, or an int64 array when it is
+    long (``LARGE_PAGE_LIST``: the planner reads the whole list at every chunk)."""
     prefix_len: int
     prefill_rank: int
     state: int = common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT

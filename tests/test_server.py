@@ -94,6 +94,28 @@ def test_rejection_is_per_peer_while_dcp_and_tp_peers_transfer(server: ServerPro
             p.close()
 
 
+def test_a_long_destination_page_list_lands_byte_exact(server: ServerProcess) -> None:
+    """Lists of 4,096 pages and more are kept as an int64 array for the planner (``LARGE_PAGE_LIST``),
+    shorter ones as the message's own list: both land every byte where it belongs, DCP 2 and dense."""
+    peers = [DecodeRank.for_spec(SPEC, pages=4200), DecodeRank.for_spec(SPEC, dcp_size=2, dcp_rank=1, pages=4200)]
+    try:
+        with HandshakeClient(server.target, timeout=20) as client:
+            for peer in peers:
+                pid = client.register(peer.registration()).peer_id
+                needed = peer.pages_for(SPEC.prompt_tokens, first_page=4000)
+                placed = {1: [*needed, *range(4099)], 2: peer.pages_for(SPEC.prompt_tokens, first_page=4100)}
+                assert len(placed[1]) >= 4096 > len(placed[2])
+                for room, pages in placed.items():
+                    client.submit_transfer(pid, peer.transfer_info(room, pages))
+                done = client.wait_for(pid, placed, timeout=30)
+                assert all(s.state == common_pb2.TRANSFER_STATE_SUCCESS for s in done.values()), done
+                assert peer.verify(placed, SPEC.prompt_tokens) > 0
+                client.deregister(pid)
+    finally:
+        for p in peers:
+            p.close()
+
+
 def test_malformed_and_unknown_peer_keep_server_serving(server: ServerProcess) -> None:
     with HandshakeClient(server.target) as client:
         bad = registration_pb2.KvRegistration(page_size=0)
