@@ -223,14 +223,15 @@ class EventLog:
             self._newest[key] = item
         else:
             self._newest.pop(key, None)
-        self._pending.append(item)
-        if len(self._pending) > 2 * self._backlog:
-            self._compact()
+        self._enqueue(item)
 
     def final(self, blob: bytes) -> None:
         """Queue a kept final status as the server stores it (serialized): a new session's snapshot
         holds thousands, and it is parsed only once it is sent, not as the session opens."""
-        self._pending.append(_Pending(None, blob=blob))
+        self._enqueue(_Pending(None, blob=blob))
+
+    def _enqueue(self, item: _Pending) -> None:
+        self._pending.append(item)
         if len(self._pending) > 2 * self._backlog:
             self._compact()
 

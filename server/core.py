@@ -450,7 +450,7 @@ class HandshakeCore:
         Each request's terminal status is sent exactly once per stream (``server/feed.py``).
         """
         peer = self.peer(request.peer_id, request.peer_credential)
-        most = self.limits.max_inflight_per_peer + self.limits.max_finished_per_peer
+        most = self.limits.kept_per_peer
         if len(request.rooms) > most:
             # More rooms than the peer can have open and kept: a filter that large only costs the loop
             # time and memory to build (1.3 million rooms: 0.2 s and 110 MB, for as long as the stream).

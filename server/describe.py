@@ -65,7 +65,7 @@ def _peer_views(shown: list[Peer], hub: SessionHub, now: float, limit: int, incl
                 operator: bool, caller: Peer | None, limits: Limits) -> list[describe_pb2.PeerView]:
     """Each shown peer's view; the request views of all of them together stop at what one peer can
     hold (``max_inflight`` + ``max_finished``), so no ``request_limit`` makes a call cost more."""
-    budget = limits.max_inflight_per_peer + limits.max_finished_per_peer
+    budget = limits.kept_per_peer
     views = []
     for peer in shown:
         full = operator or peer is caller

@@ -55,10 +55,16 @@ class Limits:
     """Seconds Abort/Deregister/shutdown wait for in-flight chunks to drain."""
 
     @property
+    def kept_per_peer(self) -> int:
+        """Requests a peer can have open and kept at once: the most a status snapshot, a room filter
+        or a ``Describe`` response ever needs for one peer."""
+        return self.max_inflight_per_peer + self.max_finished_per_peer
+
+    @property
     def max_unread(self) -> int:
         """Statuses a status stream may leave unread before it is ended: twice what a peer can have
         open and kept (a new stream's snapshot), so only a client that reads nothing reaches it."""
-        return 2 * (self.max_inflight_per_peer + self.max_finished_per_peer)
+        return 2 * self.kept_per_peer
 
 
 @dataclass
