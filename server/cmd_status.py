@@ -63,7 +63,8 @@ def render(d: hs.DescribeResponse) -> str:
     """The tables a person reads: server line, peers, open requests, limits."""
     lines = [f"prefill rank {d.prefill_rank}  backend {_name(v1.Backend, d.backend, 'BACKEND_')}  "
              f"protocol {d.version.major}.{d.version.minor}  up {d.uptime_ms / 1000:.0f} s  "
-             f"{'DRAINING  ' if d.draining else ''}open requests {d.open_requests}",
+             f"{'DRAINING  ' if d.draining else ''}open requests {d.open_requests}"
+             f"{f'  judging {d.registrations_judged} registrations' if d.registrations_judged else ''}",
              "",
              f"{'peer':<20} {'state':<5} {'mode':<13} {'backend':<8} {'engine':<28} {'age s':>7} "
              f"{'open':>5} {'kept':>5} {'sess':>5} {'lane':>4} {'watch':>5} {'unacked':>7}"]

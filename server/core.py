@@ -79,6 +79,8 @@ class HandshakeCore:
         self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
         a time: on the loop, one would stall every other peer's calls for its whole length."""
+        self.judged = 0
+        """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
         engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
         self.deadlines: Deadlines[Peer] = Deadlines()
         """When to look at a peer again: its oldest kept final status expires, or it is gone long enough."""
@@ -168,7 +170,11 @@ class HandshakeCore:
         self._accepting()
         verdict = None
         if registration_entries(request.registration) > HEAVY_ENTRIES:
-            reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
+            self.judged += 1
+            try:
+                reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
+            finally:
+                self.judged -= 1
             self._accepting()
         else:
             reg = check_registration(request, origin)

@@ -111,6 +111,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
         rooms=len(core.engine.rooms),
         engine_calls=sum(1 for p in held if p.lane.busy),
         engine_calls_stuck=sum(1 for p in held if p.lane.stuck),
+        registrations_judged=core.judged,
     )
 
 

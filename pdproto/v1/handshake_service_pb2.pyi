@@ -537,6 +537,7 @@ class DescribeResponse(_message.Message):
     ROOMS_FIELD_NUMBER: _builtins.int
     ENGINE_CALLS_FIELD_NUMBER: _builtins.int
     ENGINE_CALLS_STUCK_FIELD_NUMBER: _builtins.int
+    REGISTRATIONS_JUDGED_FIELD_NUMBER: _builtins.int
     prefill_rank: _builtins.int
     """The reporting prefill rank."""
     backend: _common_pb2.Backend.ValueType
@@ -553,6 +554,10 @@ class DescribeResponse(_message.Message):
     """Engine calls in flight (one per peer at most), over every peer the server holds."""
     engine_calls_stuck: _builtins.int
     """Engine calls past their deadline whose engine has not returned yet (a stuck peer each)."""
+    registrations_judged: _builtins.int
+    """Registrations of more than 1,024 buffers and tensors being checked and negotiated off the
+    event loop (one at a time; the queued ones included).
+    """
     @_builtins.property
     def version(self) -> _common_pb2.ProtocolVersion:
         """Protocol version the server speaks."""
@@ -584,10 +589,11 @@ class DescribeResponse(_message.Message):
         rooms: _builtins.int = ...,
         engine_calls: _builtins.int = ...,
         engine_calls_stuck: _builtins.int = ...,
+        registrations_judged: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "engine_calls", b"engine_calls", "engine_calls_stuck", b"engine_calls_stuck", "limits", b"limits", "open_requests", b"open_requests", "outcomes", b"outcomes", "peers", b"peers", "prefill_rank", b"prefill_rank", "rooms", b"rooms", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "draining", b"draining", "engine_calls", b"engine_calls", "engine_calls_stuck", b"engine_calls_stuck", "limits", b"limits", "open_requests", b"open_requests", "outcomes", b"outcomes", "peers", b"peers", "prefill_rank", b"prefill_rank", "registrations_judged", b"registrations_judged", "rooms", b"rooms", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
