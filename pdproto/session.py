@@ -29,6 +29,7 @@ status is sent exactly once per session, and sent again only as the same event.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdproto.errors import InvalidFieldError
@@ -139,20 +140,10 @@ class EventInbox:
 class _Pending:
     """An event not yet numbered; a status one may be superseded (coalesced) before it is sent."""
 
-    event: session_pb2.SessionEvent | None
-    """None for a kept final status (``blob``), made into an event only once it is sent."""
+    event: session_pb2.SessionEvent
     key: tuple[int, int] | None = None
     """(room, generation) of a coalescible (non-terminal) status."""
     superseded: bool = False
-    blob: bytes = b""
-    """A kept final status, serialized (``EventLog.final``)."""
-
-    def made(self) -> session_pb2.SessionEvent:
-        """The event itself."""
-        if self.event is None:
-            status = transfer_pb2.TransferStatus.FromString(self.blob)
-            self.event, self.blob = session_pb2.SessionEvent(status=status), b""
-        return self.event
 
 
 class EventLog:
@@ -172,6 +163,8 @@ class EventLog:
         """Numbered events after ``acked``, oldest first."""
         self._cursor = 0
         """Index in ``_sent`` of the first event the current stream has not written."""
+        self._finals: deque[bytes] = deque()
+        """A new session's kept final statuses, serialized, sent before anything in ``_pending``."""
         self._pending: deque[_Pending] = deque()
         self._newest: dict[tuple[int, int], _Pending] = {}
         """The queued, coalescible status of each (room, generation)."""
@@ -223,17 +216,16 @@ class EventLog:
             self._newest[key] = item
         else:
             self._newest.pop(key, None)
-        self._enqueue(item)
-
-    def final(self, blob: bytes) -> None:
-        """Queue a kept final status as the server stores it (serialized): a new session's snapshot
-        holds thousands, and it is parsed only once it is sent, not as the session opens."""
-        self._enqueue(_Pending(None, blob=blob))
-
-    def _enqueue(self, item: _Pending) -> None:
         self._pending.append(item)
         if len(self._pending) > 2 * self._backlog:
             self._compact()
+
+    def finals(self, blobs: Iterable[bytes]) -> None:
+        """Queue a new session's kept final statuses as the server stores them (serialized); they go
+        out before every other event, so this comes before any is queued. A snapshot holds thousands:
+        each is parsed only once it is sent, and a session opened and dropped at once costs next to
+        nothing for them."""
+        self._finals.extend(blobs)
 
     def _compact(self) -> None:
         """Drop superseded entries; the bound follows when every queued status is distinct."""
@@ -247,12 +239,12 @@ class EventLog:
         """Something is waiting and the window has room for it."""
         if self._cursor < len(self._sent):
             return True
-        return bool(self._pending) and len(self._sent) < self.event_window
+        return bool(self._finals or self._pending) and len(self._sent) < self.event_window
 
     @property
     def queued(self) -> int:
         """Events waiting to be numbered (results and statuses)."""
-        return len(self._pending)
+        return len(self._finals) + len(self._pending)
 
     @property
     def unacknowledged(self) -> int:
@@ -262,19 +254,24 @@ class EventLog:
     def take(self) -> list[session_pb2.SessionEvent]:
         """The events to write now: unwritten ones first, then new ones while the window allows."""
         out = list(self._sent)[self._cursor:] if self._cursor < len(self._sent) else []
+        while self._finals and len(self._sent) < self.event_window:
+            self._number(session_pb2.SessionEvent(status=transfer_pb2.TransferStatus.FromString(
+                self._finals.popleft())), out)
         while self._pending and len(self._sent) < self.event_window:
             item = self._pending.popleft()
             if item.superseded:
                 continue
             if item.key is not None and self._newest.get(item.key) is item:
                 del self._newest[item.key]
-            self.last_seq += 1
-            event = item.made()
-            event.seq = self.last_seq
-            self._sent.append(event)
-            out.append(event)
+            self._number(item.event, out)
         self._cursor = len(self._sent)
         return out
+
+    def _number(self, event: session_pb2.SessionEvent, out: list[session_pb2.SessionEvent]) -> None:
+        self.last_seq += 1
+        event.seq = self.last_seq
+        self._sent.append(event)
+        out.append(event)
 
     def ack(self, seq: int) -> None:
         """The client received every event up to ``seq``: forget them, free window and credit.

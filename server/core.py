@@ -488,8 +488,7 @@ class HandshakeCore:
 
         feed = StatusFeed(request.rooms, on_close=cut_later, unread=self.limits.max_unread, on_behind=cut_now)
         snapshot, ended = self.subscribe(peer, feed, request.rooms)
-        for blob in snapshot.finished:
-            feed.push(transfer_pb2.TransferStatus.FromString(blob))
+        feed.finals(snapshot.finished)
         for status in snapshot.open:
             feed.push(status)
         if ended:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 
 from pdproto.errors import PdprotoError, Reason, UnavailableError
 from pdproto.v1 import transfer_pb2
@@ -37,6 +37,8 @@ class StatusFeed:
                  on_close: Callable[[], None] | None = None,
                  on_behind: Callable[[], None] | None = None) -> None:
         self._rooms = frozenset(rooms)
+        self._finals: deque[bytes] = deque()
+        """The snapshot's kept final statuses, serialized, sent before anything in ``_items``."""
         self._items: deque[Status] = deque()
         self._limit = max(1, min(limit, unread) if unread else limit)
         self._unread = unread
@@ -49,14 +51,21 @@ class StatusFeed:
         self.waiting = False
         """Its stream waits for a status (not in a write): waking it is enough to end it."""
 
+    def finals(self, blobs: Iterable[bytes]) -> None:
+        """Queue the snapshot's kept final statuses as the peer keeps them (serialized, of this
+        stream's rooms); they go out first, so this comes before any ``push``. Each is parsed only
+        once it is sent: a stream opened and dropped at once costs next to nothing for them."""
+        self._finals.extend(blobs)
+        self._wake.set()
+
     def push(self, status: Status) -> None:
         """Queue a status (ignored when it is for a room this stream did not ask for)."""
         if self._closed or (self._rooms and status.room not in self._rooms):
             return
         self._items.append(status)
-        if len(self._items) > self._limit:
+        if len(self._items) > self._limit or (self._unread and self.pending > self._unread):
             self._compact()
-            if self._unread and len(self._items) > self._unread:
+            if self._unread and self.pending > self._unread:
                 self._fell_behind()
                 return
         self._wake.set()
@@ -67,6 +76,7 @@ class StatusFeed:
             "(twice what the peer can have open and kept). Watch again: a new stream starts from the "
             "current statuses", reason=Reason.UNAVAILABLE, metadata={"limit": self._unread})
         self._items.clear()
+        self._finals.clear()
         self._closed = True
         self._wake.set()
         if self._on_behind is not None:
@@ -100,11 +110,13 @@ class StatusFeed:
     @property
     def pending(self) -> int:
         """Statuses queued and not yet sent."""
-        return len(self._items)
+        return len(self._finals) + len(self._items)
 
     async def __aiter__(self) -> AsyncIterator[Status]:
         """Every queued status, then each new one, until ``close`` and the queue is empty."""
         while True:
+            while self._finals:
+                yield Status.FromString(self._finals.popleft())
             while self._items:
                 yield self._items.popleft()
             if self.behind is not None:

@@ -225,8 +225,7 @@ class SessionHub:
                 self.drop(detached[0])
         session = ServerSession(self, secrets.token_hex(16), peer, event_window, self.command_window)
         snapshot, ended = self.core.subscribe(peer, session)
-        for blob in snapshot.finished:
-            session.log.final(blob)
+        session.log.finals(snapshot.finished)
         for status in snapshot.open:
             session.log.status(status)
         if ended:

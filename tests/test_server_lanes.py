@@ -115,3 +115,34 @@ def test_feed_filters_rooms_and_ends_after_what_was_queued() -> None:
         return [s.room async for s in feed]
 
     assert asyncio.run(main()) == [2, 3]
+
+
+def test_feed_sends_its_snapshots_kept_finals_first_and_counts_them_toward_falling_behind() -> None:
+    """A snapshot's kept final statuses queue serialized (parsed only as sent, so a stream dropped
+    at once costs next to nothing for thousands of them) and go out before every later push; a
+    reader that takes none of them falls behind as if they were parsed."""
+    finals = [_status(room, SUCCESS) for room in range(3)]
+
+    async def read() -> list[transfer_pb2.TransferStatus]:
+        feed = StatusFeed()
+        feed.finals(s.SerializeToString() for s in finals)
+        feed.push(_status(9, MOVING))
+        assert feed.pending == 4
+        feed.close()
+        return [s async for s in feed]
+
+    assert asyncio.run(read()) == [*finals, _status(9, MOVING)]
+
+    async def fall_behind() -> E.PdprotoError | None:
+        behind: list[bool] = []
+        feed = StatusFeed(unread=4, on_behind=lambda: behind.append(True))
+        feed.finals(s.SerializeToString() for s in finals)
+        feed.push(_status(9, MOVING))
+        assert not behind
+        feed.push(_status(10, MOVING))  # five queued, none read
+        assert behind and feed.pending == 0
+        with pytest.raises(E.UnavailableError):
+            _ = [s async for s in feed]
+        return feed.behind
+
+    assert asyncio.run(fall_behind()) is not None

@@ -252,8 +252,7 @@ def test_kept_final_statuses_queue_serialized_and_go_out_in_order() -> None:
     log = EventLog(event_window=2)
     finals = [transfer_pb2.TransferStatus(room=r, generation=1, state=common_pb2.TRANSFER_STATE_SUCCESS)
               for r in range(3)]
-    for status in finals:
-        log.final(status.SerializeToString())
+    log.finals(status.SerializeToString() for status in finals)
     log.status(transfer_pb2.TransferStatus(room=9, generation=1, state=common_pb2.TRANSFER_STATE_TRANSFERRING))
     first = log.take()
     assert [(e.seq, e.status) for e in first] == [(1, finals[0]), (2, finals[1])]
