@@ -19,8 +19,10 @@ from ._server_harness import REPO, SERVE_ARGS, SPEC, running_server
 
 pytestmark = pytest.mark.process
 
-# Chunks come every 5 s: a submitted request stays in flight while the test looks at it.
-SLOW = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "5000", "--match-timeout", "30")
+# Chunks come every 5 s: a submitted request stays in flight while the test looks at it. So
+# requests are still in flight when a test ends: the server drains them 1 s at its SIGTERM, not
+# the default 10 (what a drain does is tested on its own).
+SLOW = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "5000", "--match-timeout", "30", "--grace", "1")
 
 
 def _cli(command: str, *args: str) -> subprocess.CompletedProcess[str]:

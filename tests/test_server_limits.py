@@ -82,7 +82,8 @@ def test_requests_superseded_while_their_room_waits_keep_nothing() -> None:
     peer = DecodeRank.for_spec(SPEC, pages=64)
     env = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}  # as above: measure the server, not the allocator
     try:
-        with running_server(*SERVE_ARGS, "--chunk-delay-ms", "600000", "--match-timeout", "600", env=env) as srv, \
+        with running_server(*SERVE_ARGS, "--chunk-delay-ms", "600000", "--match-timeout", "600",
+                            "--grace", "1", env=env) as srv, \
                 HandshakeClient(srv.target, timeout=30, session=False) as client:
             pid = client.register(peer.registration()).peer_id
             pages = [i % 64 for i in range(PAGES_PER_REQUEST)]
