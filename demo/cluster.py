@@ -19,7 +19,7 @@ from pdproto.senders import target_tp_ranks
 
 from . import data
 from .decode import DecodeConfig, DecodeProcess
-from .proc import Child, ChildError, Reply
+from .proc import Child, Reply, close_all
 
 
 @dataclass(frozen=True)
@@ -338,9 +338,7 @@ class Cluster:
         return self.finish(f, timeout=timeout)
 
     def close(self) -> None:
-        """Stop every process (quit, then kill the process group)."""
-        for c in [*self.decodes, *(c for g in self.prefills.values() for c in g)]:
-            try:
-                c.close()
-            except (ChildError, OSError):
-                pass
+        """Stop every process (quit, then kill the process group): the decodes, then the prefills,
+        each side's processes exiting at once."""
+        close_all(self.decodes)
+        close_all(c for g in self.prefills.values() for c in g)

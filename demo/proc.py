@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any, Self
 
 Reply = dict[str, Any]
@@ -110,11 +110,20 @@ class Child:
 
     def close(self, timeout: float = 10.0) -> int:
         """Ask the child to quit, then kill its group if it lingers; returns its exit status."""
+        self.ask_to_quit()
+        return self.reap(timeout)
+
+    def ask_to_quit(self) -> None:
+        """Send ``quit`` if the child still runs, without waiting for it to exit (``close_all``)."""
         if self.proc.poll() is None:
             try:
                 self.send("quit")
             except ChildError:
                 pass
+
+    def reap(self, timeout: float = 10.0) -> int:
+        """Wait up to ``timeout`` for the child to exit, then kill its group; returns its exit status."""
+        if self.proc.poll() is None:
             try:
                 return self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -129,6 +138,19 @@ class Child:
                         stream.close()
                     except OSError:
                         pass
+
+
+def close_all(children: Iterable[Child], timeout: float = 10.0) -> None:
+    """``close`` several children, asking all of them to quit first: a rank's exit takes about a
+    second (its engine and libraries unload), and one at a time that added up for every group."""
+    children = list(children)
+    for child in children:
+        child.ask_to_quit()
+    for child in children:
+        try:
+            child.reap(timeout)
+        except (ChildError, OSError):
+            pass
 
 
 def serve_commands(handlers: dict[str, Callable[..., Reply]], out: IO[str] | None = None) -> None:
