@@ -293,8 +293,8 @@ def run(
                     d.wait()
                 _say(prefill, "go")
                 out["kill"] = (lines.next(timeout * 2) or {}).get("kill")
-        for proc in (prefill, *decodes):
-            _stop(proc, quit_first=True)
+        _stop(prefill, quit_first=True)
+        _stop(*decodes, quit_first=True)  # together: each takes seconds to exit (torch unloads)
         out["prefill_rc"] = prefill.returncode
         out["decode_rc"] = [d.returncode for d in decodes]
         out["prefill_stderr"] = (Path(tmp) / "prefill.err").read_text()[-3000:]
@@ -311,18 +311,23 @@ def _say(proc: subprocess.Popen[str], line: str) -> None:
         proc.stdin.flush()
 
 
-def _stop(proc: subprocess.Popen[str], quit_first: bool = False) -> None:
-    """End a rank: close its stdin (it exits), else kill it after a grace period."""
-    if proc.poll() is not None:
-        return
-    if quit_first and proc.stdin is not None:
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-            return
-    proc.kill()
-    proc.wait()
+def _stop(*procs: subprocess.Popen[str], quit_first: bool = False) -> None:
+    """End ranks: close their stdin (each exits), else kill them after a grace period; every rank
+    is told before any is waited for."""
+    running = [p for p in procs if p.poll() is None]
+    if quit_first:
+        for proc in running:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        end = time.monotonic() + 30
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
+    for proc in running:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:
