@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pdproto.client_lane import HEADER
+from pdproto.client_lane import HEADER, PREFACE
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2
 
 
@@ -13,6 +13,14 @@ class Raw:
 
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+
+    @classmethod
+    def opening(cls, port: int, first: hs.SessionRequest) -> Raw:
+        """A connection that sent the lane's preface and ``first`` (a session's opening frame)."""
+        raw = cls(port)
+        raw.send(PREFACE)
+        raw.frame(first)
+        return raw
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)

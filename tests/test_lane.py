@@ -131,9 +131,7 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
             raw.close()
 
             for presented, why in (("", "missing bearer token"), ("s3cre7", "invalid bearer token")):
-                raw = Raw(port)
-                raw.send(PREFACE)
-                raw.frame(open_request(peer_id, cred, presented))
+                raw = Raw.opening(port, open_request(peer_id, cred, presented))
                 end = ended(raw)
                 assert end.reason == "UNAUTHENTICATED" and end.message.startswith(why), end
                 raw.close()
@@ -154,21 +152,15 @@ def test_hostile_lane_connections_get_nothing_and_hold_nothing() -> None:
             raw.close()
 
             # The token is not enough: the peer's credential is checked, and another peer's does not do.
-            raw = Raw(port)
-            raw.send(PREFACE)
-            raw.frame(open_request(peer_id, other_cred, token))
+            raw = Raw.opening(port, open_request(peer_id, other_cred, token))
             assert ended(raw).reason == "PEER_NOT_FOUND"
             raw.close()
             # A session id is no capability: another peer cannot resume it.
-            raw = Raw(port)
-            raw.send(PREFACE)
-            raw.frame(open_request(other_id, other_cred, token))
+            raw = Raw.opening(port, open_request(other_id, other_cred, token))
             opened = raw.read()
             assert opened is not None and opened.opened.session_id and opened.opened.lane_port == port
             raw.close()
-            raw = Raw(port)
-            raw.send(PREFACE)
-            raw.frame(open_request(peer_id, cred, token, resume=opened.opened.session_id))
+            raw = Raw.opening(port, open_request(peer_id, cred, token, resume=opened.opened.session_id))
             assert ended(raw).reason == "SESSION_NOT_FOUND"
             raw.close()
 
@@ -231,12 +223,10 @@ def test_resuming_again_and_again_with_frames_of_commands_holds_one_frame_at_mos
         with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
             peer_id = client.register(peer.registration()).peer_id
             cred = client.credential(peer_id)
-            raw = Raw(srv.lane_port)
-            raw.send(PREFACE)
             window = 256  # DEFAULT_COMMAND_WINDOW: every abort is applied, none acknowledged
             first = open_request(peer_id, cred)
             first.commands.extend(_aborts(1, window))
-            raw.frame(first)
+            raw = Raw.opening(srv.lane_port, first)
             opened = raw.read()
             assert opened is not None and opened.opened.command_window == window, opened
             session_id = opened.opened.session_id
@@ -252,9 +242,7 @@ def test_resuming_again_and_again_with_frames_of_commands_holds_one_frame_at_mos
             assert len(request.SerializeToString()) < 64 << 10  # the opening frame's limit
             before = _rss_bytes(srv.proc.pid)
             for _ in range(60):
-                raw = Raw(srv.lane_port)
-                raw.send(PREFACE)
-                raw.frame(request)
+                raw = Raw.opening(srv.lane_port, request)
                 resumed = raw.read()
                 assert resumed is not None and resumed.opened.resumed, resumed
                 assert resumed.opened.applied_command_seq == window  # nothing beyond the credit applied
@@ -276,12 +264,10 @@ def test_an_ended_session_whose_client_takes_nothing_is_cut_after_the_grace() ->
         with running_server(*SERVE_ARGS, *LANE, "--grace", "2", "--metrics-port", "0") as srv, \
                 HandshakeClient(srv.target, timeout=20) as client:
             peer_id = client.register(peer.registration()).peer_id
-            raw = Raw(srv.lane_port)
-            raw.send(PREFACE)
             opening = open_request(peer_id, client.credential(peer_id))
             opening.open.event_window = 1
             opening.commands.extend(_aborts(1, 4))
-            raw.frame(opening)
+            raw = Raw.opening(srv.lane_port, opening)
             opened = raw.read()
             assert opened is not None and len(opened.events) <= 1, opened
             client.deregister(peer_id)
@@ -307,9 +293,7 @@ def test_a_message_with_more_commands_than_the_window_is_refused_unread() -> Non
     try:
         with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
             peer_id = client.register(peer.registration()).peer_id
-            raw = Raw(srv.lane_port)
-            raw.send(PREFACE)
-            raw.frame(open_request(peer_id, client.credential(peer_id)))
+            raw = Raw.opening(srv.lane_port, open_request(peer_id, client.credential(peer_id)))
             opened = raw.read()
             assert opened is not None and opened.HasField("opened"), opened
             flood = hs.SessionRequest()
@@ -336,11 +320,9 @@ def test_a_session_that_acknowledges_nothing_while_its_peer_finishes_requests_is
                 HandshakeClient(srv.target, timeout=20, session=False) as client:
             peer_id = client.register(peer.registration()).peer_id
             credential = client.credential(peer_id)
-            raw = Raw(srv.lane_port)
-            raw.send(PREFACE)
             opening = open_request(peer_id, credential)
             opening.open.event_window = 1
-            raw.frame(opening)
+            raw = Raw.opening(srv.lane_port, opening)
             first = raw.read()
             assert first is not None and first.HasField("opened"), first
             kept = 1
@@ -361,9 +343,7 @@ def test_a_session_that_acknowledges_nothing_while_its_peer_finishes_requests_is
             assert frames and frames[-1].HasField("end"), frames
             assert frames[-1].end.reason == "SESSION_NOT_FOUND" and "acknowledged no event" in frames[-1].end.message
             raw.close()
-            again = Raw(srv.lane_port)
-            again.send(PREFACE)
-            again.frame(open_request(peer_id, credential, resume=first.opened.session_id))
+            again = Raw.opening(srv.lane_port, open_request(peer_id, credential, resume=first.opened.session_id))
             assert ended(again).reason == "SESSION_NOT_FOUND"
             again.close()
             client.submit_transfer(peer_id, transfer_pb2.TransferInfo(room=1000, dst_kv_pages=[0], is_dummy=True))
@@ -377,11 +357,9 @@ def test_a_new_session_acknowledging_events_it_never_got_is_refused_and_not_kept
     try:
         with running_server(*SERVE_ARGS, *LANE) as srv, HandshakeClient(srv.target, timeout=20) as client:
             peer_id = client.register(peer.registration()).peer_id
-            raw = Raw(srv.lane_port)
-            raw.send(PREFACE)
             opening = open_request(peer_id, client.credential(peer_id))
             opening.event_ack = 5
-            raw.frame(opening)
+            raw = Raw.opening(srv.lane_port, opening)
             end = ended(raw)
             assert end.reason == "INVALID_FIELD" and end.field_violations[0].field == "event_ack", end
             raw.close()

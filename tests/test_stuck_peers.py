@@ -164,11 +164,9 @@ def test_a_submit_waiting_for_a_stuck_chunk_keeps_its_result_across_a_resume() -
             again = session_pb2.SessionCommand(seq=1, submit=transfer_pb2.TransferInfo(
                 room=room, generation=1, required_dst_info_num=1,
                 dst_kv_pages=list(range(first_page + 127, first_page - 1, -1))))
-            raw = Raw(srv.lane_port)
-            raw.send(PREFACE)
             opening = open_request(peer_id, bytes.fromhex(credential))
             opening.commands.append(again)
-            raw.frame(opening)
+            raw = Raw.opening(srv.lane_port, opening)
             opened = raw.read()
             assert opened is not None and opened.HasField("opened"), opened
             time.sleep(1.0)  # the submit waits for the stuck chunk now
