@@ -56,6 +56,7 @@ from .client_rpc import (
     describe_request,
     error_from_rpc,
     make_settings,
+    next_try,
 )
 from .client_lane import LaneDialer
 from .client_session import LoopThread, PeerSession, SessionUnsupportedError
@@ -107,7 +108,7 @@ class _AsyncCore:
                 return await fn(request, timeout=max(end - time.monotonic(), 0.001), metadata=self._s.metadata())
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                delay = next(backoffs, None) if error.retryable else None
+                delay = next_try(error, backoffs)
                 if delay is None or time.monotonic() + delay >= end:
                     raise error from exc
                 await asyncio.sleep(delay)
@@ -171,7 +172,7 @@ class _AsyncCore:
                 return
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                delay = next(backoffs, None) if error.retryable else None
+                delay = next_try(error, backoffs)
                 if delay is None or time.monotonic() + delay >= end:
                     raise error from exc
             finally:
@@ -253,7 +254,7 @@ class HandshakeClient:
                 return fn(request, timeout=max(end - time.monotonic(), 0.001), metadata=self._s.metadata())
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                delay = next(backoffs, None) if error.retryable else None
+                delay = next_try(error, backoffs)
                 if delay is None or time.monotonic() + delay >= end:
                     raise error from exc
                 time.sleep(delay)
@@ -343,7 +344,7 @@ class HandshakeClient:
                 return
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
-                delay = next(backoffs, None) if error.retryable else None
+                delay = next_try(error, backoffs)
                 if delay is None or time.monotonic() + delay >= end:
                     raise error from exc
             finally:

@@ -128,6 +128,26 @@ def error_from_parts(code_name: str, reason_name: str, domain: str, message: str
     return error_for(reason, message, meta)
 
 
+def retry_hint(error: PdprotoError) -> float | None:
+    """Seconds a refusal says to wait before asking again (a peer's snapshot allowance, TOO_MANY_STREAMS
+    with ``retryAfterMs``); None when it says nothing."""
+    hint = error.metadata.get("retryAfterMs") if error.reason is Reason.TOO_MANY_STREAMS else None
+    try:
+        return None if hint is None else max(0.0, int(hint) / 1000)
+    except ValueError:
+        return None
+
+
+def next_try(error: PdprotoError, backoffs: Iterator[float]) -> float | None:
+    """Seconds to wait before trying again after ``error``, or None to give up: a retryable error takes
+    the next backoff, a refusal that says when it frees (``retry_hint``) at least that long."""
+    hint = retry_hint(error)
+    if not error.retryable and hint is None:
+        return None
+    delay = next(backoffs, None)
+    return None if delay is None else max(delay, hint or 0.0)
+
+
 def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
     """Turn a failed call into the typed error of its ErrorInfo reason (BadRequest -> field)."""
     code: grpc.StatusCode = exc.code()
@@ -263,5 +283,7 @@ __all__ = [
     "error_from_parts",
     "error_from_rpc",
     "make_settings",
+    "next_try",
     "read_cert",
+    "retry_hint",
 ]

@@ -31,7 +31,7 @@ from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, Comman
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
 
 from .client_lane import LaneDialer, LaneUnreachableError
-from .client_rpc import Settings, deadline_error, error_from_command, error_from_rpc
+from .client_rpc import Settings, deadline_error, error_from_command, error_from_rpc, next_try, retry_hint
 
 log = logging.getLogger("pdproto.client")
 
@@ -165,12 +165,12 @@ class PeerSession:
                 # now fails (retryable: re-register where the prefill comes back); a later call tries again.
                 self._fail(error)
                 return
-            if not error.retryable:
+            if not error.retryable and retry_hint(error) is None:  # a hint: a resume refused for now
                 self._end(error)
                 return
             if not self._interested() or self._closed:
                 return  # the next caller starts it again (and resumes the session)
-            delay = next(backoffs, None)
+            delay = next_try(error, backoffs)
             if delay is None:
                 self._fail(error)  # out of retries; a later call starts over
                 return

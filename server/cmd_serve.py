@@ -34,6 +34,14 @@ if TYPE_CHECKING:
     from pdproto_demo.synthetic import SyntheticSpec
 
 
+def _rate(text: str) -> float:
+    """A non-negative number of an argparse flag."""
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``serve`` flags."""
     net = parser.add_argument_group("network")
@@ -68,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="final statuses kept per peer for late queries (oldest dropped first)")
     lim.add_argument("--max-streams", type=int, default=8,
                      help="open status streams per peer (WatchStatus and Session)")
+    lim.add_argument("--snapshot-rate", type=_rate, default=1.0,
+                     help="full status snapshots per second a peer's new streams may be sent (four at once); "
+                          "0: no limit")
     lim.add_argument("--match-timeout", type=float, default=30.0,
                      help="seconds a request waits for the next chunk")
     lim.add_argument("--engine-timeout", type=float, default=30.0,
@@ -197,7 +208,7 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
             max_peers=args.max_peers, max_inflight_per_peer=args.max_inflight,
             max_finished_per_peer=args.max_finished, max_streams_per_peer=args.max_streams,
             match_timeout=args.match_timeout, engine_timeout=args.engine_timeout,
-            keep_finished=args.keep_finished, drain_timeout=args.grace))
+            keep_finished=args.keep_finished, drain_timeout=args.grace, snapshot_rate=args.snapshot_rate))
         producer = SyntheticProducer(engine, spec)
 
         def ready(running: RunningServer) -> None:

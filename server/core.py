@@ -126,9 +126,31 @@ class HandshakeCore:
                 reason=Reason.TOO_MANY_STREAMS,
                 metadata={"limit": self.limits.max_streams_per_peer, "streams": len(peer.feeds)})
         ended = peer.streams_ended or self._streams_closed
+        self.draw_snapshot(peer, peer.snapshot_size(rooms), "a new stream's snapshot")
         if not ended:
             peer.feeds.add(feed)
         return peer.snapshot(rooms), ended
+
+    def draw_snapshot(self, peer: Peer, statuses: int, what: str) -> None:
+        """Charge ``statuses`` about to be sent by a stream the peer opens to its allowance.
+
+        Sending a snapshot costs the server far more than asking for one (4,096 statuses: 5 to
+        15 ms of CPU), so a peer opening streams in a loop would take the loop from everyone
+        else. Raises TOO_MANY_STREAMS, with the seconds to wait, past ``Limits.snapshot_rate``.
+        """
+        if not statuses or self.limits.snapshot_rate <= 0:
+            return
+        capacity, rate = self.limits.snapshot_allowance
+        wait = peer.snapshots.take(statuses, capacity, rate, time.monotonic())
+        if wait:
+            self.metrics.snapshots_refused.inc()
+            raise ResourceLimitError(
+                f"peer {peer.peer_id} opened status streams faster than the server sends snapshots ({what}: "
+                f"{statuses} statuses); the peer may be sent {capacity:.0f} at once and {rate:.0f} per second "
+                f"(--snapshot-rate {self.limits.snapshot_rate:g} full snapshots of {self.limits.kept_per_peer}); "
+                f"retry in {wait:.2f} s",
+                reason=Reason.TOO_MANY_STREAMS,
+                metadata={"statuses": statuses, "retryAfterMs": max(1, round(wait * 1000))})
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
         """The registered peer whose credential this is; NOT_FOUND otherwise.

@@ -69,6 +69,11 @@ class ServiceMetrics:
             " reached), silent (no preface or SessionOpen within --lane-open-timeout), preface (not the lane's"
             " preface), refused (the open was refused: token, credential, session id, size).",
             ["why"], registry=r)
+        self.snapshots_refused = Counter(
+            "pdproto_snapshots_refused",
+            "Status streams (WatchStatus, new or resumed sessions) refused because their peer asked for more"
+            " snapshot statuses than --snapshot-rate allows (TOO_MANY_STREAMS, with the seconds to wait).",
+            registry=r)
         self._registration_children: dict[str, Any] = {}
 
     def finished(self, outcome: str) -> None:

@@ -33,6 +33,31 @@ from .lanes import Lane
 TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 
+SNAPSHOT_BURST = 4
+"""Full snapshots a peer's streams may take back to back (a decode's ranks reconnecting at once after a break)."""
+
+
+@dataclass
+class Allowance:
+    """A token bucket: how much costly work a peer may still ask for now, refilled at a steady rate."""
+
+    level: float = -1.0
+    """Units left at ``at`` (-1: never drawn on, so full)."""
+    at: float = 0.0
+
+    def take(self, units: int, capacity: float, rate: float, now: float) -> float:
+        """Draw ``units`` (at most ``capacity``: one full burst always fits): 0.0 when drawn, else the
+        seconds until they would be there, and nothing is drawn."""
+        level = capacity if self.level < 0 else min(capacity, self.level + (now - self.at) * rate)
+        self.at = now
+        need = min(units, capacity)
+        if need <= level:
+            self.level = level - need
+            return 0.0
+        self.level = level
+        return (need - level) / rate
+
+
 @dataclass(frozen=True)
 class Limits:
     """Admission limits; exceeding one answers RESOURCE_EXHAUSTED with an ErrorInfo."""
@@ -53,12 +78,21 @@ class Limits:
     """Seconds finished statuses, gone peers and rooms stay queryable."""
     drain_timeout: float = 10.0
     """Seconds Abort/Deregister/shutdown wait for in-flight chunks to drain."""
+    snapshot_rate: float = 1.0
+    """Full status snapshots per second a peer's new streams may be sent (a full one: ``kept_per_peer``
+    statuses), up to ``SNAPSHOT_BURST`` at once; a resumed session's unacknowledged events count alike.
+    0 lifts the limit."""
 
     @property
     def kept_per_peer(self) -> int:
         """Requests a peer can have open and kept at once: the most a status snapshot, a room filter
         or a ``Describe`` response ever needs for one peer."""
         return self.max_inflight_per_peer + self.max_finished_per_peer
+
+    @property
+    def snapshot_allowance(self) -> tuple[float, float]:
+        """(statuses a peer may be sent at once by streams it opens, statuses per second refilled)."""
+        return SNAPSHOT_BURST * self.kept_per_peer, self.snapshot_rate * self.kept_per_peer
 
     @property
     def max_unread(self) -> int:
@@ -187,6 +221,8 @@ class Peer:
     """Every request is terminal and every stream was told so; a new stream ends after its snapshot."""
     page_limit: tuple[int, int] = (-1, -1)
     """(pages, entry) of its smallest paired KV buffer of known length (-1: none): what a page must be below."""
+    snapshots: Allowance = field(default_factory=Allowance)
+    """Statuses its new streams (and resumed sessions) may still be sent at once (``Limits.snapshot_rate``)."""
 
     def __hash__(self) -> int:
         return id(self)
@@ -209,6 +245,12 @@ class Peer:
             return Snapshot([f.blob for f in self.finished.values()], [r.status() for r in self.open.values()])
         finished = [f.blob for room in rooms if (f := self.finished.get(room)) is not None]
         return Snapshot(finished, [r.status() for room in rooms if (r := self.open.get(room)) is not None])
+
+    def snapshot_size(self, rooms: Collection[int] = ()) -> int:
+        """Statuses ``snapshot(rooms)`` holds, without building it (a refused open costs little)."""
+        if not rooms:
+            return len(self.finished) + len(self.open)
+        return sum(1 for room in rooms if room in self.finished or room in self.open)
 
     def record_finished(self, status: transfer_pb2.TransferStatus, keep: int) -> bool:
         """Keep a finished request's final status (only that), at most ``keep`` of them, oldest out first.
@@ -380,5 +422,5 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "StatusSink", "TERMINAL",
-           "identity_of"]
+__all__ = ["Allowance", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "StatusSink", "TERMINAL",
+           "SNAPSHOT_BURST", "identity_of"]

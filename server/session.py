@@ -193,6 +193,8 @@ class SessionHub:
                     "(it ended or was detached too long); open a new session",
                     reason=Reason.SESSION_NOT_FOUND, metadata={"sessionId": opening.resume_session_id})
             session.log.ack(request.event_ack)  # before anything changes: a bad one leaves the session as it was
+            # Each resume writes every unacknowledged event again: a resume loop is a snapshot loop.
+            self.core.draw_snapshot(peer, session.log.unacknowledged, "a resume's unacknowledged events")
             session.log.rewind()
             # The client sends every command after applied_command_seq again, so what the old
             # stream left unapplied goes: kept, each resume would add a frame's worth to it.

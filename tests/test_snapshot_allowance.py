@@ -1,0 +1,193 @@
+"""A peer that opens status streams in a loop is held to its snapshot allowance, against a real server.
+
+Every new WatchStatus or Session starts with a snapshot of the peer's kept statuses, and
+every resume writes the session's unacknowledged events again: with thousands kept, each
+costs the server milliseconds of CPU while asking for it costs the client next to nothing.
+``--snapshot-rate`` bounds what one peer's opens may be sent (four full snapshots at once,
+then so many per second); past it an open is refused TOO_MANY_STREAMS with the seconds to
+wait, and other peers are not affected. The clients honour the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from pdproto import errors as E
+from pdproto.client import HandshakeClient
+from pdproto.client_rpc import error_from_rpc
+from pdproto.errors import Reason
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2
+from pdproto.v1 import transfer_pb2
+from pdproto_demo.decode import DecodeRank
+from pdproto_server.registry import SNAPSHOT_BURST, Allowance
+
+from ._server_harness import SERVE_ARGS, SPEC, running_server
+
+KEPT = 1000
+"""Final statuses the attacking peer keeps: every snapshot of it holds this many."""
+LIMITS = ("--max-inflight", "24", "--max-finished", str(KEPT), "--max-streams", "64")
+PER_PEER = 24 + KEPT
+"""``kept_per_peer`` of the server these tests start: a full snapshot, the allowance's unit."""
+OPENS = 30
+
+
+def test_the_allowance_refills_at_its_rate_and_says_how_long_to_wait() -> None:
+    bucket = Allowance()
+    assert bucket.take(300, 1000, 100, now=5.0) == 0.0  # starts full
+    assert bucket.take(700, 1000, 100, now=5.0) == 0.0
+    assert bucket.take(50, 1000, 100, now=5.0) == pytest.approx(0.5)  # empty: 50 units at 100/s
+    assert bucket.take(50, 1000, 100, now=5.25) == pytest.approx(0.25)  # a refusal draws nothing
+    assert bucket.take(50, 1000, 100, now=5.5) == 0.0
+    assert bucket.take(5000, 1000, 100, now=1000.0) == 0.0  # more than it holds costs a full bucket
+    assert bucket.take(1, 1000, 100, now=1000.0) == pytest.approx(0.01)
+
+
+def _open_watch(stub: hs_grpc.HandshakeServiceStub, peer_id: str, credential: bytes) -> E.PdprotoError | None:
+    """Open WatchStatus, take its first status and leave: None when served, the refusal otherwise."""
+    call = stub.WatchStatus(hs.WatchStatusRequest(peer_id=peer_id, peer_credential=credential), timeout=30)
+    try:
+        next(call)
+        return None
+    except grpc.RpcError as exc:
+        return error_from_rpc(exc)
+    finally:
+        call.cancel()
+
+
+@contextlib.contextmanager
+def _session(stub: hs_grpc.HandshakeServiceStub, opening: hs.SessionRequest) -> Iterator[Any]:
+    """A Session call that sends ``opening`` and then nothing (it stays open until left)."""
+    leave = threading.Event()
+
+    def requests() -> Iterator[hs.SessionRequest]:
+        yield opening
+        leave.wait(60)
+
+    call = stub.Session(requests(), timeout=60)
+    try:
+        yield call
+    finally:
+        leave.set()
+        call.cancel()
+
+
+def _first(call: Any) -> hs.SessionResponse | E.PdprotoError:
+    try:
+        response: hs.SessionResponse = next(call)
+        return response
+    except grpc.RpcError as exc:
+        return error_from_rpc(exc)
+
+
+def _check_refusals(refusals: list[E.PdprotoError]) -> None:
+    for error in refusals:
+        assert isinstance(error, E.ResourceLimitError) and error.reason is Reason.TOO_MANY_STREAMS, error
+        assert "--snapshot-rate" in error.message and int(error.metadata["retryAfterMs"]) > 0, error
+
+
+def _served_at_most(elapsed: float, each: int) -> int:
+    """Opens of ``each`` statuses the allowance lets through in ``elapsed`` seconds (one for rounding)."""
+    return math.floor((SNAPSHOT_BURST * PER_PEER + elapsed * PER_PEER) / each) + 1
+
+
+@pytest.mark.process
+def test_a_peer_opening_watches_in_a_loop_is_refused_while_another_peer_is_served() -> None:
+    attacker, other = DecodeRank.for_spec(SPEC, pages=16), DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "0", *LIMITS, "--metrics-port", "0") as srv, \
+                HandshakeClient(srv.target, timeout=60) as client, grpc.insecure_channel(srv.target) as channel:
+            stub = hs_grpc.HandshakeServiceStub(channel)
+            bad = client.register(attacker.registration()).peer_id
+            good = client.register(other.registration()).peer_id
+            rooms = range(1, KEPT + 1)
+            for room in rooms:
+                client.submit_transfer(bad, transfer_pb2.TransferInfo(room=room, dst_kv_pages=[0], is_dummy=True))
+            client.wait_for(bad, rooms, timeout=60)
+
+            started = time.monotonic()
+            outcomes = [_open_watch(stub, bad, client.credential(bad)) for _ in range(OPENS)]
+            elapsed = time.monotonic() - started
+            refusals = [o for o in outcomes if o is not None]
+            served = OPENS - len(refusals)
+            assert refusals, "thirty snapshots of 1,000 statuses back to back were all sent"
+            assert served <= _served_at_most(elapsed, KEPT), (served, elapsed)
+            _check_refusals(refusals)
+
+            # The other peer's allowance is its own: its requests complete, and it watches them at once.
+            client.submit_transfer(good, transfer_pb2.TransferInfo(room=7, dst_kv_pages=[0], is_dummy=True))
+            assert client.wait_for(good, [7], timeout=30)[7].state == common_pb2.TRANSFER_STATE_SUCCESS
+            assert _open_watch(stub, good, client.credential(good)) is None
+
+            # The client waits as long as the refusal says, within its deadline, and is then served.
+            assert _open_watch(stub, bad, client.credential(bad)) is not None
+            with HandshakeClient(srv.target, timeout=30, session=False) as unary:
+                seen = set()
+                for status in unary.watch_status(bad, credential=client.credential(bad)):
+                    seen.add(status.room)
+                    if len(seen) == KEPT:
+                        break
+            assert seen == set(rooms)
+            assert srv.metrics()["pdproto_snapshots_refused_total"] >= len(refusals) + 1
+            assert "Traceback" not in srv.stderr(), srv.stderr()[-3000:]
+    finally:
+        attacker.close()
+        other.close()
+
+
+@pytest.mark.process
+def test_a_session_opened_or_resumed_in_a_loop_is_refused() -> None:
+    """New sessions take the same allowance as watches; a resume that acknowledges nothing makes the
+    server write every event again, so resuming in a loop draws on it too."""
+    peer = DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "0", *LIMITS) as srv, \
+                HandshakeClient(srv.target, timeout=60, session=False) as client, \
+                grpc.insecure_channel(srv.target) as channel:
+            stub = hs_grpc.HandshakeServiceStub(channel)
+            pid = client.register(peer.registration()).peer_id
+            rooms = range(1, KEPT + 1)
+            for room in rooms:
+                client.submit_transfer(pid, transfer_pb2.TransferInfo(room=room, dst_kv_pages=[0], is_dummy=True))
+            client.wait_for(pid, rooms, timeout=60)
+            opening = session_pb2.SessionOpen(peer_id=pid, peer_credential=client.credential(pid), event_window=KEPT)
+
+            started = time.monotonic()
+            session_id, outcomes = "", []
+            for _ in range(OPENS):
+                with _session(stub, hs.SessionRequest(open=opening)) as call:
+                    first = _first(call)
+                outcomes.append(first)
+                if isinstance(first, hs.SessionResponse):
+                    session_id = first.opened.session_id
+                    assert len(first.events) == KEPT  # the whole snapshot, unacknowledged from here on
+            refusals = [o for o in outcomes if isinstance(o, E.PdprotoError)]
+            assert refusals and len(outcomes) - len(refusals) <= _served_at_most(time.monotonic() - started, KEPT)
+            _check_refusals(refusals)
+
+            time.sleep(SNAPSHOT_BURST + 0.5)  # the allowance is full again
+            resume = session_pb2.SessionOpen(peer_id=pid, peer_credential=client.credential(pid),
+                                             resume_session_id=session_id, event_window=KEPT)
+            started = time.monotonic()
+            outcomes = []
+            for _ in range(OPENS):
+                with _session(stub, hs.SessionRequest(open=resume)) as call:
+                    outcomes.append(_first(call))
+            resumed = [o for o in outcomes if isinstance(o, hs.SessionResponse)]
+            refusals = [o for o in outcomes if isinstance(o, E.PdprotoError)]
+            assert resumed and all(r.opened.resumed and len(r.events) == KEPT for r in resumed)
+            assert refusals and len(resumed) <= _served_at_most(time.monotonic() - started, KEPT)
+            _check_refusals(refusals)
+            # The session itself is intact: a resume that acknowledges everything costs nothing.
+            with _session(stub, hs.SessionRequest(open=resume, event_ack=resumed[-1].events[-1].seq)) as call:
+                first = _first(call)
+            assert isinstance(first, hs.SessionResponse) and first.opened.resumed, first
+    finally:
+        peer.close()
