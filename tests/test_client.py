@@ -51,6 +51,34 @@ def test_retry_sleeps_are_jittered_and_settings_checked() -> None:
             RetryConfig(**bad)  # type: ignore[arg-type]
 
 
+def test_a_session_opening_against_a_down_prefill_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a session waits between tries as every retry does. Before, the pump stopped at each
+    failed open (no command or watcher waited yet) and the opening caller started it again at once:
+    4,796 opens in 2 s."""
+    from pdproto import client_session
+
+    tries = 0
+    stream = client_session.PeerSession._stream
+
+    async def counted(self: client_session.PeerSession) -> bool:
+        nonlocal tries
+        tries += 1
+        return await stream(self)
+
+    monkeypatch.setattr(client_session.PeerSession, "_stream", counted)
+    retry = RetryConfig(initial_backoff=0.1, max_backoff=0.1, jitter=0.25)
+
+    async def run() -> float:
+        async with AsyncHandshakeClient(f"127.0.0.1:{_free_port()}", timeout=1.0, retry=retry) as client:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(UnavailableError, match="opening the session"):
+                await client.wait_for("p-0000000000000000", [1], credential=bytes(32))
+            return asyncio.get_running_loop().time() - started
+
+    elapsed = asyncio.run(run())
+    assert 1 <= tries <= elapsed / 0.075 + 1, (tries, elapsed)
+
+
 @pytest.mark.process
 def test_not_found_is_not_retried_and_carries_metadata(server: ServerProcess) -> None:
     with HandshakeClient(server.target) as client:
