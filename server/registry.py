@@ -34,7 +34,8 @@ TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STA
 
 
 SNAPSHOT_BURST = 4
-"""Full snapshots a peer's streams may take back to back (a decode's ranks reconnecting at once after a break)."""
+"""Full snapshots a peer's streams may take back to back: a client opening its session and a few watches
+together, or opening them again after a break, is never refused."""
 
 
 @dataclass
