@@ -11,7 +11,9 @@ token-holding decode tries everything the issue named:
   each refused ``IDENTITY_IN_USE`` while the bystander reads its status stream;
 * registrations naming hostile arenas: every kind ``tests/_arena_peer.py`` serves (unsealed,
   FIFO, /dev/shm and disk files, ...), and old-style arena names that are a symlink to a
-  file it does not own and a FIFO.
+  file it does not own and a FIFO;
+* sessions opened back to back with its 100 kept statuses, each asking for the largest window
+  and leaving after the first frame: past its snapshot allowance, refused ``TOO_MANY_STREAMS``.
 
 Each attempt must be refused with a typed reason (the error's ``reason``; a raw gRPC status
 where the call never reaches a handler), the file behind the symlink must be untouched, and
@@ -24,14 +26,16 @@ import os
 import secrets
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
+from pdproto.client_rpc import error_from_rpc
 from pdproto.errors import Reason
-from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
 from pdproto_server.registry import CREDENTIAL_BYTES
@@ -45,6 +49,11 @@ from .limits import _expect_error
 
 TOKEN = "hostile-row-token"
 SLOW = ("--chunk-delay-ms", "200", "--match-timeout", "20")
+INFLIGHT, KEPT = 28, 100
+"""The server's --max-inflight and --max-finished: the attacker keeps KEPT statuses, and a full snapshot
+(the allowance's unit) is INFLIGHT + KEPT."""
+LIMITS = ("--max-inflight", str(INFLIGHT), "--max-finished", str(KEPT))
+FLOOD = 40
 SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
 NOT_FOUND = {Reason.PEER_NOT_FOUND}
 METHOD = "/pdproto.v1.HandshakeService/"
@@ -179,6 +188,47 @@ def _hostile_arenas(out: Outcome, client: HandshakeClient) -> None:
             os.unlink(fifo)
 
 
+def _snapshot_flood(out: Outcome, target: str, client: HandshakeClient, hid: str) -> None:
+    """Sessions opened back to back, each asking for the largest window and leaving after its first
+    frame: past the peer's snapshot allowance each is refused TOO_MANY_STREAMS."""
+    for first in range(1000, 1000 + KEPT, INFLIGHT):
+        rooms = range(first, first + INFLIGHT)
+        for room in rooms:
+            client.submit_transfer(hid, transfer_pb2.TransferInfo(room=room, dst_kv_pages=[0], is_dummy=True))
+        client.wait_for(hid, rooms, timeout=60)
+    opening = hs.SessionRequest(open=session_pb2.SessionOpen(
+        peer_id=hid, peer_credential=client.credential(hid), event_window=8192))
+    session = grpc.insecure_channel(target)
+    call_session = session.stream_stream(METHOD + "Session", request_serializer=hs.SessionRequest.SerializeToString,
+                                         response_deserializer=hs.SessionResponse.FromString)
+    served = refused = 0
+    started = time.monotonic()
+    try:
+        for _ in range(FLOOD):
+            call = call_session(iter([opening]), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
+            out.runs += 1
+            try:
+                next(call)
+                served += 1
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc)
+                if error.reason is not Reason.TOO_MANY_STREAMS:
+                    out.problems.append(f"snapshot flood: wrong error {str(error)[:160]}")
+                    continue
+                refused += 1
+                out.faults += 1
+                out.failed_expected += 1
+            finally:
+                call.cancel()
+    finally:
+        session.close()
+    # Four full snapshots at once, then one per second (a full one: --max-inflight + --max-finished).
+    bound = int((4 + (time.monotonic() - started)) * (INFLIGHT + KEPT) / KEPT) + 1
+    out.expect(refused > 0 and served <= bound,
+               f"snapshot flood: {served} of {FLOOD} sessions were sent {KEPT} statuses each (at most {bound})")
+    out.notes.append(f"snapshot flood: {FLOOD} sessions opened back to back, {refused} refused TOO_MANY_STREAMS")
+
+
 def _count_served(out: Outcome, rank: DecodeRank, client: HandshakeClient, pid: str,
                   placed: dict[int, list[int]]) -> None:
     """Wait for ``placed`` rooms; each must be SUCCESS, and the whole pool byte-exact."""
@@ -197,7 +247,7 @@ def hostile_peer(backend: str = "local") -> Outcome:
     bystander = DecodeRank.for_spec(SPEC, pages=64, backend=backend)
     attacker = DecodeRank.for_spec(SPEC, pages=64, backend=backend)
     try:
-        with running_server(*SERVE_ARGS, "--backend", backend, *SLOW, token=TOKEN) as srv, \
+        with running_server(*SERVE_ARGS, "--backend", backend, *SLOW, *LIMITS, token=TOKEN) as srv, \
                 HandshakeClient(srv.target, token=TOKEN, timeout=20) as vc, \
                 HandshakeClient(srv.target, token=TOKEN, timeout=20) as hc:
             vid = vc.register(bystander.registration()).peer_id
@@ -215,6 +265,7 @@ def hostile_peer(backend: str = "local") -> Outcome:
             _bad_inputs(out, srv.target, attacker, hc, hid)
             if backend == "local":
                 _hostile_arenas(out, hc)
+            _snapshot_flood(out, srv.target, hc, hid)
             _count_served(out, bystander, vc, vid, placed)
             mine = {21: attacker.pages_for(SPEC.prompt_tokens)}
             hc.submit_transfer(hid, attacker.transfer_info(21, mine[21]))
