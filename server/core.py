@@ -38,7 +38,7 @@ from .expiry import Deadlines
 from .feed import StatusFeed
 from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
-from .registry import Limits, Peer, PeerRegistry, Request, Snapshot, StatusSink, identity_of
+from .registry import Allowance, Limits, Peer, PeerRegistry, Request, Snapshot, StatusSink, identity_of
 from .runner import TransferRunner, drained
 from .validate import check_registration, check_transfer, page_limit, registration_entries
 
@@ -80,6 +80,9 @@ class HandshakeCore:
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
         a time: on the loop, one would stall every other peer's calls for its whole length."""
         self.judged = 0
+        self.anonymous = Allowance()
+        """The snapshot allowance every ``Describe`` caller without a peer credential (nor the operator
+        token) shares: one peer's, since no peer is named to charge."""
         """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
         engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
         self.deadlines: Deadlines[Peer] = Deadlines()
@@ -131,22 +134,26 @@ class HandshakeCore:
             peer.feeds.add(feed)
         return peer.snapshot(rooms), ended
 
-    def draw_snapshot(self, peer: Peer, statuses: int, what: str) -> None:
-        """Charge ``statuses`` about to be sent by a stream the peer opens to its allowance.
+    def draw_snapshot(self, peer: Peer | None, statuses: int, what: str) -> None:
+        """Charge ``statuses`` about to be sent to the peer's allowance (``anonymous`` for None).
 
         Sending a snapshot costs the server far more than asking for one (4,096 statuses: 5 to
-        15 ms of CPU), so a peer opening streams in a loop would take the loop from everyone
-        else. Raises TOO_MANY_STREAMS, with the seconds to wait, past ``Limits.snapshot_rate``.
+        15 ms of CPU), so a peer opening streams, or asking ``Describe`` for its statuses, in a
+        loop would take the loop from everyone else. Raises TOO_MANY_STREAMS, with the seconds
+        to wait, past ``Limits.snapshot_rate``.
         """
         if not statuses or self.limits.snapshot_rate <= 0:
             return
         capacity, rate = self.limits.snapshot_allowance
-        wait = peer.snapshots.take(statuses, capacity, rate, time.monotonic())
+        allowance = self.anonymous if peer is None else peer.snapshots
+        wait = allowance.take(statuses, capacity, rate, time.monotonic())
         if wait:
             self.metrics.snapshots_refused.inc()
+            who, whom = ("callers without a peer credential", "they") if peer is None else \
+                (f"peer {peer.peer_id}", "the peer")
             raise ResourceLimitError(
-                f"peer {peer.peer_id} opened status streams faster than the server sends snapshots ({what}: "
-                f"{statuses} statuses); the peer may be sent {capacity:.0f} at once and {rate:.0f} per second "
+                f"{who} asked for statuses faster than the server sends them ({what}: {statuses} statuses); "
+                f"{whom} may be sent {capacity:.0f} at once and {rate:.0f} per second "
                 f"(--snapshot-rate {self.limits.snapshot_rate:g} full snapshots of {self.limits.kept_per_peer}); "
                 f"retry in {wait:.2f} s",
                 reason=Reason.TOO_MANY_STREAMS,

@@ -61,20 +61,20 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
     return view
 
 
-def _peer_views(shown: list[Peer], hub: SessionHub, now: float, limit: int, include_finished: bool,
-                operator: bool, caller: Peer | None, limits: Limits) -> list[describe_pb2.PeerView]:
-    """Each shown peer's view; the request views of all of them together stop at what one peer can
-    hold (``max_inflight`` + ``max_finished``), so no ``request_limit`` makes a call cost more."""
+def _shares(shown: list[Peer], limit: int, include_finished: bool, operator: bool, caller: Peer | None,
+            limits: Limits) -> list[tuple[Peer, int, int, bool]]:
+    """(peer, open request views, final statuses, shown in full) for each shown peer. The views of all
+    of them together stop at what one peer can hold (``max_inflight`` + ``max_finished``), so no
+    ``request_limit`` makes a call cost more than one snapshot."""
     budget = limits.kept_per_peer
-    views = []
+    shares = []
     for peer in shown:
         full = operator or peer is caller
         opened = min(limit, budget, len(peer.open))
-        finished = min(limit, budget - opened) if include_finished and full else 0
-        view = _peer_view(peer, hub, now, opened, finished, full)
-        budget -= len(view.requests) + len(view.finished)
-        views.append(view)
-    return views
+        finished = min(limit, budget - opened, len(peer.finished)) if include_finished and full else 0
+        budget -= opened + finished
+        shares.append((peer, opened, finished, full))
+    return shares
 
 
 def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, *,
@@ -89,6 +89,10 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
     limit = request.request_limit or DEFAULT_REQUEST_LIMIT
     peers = list(core.registry.peers.values())
     shown = [p for p in peers if not request.peer_id or p.peer_id == request.peer_id]
+    shares = _shares(shown, limit, request.include_finished, operator, caller, core.limits)
+    if not operator:
+        # As costly to build as a snapshot of as many statuses: drawn on the same allowance, before.
+        core.draw_snapshot(caller, sum(o + f for _, o, f, _ in shares), "a Describe call's request views")
     most_open = max((len(p.open) for p in peers), default=0)
     held = [*peers, *core.registry.retired.values()]
     return hs.DescribeResponse(
@@ -97,7 +101,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
         backend=backends.by_name(core.engine.executor.backend).enum,
         uptime_ms=_ms(now - hub.started_at),
         draining=core.shutting_down,
-        peers=_peer_views(shown, hub, now, limit, request.include_finished, operator, caller, core.limits),
+        peers=[_peer_view(peer, hub, now, opened, finished, full) for peer, opened, finished, full in shares],
         limits=[
             describe_pb2.LimitUse(name="max_peers", limit=core.limits.max_peers, used=core.registry.held()),
             describe_pb2.LimitUse(name="max_inflight", limit=core.limits.max_inflight_per_peer, used=most_open),

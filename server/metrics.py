@@ -71,8 +71,8 @@ class ServiceMetrics:
             ["why"], registry=r)
         self.snapshots_refused = Counter(
             "pdproto_snapshots_refused",
-            "Status streams (WatchStatus, new or resumed sessions) refused because their peer asked for more"
-            " snapshot statuses than --snapshot-rate allows (TOO_MANY_STREAMS, with the seconds to wait).",
+            "Status streams (WatchStatus, new or resumed sessions) and Describe calls refused because their peer"
+            " asked for more statuses than --snapshot-rate allows (TOO_MANY_STREAMS, with the seconds to wait).",
             registry=r)
         self._registration_children: dict[str, Any] = {}
 

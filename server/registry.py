@@ -81,7 +81,8 @@ class Limits:
     """Seconds Abort/Deregister/shutdown wait for in-flight chunks to drain."""
     snapshot_rate: float = 1.0
     """Full status snapshots per second a peer's new streams may be sent (a full one: ``kept_per_peer``
-    statuses), up to ``SNAPSHOT_BURST`` at once; a resumed session's unacknowledged events count alike.
+    statuses), up to ``SNAPSHOT_BURST`` at once; a resumed session's unacknowledged events and the views
+    a ``Describe`` lists count alike.
     0 lifts the limit."""
 
     @property
@@ -223,7 +224,8 @@ class Peer:
     page_limit: tuple[int, int] = (-1, -1)
     """(pages, entry) of its smallest paired KV buffer of known length (-1: none): what a page must be below."""
     snapshots: Allowance = field(default_factory=Allowance)
-    """Statuses its new streams (and resumed sessions) may still be sent at once (``Limits.snapshot_rate``)."""
+    """Statuses its new streams, resumed sessions and ``Describe`` calls may still be sent at once
+    (``Limits.snapshot_rate``)."""
 
     def __hash__(self) -> int:
         return id(self)

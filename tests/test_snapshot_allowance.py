@@ -199,3 +199,47 @@ def test_a_session_opened_or_resumed_in_a_loop_is_refused() -> None:
             assert isinstance(first, hs.SessionResponse) and first.opened.resumed, first
     finally:
         peer.close()
+
+
+@pytest.mark.process
+def test_describe_of_a_peers_statuses_draws_on_its_allowance_and_the_operator_is_not_limited() -> None:
+    """``Describe`` with ``include_finished`` builds a view of every kept status: 11.7 ms of server CPU
+    per call with 4,096 kept, against 0.8 ms for a call that lists none. A peer's own views draw on its
+    allowance, those of callers without a credential on one they share; the operator's on none."""
+    peer = DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS[:-4], "--chunk-delay-ms", "0", *LIMITS, token="peers",
+                            operator_token="operator") as srv, \
+                HandshakeClient(srv.target, token="peers", timeout=60, session=False) as client, \
+                HandshakeClient(srv.target, token="operator", timeout=60, session=False) as operator:
+            pid = client.register(peer.registration()).peer_id
+            rooms = range(1, KEPT + 1)
+            for room in rooms:
+                client.submit_transfer(pid, transfer_pb2.TransferInfo(room=room, dst_kv_pages=[0], is_dummy=True))
+            client.wait_for(pid, rooms, timeout=60)
+            own = hs.DescribeRequest(peer_id=pid, peer_credential=client.credential(pid), include_finished=True,
+                                     request_limit=8192)
+            with grpc.insecure_channel(srv.target) as channel:
+                describe = hs_grpc.HandshakeServiceStub(channel).Describe
+                metadata = [("authorization", "Bearer peers")]
+                started = time.monotonic()
+                outcomes: list[E.PdprotoError | None] = []
+                for _ in range(OPENS):
+                    try:
+                        assert len(describe(own, timeout=30, metadata=metadata).peers[0].finished) == KEPT
+                        outcomes.append(None)
+                    except grpc.RpcError as exc:
+                        outcomes.append(error_from_rpc(exc))
+                refusals = [o for o in outcomes if o is not None]
+                assert refusals and OPENS - len(refusals) <= _served_at_most(time.monotonic() - started, KEPT)
+                _check_refusals(refusals)
+                # A call that lists no status costs no allowance, and the operator is not limited.
+                assert describe(hs.DescribeRequest(), timeout=30, metadata=metadata).peers[0].peer_id == pid
+            for _ in range(OPENS // 3):
+                assert len(operator.describe(peer_id=pid, include_finished=True, request_limit=8192)
+                           .peers[0].finished) == KEPT
+            # The client waits as long as the refusal says, and is then served.
+            assert len(client.describe(peer_id=pid, include_finished=True, request_limit=8192)
+                       .peers[0].finished) == KEPT
+    finally:
+        peer.close()

@@ -147,7 +147,7 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_MATCH_TIMEOUT: _ErrorReason.ValueType  # 67
     """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
     ERROR_REASON_TOO_MANY_STREAMS: _ErrorReason.ValueType  # 68
-    """Too many open status streams for one peer, or its new streams asked for snapshots faster than the server's snapshot rate allows (then ErrorInfo metadata retryAfterMs says when to try again)."""
+    """Too many open status streams for one peer, or its new streams (or Describe calls) asked for snapshots faster than the server's snapshot rate allows (then ErrorInfo metadata retryAfterMs says when to try again)."""
     ERROR_REASON_SESSION_NOT_FOUND: _ErrorReason.ValueType  # 69
     """A Session stream asks to resume a session the server no longer keeps (it ended, or was detached too long)."""
     ERROR_REASON_CONFIG_INVALID: _ErrorReason.ValueType  # 70
@@ -305,7 +305,7 @@ ERROR_REASON_UNAVAILABLE: ErrorReason.ValueType  # 66
 ERROR_REASON_MATCH_TIMEOUT: ErrorReason.ValueType  # 67
 """The decode's SubmitTransfer and the prefill's KV for a room did not meet before the deadline."""
 ERROR_REASON_TOO_MANY_STREAMS: ErrorReason.ValueType  # 68
-"""Too many open status streams for one peer, or its new streams asked for snapshots faster than the server's snapshot rate allows (then ErrorInfo metadata retryAfterMs says when to try again)."""
+"""Too many open status streams for one peer, or its new streams (or Describe calls) asked for snapshots faster than the server's snapshot rate allows (then ErrorInfo metadata retryAfterMs says when to try again)."""
 ERROR_REASON_SESSION_NOT_FOUND: ErrorReason.ValueType  # 69
 """A Session stream asks to resume a session the server no longer keeps (it ended, or was detached too long)."""
 ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
