@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -149,6 +150,7 @@ class HandshakeCore:
         wait = allowance.take(statuses, capacity, rate, time.monotonic())
         if wait:
             self.metrics.snapshots_refused.inc()
+            # Rounded up: a client back after exactly the wait finds the statuses there (not a second refusal).
             who, whom = ("callers without a peer credential", "they") if peer is None else \
                 (f"peer {peer.peer_id}", "the peer")
             raise ResourceLimitError(
@@ -157,7 +159,7 @@ class HandshakeCore:
                 f"(--snapshot-rate {self.limits.snapshot_rate:g} full snapshots of {self.limits.kept_per_peer}); "
                 f"retry in {wait:.2f} s",
                 reason=Reason.TOO_MANY_STREAMS,
-                metadata={"statuses": statuses, "retryAfterMs": max(1, round(wait * 1000))})
+                metadata={"statuses": statuses, "retryAfterMs": max(1, math.ceil(wait * 1000))})
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
         """The registered peer whose credential this is; NOT_FOUND otherwise.
