@@ -129,9 +129,9 @@ def error_from_parts(code_name: str, reason_name: str, domain: str, message: str
 
 
 def retry_hint(error: PdprotoError) -> float | None:
-    """Seconds a refusal says to wait before asking again (a peer's snapshot allowance, TOO_MANY_STREAMS
-    with ``retryAfterMs``); None when it says nothing."""
-    hint = error.metadata.get("retryAfterMs") if error.reason is Reason.TOO_MANY_STREAMS else None
+    """Seconds a refusal says to wait before asking again (``retryAfterMs``: a peer's snapshot allowance,
+    the queue of large registrations); None when it says nothing."""
+    hint = error.metadata.get("retryAfterMs") if isinstance(error, E.ResourceLimitError) else None
     try:
         return None if hint is None else max(0.0, int(hint) / 1000)
     except ValueError:

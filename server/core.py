@@ -51,6 +51,11 @@ HEAVY_ENTRIES = 1024
 """A registration listing more buffers and tensors than this is checked and negotiated off the loop;
 real ones list a few hundred at most (two per layer for MHA, plus state tensors)."""
 
+MAX_JUDGED = 4
+"""Registrations on or waiting for the judge thread at once; more are refused TOO_MANY_REGISTRATIONS. Each
+holds its parsed message while it waits, and costs the judge up to a few hundred ms for a few hundred KB
+sent: unbounded, a token holder sending them concurrently grew the queue (and memory) without limit."""
+
 IDENTITY_GRACE_S = 1.0
 """How long a registration naming a live peer waits for that peer's streams to end (a client closing them)."""
 IDENTITY_POLLS = 20
@@ -81,10 +86,12 @@ class HandshakeCore:
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
         a time: on the loop, one would stall every other peer's calls for its whole length."""
         self.judged = 0
+        """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
+        self._judge_s = 0.1
+        """Seconds the judge took per registration lately (a refused one is told to wait for the queue)."""
         self.anonymous = Allowance()
         """The snapshot allowance every ``Describe`` caller without a peer credential (nor the operator
         token) shares: one peer's, since no peer is named to charge."""
-        """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
         engine.orphan_after, engine.keep_finished = self.limits.match_timeout, self.limits.keep_finished
         self.deadlines: Deadlines[Peer] = Deadlines()
         """When to look at a peer again: its oldest kept final status expires, or it is gone long enough."""
@@ -201,6 +208,13 @@ class HandshakeCore:
         self._accepting()
         verdict = None
         if registration_entries(request.registration) > HEAVY_ENTRIES:
+            if self.judged >= MAX_JUDGED:
+                wait = self.judged * self._judge_s
+                raise ResourceLimitError(
+                    f"{self.judged} registrations of more than {HEAVY_ENTRIES} buffers and tensors are being "
+                    f"checked or wait for it (limit {MAX_JUDGED}); retry in {wait:.2f} s",
+                    reason=Reason.TOO_MANY_REGISTRATIONS,
+                    metadata={"limit": MAX_JUDGED, "retryAfterMs": max(1, math.ceil(wait * 1000))})
             self.judged += 1
             try:
                 reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
@@ -237,8 +251,12 @@ class HandshakeCore:
     def _check_and_negotiate(self, request: hs.RegisterRequest,
                              origin: str) -> tuple[registration_pb2.KvRegistration, Decision]:
         """``check_registration`` and ``_negotiate`` together (on the judge's thread)."""
-        reg = check_registration(request, origin)
-        return reg, self._negotiate(reg)
+        started = time.perf_counter()
+        try:
+            reg = check_registration(request, origin)
+            return reg, self._negotiate(reg)
+        finally:
+            self._judge_s = 0.5 * self._judge_s + 0.5 * (time.perf_counter() - started)
 
     async def _admit(self, reg: registration_pb2.KvRegistration, pending: PendingConnect | None,
                      verdict: Decision) -> hs.RegisterResponse:

@@ -51,6 +51,19 @@ def test_retry_sleeps_are_jittered_and_settings_checked() -> None:
             RetryConfig(**bad)  # type: ignore[arg-type]
 
 
+def test_a_refusal_that_says_when_to_retry_is_waited_for_and_others_are_not_retried() -> None:
+    from pdproto.client_rpc import next_try, retry_hint
+
+    refusal = E.ResourceLimitError("queue full", reason=Reason.TOO_MANY_REGISTRATIONS,
+                                   metadata={"retryAfterMs": "750"})
+    assert retry_hint(refusal) == 0.75
+    assert next_try(refusal, iter([0.05])) == 0.75  # at least as long as it says
+    assert next_try(refusal, iter([2.0])) == 2.0
+    assert next_try(refusal, iter([])) is None  # out of tries
+    assert next_try(E.ResourceLimitError("full", reason=Reason.TOO_MANY_PEERS), iter([0.05])) is None
+    assert next_try(UnavailableError("down"), iter([0.05])) == 0.05
+
+
 def test_a_session_opening_against_a_down_prefill_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """Opening a session waits between tries as every retry does. Before, the pump stopped at each
     failed open (no command or watcher waited yet) and the opening caller started it again at once:

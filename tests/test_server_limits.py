@@ -17,14 +17,18 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
+from pdproto.client_rpc import error_from_rpc
 from pdproto.errors import Reason
-from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, registration_pb2
+from pdproto.v1 import transfer_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess, DecodeRank
 from pdproto_server.cmd_status import render
+from pdproto_server.core import MAX_JUDGED
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
@@ -209,6 +213,42 @@ def test_a_registration_listing_thousands_of_buffers_is_judged_off_the_loop() ->
             with pytest.raises(E.InvalidFieldError) as info:
                 client.register(_listing(heavy, 16_000, tensors=64_000))
             assert info.value.field == "registration" and "65536" in info.value.message, info.value
+    finally:
+        heavy.close()
+        other.close()
+
+
+def test_large_registrations_beyond_what_the_judge_queues_are_refused_with_a_wait() -> None:
+    """Each registration waiting for the judge holds its parsed message and will cost the judge up to
+    a few hundred ms for a few hundred KB sent. Twelve sent at once: no more than ``MAX_JUDGED`` are
+    queued, the rest are refused TOO_MANY_REGISTRATIONS with the seconds to wait, and a client that
+    gets such a refusal waits that long and registers. Before, all twelve queued."""
+    heavy, other = DecodeRank.for_spec(SPEC, pages=16), DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS, "--grace", "1") as srv, HandshakeClient(srv.target, timeout=60) as client, \
+                HandshakeClient(srv.target, timeout=60) as prober, grpc.insecure_channel(srv.target) as channel:
+            prober.register(other.registration())
+            listing = hs.RegisterRequest(registration=_listing(heavy, 16_000))
+            register = hs_grpc.HandshakeServiceStub(channel).Register
+            calls = [register.future(listing, timeout=60) for _ in range(12)]
+            seen = []
+            while not all(c.done() for c in calls):
+                seen.append(prober.describe().registrations_judged)
+            refusals = []
+            for call in calls:
+                if call.exception() is not None:
+                    refusals.append(error_from_rpc(call.exception()))
+            assert refusals, "twelve large registrations at once were all queued"
+            for error in refusals:
+                assert isinstance(error, E.ResourceLimitError), error
+                assert error.reason is Reason.TOO_MANY_REGISTRATIONS and int(error.metadata["retryAfterMs"]) > 0
+            assert max(seen) <= MAX_JUDGED, seen
+            # The client waits as told (within its deadline) while others fill the queue, then registers.
+            crowd = [register.future(listing, timeout=60) for _ in range(MAX_JUDGED)]
+            assert client.register(listing.registration).peer_id
+            for call in crowd:
+                call.exception()  # served or refused, each answered
+            assert srv.proc.poll() is None and "Traceback" not in srv.stderr(), srv.stderr()[-3000:]
     finally:
         heavy.close()
         other.close()
