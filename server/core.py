@@ -41,7 +41,7 @@ from .lanes import Lane, LanePool
 from .metrics import ServiceMetrics
 from .registry import Allowance, Limits, Peer, PeerRegistry, Request, Snapshot, StatusSink, identity_of
 from .runner import TransferRunner, drained
-from .validate import check_registration, check_transfer, page_limit, registration_entries
+from .validate import Bounds, check_registration, check_transfer, page_limit, registration_entries
 
 log = logging.getLogger("pdproto_server.core")
 LARGE_PAGE_LIST = 4096
@@ -51,6 +51,10 @@ HEAVY_ENTRIES = 1024
 """A registration listing more buffers and tensors than this is checked and negotiated off the loop;
 real ones list a few hundred at most (two per layer for MHA, plus state tensors)."""
 
+JUDGE_BURST, JUDGE_RATE = 4 * Bounds.REGIONS, Bounds.REGIONS // 4
+"""Buffers and tensors of large registrations the judge takes at once, and per second after that (about
+9 µs of its time each): a fleet's decodes registering together fit, and a token holder registering large
+ones in a loop keeps the judge busy a sixth of the time, not all of it."""
 MAX_JUDGED = 4
 """Registrations on or waiting for the judge thread at once; more are refused TOO_MANY_REGISTRATIONS. Each
 holds its parsed message while it waits, and costs the judge up to a few hundred ms for a few hundred KB
@@ -88,6 +92,9 @@ class HandshakeCore:
         self.judged = 0
         """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
         self._judge_s = 0.1
+        self._judging = Allowance()
+        """What the judge may still take (``JUDGE_BURST``, ``JUDGE_RATE``): all registrants share it, since
+        Register names no peer yet."""
         """Seconds the judge took per registration lately (a refused one is told to wait for the queue)."""
         self.anonymous = Allowance()
         """The snapshot allowance every ``Describe`` caller without a peer credential (nor the operator
@@ -207,14 +214,9 @@ class HandshakeCore:
     async def _register(self, request: hs.RegisterRequest, origin: str) -> hs.RegisterResponse:
         self._accepting()
         verdict = None
-        if registration_entries(request.registration) > HEAVY_ENTRIES:
-            if self.judged >= MAX_JUDGED:
-                wait = self.judged * self._judge_s
-                raise ResourceLimitError(
-                    f"{self.judged} registrations of more than {HEAVY_ENTRIES} buffers and tensors are being "
-                    f"checked or wait for it (limit {MAX_JUDGED}); retry in {wait:.2f} s",
-                    reason=Reason.TOO_MANY_REGISTRATIONS,
-                    metadata={"limit": MAX_JUDGED, "retryAfterMs": max(1, math.ceil(wait * 1000))})
+        entries = registration_entries(request.registration)
+        if entries > HEAVY_ENTRIES:
+            self._judge_room(entries)
             self.judged += 1
             try:
                 reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
@@ -238,6 +240,20 @@ class HandshakeCore:
         finally:
             if pending is not None:
                 pending.close()
+
+    def _judge_room(self, entries: int) -> None:
+        """Raise TOO_MANY_REGISTRATIONS, with the seconds to wait, unless the judge takes ``entries`` more."""
+        wait = self.judged * self._judge_s if self.judged >= MAX_JUDGED else \
+            self._judging.take(entries, JUDGE_BURST, JUDGE_RATE, time.monotonic())
+        if wait:
+            why = (f"{self.judged} are being checked or wait for it (limit {MAX_JUDGED})" if self.judged >= MAX_JUDGED
+                   else f"their checks may take {JUDGE_RATE} buffers and tensors per second, and this one lists "
+                        f"{entries}")
+            raise ResourceLimitError(
+                f"registrations of more than {HEAVY_ENTRIES} buffers and tensors arrive faster than the server "
+                f"checks them: {why}; retry in {wait:.2f} s",
+                reason=Reason.TOO_MANY_REGISTRATIONS,
+                metadata={"entries": entries, "judged": self.judged, "retryAfterMs": max(1, math.ceil(wait * 1000))})
 
     def _negotiate(self, reg: registration_pb2.KvRegistration) -> Decision:
         """The verdict on ``reg``; a rejection raises its typed error."""

@@ -425,5 +425,5 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["Allowance", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "StatusSink", "TERMINAL",
-           "SNAPSHOT_BURST", "identity_of"]
+__all__ = ["Allowance", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "SNAPSHOT_BURST",
+           "StatusSink", "TERMINAL", "identity_of"]

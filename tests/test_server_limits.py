@@ -28,7 +28,7 @@ from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_servic
 from pdproto.v1 import transfer_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess, DecodeRank
 from pdproto_server.cmd_status import render
-from pdproto_server.core import MAX_JUDGED
+from pdproto_server.core import JUDGE_BURST, JUDGE_RATE, MAX_JUDGED
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
@@ -252,3 +252,30 @@ def test_large_registrations_beyond_what_the_judge_queues_are_refused_with_a_wai
     finally:
         heavy.close()
         other.close()
+
+
+def test_large_registrations_in_a_loop_are_held_to_what_the_judge_may_take() -> None:
+    """One after another, registrations of 64,000 buffers and tensors each kept the judge thread busy
+    all the time (and with it the interpreter the event loop shares). The judge takes ``JUDGE_BURST``
+    entries at once and ``JUDGE_RATE`` per second after that; past it a registration is refused before
+    it is checked."""
+    heavy = DecodeRank.for_spec(SPEC, pages=16)
+    try:
+        with running_server(*SERVE_ARGS, "--grace", "1") as srv, grpc.insecure_channel(srv.target) as channel:
+            listing = hs.RegisterRequest(registration=_listing(heavy, 16_000, tensors=48_000))
+            entries = 16_000 + 48_000 + len(heavy.registration().kv_buffers)
+            register = hs_grpc.HandshakeServiceStub(channel).Register
+            started, judged, refusals = time.monotonic(), 0, []
+            for _ in range(8):
+                try:
+                    register(listing, timeout=60)
+                    judged += 1
+                except grpc.RpcError as exc:
+                    refusals.append(error_from_rpc(exc))
+            elapsed = time.monotonic() - started
+            assert refusals and judged <= (JUDGE_BURST + JUDGE_RATE * elapsed) // entries + 1, (judged, elapsed)
+            for error in refusals:
+                assert error.reason is Reason.TOO_MANY_REGISTRATIONS and int(error.metadata["retryAfterMs"]) > 0
+                assert "per second" in error.message, error.message
+    finally:
+        heavy.close()

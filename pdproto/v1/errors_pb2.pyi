@@ -155,7 +155,7 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_IDENTITY_IN_USE: _ErrorReason.ValueType  # 71
     """A registration names the notify endpoint or engine identity of a registered decode that still holds a status stream open: a live decode, not a restart."""
     ERROR_REASON_TOO_MANY_REGISTRATIONS: _ErrorReason.ValueType  # 72
-    """Too many registrations listing more than 1,024 buffers and tensors are being checked at once (ErrorInfo metadata retryAfterMs says when to try again)."""
+    """Registrations listing more than 1,024 buffers and tensors arrive faster than the server checks them (ErrorInfo metadata retryAfterMs says when to try again)."""
     ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
     """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
     ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: _ErrorReason.ValueType  # 81
@@ -315,7 +315,7 @@ ERROR_REASON_CONFIG_INVALID: ErrorReason.ValueType  # 70
 ERROR_REASON_IDENTITY_IN_USE: ErrorReason.ValueType  # 71
 """A registration names the notify endpoint or engine identity of a registered decode that still holds a status stream open: a live decode, not a restart."""
 ERROR_REASON_TOO_MANY_REGISTRATIONS: ErrorReason.ValueType  # 72
-"""Too many registrations listing more than 1,024 buffers and tensors are being checked at once (ErrorInfo metadata retryAfterMs says when to try again)."""
+"""Registrations listing more than 1,024 buffers and tensors arrive faster than the server checks them (ErrorInfo metadata retryAfterMs says when to try again)."""
 ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80
 """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
 ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: ErrorReason.ValueType  # 81
