@@ -13,7 +13,9 @@ token-holding decode tries everything the issue named:
   FIFO, /dev/shm and disk files, ...), and old-style arena names that are a symlink to a
   file it does not own and a FIFO;
 * sessions opened back to back with its 100 kept statuses, each asking for the largest window
-  and leaving after the first frame: past its snapshot allowance, refused ``TOO_MANY_STREAMS``.
+  and leaving after the first frame: past its snapshot allowance, refused ``TOO_MANY_STREAMS``;
+* twelve registrations of 16,000 KV buffers at once: past what the judge queues, refused
+  ``TOO_MANY_REGISTRATIONS``.
 
 Each attempt must be refused with a typed reason (the error's ``reason``; a raw gRPC status
 where the call never reaches a handler), the file behind the symlink must be untouched, and
@@ -229,6 +231,35 @@ def _snapshot_flood(out: Outcome, target: str, client: HandshakeClient, hid: str
     out.notes.append(f"snapshot flood: {FLOOD} sessions opened back to back, {refused} refused TOO_MANY_STREAMS")
 
 
+def _registration_flood(out: Outcome, target: str) -> None:
+    """Twelve registrations of 16,000 KV buffers each sent at once: past what the judge queues, each is
+    refused TOO_MANY_REGISTRATIONS; the rest end typed (they name a decode that is gone)."""
+    big = _stranger()
+    for _ in range(16_000):
+        big.kv_buffers.add().CopyFrom(big.kv_buffers[0])
+    with grpc.insecure_channel(target) as chan:
+        register = chan.unary_unary(METHOD + "Register", request_serializer=hs.RegisterRequest.SerializeToString,
+                                    response_deserializer=hs.RegisterResponse.FromString)
+        calls = [register.future(hs.RegisterRequest(registration=big), timeout=60,
+                                 metadata=[("authorization", f"Bearer {TOKEN}")]) for _ in range(12)]
+        refused = 0
+        for call in calls:
+            exc = call.exception()
+            out.runs += 1
+            if exc is None:
+                continue
+            error = error_from_rpc(exc)  # type: ignore[arg-type]  # a failed future holds an RpcError
+            if error.reason is Reason.TOO_MANY_REGISTRATIONS:
+                refused += 1
+                out.faults += 1
+                out.failed_expected += 1
+            elif error.reason is Reason.INTERNAL:
+                out.problems.append(f"registration flood: untyped error {str(error)[:160]}")
+    out.expect(refused > 0, "registration flood: twelve registrations of 16,000 buffers at once were all queued")
+    out.notes.append(f"registration flood: 12 registrations of 16,000 buffers at once, {refused} refused "
+                     "TOO_MANY_REGISTRATIONS")
+
+
 def _count_served(out: Outcome, rank: DecodeRank, client: HandshakeClient, pid: str,
                   placed: dict[int, list[int]]) -> None:
     """Wait for ``placed`` rooms; each must be SUCCESS, and the whole pool byte-exact."""
@@ -266,6 +297,7 @@ def hostile_peer(backend: str = "local") -> Outcome:
             if backend == "local":
                 _hostile_arenas(out, hc)
             _snapshot_flood(out, srv.target, hc, hid)
+            _registration_flood(out, srv.target)
             _count_served(out, bystander, vc, vid, placed)
             mine = {21: attacker.pages_for(SPEC.prompt_tokens)}
             hc.submit_transfer(hid, attacker.transfer_info(21, mine[21]))
