@@ -54,7 +54,7 @@ real ones list a few hundred at most (two per layer for MHA, plus state tensors)
 JUDGE_BURST, JUDGE_RATE = 4 * Bounds.REGIONS, Bounds.REGIONS // 4
 """Buffers and tensors of large registrations the judge takes at once, and per second after that (about
 9 µs of its time each): a fleet's decodes registering together fit, and a token holder registering large
-ones in a loop keeps the judge busy a sixth of the time, not all of it."""
+ones in a loop keeps the judge busy about 15 % of the time, not all of it."""
 MAX_JUDGED = 4
 """Registrations on or waiting for the judge thread at once; more are refused TOO_MANY_REGISTRATIONS. Each
 holds its parsed message while it waits, and costs the judge up to a few hundred ms for a few hundred KB
