@@ -92,10 +92,10 @@ class HandshakeCore:
         self.judged = 0
         """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
         self._judge_s = 0.1
+        """Seconds the judge took per registration lately (a refused one is told to wait for the queue)."""
         self._judging = Allowance()
         """What the judge may still take (``JUDGE_BURST``, ``JUDGE_RATE``): all registrants share it, since
         Register names no peer yet."""
-        """Seconds the judge took per registration lately (a refused one is told to wait for the queue)."""
         self.anonymous = Allowance()
         """The snapshot allowance every ``Describe`` caller without a peer credential (nor the operator
         token) shares: one peer's, since no peer is named to charge."""
@@ -164,7 +164,6 @@ class HandshakeCore:
         wait = allowance.take(statuses, capacity, rate, time.monotonic())
         if wait:
             self.metrics.snapshots_refused.inc()
-            # Rounded up: a client back after exactly the wait finds the statuses there (not a second refusal).
             who, whom = ("callers without a peer credential", "they") if peer is None else \
                 (f"peer {peer.peer_id}", "the peer")
             raise ResourceLimitError(
@@ -173,6 +172,7 @@ class HandshakeCore:
                 f"(--snapshot-rate {self.limits.snapshot_rate:g} full snapshots of {self.limits.kept_per_peer}); "
                 f"retry in {wait:.2f} s",
                 reason=Reason.TOO_MANY_STREAMS,
+                # Rounded up: a client back after exactly the wait finds the statuses there, not a second refusal.
                 metadata={"statuses": statuses, "retryAfterMs": max(1, math.ceil(wait * 1000))})
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
