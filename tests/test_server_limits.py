@@ -221,8 +221,9 @@ def test_a_registration_listing_thousands_of_buffers_is_judged_off_the_loop() ->
 def test_large_registrations_beyond_what_the_judge_queues_are_refused_with_a_wait() -> None:
     """Each registration waiting for the judge holds its parsed message and will cost the judge up to
     a few hundred ms for a few hundred KB sent. Twelve sent at once: no more than ``MAX_JUDGED`` are
-    queued, the rest are refused TOO_MANY_REGISTRATIONS with the seconds to wait, and a client that
-    gets such a refusal waits that long and registers. Before, all twelve queued."""
+    queued, the rest are refused TOO_MANY_REGISTRATIONS with the seconds to wait, and a client
+    registering while others fill the queue registers (waiting as told where it is refused). Before,
+    all twelve queued."""
     heavy, other = DecodeRank.for_spec(SPEC, pages=16), DecodeRank.for_spec(SPEC, pages=16)
     try:
         with running_server(*SERVE_ARGS, "--grace", "1") as srv, HandshakeClient(srv.target, timeout=60) as client, \

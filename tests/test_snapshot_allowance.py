@@ -27,15 +27,15 @@ from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2
 from pdproto.v1 import transfer_pb2
 from pdproto_demo.decode import DecodeRank
-from pdproto_server.registry import SNAPSHOT_BURST, Allowance
+from pdproto_server.registry import SNAPSHOT_BURST, Allowance, Limits
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
 KEPT = 1000
 """Final statuses the attacking peer keeps: every snapshot of it holds this many."""
 LIMITS = ("--max-inflight", "24", "--max-finished", str(KEPT), "--max-streams", "64")
-PER_PEER = 24 + KEPT
-"""``kept_per_peer`` of the server these tests start: a full snapshot, the allowance's unit."""
+CAPACITY, RATE = Limits(max_inflight_per_peer=24, max_finished_per_peer=KEPT).snapshot_allowance
+"""The allowance of each peer of the server these tests start (``LIMITS``, default ``--snapshot-rate``)."""
 OPENS = 30
 
 
@@ -95,7 +95,7 @@ def _check_refusals(refusals: list[E.PdprotoError]) -> None:
 
 def _served_at_most(elapsed: float, each: int) -> int:
     """Opens of ``each`` statuses the allowance lets through in ``elapsed`` seconds (one for rounding)."""
-    return math.floor((SNAPSHOT_BURST * PER_PEER + elapsed * PER_PEER) / each) + 1
+    return math.floor((CAPACITY + elapsed * RATE) / each) + 1
 
 
 @pytest.mark.process

@@ -40,7 +40,7 @@ from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
-from pdproto_server.registry import CREDENTIAL_BYTES
+from pdproto_server.registry import CREDENTIAL_BYTES, Limits
 
 from tests._arena_peer import KINDS
 from tests._server_harness import SERVE_ARGS, SPEC, running_server
@@ -224,8 +224,8 @@ def _snapshot_flood(out: Outcome, target: str, client: HandshakeClient, hid: str
                 call.cancel()
     finally:
         session.close()
-    # Four full snapshots at once, then one per second (a full one: --max-inflight + --max-finished).
-    bound = int((4 + (time.monotonic() - started)) * (INFLIGHT + KEPT) / KEPT) + 1
+    capacity, rate = Limits(max_inflight_per_peer=INFLIGHT, max_finished_per_peer=KEPT).snapshot_allowance
+    bound = int((capacity + (time.monotonic() - started) * rate) / KEPT) + 1
     out.expect(refused > 0 and served <= bound,
                f"snapshot flood: {served} of {FLOOD} sessions were sent {KEPT} statuses each (at most {bound})")
     out.notes.append(f"snapshot flood: {FLOOD} sessions opened back to back, {refused} refused TOO_MANY_STREAMS")
