@@ -15,6 +15,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from tests.sglang._zygote import command
+
 REPO = Path(__file__).resolve().parents[2]
 _PRELUDE = "from tests.sglang import _stubs\n_stubs.install()\nimport json\n"
 
@@ -22,7 +24,7 @@ _PRELUDE = "from tests.sglang import _stubs\n_stubs.install()\nimport json\n"
 def run_sglang(code: str, *, env: dict[str, str] | None = None, timeout: float = 240) -> Any:
     """Run ``code`` (after the stubs are installed); it must print one JSON value last."""
     proc = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+        command("-c", _PRELUDE + textwrap.dedent(code)),
         cwd=REPO,
         env={**os.environ, **(env or {})},
         capture_output=True,

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.sglang._models import LAYERS, PAGE, ROW_BYTES, SEED, write_config
+from tests.sglang._zygote import command
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 0.005
@@ -251,7 +252,7 @@ def run(
         SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp),
         **(env or {}),
     )
-    cmd = [sys.executable, "-m", "tests.sglang.pd_harness"]
+    cmd = command("-m", "tests.sglang.pd_harness")
     out: dict[str, Any] = {"prefill": None, "decode": [None] * dcp, "kill": None}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         common = [

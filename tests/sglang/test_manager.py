@@ -26,6 +26,7 @@ from pdproto.integrations.sglang import layout
 from tests.sglang._models import write_config
 from tests.sglang._prefill_group import BOTH, FAILED, STAGE1_FAILS, STAGE1_REASON, WAITING
 from tests.sglang._run import REPO, run_sglang
+from tests.sglang._zygote import command
 from tests.sglang.pd_harness import free_port
 
 TIMEOUT_S = 60
@@ -49,7 +50,7 @@ def _run_group(tmp_path: Path, model: str, *extra: str) -> tuple[list[dict[str, 
                SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * 2))
     common = ["--model-dir", str(write_config(model, tmp_path / model)), "--bootstrap-port", str(free_port()),
               "--dist-port", str(free_port()), *extra]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.sglang._prefill_group", "--rank", str(r), *common],
+    procs = [subprocess.Popen(command("-m", "tests.sglang._prefill_group", "--rank", str(r), *common),
                               cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                               stderr=(tmp_path / f"rank{r}.err").open("w"))
              for r in range(2)]

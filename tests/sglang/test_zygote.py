@@ -1,0 +1,117 @@
+"""The SGLang tests' zygote (tests/sglang/_zygote.py): a forked child behaves as ``python -c``/``-m`` would.
+
+The other SGLang tests rely on this: their processes read the caller's stdin,
+environment and working directory, answer on its stdout, end with their own exit code,
+die with their launcher and get its signals, and find SGLang imported but no plugin
+loaded and no pdproto module imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.sglang._zygote import command
+
+pytestmark = pytest.mark.process
+
+REPORT = textwrap.dedent("""
+    import json, os, sys
+    line = sys.stdin.readline().strip()
+    from sglang.srt import plugins
+    print(json.dumps({
+        "line": line, "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("ZYGOTE_TEST"),
+        "main": __name__, "path0": sys.path[0],
+        "preloaded": "sglang.srt.disaggregation.mooncake.conn" in sys.modules,
+        "pdproto": sorted(m for m in sys.modules if m.split(".")[0].startswith("pdproto")),
+        "plugins_loaded": getattr(plugins, "_plugins_loaded", None),
+    }), flush=True)
+    sys.exit(3)
+""")
+
+
+def _spawn(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(command(*args), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, **kwargs)
+
+
+def test_a_child_reads_the_callers_stdin_env_and_cwd_and_exits_with_its_own_code(tmp_path: Path) -> None:
+    """Everything a ``python -c`` child would get from its parent arrives, and its exit code comes back."""
+    proc = _spawn("-c", REPORT, "a", "b", cwd=tmp_path, env={**os.environ, "ZYGOTE_TEST": "seen"})
+    out, err = proc.communicate("hello\n", timeout=120)
+    assert proc.returncode == 3, err
+    report = json.loads(out)
+    assert report["line"] == "hello"
+    assert report["argv"] == ["-c", "a", "b"]
+    assert (report["cwd"], report["env"], report["main"], report["path0"]) == (str(tmp_path), "seen", "__main__", "")
+    assert report["preloaded"] is True
+    assert report["pdproto"] == []  # the plugin tests import it themselves, through load_plugins()
+    assert report["plugins_loaded"] is False
+
+
+def test_a_module_runs_as_main_with_its_arguments() -> None:
+    """``-m MODULE ARGS``: the module's own argument parsing sees ARGS."""
+    proc = _spawn("-m", "json.tool", "--compact")
+    out, err = proc.communicate('{"a": [1, 2]}', timeout=120)
+    assert (proc.returncode, out.strip()) == (0, '{"a":[1,2]}'), err
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback() -> None:
+    """As an interpreter would: the traceback on the caller's stderr, status 1."""
+    proc = _spawn("-c", "raise RuntimeError('from the child')")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "RuntimeError: from the child" in err
+
+
+def _pid_line(proc: subprocess.Popen[str]) -> int:
+    assert proc.stdout is not None
+    return int(proc.stdout.readline())
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie still waiting for the zygote to reap it counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+SLEEPER = "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(300)\n"
+
+
+def test_killing_the_launcher_kills_its_child() -> None:
+    """A test that SIGKILLs what it started (a decode dying mid-transfer) kills the real process."""
+    proc = _spawn("-c", SLEEPER)
+    child = _pid_line(proc)
+    assert child != proc.pid and not _gone(child)
+    proc.kill()
+    assert proc.wait(30) == -signal.SIGKILL
+    for _ in range(200):  # bounded: 10 s
+        if _gone(child):
+            break
+        time.sleep(0.05)
+    assert _gone(child)
+
+
+def test_signals_reach_the_child_and_its_ending_comes_back() -> None:
+    """SIGTERM with a handler: the child's own exit code; without one: killed by SIGTERM, as the caller sees it."""
+    handled = _spawn("-c", "import os, signal, sys, time\n"
+                           "signal.signal(signal.SIGTERM, lambda *_: (print('term', flush=True), sys.exit(5)))\n"
+                           + SLEEPER)
+    _pid_line(handled)
+    handled.terminate()
+    out, _ = handled.communicate(timeout=30)
+    assert (handled.returncode, out.strip()) == (5, "term")
+    default = _spawn("-c", SLEEPER)
+    _pid_line(default)
+    default.terminate()
+    assert default.wait(30) == -signal.SIGTERM
