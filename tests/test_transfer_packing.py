@@ -16,7 +16,8 @@ from pdproto.dcp.runs import expand, from_rows, segments, source_rows
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, remote_regions, validate_job
-from pdproto.transfer.packing import Gatherer, copy_runs, packed_descriptors, packed_layers, row_descriptors
+from pdproto.transfer.packing import (TORCH_IMPORT_BYTES, Gatherer, copy_runs, packed_descriptors, packed_layers,
+                                      row_descriptors, torch_or_none)
 from pdproto.v1 import registration_pb2
 
 # Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
@@ -119,8 +120,8 @@ def test_gather_from_runs_equals_fancy_indexing(use_torch: bool, rows: list[tupl
     view = flat[:max(0, rows_needed - 1) * pitch + width] if rows_needed else flat[:0]
     out = np.zeros((src_rows.size, width), dtype=np.uint8)
     g = Gatherer()
-    if not use_torch:
-        g._loaded, g._torch = True, None  # the numpy path, taken where torch is not installed
+    # Either path on any size: torch as after a large gather, numpy as where torch is not installed.
+    g._loaded, g._torch = True, torch_or_none() if use_torch else None
     g.gather(view, pitch, runs, out, source_rows(runs))
     assert np.array_equal(out, table[src_rows, offset:offset + width])
 
@@ -231,3 +232,24 @@ def test_remote_regions_bound_every_registered_base_the_loosest_way() -> None:
     reg.state_buffers.add(data_ptrs=[600, 700, 300], data_lens=[8, 9, 10])  # 300 again, after an unknown
     reg.state_buffers.add(data_ptrs=[800])
     assert remote_regions(reg) == {100: 80, 300: 0, 400: 16, 500: 0, 600: 8, 700: 9, 800: 0}
+
+
+@pytest.mark.process
+def test_only_a_large_gather_imports_torch() -> None:
+    """A process whose gathers stay small never pays torch's import (seconds); a large one loads it, once."""
+    code = f"""
+import sys, numpy as np
+from pdproto.dcp.runs import source_rows
+from pdproto.transfer.packing import Gatherer
+g = Gatherer()
+seen = []
+for rows in (64, {TORCH_IMPORT_BYTES // 1024}):  # 1 KiB rows: 64 KiB, then the threshold
+    runs = np.array([[0, 2, 0, 1, rows]], dtype=np.int64)  # every other source row
+    src = np.random.default_rng(rows).integers(0, 256, 2 * rows * 1024, dtype=np.uint8)
+    out = np.empty((rows, 1024), dtype=np.uint8)
+    g.gather(src, 1024, runs, out, source_rows(runs))
+    seen.append(("torch" in sys.modules, bool(np.array_equal(out, src.reshape(-1, 1024)[::2]))))
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[(False, True), (True, True)]", out.stderr
