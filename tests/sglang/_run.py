@@ -1,8 +1,9 @@
-"""Run code against SGLang 0.5.23 in a fresh interpreter.
+"""Run code against SGLang 0.5.23 in a process of its own.
 
 SGLang is never imported into the pytest process: its import installs the CPU stubs
 (tests/sglang/_stubs.py), which other tests' torch must not see, and every plugin test
-needs an interpreter where ``load_plugins()`` has not run yet.
+needs an interpreter where ``load_plugins()`` has not run yet. The process is a fork of
+the worker's zygote (tests/sglang/_zygote.py), which has imported SGLang but loaded no plugin.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any

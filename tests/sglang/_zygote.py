@@ -32,6 +32,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,18 +91,20 @@ def _socket() -> str:
         if proc.stdout.readline().strip() != b"listening":  # before its imports: callers queue meanwhile
             proc.kill()
             raise RuntimeError(f"the SGLang test zygote did not start; see {where}/zygote.log")
-        atexit.register(_stop, proc)
+        atexit.register(_stop, proc, where)
         _started = (proc, path)
         return path
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[bytes], where: str) -> None:
     assert proc.stdin is not None
     proc.stdin.close()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
+    shutil.rmtree(where, ignore_errors=True)
 
 
 # -- the zygote -----------------------------------------------------------------------------

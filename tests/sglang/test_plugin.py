@@ -1,8 +1,8 @@
 """The pdproto plugin inside SGLang 0.5.23: loaded by SGLang's own loader, checked by SGLang's own code.
 
-The checks run in fresh interpreters (tests/sglang/_run.py), the way SGLang loads plugins:
+The checks run in processes where no plugin is loaded yet (tests/sglang/_run.py), the way SGLang loads plugins:
 ``load_plugins()`` finds ``pdproto`` through the installed ``sglang.srt.plugins`` entry point.
-The checks with the plugin share one interpreter; the one without it has its own.
+The checks with the plugin share one process; the one without it has its own.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def with_plugin(model_dir: Path) -> dict[str, Any]:
-    """The plugin's checks in one fresh interpreter (an SGLang import costs seconds on two cores)."""
+    """The plugin's checks in one process: each starts SGLang's runtime anew, which takes seconds on two cores."""
     return run_sglang("results = {}\n" + RESOLVE + SERVER_ARGS.format(model=str(model_dir)) + BOOTSTRAP.format()
                       + "print(json.dumps(results))\n")
 
