@@ -4,7 +4,7 @@ Descriptors are N×3 int64 arrays of (local address, peer address, bytes), the
 form both engines take without a per-descriptor Python loop; they come from the
 runs' contiguous segments. The gather reads the runs too: with torch, one
 ``index_select`` whose row index is built from the runs once per segment; without
-torch, one strided copy per run.
+torch (or for a small gather in a process that has not loaded it), one strided copy per run.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ class Gatherer:
             t.cuda.current_stream(src.device).synchronize()
 
 
-__all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors", "packed_descriptors",
-           "packed_layers", "packed_units", "row_descriptors", "torch_or_none"]
+__all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
+           "packed_descriptors", "packed_layers", "packed_units", "row_descriptors", "torch_or_none"]
 
 
 class StagingExtents:
