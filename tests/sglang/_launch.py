@@ -23,6 +23,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 def main() -> None:
     """Connect, hand over, relay signals until the child's exit, then end the same way."""
     path, argv = sys.argv[1], sys.argv[2:]
+    for fd in (0, 1, 2):  # a closed one (a caller without stdin) is handed on as /dev/null
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # takes the lowest free descriptor: this one
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()

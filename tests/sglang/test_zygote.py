@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import textwrap
@@ -115,3 +116,10 @@ def test_signals_reach_the_child_and_its_ending_comes_back() -> None:
     _pid_line(default)
     default.terminate()
     assert default.wait(30) == -signal.SIGTERM
+
+
+def test_a_caller_without_stdin_gives_the_child_an_empty_one() -> None:
+    """CI runs with no standard input: a closed stdin reaches the child as /dev/null, an empty input, not an error."""
+    launched = shlex.join(command("-c", "import sys; print(repr(sys.stdin.read()))"))
+    out = subprocess.run(["bash", "-c", f"exec 0<&-; {launched}"], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "''"), out.stderr
