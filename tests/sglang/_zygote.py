@@ -20,6 +20,10 @@ What the children share with a fresh ``python -c``/``-m`` and what they do not:
 * The zygote holds no thread of its own, socket or engine when it forks (torch's idle
   pool thread is not carried into a fork).
 
+What the launcher cannot pass on: ``Popen.pid`` is the launcher's, so ``/proc/<pid>`` shows it
+and not the child, and SIGSTOP (which no process can catch) stops only the launcher. A test
+that freezes a process or reads its CPU or memory starts it with ``sys.executable`` instead.
+
 ``PDPROTO_SGLANG_ZYGOTE=0`` starts plain interpreters instead.
 """
 
