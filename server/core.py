@@ -164,6 +164,8 @@ class HandshakeCore:
         wait = allowance.take(statuses, capacity, rate, time.monotonic())
         if wait:
             self.metrics.snapshots_refused.inc()
+            if peer is not None:
+                peer.snapshots_refused += 1
             who, whom = ("callers without a peer credential", "they") if peer is None else \
                 (f"peer {peer.peer_id}", "the peer")
             raise ResourceLimitError(

@@ -44,6 +44,7 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         sessions_on_lane=sum(1 for s in sessions if s.stream is not None and s.stream.lane),
         watch_streams=len(peer.feeds) - len(sessions),
         events_unacknowledged=sum(s.log.unacknowledged for s in sessions),
+        snapshots_refused=peer.snapshots_refused,
     )
     if full:
         view.engine_identity = backends.identity_key(peer.registration) or ""

@@ -226,6 +226,8 @@ class Peer:
     snapshots: Allowance = field(default_factory=Allowance)
     """Statuses its new streams, resumed sessions and ``Describe`` calls may still be sent at once
     (``Limits.snapshot_rate``)."""
+    snapshots_refused: int = 0
+    """Its calls ``snapshots`` refused (``PeerView.snapshots_refused``: which peer keeps asking)."""
 
     def __hash__(self) -> int:
         return id(self)

@@ -27,6 +27,7 @@ from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2
 from pdproto.v1 import transfer_pb2
 from pdproto_demo.decode import DecodeRank
+from pdproto_server.cmd_status import render
 from pdproto_server.registry import SNAPSHOT_BURST, Allowance, Limits
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
@@ -120,6 +121,12 @@ def test_a_peer_opening_watches_in_a_loop_is_refused_while_another_peer_is_serve
             assert refusals, "thirty snapshots of 1,000 statuses back to back were all sent"
             assert served <= _served_at_most(elapsed, KEPT), (served, elapsed)
             _check_refusals(refusals)
+            # Describe names the peer that keeps asking, with how often it was refused, for the operator.
+            shown = client.describe()
+            views = {p.peer_id: p for p in shown.peers}
+            assert (views[bad].snapshots_refused, views[good].snapshots_refused) == (len(refusals), 0)
+            row = next(line for line in render(shown).splitlines() if line.startswith(bad))
+            assert row.split()[-1] == str(len(refusals)), row
 
             # The other peer's allowance is its own: its requests complete, and it watches them at once.
             client.submit_transfer(good, transfer_pb2.TransferInfo(room=7, dst_kv_pages=[0], is_dummy=True))
