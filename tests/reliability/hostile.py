@@ -228,6 +228,8 @@ def _snapshot_flood(out: Outcome, target: str, client: HandshakeClient, hid: str
     bound = int((capacity + (time.monotonic() - started) * rate) / KEPT) + 1
     out.expect(refused > 0 and served <= bound,
                f"snapshot flood: {served} of {FLOOD} sessions were sent {KEPT} statuses each (at most {bound})")
+    shown = next(p for p in client.describe().peers if p.peer_id == hid).snapshots_refused
+    out.expect(shown == refused, f"snapshot flood: Describe counts {shown} refusals of the peer, not {refused}")
     out.notes.append(f"snapshot flood: {FLOOD} sessions opened back to back, {refused} refused TOO_MANY_STREAMS")
 
 
