@@ -65,6 +65,12 @@ IDENTITY_GRACE_S = 1.0
 IDENTITY_POLLS = 20
 
 
+def _retry_after_ms(wait: float) -> int:
+    """A refusal's ``retryAfterMs`` for ``wait`` seconds, rounded up: a client back after exactly that
+    long finds the room there, not a second refusal."""
+    return max(1, math.ceil(wait * 1000))
+
+
 class HandshakeCore:
     """Everything the servicer does, as plain async methods raising ``PdprotoError``."""
 
@@ -173,9 +179,7 @@ class HandshakeCore:
                 f"{whom} may be sent {capacity:.0f} at once and {rate:.0f} per second "
                 f"(--snapshot-rate {self.limits.snapshot_rate:g} full snapshots of {self.limits.kept_per_peer}); "
                 f"retry in {wait:.2f} s",
-                reason=Reason.TOO_MANY_STREAMS,
-                # Rounded up: a client back after exactly the wait finds the statuses there, not a second refusal.
-                metadata={"statuses": statuses, "retryAfterMs": max(1, math.ceil(wait * 1000))})
+                reason=Reason.TOO_MANY_STREAMS, metadata={"statuses": statuses, "retryAfterMs": _retry_after_ms(wait)})
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
         """The registered peer whose credential this is; NOT_FOUND otherwise.
@@ -255,7 +259,7 @@ class HandshakeCore:
                 f"registrations of more than {HEAVY_ENTRIES} buffers and tensors arrive faster than the server "
                 f"checks them: {why}; retry in {wait:.2f} s",
                 reason=Reason.TOO_MANY_REGISTRATIONS,
-                metadata={"entries": entries, "judged": self.judged, "retryAfterMs": max(1, math.ceil(wait * 1000))})
+                metadata={"entries": entries, "judged": self.judged, "retryAfterMs": _retry_after_ms(wait)})
 
     def _negotiate(self, reg: registration_pb2.KvRegistration) -> Decision:
         """The verdict on ``reg``; a rejection raises its typed error."""
