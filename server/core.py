@@ -25,7 +25,7 @@ from pdproto.errors import (
     ResourceLimitError,
     ShuttingDownError,
 )
-from pdproto.topology import Decision, Rejection, negotiate
+from pdproto.topology import Decision, Rejection
 from pdproto.transfer.base import ConnectsOnLoop, PendingConnect
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
@@ -42,8 +42,11 @@ from .metrics import ServiceMetrics
 from .registry import Allowance, Limits, Peer, PeerRegistry, Request, Snapshot, StatusSink, identity_of
 from .runner import TransferRunner, drained
 from .validate import Bounds, check_registration, check_transfer, page_limit, registration_entries
+from .verdicts import Verdicts, result_for
 
 log = logging.getLogger("pdproto_server.core")
+Verdict = tuple[Decision, server_info_pb2.NegotiationResult]
+"""An accepted registration's decision and its ``NegotiationResult`` without a peer id (shared: copy it)."""
 LARGE_PAGE_LIST = 4096
 """Destination pages from which a request keeps its list as an int64 array (1M pages over 64 chunks:
 about 230 ms of server CPU converting the protobuf list again at each chunk)."""
@@ -92,6 +95,8 @@ class HandshakeCore:
         executor = engine.executor
         self._start_connect = executor.start_connect if isinstance(executor, ConnectsOnLoop) else None
         """Register connects on the loop (no thread hop) where the engine can (``ConnectsOnLoop``)."""
+        self.verdicts = Verdicts()
+        """Negotiation verdicts by registration layout: a decode rank shape is negotiated once."""
         self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
         a time: on the loop, one would stall every other peer's calls for its whole length."""
@@ -261,17 +266,17 @@ class HandshakeCore:
                 reason=Reason.TOO_MANY_REGISTRATIONS,
                 metadata={"entries": entries, "judged": self.judged, "retryAfterMs": _retry_after_ms(wait)})
 
-    def _negotiate(self, reg: registration_pb2.KvRegistration) -> Decision:
-        """The verdict on ``reg``; a rejection raises its typed error."""
+    def _negotiate(self, reg: registration_pb2.KvRegistration) -> Verdict:
+        """The verdict on ``reg`` with its shared ``NegotiationResult``; a rejection raises its typed error."""
         started = time.perf_counter()
-        verdict = negotiate(self.info, reg)
-        self.metrics.negotiation_seconds.observe(time.perf_counter() - started)
+        verdict, result, remembered = self.verdicts.of(self.info, reg)
+        self.metrics.negotiated(time.perf_counter() - started, remembered=remembered)
         if isinstance(verdict, Rejection):
             raise verdict.to_error()
-        return verdict
+        return verdict, result
 
     def _check_and_negotiate(self, request: hs.RegisterRequest,
-                             origin: str) -> tuple[registration_pb2.KvRegistration, Decision]:
+                             origin: str) -> tuple[registration_pb2.KvRegistration, Verdict]:
         """``check_registration`` and ``_negotiate`` together (on the judge's thread)."""
         started = time.perf_counter()
         try:
@@ -281,7 +286,7 @@ class HandshakeCore:
             self._judge_s = 0.5 * self._judge_s + 0.5 * (time.perf_counter() - started)
 
     async def _admit(self, reg: registration_pb2.KvRegistration, pending: PendingConnect | None,
-                     verdict: Decision) -> hs.RegisterResponse:
+                     verdict: Verdict) -> hs.RegisterResponse:
         """Connect (finishing ``pending``, or on the peer's lane) and add the peer, as ``verdict`` says."""
         identity = identity_of(reg)
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
@@ -300,7 +305,7 @@ class HandshakeCore:
             self._registering += 1
             try:
                 peer_id = self.registry.new_id()
-                peer = Peer(peer_id=peer_id, registration=reg, decision=verdict, result=verdict.to_proto(peer_id),
+                peer = Peer(peer_id=peer_id, registration=reg, decision=verdict[0], result=result_for(verdict[1], peer_id),
                             identity=identity, lane=Lane(self.pool, peer_id),
                             credential=self.registry.new_credential())
                 peer.page_limit = page_limit(peer)
