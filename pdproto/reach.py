@@ -12,6 +12,7 @@ operator sets one with the ``PDPROTO_ADVERTISE_HOST`` environment variable or th
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from urllib.parse import unquote
 
@@ -22,8 +23,11 @@ ADVERTISE_ENV = "PDPROTO_ADVERTISE_HOST"
 """Environment variable naming the address a process's transfer engine advertises."""
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); False for names it cannot tell."""
+    # Remembered: every Register asks about its caller's address and its engine's, a few of them
+    # per fleet, and ``ipaddress`` parsing was a tenth of a Register's own time.
     host = host.strip().strip("[]").lower()
     if host == "localhost" or host.endswith(".localhost"):
         return True

@@ -325,16 +325,19 @@ class _KeyLocks:
         entries = [self._locks.setdefault(k, (asyncio.Lock(), [0])) for k in ordered]
         for _, users in entries:
             users[0] += 1
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                for lock, _ in entries:
-                    await stack.enter_async_context(lock)
-                yield
-            finally:
-                for key, (_, users) in zip(ordered, entries, strict=True):
-                    users[0] -= 1
-                    if users[0] == 0:
-                        del self._locks[key]
+        held: list[asyncio.Lock] = []
+        try:
+            for lock, _ in entries:
+                await lock.acquire()
+                held.append(lock)
+            yield
+        finally:
+            for lock in reversed(held):
+                lock.release()
+            for key, (_, users) in zip(ordered, entries, strict=True):
+                users[0] -= 1
+                if users[0] == 0:
+                    del self._locks[key]
 
 
 class PeerRegistry:

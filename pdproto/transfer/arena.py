@@ -215,22 +215,13 @@ class Handover:
         """Wait (on the running loop) up to ``timeout`` seconds for the arena; map it and return the lease."""
         sock, self._sock = self._sock, None
         assert sock is not None, "finish() runs once"
-        loop = asyncio.get_running_loop()
         try:
             try:
-                async with asyncio.timeout(timeout):
-                    while True:
-                        try:
-                            answer = sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
-                            break
-                        except BlockingIOError:
-                            pass
-                        readable: asyncio.Future[None] = loop.create_future()
-                        loop.add_reader(sock, _set_once, readable)
-                        try:
-                            await readable
-                        finally:
-                            loop.remove_reader(sock)
+                # The decode has usually answered while the server negotiated: no timer then.
+                answer = _answer_now(sock)
+                if answer is None:
+                    async with asyncio.timeout(timeout):
+                        answer = await _answer(sock)
             except TimeoutError:
                 raise _too_slow(self._endpoint, timeout) from None
             except OSError as exc:
@@ -252,6 +243,33 @@ class Handover:
 def _set_once(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+_Answer = tuple[bytes, list[tuple[int, int, bytes]], int, object]
+
+
+def _answer_now(sock: socket.socket) -> _Answer | None:
+    """The decode's answer (``recvmsg``'s) if it has arrived; None if not yet."""
+    try:
+        return sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
+    except BlockingIOError:
+        return None
+
+
+async def _answer(sock: socket.socket) -> _Answer:
+    """Wait on the running loop for the decode's answer."""
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()  # not the socket: the selector's first lookup fails, and formats its key's repr
+    while True:
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _set_once, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+        answer = _answer_now(sock)
+        if answer is not None:
+            return answer
 
 
 def _check_endpoint(endpoint: registration_pb2.LocalEndpoint) -> None:
