@@ -21,6 +21,11 @@ is each process's user+system time over the measured window divided by the reque
 completed: the server from ``/proc/<pid>/stat``, the clients (this process) from
 ``getrusage``.
 
+Register: 300 calls, each a new peer (deregistered after), against unary echoes of the same
+request bytes. Their registrations cycle through four DCP ranks, four layouts, so all but
+the first four find their verdict remembered (``pdproto_server.verdicts``), as a fleet's
+decode ranks of one shape do; ``negotiate() in process`` is what a new layout adds.
+
 Run: ``python -m bench bench_control`` (about two minutes on two cores).
 """
 
@@ -225,27 +230,37 @@ async def _run_echo(target: str, n: int, pid: int, payload: bytes) -> Sample:
         await asyncio.gather(*(p.close() for p in peers))
 
 
-async def register_latencies(target: str, echo: str) -> tuple[list[float], list[float]]:
-    """Register round trips and bare unary echoes of the same request bytes, in alternating blocks."""
+async def register_latencies(target: str, echo: str) -> tuple[list[float], list[float], list[float]]:
+    """Register round trips, the same with building each registration, and bare unary echoes of the same
+    request bytes, in alternating blocks.
+
+    The round trip starts from a built registration, as the echo starts from built bytes;
+    building one (``make_registration``) is the decode's own preparation and is shown apart.
+    """
     executor = create_executor("local", arena_bytes=8 << 20)
     executor.allocate(4 << 20)
     endpoint = executor.endpoint()
     assert isinstance(endpoint, registration_pb2.LocalEndpoint)
     payload = hs.RegisterRequest(registration=_registration(endpoint, 0)).SerializeToString()
     ours: list[float] = []
+    built: list[float] = []
     bare: list[float] = []
     try:
         async with AsyncHandshakeClient(target) as client:
             for block in range(6):
                 for i in range(REGISTER_CALLS // 6):
                     t0 = time.perf_counter()
-                    pid = (await client.register(_registration(endpoint, block * 1000 + i))).peer_id
-                    ours.append(time.perf_counter() - t0)
+                    registration = _registration(endpoint, block * 1000 + i)
+                    t1 = time.perf_counter()
+                    pid = (await client.register(registration)).peer_id
+                    t2 = time.perf_counter()
+                    ours.append(t2 - t1)
+                    built.append(t2 - t0)
                     await client.deregister(pid)
                 bare += await unary_echo_latencies(echo, payload, REGISTER_CALLS // 6)
     finally:
         executor.close()
-    return ours, bare
+    return ours, built, bare
 
 
 def negotiation_latency(n: int = 3000) -> list[float]:
@@ -273,7 +288,8 @@ def _pct(values: list[float], q: float) -> float:
 Runner = Callable[[int], Awaitable[Sample]]
 
 
-async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[Sample]]], dict[str, list[Sample]]]:
+async def run_all() -> tuple[tuple[list[float], list[float], list[float]], dict[str, dict[int, list[Sample]]],
+                             dict[str, list[Sample]]]:
     """Start the three servers, then measure Register and every system at every concurrency."""
     serve = ["-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", "--layers", "4", "--row-bytes", "1152",
              "--pages", "64", "--page-size", str(PAGE_SIZE), "--prompt-tokens", "64", "--chunk-tokens", "64",
@@ -283,7 +299,7 @@ async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[
     with _process(*serve) as (pd, pd_port), _process("-m", "bench._control_baselines", "zmq") as (zq, zq_port), \
             _process("-m", "bench._control_baselines", "echo") as (ec, ec_port):
         target, echo = f"127.0.0.1:{pd_port['port']}", f"127.0.0.1:{ec_port['port']}"
-        ours, bare = await register_latencies(target, echo)
+        register = await register_latencies(target, echo)
         runners: dict[str, Runner] = {
             "pdproto": lambda n: _run_pdproto(target, n, pd.pid),
             "grpc": lambda n: _run_pdproto(target, n, pd.pid, lane=False),
@@ -303,7 +319,7 @@ async def run_all() -> tuple[list[float], list[float], dict[str, dict[int, list[
         stop.connect(f"tcp://127.0.0.1:{zq_port['port']}")
         stop.send_multipart([b"STOP"])
         stop.close(linger=1000)
-        return ours, bare, samples, deep
+        return register, samples, deep
 
 
 def _med(samples: list[Sample], key: str) -> float:
@@ -313,13 +329,15 @@ def _med(samples: list[Sample], key: str) -> float:
 def main() -> int:
     """Run every measurement and print the tables; returns 0."""
     pure = negotiation_latency()
-    ours, bare, samples, deep = asyncio.run(run_all())
+    (ours, built, bare), samples, deep = asyncio.run(run_all())
     reg, echo = _pct(ours, 50), _pct(bare, 50)
     print("negotiation latency")
     print(f"  negotiate() in process        p50 {_pct(pure, 50) * 1e6:8.1f} us   p99 {_pct(pure, 99) * 1e6:8.1f} us")
     print(f"  Register RPC round trip       p50 {reg * 1e3:8.3f} ms   p99 {_pct(ours, 99) * 1e3:8.3f} ms")
     print(f"  bare unary echo, same bytes   p50 {echo * 1e3:8.3f} ms   p99 {_pct(bare, 99) * 1e3:8.3f} ms")
     print(f"  Register / bare echo (p50)    {reg / echo:6.2f}x   (target <= 1.5; SGLang: one-way PUSH, no answer)")
+    print(f"  the same, building each registration first   p50 {_pct(built, 50) * 1e3:8.3f} ms   "
+          f"{_pct(built, 50) / echo:6.2f}x")
     print(f"\ncontrol-plane throughput (submit + terminal status, dummy requests; {REPETITIONS} x {SECONDS:g} s per "
           "cell, systems interleaved)")
     print("  session: on the session lane (the default client, --session-lane); gRPC: the same session on the "
