@@ -20,6 +20,14 @@ from pdproto.v1 import registration_pb2, server_info_pb2
 MAX_LAYOUTS = 256
 """Layouts kept; past it the least recently used goes. A peer cycling through made-up layouts
 only makes its own Registers pay for ``negotiate`` again."""
+MAX_BYTES = 1 << 20
+"""What the kept verdicts may weigh in all, counted as each layout's bytes plus its result's
+serialized bytes; in memory a verdict takes 11 to 18 times that (its ``Decision``'s plans as
+Python objects: about 190 KB for a 61-layer rank with 48 state entries, 8 MB for one with
+2,000), so this keeps the memory to about 20 MB whatever peers register. A verdict weighing
+more than an eighth of it is not kept: such registrations go to the judge thread anyway."""
+
+_Known = tuple[Decision | Rejection, server_info_pb2.NegotiationResult, int]
 
 
 class Verdicts:
@@ -28,11 +36,13 @@ class Verdicts:
     Safe from the loop and the judge thread together.
     """
 
-    def __init__(self, size: int = MAX_LAYOUTS) -> None:
-        """An empty memory of at most ``size`` layouts."""
+    def __init__(self, size: int = MAX_LAYOUTS, budget: int = MAX_BYTES) -> None:
+        """An empty memory of at most ``size`` layouts weighing at most ``budget`` bytes (``MAX_BYTES``)."""
         self._info: server_info_pb2.PrefillServerInfo | None = None
         self._size = size
-        self._known: OrderedDict[bytes, tuple[Decision | Rejection, server_info_pb2.NegotiationResult]] = OrderedDict()
+        self._budget = budget
+        self._weight = 0
+        self._known: OrderedDict[bytes, _Known] = OrderedDict()
         self._lock = threading.Lock()
 
     def of(self, info: server_info_pb2.PrefillServerInfo, registration: registration_pb2.KvRegistration
@@ -49,18 +59,30 @@ class Verdicts:
             if info is not self._info:
                 self._info = info
                 self._known.clear()
+                self._weight = 0
             known = self._known.get(key)
             if known is not None:
                 self._known.move_to_end(key)
-                return (*known, True)
+                return known[0], known[1], True
         verdict = negotiate(info, layout)
-        known = verdict, verdict.to_proto()
+        result = verdict.to_proto()
+        weight = len(key) + result.ByteSize()
         with self._lock:
-            if info is self._info:
-                self._known[key] = known
-            if len(self._known) > self._size:
-                self._known.popitem(last=False)
-        return (*known, False)
+            if info is self._info and key not in self._known and weight <= self._budget // 8:
+                self._known[key] = (verdict, result, weight)
+                self._weight += weight
+                while len(self._known) > self._size or self._weight > self._budget:
+                    self._weight -= self._known.popitem(last=False)[1][2]
+        return verdict, result, False
+
+    @property
+    def weight(self) -> int:
+        """What the kept verdicts weigh (``MAX_BYTES``'s measure)."""
+        return self._weight
+
+    def __len__(self) -> int:
+        """Layouts kept."""
+        return len(self._known)
 
 
 def result_for(shared: server_info_pb2.NegotiationResult, peer_id: str) -> server_info_pb2.NegotiationResult:
@@ -71,4 +93,4 @@ def result_for(shared: server_info_pb2.NegotiationResult, peer_id: str) -> serve
     return result
 
 
-__all__ = ["MAX_LAYOUTS", "Verdicts", "result_for"]
+__all__ = ["MAX_BYTES", "MAX_LAYOUTS", "Verdicts", "result_for"]

@@ -117,3 +117,21 @@ def test_peers_sharing_a_layout_move_their_own_bytes() -> None:
     finally:
         for p in (*peers, other, bad):
             p.close()
+
+
+def test_the_memory_is_bounded_by_weight_and_keeps_no_heavy_verdict() -> None:
+    # A peer varying a field negotiation ignores (capabilities) makes a new layout each time.
+    info = example_server_info(dcp_size=1)
+    reg = example_registration(dcp_size=4, dcp_rank=1)
+    reg.capabilities[:] = ["made-up-0000"]
+    one = len(layout_of(reg).SerializeToString(deterministic=True)) + negotiate(info, reg).to_proto().ByteSize()
+    verdicts = Verdicts(budget=8 * one + 7)  # keeps eight such verdicts; a heavier one is too heavy
+    for i in range(40):
+        reg.capabilities[:] = [f"made-up-{i:04d}"]
+        verdicts.of(info, reg)
+        assert verdicts.weight <= 8 * one + 7
+    assert len(verdicts) == 8
+    assert verdicts.of(info, reg)[2], "the latest layout was not kept"
+    reg.capabilities[:] = ["made-up-00000"]
+    assert not verdicts.of(info, reg)[2] and not verdicts.of(info, reg)[2], "a heavy verdict was kept"
+    assert len(verdicts) == 8
