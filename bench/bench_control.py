@@ -336,6 +336,10 @@ def main() -> int:
     print(f"  Register RPC round trip       p50 {reg * 1e3:8.3f} ms   p99 {_pct(ours, 99) * 1e3:8.3f} ms")
     print(f"  bare unary echo, same bytes   p50 {echo * 1e3:8.3f} ms   p99 {_pct(bare, 99) * 1e3:8.3f} ms")
     print(f"  Register / bare echo (p50)    {reg / echo:6.2f}x   (target <= 1.5; SGLang: one-way PUSH, no answer)")
+    block = REGISTER_CALLS // 6
+    blocks = sorted(_pct(ours[i:i + block], 50) / _pct(bare[i:i + block], 50) for i in range(0, len(ours), block))
+    print(f"  per block of {block} (each against the echoes right after it): min / median / max "
+          f"{blocks[0]:.2f} / {statistics.median(blocks):.2f} / {blocks[-1]:.2f}x")
     print(f"  the same, building each registration first   p50 {_pct(built, 50) * 1e3:8.3f} ms   "
           f"{_pct(built, 50) / echo:6.2f}x")
     print(f"\ncontrol-plane throughput (submit + terminal status, dummy requests; {REPETITIONS} x {SECONDS:g} s per "
