@@ -305,7 +305,8 @@ class HandshakeCore:
             self._registering += 1
             try:
                 peer_id = self.registry.new_id()
-                peer = Peer(peer_id=peer_id, registration=reg, decision=verdict[0], result=result_for(verdict[1], peer_id),
+                decision, shared = verdict
+                peer = Peer(peer_id=peer_id, registration=reg, decision=decision, result=result_for(shared, peer_id),
                             identity=identity, lane=Lane(self.pool, peer_id),
                             credential=self.registry.new_credential())
                 peer.page_limit = page_limit(peer)

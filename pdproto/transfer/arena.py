@@ -217,7 +217,7 @@ class Handover:
         assert sock is not None, "finish() runs once"
         try:
             try:
-                # The decode has usually answered while the server negotiated: no timer then.
+                # The answer is often in already (it had the checks' and the verdict's time): no timer then.
                 answer = _answer_now(sock)
                 if answer is None:
                     async with asyncio.timeout(timeout):
