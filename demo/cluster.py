@@ -146,11 +146,13 @@ class Cluster:
                  src_groups: Sequence[int] = (1, 2), token: str | None = None,
                  env: dict[str, str] | None = None, log_dir: str | None = None,
                  prefill_args: Sequence[str] = (), model: str = "mla", src_tp: int = 1, dst_tp: int = 1,
-                 replicated_bytes: int = 0, slots: int = 8, kda_heads: int = 8, kda_head_dim: int = 8) -> None:
+                 replicated_bytes: int = 0, slots: int = 8, kda_heads: int = 8, kda_head_dim: int = 8,
+                 window_pages: int = 0) -> None:
         self.backend = backend
         self.model = model
         self.src_tp, self.dst_tp = src_tp, dst_tp
         self.replicated_bytes = replicated_bytes
+        self.window_pages = window_pages
         self.slots = slots
         self.kda = (kda_heads, kda_head_dim)
         self.dst_groups = dst_groups
@@ -179,6 +181,7 @@ class Cluster:
                             "--dcp-size", str(ns), "--dcp-rank", str(r % ns),
                             "--model", self.model, "--tp-size", str(self.src_tp), "--tp-rank", str(r // ns),
                             "--slots", str(self.slots), "--replicated-bytes", str(self.replicated_bytes),
+                            "--window-pages", str(self.window_pages),
                             "--kda-heads", str(self.kda[0]), "--kda-head-dim", str(self.kda[1]),
                             "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
                             "--port", str(port), *self.prefill_args,
@@ -193,7 +196,7 @@ class Cluster:
                               name=f"decode-{d}-{self.run_id}", notify_port=self.notify_ports[d],
                               model=self.model, tp_size=self.dst_tp, tp_rank=d % self.dst_tp,
                               slots=self.slots, replicated_bytes=self.replicated_bytes,
-                              kda_heads=self.kda[0], kda_head_dim=self.kda[1])
+                              kda_heads=self.kda[0], kda_head_dim=self.kda[1], window_pages=self.window_pages)
         return DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env, log_dir=self.log_dir)
 
     def launch(self, timeout: float = 120.0) -> None:

@@ -106,6 +106,8 @@ class DecodeConfig:
     """Aux and state slots (hybrid); slot 0 is never used, as in SGLang."""
     replicated_bytes: int = 0
     """Bytes of a state tensor whole on every rank (hybrid); 0: none."""
+    window_pages: int = 0
+    """Pages of the sliding-window state entry a request names (hybrid); 0: no such entry."""
     kda_heads: int = ModelShape.kda_heads
     """KDA heads of the model before TP (hybrid)."""
     kda_head_dim: int = ModelShape.kda_head_dim
@@ -174,11 +176,12 @@ class DecodeRank:
         self.notify_port = c.notify_port or next(_notify_ports)
         self.model = m = ModelShape(kind=c.model, layers=c.layers, row_bytes=c.row_bytes,
                                     replicated_bytes=c.replicated_bytes, kda_heads=c.kda_heads,
-                                    kda_head_dim=c.kda_head_dim)
+                                    kda_head_dim=c.kda_head_dim, window_pages=c.window_pages)
         self.reference = reference or m.kv_reference(c.tp_size, c.tp_rank)
         rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
         layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)
-        extra_bytes = sum(a.item_len for a in layout.aux) + sum(t.item_len for e in layout.state for t in e.tensors)
+        extra_bytes = sum(a.item_len for a in layout.aux) + sum(
+            t.item_len * m.items_per_slot(i) for i, e in enumerate(layout.state) for t in e.tensors)
         # The local backend names its arena itself (pid + uuid), so a restart never collides.
         self.executor: TransferExecutor = create_executor(
             c.backend, name=None if c.backend == "local" else self.name, host=c.advertise_host or None,
@@ -189,7 +192,8 @@ class DecodeRank:
             self.executor.allocate(rows * row_bytes, kind=VRAM, device=device) if vram
             else self.executor.allocate(rows * row_bytes) for _ in layout.kv]
         self.aux = [self.executor.allocate(a.item_len * c.slots) for a in layout.aux]
-        self.state = [[self.executor.allocate(t.item_len * c.slots) for t in e.tensors] for e in layout.state]
+        self.state = [[self.executor.allocate(t.item_len * c.slots * m.items_per_slot(i)) for t in e.tensors]
+                      for i, e in enumerate(layout.state)]
         self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
         self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
         """Host views of the buffers, one (rows x row_bytes) array per layer; empty for VRAM."""
@@ -241,7 +245,8 @@ class DecodeRank:
         if slot is not None and self.aux:
             info.dst_aux_index = slot
         if slot is not None:
-            info.dst_state_indices.extend(transfer_pb2.StateIndices(indices=[slot]) for _ in self.state)
+            info.dst_state_indices.extend(transfer_pb2.StateIndices(indices=self.model.state_pages(i, slot, "decode"))
+                                          for i in range(len(self.state)))
         return info
 
     def verify_extras(self, slots: Mapping[int, int]) -> tuple[int, str | None]:
@@ -251,12 +256,14 @@ class DecodeRank:
         """
         c, m = self.config, self.model
         checked = 0
+        entries = m.state_tensors()
         for name, bufs in (("aux", self.aux), ("state", [b for e in self.state for b in e])):
             for i, buf in enumerate(bufs):
                 arr = np.asarray(buf.array)
                 expected = np.full(arr.shape, c.background, dtype=np.uint8)
                 for room, slot in slots.items():
-                    item = m.aux_item(room, i) if name == "aux" else m.state_item(room, i, c.tp_size, c.tp_rank)
+                    item = m.aux_item(room, i) if name == "aux" else \
+                        m.state_block(room, entries[i], i, c.tp_size, c.tp_rank, "decode")
                     expected[slot * item.size:(slot + 1) * item.size] = item
                 checked += arr.nbytes
                 if not np.array_equal(arr, expected):

@@ -11,6 +11,11 @@ run holds, so a decode rank checks every byte it received against first principl
   temporal state ``[H, hd, hd]`` (fp32, split by head); optionally one tensor whole on
   every rank (replicated), which must reach each decode rank exactly once. A slot's
   monolithic bytes are a function of (room, tensor, byte), projected onto each rank.
+* **Sliding window** (``window_pages`` > 0). A second state entry, SGLang's ``swa`` pool: for
+  every MLA layer one tensor whose item is one page of the window (``[rows, heads, bytes]``,
+  split by head), and a request names ``window_pages`` of them on each side. A slot is
+  ``window_pages`` consecutive items; the prefill lists them in window order and the decode
+  in reverse, so the i-th prefill page must land on the i-th decode page, not the same item.
 * **Aux.** Buffers whose slot bytes are a function of (room, buffer): every prefill rank
   holds the same (the first output token is not split by TP).
 
@@ -66,6 +71,12 @@ class ModelShape:
     """Hybrid: bytes per slot of each aux buffer (e.g. output ids, logprobs)."""
     replicated_bytes: int = 0
     """Hybrid: bytes per slot of one extra state tensor whole on every rank; 0: none."""
+    window_pages: int = 0
+    """Hybrid: pages of the sliding-window state entry a request names; 0: no such entry."""
+    window_heads: int = 4
+    """Hybrid: heads of a sliding-window page row before TP."""
+    window_rows: int = 4
+    """Hybrid: token rows of one sliding-window page (of 32 bytes per head)."""
 
     @property
     def hybrid(self) -> bool:
@@ -120,6 +131,34 @@ class ModelShape:
             out.append((Whole(self.replicated_bytes), self.kda_layers()[0]))
         return out
 
+    def window_layouts(self) -> list[tuple[Layout, int]]:
+        """(layout, layer id) of every sliding-window tensor: one per MLA layer, split by head."""
+        if not (self.hybrid and self.window_pages):
+            return []
+        page = SplitAxis(groups=(self.window_heads,), element_bytes=32, outer=self.window_rows)
+        return [(page, layer) for layer in self.kv_layers()]
+
+    def entries(self) -> list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]]:
+        """The state entries in order: (kind, its tensors' layouts and layer ids)."""
+        if not self.hybrid:
+            return []
+        out: list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]] = [
+            (common_pb2.STATE_KIND_RECURRENT, self.state_layouts())]
+        if self.window_pages:
+            out.append((common_pb2.STATE_KIND_SLIDING_WINDOW, self.window_layouts()))
+        return out
+
+    def items_per_slot(self, entry: int) -> int:
+        """Items one request names in state entry ``entry``: one slot, or the window's pages."""
+        return self.window_pages if self.entries()[entry][0] == common_pb2.STATE_KIND_SLIDING_WINDOW else 1
+
+    def state_pages(self, entry: int, slot: int, side: str) -> list[int]:
+        """The items of ``slot`` in state entry ``entry`` as ``side`` ("prefill" or "decode") lists them:
+        the prefill's window in order, the decode's reversed."""
+        n = self.items_per_slot(entry)
+        items = [slot * n + j for j in range(n)]
+        return items[::-1] if side == "decode" else items
+
     def _tensor(self, layout: Layout, tp: int) -> tuple[int, int]:
         """(item bytes, split width) of a tensor on a rank of TP size ``tp``; width 0 when whole."""
         if isinstance(layout, Whole):
@@ -129,17 +168,19 @@ class ModelShape:
 
     def state_info(self, tp: int) -> list[server_info_pb2.StateEntryInfo]:
         """The prefill's ``state_entries`` at TP size ``tp``."""
-        if not self.hybrid:
-            return []
-        entry = server_info_pb2.StateEntryInfo(kind=common_pb2.STATE_KIND_RECURRENT, type_name="mamba")
-        for layout, layer in self.state_layouts():
-            item, dim = self._tensor(layout, tp)
-            t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
-            if isinstance(layout, SplitAxis):
-                t.outer_count = layout.outer
-                if len(layout.groups) > 1:
-                    t.shard_groups.extend(layout.groups)
-        return [entry]
+        out = []
+        for kind, layouts in self.entries():
+            entry = server_info_pb2.StateEntryInfo(
+                kind=kind, type_name="swa" if kind == common_pb2.STATE_KIND_SLIDING_WINDOW else "mamba")
+            for layout, layer in layouts:
+                item, dim = self._tensor(layout, tp)
+                t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
+                if isinstance(layout, SplitAxis):
+                    t.outer_count = layout.outer
+                    if len(layout.groups) > 1:
+                        t.shard_groups.extend(layout.groups)
+            out.append(entry)
+        return out
 
     def aux_info(self) -> list[server_info_pb2.AuxEntryInfo]:
         """The prefill's ``aux_entries``."""
@@ -147,13 +188,8 @@ class ModelShape:
 
     def decode_state(self, tp: int) -> tuple[StateEntry, ...]:
         """The decode layout's state entries at TP size ``tp``."""
-        if not self.hybrid:
-            return ()
-        tensors = []
-        for layout, layer in self.state_layouts():
-            item, dim = self._tensor(layout, tp)
-            tensors.append(StateTensor(item, dim, layer))
-        return (StateEntry(common_pb2.STATE_KIND_RECURRENT, tuple(tensors)),)
+        return tuple(StateEntry(kind, tuple(StateTensor(*self._tensor(layout, tp), layer) for layout, layer in layouts))
+                     for kind, layouts in self.entries())
 
     def decode_aux(self) -> tuple[AuxEntry, ...]:
         """The decode layout's aux entries."""
@@ -184,12 +220,24 @@ class ModelShape:
             dcp_size=dcp_size, dcp_rank=dcp_rank, aux=self.decode_aux(), state=self.decode_state(tp),
             total_kv_heads=self.total_kv_heads(), **options)  # type: ignore[arg-type]
 
-    def state_item(self, room: int, tensor: int, tp: int, rank: int) -> U8:
-        """The bytes of ``room``'s slot of state ``tensor`` on a rank: the monolithic slot, projected."""
-        layout, _ = self.state_layouts()[tensor]
-        whole = _bytes_of(room * 0x85EBCA77 + tensor * 0xC2B2AE35 + 1, self._tensor(layout, 1)[0])
+    def state_item(self, room: int, tensor: int, tp: int, rank: int, page: int = 0) -> U8:
+        """The bytes of ``room``'s item of state ``tensor`` (numbered across entries) on a rank, the
+        ``page``-th of its window for a sliding-window tensor: the monolithic item, projected."""
+        layout, _ = [t for _, layouts in self.entries() for t in layouts][tensor]
+        whole = _bytes_of(room * 0x85EBCA77 + tensor * 0xC2B2AE35 + page * 0x9E3779B1 + 1, self._tensor(layout, 1)[0])
         out: U8 = whole[local_bytes(layout, tp, rank)]
         return out
+
+    def state_block(self, room: int, entry: int, tensor: int, tp: int, rank: int, side: str) -> U8:
+        """What ``room``'s slot of state ``tensor`` (of ``entry``) holds on ``side``: its items in the
+        order ``state_pages`` lists that side's pages (a recurrent slot is one item)."""
+        n = self.items_per_slot(entry)
+        pages = range(n - 1, -1, -1) if side == "decode" else range(n)
+        return np.concatenate([self.state_item(room, tensor, tp, rank, page) for page in pages])
+
+    def state_tensors(self) -> list[int]:
+        """The entry of each state tensor, in their numbering across entries."""
+        return [e for e, (_, layouts) in enumerate(self.entries()) for _ in layouts]
 
     def aux_item(self, room: int, buffer: int) -> U8:
         """The bytes of ``room``'s aux slot in aux ``buffer`` (the same on every prefill rank)."""

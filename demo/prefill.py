@@ -38,7 +38,8 @@ class PrefillRank:
         self.args = args
         self.shard = data.Shard(args.dcp_size, args.dcp_rank)
         self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes,
-                                kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim)
+                                kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim,
+                                window_pages=args.window_pages)
         m, tp = self.model, args.tp_size
         rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
         self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
@@ -48,10 +49,11 @@ class PrefillRank:
         self.info = m.server_info(tp=tp, rank=args.tp_rank, page_size=args.page_size, dcp_size=args.dcp_size,
                                   dcp_rank=args.dcp_rank, backend=backends.by_name(args.backend).enum,
                                   port=args.port)
-        # Aux and state pools hold ``slots`` requests each, like SGLang's per-request slots.
+        # Aux and state pools hold ``slots`` requests each, like SGLang's per-request slots (a sliding
+        # window's slot is its pages).
         self.aux = [self.executor.allocate(a.item_len * args.slots) for a in self.info.aux_entries]
-        self.state = [[self.executor.allocate(t.item_len * args.slots) for t in e.tensors]
-                      for e in self.info.state_entries]
+        self.state = [[self.executor.allocate(t.item_len * args.slots * m.items_per_slot(i)) for t in e.tensors]
+                      for i, e in enumerate(self.info.state_entries)]
         self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
@@ -82,9 +84,9 @@ class PrefillRank:
         for i, buf in enumerate(self.aux):
             n = m.aux_lens[i]
             buf.array[slot * n:(slot + 1) * n] = m.aux_item(room, i)
-        for k, buf in enumerate(b for e in self.state for b in e):
-            item = m.state_item(room, k, a.tp_size, a.tp_rank)
-            buf.array[slot * item.size:(slot + 1) * item.size] = item
+        for k, (entry, buf) in enumerate(zip(m.state_tensors(), (b for e in self.state for b in e), strict=True)):
+            block = m.state_block(room, entry, k, a.tp_size, a.tp_rank, "prefill")
+            buf.array[slot * block.size:(slot + 1) * block.size] = block
         if corrupt and rows:
             # Flip one byte in the middle of the request: the decode's check must catch it.
             row = int(data.local_rows(pages, rows, self.args.page_size)[rows // 2])
@@ -97,7 +99,8 @@ class PrefillRank:
         if last and self.info.aux_entries:
             extras["aux_slot"] = slot
         if last and self.info.state_entries:
-            extras["state_slots"] = [[slot] for _ in self.info.state_entries]
+            extras["state_slots"] = [self.model.state_pages(i, slot, "prefill")
+                                     for i in range(len(self.info.state_entries))]
         self.engine.submit_chunk(room, pages, num_tokens, last, **extras)
         return {}
 
@@ -165,6 +168,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
     ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
+    ap.add_argument("--window-pages", type=int, default=0, help="pages of a sliding-window state entry (hybrid)")
     ap.add_argument("--kda-heads", type=int, default=ModelShape.kda_heads, help="KDA heads before TP (hybrid)")
     ap.add_argument("--kda-head-dim", type=int, default=ModelShape.kda_head_dim, help="KDA head dimension")
     ap.add_argument("--pages", type=int, required=True)

@@ -25,10 +25,11 @@ GEO = Geometry(layers=8, page_size=16, max_tokens=512, max_prefix=64)
 
 @contextlib.contextmanager
 def cluster(backend: str, src_tp: int, dst_tp: int, *, model: str = "hybrid",
-            replicated_bytes: int = 0) -> Iterator[tuple[Cluster, Topology]]:
+            replicated_bytes: int = 0, window_pages: int = 0) -> Iterator[tuple[Cluster, Topology]]:
     """Prefill TP ``src_tp`` (dense) feeding decode TP ``dst_tp`` (no DCP), connected."""
     c = Cluster(backend, GEO, dst_dcp=1, src_groups=(1,), model=model, src_tp=src_tp, dst_tp=dst_tp,
-                replicated_bytes=replicated_bytes, log_dir=tempfile.mkdtemp(prefix="pdproto-extras-"))
+                replicated_bytes=replicated_bytes, window_pages=window_pages,
+                log_dir=tempfile.mkdtemp(prefix="pdproto-extras-"))
     try:
         c.launch()
         topo = Topology(1, 1, src_tp, dst_tp)
@@ -63,6 +64,22 @@ def test_recurrent_state_is_sliced_by_head_and_channel_group(backend: str, src_t
             assert r.state_bytes > 0 and r.aux_bytes == dst_tp * sum(ModelShape(kind="hybrid").aux_lens)
         sent = moved(c)
         assert all(s["state_bytes"] > 0 for s in sent)
+
+
+@pytest.mark.parametrize(("backend", "src_tp", "dst_tp"), [("mooncake", 4, 2), ("nixl", 2, 4)])
+def test_sliding_window_pages_land_in_window_order_sliced_by_head(backend: str, src_tp: int, dst_tp: int) -> None:
+    """A sliding-window entry (SGLang's swa pool) beside the recurrent one: the i-th page of the
+    prefill's window lands on the i-th page the decode lists, which is another item (the decode
+    lists its pages in reverse), each prefill rank writing its heads of it."""
+    window = 3
+    shape = ModelShape(kind="hybrid", window_pages=window)
+    per_rank = sum(t.item_len * shape.items_per_slot(i) for i, e in enumerate(shape.decode_state(dst_tp))
+                   for t in e.tensors)
+    with cluster(backend, src_tp, dst_tp, window_pages=window) as (c, _):
+        for tokens in (65, 257):
+            r = c.run_request(tokens, 0)
+            ok(r)
+            assert r.state_bytes == dst_tp * per_rank
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
