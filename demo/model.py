@@ -229,10 +229,10 @@ class ModelShape:
         return out
 
     def state_block(self, room: int, entry: int, tensor: int, tp: int, rank: int, side: str) -> U8:
-        """What ``room``'s slot of state ``tensor`` (of ``entry``) holds on ``side``: its items in the
-        order ``state_pages`` lists that side's pages (a recurrent slot is one item)."""
-        n = self.items_per_slot(entry)
-        pages = range(n - 1, -1, -1) if side == "decode" else range(n)
+        """What ``room``'s slot of state ``tensor`` (of ``entry``) holds on ``side``, item by item: the
+        window's i-th page in the item that side lists i-th (``state_pages``; a recurrent slot is one item)."""
+        where = self.state_pages(entry, 0, side)
+        pages = sorted(range(len(where)), key=where.__getitem__)
         return np.concatenate([self.state_item(room, tensor, tp, rank, page) for page in pages])
 
     def state_tensors(self) -> list[int]:
