@@ -62,11 +62,33 @@ from pdproto_demo.proc import redirect_stdout_to_stderr
 
 ROW, ROWS = 4096, 2048
 TIMEOUT = 3.0
-ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "MC_TCP_PROGRESS_TIMEOUT_SEC": "8", "MC_TRANSFER_TIMEOUT": "8"}
+ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "UCX_TCP_SNDBUF": "262144", "UCX_TCP_RCVBUF": "262144",
+       "MC_TCP_PROGRESS_TIMEOUT_SEC": "8", "MC_TRANSFER_TIMEOUT": "8"}
 """NIXL over TCP on loopback, in this process and in the decodes; Mooncake gives a stuck batch up
-after 8 s, well after the executor's 3 s deadline (as an operator's own setting would)."""
+after 8 s, well after the executor's 3 s deadline (as an operator's own setting would).
+
+UCX's socket buffers are capped at 256 KiB: left to the kernel, a loopback receive buffer
+grows to 32 MB here (``tcp_rmem``), enough to take a whole 8 MB job from a frozen decode and
+let NIXL report it done (a stuck-transfer scenario once saw that under load)."""
 SCENARIO_ENV = {"stuck_close": {"MC_TCP_PROGRESS_TIMEOUT_SEC": "600", "MC_TRANSFER_TIMEOUT": "600"}}
 """This process's own overrides per scenario (the decodes keep ``ENV``)."""
+
+
+def _freeze(child: DecodeProcess, timeout: float = 10.0) -> None:
+    """SIGSTOP ``child`` and wait until every thread of it is stopped: one running elsewhere stops
+    only when the kernel next looks at it, and a transfer started before that can still finish."""
+    child.kill(signal.SIGSTOP)
+    tasks = f"/proc/{child.proc.pid}/task"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(tasks):
+            with contextlib.suppress(OSError), open(f"{tasks}/{tid}/stat") as fh:
+                states.append(fh.read().rpartition(")")[2].split()[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{child.proc.pid} was not stopped {timeout} s after SIGSTOP")
 
 
 def _outcome(fn: Any) -> dict[str, Any]:
@@ -165,7 +187,7 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     rig.add("B")
     report["warm"] = [_warm(rig, n) for n in ("A", "B")]
     rig.peers["B"].fill(0)
-    rig.peers["A"].kill(signal.SIGSTOP)
+    _freeze(rig.peers["A"])
     result: dict[str, Any] = {}
     stuck = threading.Thread(target=lambda: result.update(_outcome(lambda: rig.ex.execute("A", rig.job("A")))))
     stuck.start()
@@ -205,7 +227,7 @@ def slow(rig: Rig, report: dict[str, Any]) -> None:
     job = TransferJob(segments=tuple(
         Segment(np.array([[i * quarter, 1, i * quarter, 1, quarter]], dtype=np.int64), layer) for i in range(4)),
         pack=False)
-    rig.peers["A"].kill(signal.SIGSTOP)
+    _freeze(rig.peers["A"])
     report["slow"] = _outcome(lambda: rig.ex.execute("A", job))
     rig.peers["A"].kill(signal.SIGCONT)  # within Mooncake's own 8 s: its batch completes
     report["quiet"] = rig.ex.quiesce("A", 60)
@@ -343,7 +365,7 @@ def stuck_close(rig: Rig, report: dict[str, Any]) -> None:
     # Its stderr must not hold our own open: the parent reads ours until it closes.
     a = rig.add("A", log_dir=tempfile.mkdtemp())
     report["warm"] = _warm(rig, "A")
-    a.kill(signal.SIGSTOP)
+    _freeze(a)
     report["stuck"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
     rig.ex.disconnect("A")  # what the server's core does to every peer before executor.close()
     report["quiet_before_close"] = rig.ex.quiesce("A", 0.1)
@@ -378,7 +400,7 @@ def unreleased(rig: Rig, report: dict[str, Any]) -> None:
     report["warm"] = _warm(rig, "A")
     agent = _CancelUnderWay(rig.ex._agent)  # type: ignore[attr-defined]
     rig.ex._agent = agent  # type: ignore[attr-defined]
-    a.kill(signal.SIGSTOP)
+    _freeze(a)
     report["stuck"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
     stuck = rig.ex._peers["A"].stuck
     # The lane's own call has returned (it retried the release for a while, then left it).
