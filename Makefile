@@ -15,14 +15,12 @@ gen: setup
 gates: setup
 	@bash scripts/gates.sh
 
-## Every gate, then every test. Three pytest workers, one test file each at a time: most tests
-## wait on subprocesses and engines, deadlines and timers, so on two cores a third worker fills
-## the waits (wall 252 s with two workers, 210 s with three, 194 s with four, all passing), and a
-## file's tests (which share module fixtures) stay in one worker, in order; tests/sglang/ runs as
-## one unit, so one worker imports SGLang (176 s with three; tests/conftest.py). Files go out in
-## collection order, which starts the long ones; xdist's own order, most tests first, left the
-## 3-test SGLang harness to run alone at the end.
-TEST_WORKERS ?= 3
+## Every gate, then every test. Two pytest workers, one test file each at a time: most tests
+## wait on subprocesses and engines, so two workers halve the wall time on two cores, and a
+## file's tests (which share module fixtures) stay in one worker, in order. Files go out in
+## collection order, which starts the long ones (tests/conftest.py); xdist's own order, most
+## tests first, left the 3-test SGLang harness to run alone at the end.
+TEST_WORKERS ?= 2
 test: setup
 	@bash scripts/gates.sh
 	@bash scripts/run_tests.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

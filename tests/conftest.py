@@ -71,28 +71,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``long`` first, the rest in their usual order (the sort is stable).
 
-    ``make test`` hands whole files to its workers in this order (``--no-loadscope-reorder``);
+    ``make test`` hands whole files to two workers in this order (``--no-loadscope-reorder``);
     a long file collected last (tests/sglang/ is) otherwise runs alone at the end while the
     other worker idles.
     """
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
-
-
-SHARED_SCOPES = ("tests/sglang/",)
-"""Directories whose files ``make test`` runs in one worker: tests/sglang/'s files each start the
-worker's SGLang zygote (``tests/sglang/_zygote.py``, about 15 s of CPU importing SGLang), so spread
-over three workers they paid for it three times."""
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` with each of ``SHARED_SCOPES`` one unit; None (xdist's own) otherwise."""
-    if config.getoption("dist", None) != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class SharedScopes(LoadFileScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            shared = next((d for d in SHARED_SCOPES if nodeid.startswith(d)), None)
-            return shared if shared is not None else str(super()._split_scope(nodeid))
-
-    return SharedScopes(config, log)
