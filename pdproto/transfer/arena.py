@@ -248,10 +248,15 @@ def _set_once(future: asyncio.Future[None]) -> None:
 _Answer = tuple[bytes, list[tuple[int, int, bytes]], int, object]
 
 
+def _recv_answer(sock: socket.socket) -> _Answer:
+    """``recvmsg`` of the decode's answer: its header and up to four descriptors."""
+    return sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
+
+
 def _answer_now(sock: socket.socket) -> _Answer | None:
-    """The decode's answer (``recvmsg``'s) if it has arrived; None if not yet."""
+    """The decode's answer if it has arrived; None if not yet (a non-blocking socket)."""
     try:
-        return sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
+        return _recv_answer(sock)
     except BlockingIOError:
         return None
 
@@ -322,7 +327,7 @@ def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, tim
     pid = _peer_pid(sock, endpoint)
     try:
         sock.sendall(HELLO + endpoint.secret)
-        msg, ancdata, flags, _ = sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
+        msg, ancdata, flags, _ = _recv_answer(sock)
     except TimeoutError as exc:
         raise _too_slow(endpoint, timeout) from exc
     except OSError as exc:
