@@ -26,7 +26,7 @@ from pdproto.errors import (
     ShuttingDownError,
 )
 from pdproto.topology import Decision, Rejection
-from pdproto.transfer.base import ConnectsOnLoop, PendingConnect
+from pdproto.transfer.base import ConnectsOnLoop, PendingConnect, TakesPushedMemory
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
     registration_pb2,
@@ -125,6 +125,10 @@ class HandshakeCore:
     async def start(self) -> None:
         """Attach the engine to this loop and start housekeeping."""
         self.engine.attach(asyncio.get_running_loop())
+        executor = self.engine.executor
+        if isinstance(executor, TakesPushedMemory):
+            # Decodes on this host push their arenas here before Register, which then need not wait on them.
+            self.info.local_inbox.CopyFrom(executor.inbox(asyncio.get_running_loop()))
         self._janitor = asyncio.get_running_loop().create_task(self._housekeeping(), name="janitor")
 
     def _accepting(self) -> None:

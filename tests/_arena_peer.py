@@ -5,24 +5,28 @@ command creates one arena of a given kind (a good sealed memfd, or something a p
 must refuse: unsealed, a FIFO, a /dev/shm file, ...), listens for it on a fresh abstract
 socket speaking the handover protocol of ``pdproto.transfer.arena`` (written out here, not
 imported, so a change to the protocol shows up as a failing test), and answers with a
-``KvRegistration`` naming it. ``shrink`` tries to truncate and grow an arena it served.
+``KvRegistration`` naming it. ``push`` instead pushes the arena to a prefill's inbox ahead of
+Register (and listens nowhere). ``shrink`` tries to truncate and grow an arena it served.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import os
 import secrets
+import select
 import socket
 import struct
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-from pdproto.transfer.arena import HELLO, REQUIRED_SEALS
+from pdproto.transfer.arena import HELLO, PUSH, REQUIRED_SEALS
 from pdproto.v1 import registration_pb2
-from pdproto_demo.proc import Reply, redirect_stdout_to_stderr, serve_commands
+from pdproto_demo.proc import Child, Reply, redirect_stdout_to_stderr, serve_commands
 
 KINDS = ("good", "unsealed", "no_seal_seal", "write_sealed", "empty", "fifo", "shm_file", "disk_file",
          "readonly", "two_fds", "no_fd", "wrong_answer", "huge_pages")
@@ -81,6 +85,7 @@ class HostilePeer:
         self.fds: dict[str, list[int]] = {}
         self.listeners: list[socket.socket] = []
         self.paths: list[str] = []
+        self.held: list[socket.socket] = []
 
     def serve(self, kind: str, length: int = ARENA, pid: int = 0, secret_hex: str = "") -> Reply:
         """Serve one arena; the registration claims one KV buffer of ``length`` bytes at offset 0."""
@@ -98,6 +103,37 @@ class HostilePeer:
                                                           socket=name, secret=secret))
         reg.kv_buffers.add(ptr=0, item_len=64, length=length)
         return {"registration": reg.SerializeToString().hex(), "socket": name}
+
+    def push(self, kind: str, inbox: str, length: int = ARENA, count: int = 1) -> Reply:
+        """Push one arena of ``kind`` to the prefill inbox ``inbox``, ``count`` times, without listening
+        for a handover: a prefill that does not take the push finds nobody on the named socket."""
+        secret = secrets.token_bytes(32)
+        name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
+        sent = 0
+        for _ in range(count):
+            fds = _descriptors(kind, self.paths)
+            self.fds.setdefault(name, []).extend(fds)
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.setblocking(False)
+            try:
+                conn.connect("\0" + inbox)
+            except BlockingIOError:
+                conn.close()
+                continue
+            magic = b"NOTAPUSH" if kind == "wrong_answer" else PUSH
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            conn.sendmsg([struct.pack("<8sH", magic, len(secret)) + secret], rights)
+            self.held.append(conn)
+            sent += 1
+        reg = registration_pb2.KvRegistration(page_size=1)
+        reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name=f"hostile-{kind}", pid=os.getpid(),
+                                                          socket=name, secret=secret))
+        reg.kv_buffers.add(ptr=0, item_len=64, length=length)
+        return {"registration": reg.SerializeToString().hex(), "socket": name, "sent": sent}
+
+    def hung_up(self) -> Reply:
+        """How many pushed connections the prefill has closed."""
+        return {"hung_up": sum(1 for c in self.held if _closed_by_peer(c)), "held": len(self.held)}
 
     @staticmethod
     def _answer(listener: socket.socket, fds: list[int], secret: bytes, kind: str) -> None:
@@ -128,9 +164,9 @@ class HostilePeer:
         return out
 
     def close(self) -> None:
-        """Close every listener and descriptor and remove temporary files."""
-        for listener in self.listeners:
-            listener.close()
+        """Close every listener, connection and descriptor and remove temporary files."""
+        for sock in [*self.listeners, *self.held]:
+            sock.close()
         for fds in self.fds.values():
             for fd in fds:
                 os.close(fd)
@@ -138,14 +174,32 @@ class HostilePeer:
             os.unlink(path)
 
 
+@contextlib.contextmanager
+def spawned() -> Iterator[Child]:
+    """A hostile peer in a process of its own, ready for commands; closed on the way out."""
+    child = Child.spawn("arena-peer", "tests._arena_peer", [])
+    try:
+        child.recv(60)
+        yield child
+    finally:
+        child.close()
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
 def main() -> int:
-    """Entry point: one ready line, then commands ``serve``, ``shrink``, ``ping``."""
+    """Entry point: one ready line, then commands ``serve``, ``push``, ``hung_up``, ``shrink``, ``ping``."""
     out = redirect_stdout_to_stderr()
     peer = HostilePeer()
     try:
         out.write('{"ready": true, "pid": %d}\n' % os.getpid())
         out.flush()
-        serve_commands({"serve": peer.serve, "shrink": peer.shrink, "ping": lambda: {"pong": True}}, out)
+        serve_commands({"serve": peer.serve, "push": peer.push, "hung_up": peer.hung_up, "shrink": peer.shrink,
+                        "ping": lambda: {"pong": True}}, out)
     finally:
         peer.close()
     return 0

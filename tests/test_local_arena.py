@@ -25,6 +25,7 @@ from pdproto.v1 import common_pb2, registration_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
 
+from ._arena_peer import spawned
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
@@ -32,10 +33,8 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def hostile() -> Iterator[Child]:
-    child = Child.spawn("arena-peer", "tests._arena_peer", [])
-    child.recv(60)
-    yield child
-    child.close()
+    with spawned() as child:
+        yield child
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from .base import (
     TransferStats,
     decode_notification,
     encode_notification,
+    offer,
     set_endpoint,
 )
 from ._paths import INLINE_BYTES
@@ -85,5 +86,6 @@ __all__ = [
     "decode_notification",
     "encode_notification",
     "external",
+    "offer",
     "set_endpoint",
 ]
