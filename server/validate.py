@@ -10,6 +10,7 @@ every transfer later (DCP size 2^31 used to be).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from pdproto import backends
@@ -83,6 +84,15 @@ def _most(field: str, value: int, limit: int, bad: list[tuple[str, str]]) -> Non
         bad.append((field, f"{value} is more than the {limit} this server accepts"))
 
 
+@functools.cache
+def _string_fields(transport: str) -> tuple[tuple[str, str], ...]:
+    """(path, attribute) of every string field of the ``transport`` endpoint (read once per transport)."""
+    endpoint = registration_pb2.KvRegistration.DESCRIPTOR.fields_by_name[transport].message_type
+    assert endpoint is not None, "every transport of the oneof is a message"
+    return tuple((f"registration.{transport}.{fd.name}", fd.name) for fd in endpoint.fields
+                 if fd.type == fd.TYPE_STRING)
+
+
 def _sanity(reg: registration_pb2.KvRegistration, bad: list[tuple[str, str]]) -> None:
     """Every size, count, rank and name of a registration inside ``Bounds``."""
     _most("registration.page_size", reg.page_size, Bounds.PAGE_SIZE, bad)
@@ -97,9 +107,8 @@ def _sanity(reg: registration_pb2.KvRegistration, bad: list[tuple[str, str]]) ->
     transport = reg.WhichOneof("transport")
     if transport is not None:
         endpoint = getattr(reg, transport)
-        for fd in endpoint.DESCRIPTOR.fields:
-            if fd.type == fd.TYPE_STRING:
-                _name(f"registration.{transport}.{fd.name}", getattr(endpoint, fd.name), bad)
+        for field, attr in _string_fields(transport):
+            _name(field, getattr(endpoint, attr), bad)
     for field, n in (("registration.kv_buffers", len(reg.kv_buffers)), ("registration.aux_ptrs", len(reg.aux_ptrs)),
                      ("registration.aux_item_lens", len(reg.aux_item_lens)),
                      ("registration.aux_data_lens", len(reg.aux_data_lens)),
