@@ -55,6 +55,8 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 _ANSWER = struct.Struct("<8sQ")
 _UCRED = struct.Struct("3i")
+_PRUNE_AT = 16
+"""Held connections at which the decode first looks for prefills that hung up."""
 _HANDOVER_S = 2.0
 """How long the decode gives a client, in all, to present its secret and take the arena."""
 _FIELD = "registration.local"
@@ -98,6 +100,7 @@ class ArenaServer:
         self._listener.bind("\0" + self.name)
         self._listener.listen(16)
         self._held: list[socket.socket] = []
+        self._prune_at = _PRUNE_AT
         self._lock = threading.Lock()
         self._closed = False
         self.asked = 0
@@ -165,11 +168,16 @@ class ArenaServer:
             if self._closed:
                 conn.close()
                 return
-            # Connections whose prefill went away are dropped as new ones arrive.
+            self._held.append(conn)
+            if len(self._held) < self._prune_at:
+                return
+            # Connections whose prefill went away are dropped as new ones arrive, in batches: polling
+            # every held connection on every push would cost a Register more than the push itself.
             gone = [c for c in self._held if _hung_up(c)]
             for c in gone:
                 c.close()
-            self._held = [c for c in self._held if c not in gone] + [conn]
+            self._held = [c for c in self._held if c not in gone]
+            self._prune_at = max(_PRUNE_AT, 2 * len(self._held))
 
     def close(self) -> None:
         """Stop listening and close every handed-over connection (prefills see the hang-up)."""
