@@ -98,6 +98,25 @@ def test_register_takes_the_pushed_arena_and_moves_bytes_without_asking_the_deco
         asked.close()
 
 
+def test_register_refuses_a_bad_pushed_arena_with_its_reason_and_serves_the_next(hostile: Child) -> None:
+    rank = DecodeRank.for_spec(SPEC, pages=8)
+    try:
+        with running_server(*SERVE_ARGS) as srv, HandshakeClient(srv.target, timeout=30) as client:
+            inbox = client.get_server_info().local_inbox.socket
+            reg = rank.registration()
+            # The rank's layout, with the hostile process's unsealed arena pushed in its place.
+            reg.local.CopyFrom(_registration(hostile.call("push", kind="unsealed", inbox=inbox)).local)
+            with pytest.raises(InvalidFieldError) as info:
+                client.register(reg)
+            assert "F_SEAL_SHRINK" in info.value.message, info.value
+            assert hostile.call("hung_up")["hung_up"] == 1
+            assert offer(rank.executor, client.get_server_info())
+            client.register(rank.registration())
+        assert (_server(rank).pushed, _server(rank).asked) == (1, 0)
+    finally:
+        rank.close()
+
+
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_a_pushed_arena_gets_every_check_a_fetched_one_gets(hostile: Child, prefill: LocalExecutor,
                                                             kind: str) -> None:

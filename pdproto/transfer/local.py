@@ -180,7 +180,11 @@ class LocalExecutor:
         decode): then ``connect`` on a thread, with its deadline. The same errors as ``connect``.
         """
         declared, need = _declared(registration)
-        lease = self._claim(registration, need)
+        try:
+            lease = self._claim(registration, need)
+        except PdprotoError as exc:
+            # The push is spent: the refusal waits for finish, where the caller reports connect failures.
+            return _ArenaConnect(self, exc, declared, registration)
         if lease is not None:
             return _ArenaConnect(self, lease, declared, registration)
         handover = arena.Handover.start(registration.local, need)
@@ -323,11 +327,11 @@ class LocalExecutor:
 class _ArenaConnect:
     """A connect whose arena handover is under way (``LocalExecutor.start_connect``)."""
 
-    def __init__(self, executor: LocalExecutor, handover: arena.Handover | arena.Lease, declared: Regions,
-                 registration: registration_pb2.KvRegistration) -> None:
-        """Hold the handover (or the lease of a pushed arena) until ``finish`` or ``close``."""
+    def __init__(self, executor: LocalExecutor, handover: arena.Handover | arena.Lease | PdprotoError,
+                 declared: Regions, registration: registration_pb2.KvRegistration) -> None:
+        """Hold the handover (or the lease of a pushed arena, or why it was refused) until ``finish`` or ``close``."""
         self._executor = executor
-        self._handover: arena.Handover | arena.Lease | None = handover
+        self._handover: arena.Handover | arena.Lease | PdprotoError | None = handover
         self._declared = declared
         self._registration = registration
 
@@ -336,15 +340,17 @@ class _ArenaConnect:
         executor's ``connect_timeout_s``), then connect ``peer_id`` to it."""
         handover, self._handover = self._handover, None
         assert handover is not None, "finish() runs once"
+        if isinstance(handover, PdprotoError):
+            raise handover
         lease = handover if isinstance(handover, arena.Lease) else \
             await handover.finish(min(timeout, self._executor._connect_timeout))
         self._executor._install(peer_id, lease, self._declared, self._registration)
 
     def close(self) -> None:
         """Drop the handover (or pushed arena) if ``finish`` did not take it (idempotent)."""
-        if self._handover is not None:
+        if self._handover is not None and not isinstance(self._handover, PdprotoError):
             self._handover.close()
-            self._handover = None
+        self._handover = None
 
 
 def _declared(registration: registration_pb2.KvRegistration) -> tuple[Regions, int]:
