@@ -244,3 +244,22 @@ def test_a_decode_pushes_nothing_to_a_socket_another_process_holds(prefill: Loca
     finally:
         squatter.close()
         rank.close()
+
+
+def test_an_inbox_watched_by_a_closed_loop_is_taken_over_by_the_next(prefill: LocalExecutor) -> None:
+    """A server started again in the same process (a new event loop) reads pushes on its own loop."""
+    rank = DecodeRank.for_spec(SPEC, pages=8)
+    try:
+        for run in range(2):
+            async def main() -> None:
+                info = server_info_pb2.PrefillServerInfo(local_inbox=prefill.inbox(asyncio.get_running_loop()))
+                assert offer(rank.executor, info)
+                await asyncio.sleep(0.05)  # this loop reads the push
+                pending = prefill.start_connect(rank.registration())
+                assert pending is not None
+                await pending.finish(f"p{run}", 1.0)
+
+            asyncio.run(main())
+        assert prefill.stats.arenas_pushed == 2 and _server(rank).asked == 0
+    finally:
+        rank.close()

@@ -358,11 +358,18 @@ class Inbox:
         return server_info_pb2.LocalInbox(socket=self.name, pid=os.getpid())
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Read pushes on ``loop`` as they arrive (call on that loop's thread; once)."""
+        """Read pushes on ``loop`` as they arrive (call on that loop's thread); a later loop takes over
+        only once the first is closed (a server started again in the same process)."""
         with self._lock:
-            if self._loop is None and not self._closed:
-                self._loop = loop
-                loop.add_reader(self._listener.fileno(), self._acceptable)
+            if self._closed or (self._loop is not None and not self._loop.is_closed()):
+                return
+            for pushed in self._unread.values():
+                pushed.watched = False  # the closed loop's readers went with it
+            self._loop = loop
+            loop.add_reader(self._listener.fileno(), self._acceptable)
+            for fd in self._unread:
+                loop.add_reader(fd, self._readable, fd)
+                self._unread[fd].watched = True
 
     def claim(self, endpoint: registration_pb2.LocalEndpoint, need: int) -> Lease | None:
         """The lease of the arena pushed under ``endpoint.secret``, checked as ``fetch`` checks it;
