@@ -312,6 +312,10 @@ class _Pushed:
     pid: int
     at: float
     fd: int = -1
+    checked: int | InvalidFieldError | None = None
+    """What ``check`` said of the descriptor when it was read: its size, or why it is refused. It
+    cannot change after: the seals it requires fix the size and forbid new seals, and the access
+    mode of an open descriptor is fixed."""
     watched: bool = False
     """A loop reader waits for the message (it came after the connection)."""
 
@@ -395,7 +399,7 @@ class Inbox:
                                     f"not {endpoint.pid}", metadata={"pid": endpoint.pid, "pusher": pushed.pid})
         fd, pushed.fd = pushed.fd, -1
         try:
-            return _lease(pushed.sock, fd, pushed.pid, endpoint, need)
+            return _lease(pushed.sock, fd, pushed.pid, endpoint, need, pushed.checked)
         except BaseException:
             pushed.sock.close()  # _lease closed the descriptor
             raise
@@ -476,6 +480,10 @@ class Inbox:
             self._refuse(pushed)
             return
         pushed.fd = fds[0]  # the socket stays non-blocking: the lease only polls it for the hang-up
+        try:
+            pushed.checked = check(pushed.fd)  # here, while the Register is still on its way
+        except InvalidFieldError as exc:
+            pushed.checked = exc
         self._pushed.setdefault(msg[_PUSH.size:], []).append(pushed)
 
     def _forget(self, pushed: _Pushed) -> None:
@@ -582,10 +590,14 @@ def _check_endpoint(endpoint: registration_pb2.LocalEndpoint) -> None:
                                 metadata={"bytes": len(endpoint.secret)})
 
 
-def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.LocalEndpoint, need: int) -> Lease:
-    """Check the handed-over descriptor, map ``need`` bytes of it, and close it (the mapping stays)."""
+def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.LocalEndpoint, need: int,
+           checked: int | InvalidFieldError | None = None) -> Lease:
+    """Check the handed-over descriptor (``checked``: what ``check`` said of it already), map ``need`` bytes
+    of it, and close it (the mapping stays)."""
     try:
-        size = check(fd)
+        if isinstance(checked, InvalidFieldError):
+            raise checked
+        size = check(fd) if checked is None else checked
         if endpoint.size and endpoint.size != size:
             raise InvalidFieldError(f"{_FIELD}.size", f"the arena has {size} bytes, not {endpoint.size}",
                                     metadata={"size": endpoint.size, "arena": size})
