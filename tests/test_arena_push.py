@@ -1,4 +1,4 @@
-"""A decode pushes its local arena to the prefill's inbox before Register (``arena.Inbox``).
+"""A decode pushes its local arena to the prefill's inbox before Register (``pdproto/transfer/inbox.py``).
 
 Register then takes the waiting descriptor instead of waking the decode to ask for it. A
 pushed arena gets every check a fetched one gets; a push that is missing, malformed, over
@@ -20,7 +20,7 @@ import pytest
 
 from pdproto.client import HandshakeClient
 from pdproto.errors import InvalidFieldError, Reason, RequestFailedError
-from pdproto.transfer import arena, offer
+from pdproto.transfer import arena, inbox, offer
 from pdproto.transfer.local import LocalExecutor
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 from pdproto_demo.decode import DecodeRank
@@ -102,10 +102,10 @@ def test_register_refuses_a_bad_pushed_arena_with_its_reason_and_serves_the_next
     rank = DecodeRank.for_spec(SPEC, pages=8)
     try:
         with running_server(*SERVE_ARGS) as srv, HandshakeClient(srv.target, timeout=30) as client:
-            inbox = client.get_server_info().local_inbox.socket
+            name = client.get_server_info().local_inbox.socket
             reg = rank.registration()
             # The rank's layout, with the hostile process's unsealed arena pushed in its place.
-            reg.local.CopyFrom(_registration(hostile.call("push", kind="unsealed", inbox=inbox)).local)
+            reg.local.CopyFrom(_registration(hostile.call("push", kind="unsealed", inbox=name)).local)
             with pytest.raises(InvalidFieldError) as info:
                 client.register(reg)
             assert "F_SEAL_SHRINK" in info.value.message, info.value
@@ -157,7 +157,7 @@ def test_a_push_is_found_only_by_its_own_secret(hostile: Child, prefill: LocalEx
 
 def test_one_process_flooding_the_inbox_keeps_a_few_places_and_others_still_push(
         hostile: Child, prefill: LocalExecutor) -> None:
-    flood = hostile.call("push", kind="good", inbox=_inbox(prefill), count=3 * arena.MAX_PUSHED_PER_PID)
+    flood = hostile.call("push", kind="good", inbox=_inbox(prefill), count=3 * inbox.MAX_PUSHED_PER_PID)
     rank = DecodeRank.for_spec(SPEC, pages=8)
     try:
         info = server_info_pb2.PrefillServerInfo(local_inbox=prefill.inbox())
@@ -166,8 +166,8 @@ def test_one_process_flooding_the_inbox_keeps_a_few_places_and_others_still_push
         assert prefill.stats.arenas_pushed == 1 and _server(rank).asked == 0
         # The flood's connections beyond its share were closed at once; the rest wait for a Register.
         closed = hostile.call("hung_up")
-        assert closed["held"] == flood["sent"] == 3 * arena.MAX_PUSHED_PER_PID
-        assert closed["hung_up"] == flood["sent"] - arena.MAX_PUSHED_PER_PID
+        assert closed["held"] == flood["sent"] == 3 * inbox.MAX_PUSHED_PER_PID
+        assert closed["hung_up"] == flood["sent"] - inbox.MAX_PUSHED_PER_PID
         # Its last push is one that was kept.
         prefill.connect("flood", _registration(flood))
         assert prefill.stats.arenas_pushed == 2
@@ -177,7 +177,7 @@ def test_one_process_flooding_the_inbox_keeps_a_few_places_and_others_still_push
 
 def test_an_unclaimed_push_is_closed_once_its_time_is_up(hostile: Child, prefill: LocalExecutor,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arena, "PUSH_TTL_S", 0.3)
+    monkeypatch.setattr(inbox, "PUSH_TTL_S", 0.3)
     first = _registration(hostile.call("push", kind="good", inbox=_inbox(prefill)))
     stranger = registration_pb2.KvRegistration()
     stranger.CopyFrom(first)

@@ -32,6 +32,7 @@ from pdproto.errors import (
 from pdproto.v1 import registration_pb2, server_info_pb2
 
 from . import arena
+from .inbox import Inbox
 from .base import (
     DRAM,
     PAGE,
@@ -79,7 +80,7 @@ class LocalExecutor:
         self._arena: mmap.mmap | None = None
         self._arena_fd = -1
         self._server: arena.ArenaServer | None = None
-        self._inbox: arena.Inbox | None = None
+        self._inbox: Inbox | None = None
         self._arena_view: np.ndarray | None = None
         self._next = 0
         self._local: list[tuple[int, int]] = []
@@ -150,10 +151,10 @@ class LocalExecutor:
 
     def inbox(self, loop: asyncio.AbstractEventLoop | None = None) -> server_info_pb2.LocalInbox:
         """The inbox decodes push their arenas to (created on first call; read on ``loop`` as pushes
-        arrive when one is given); see ``arena.Inbox``."""
+        arrive when one is given); see ``inbox.py``."""
         with self._lock:
             if self._inbox is None:
-                self._inbox = arena.Inbox()
+                self._inbox = Inbox()
             inbox = self._inbox
         if loop is not None:
             inbox.watch(loop)

@@ -38,7 +38,7 @@ from pdproto.client import HandshakeClient
 from pdproto.client_rpc import error_from_rpc
 from pdproto.errors import Reason
 from pdproto.transfer import offer
-from pdproto.transfer.arena import MAX_PUSHED_PER_PID
+from pdproto.transfer.inbox import MAX_PUSHED_PER_PID
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
