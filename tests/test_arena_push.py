@@ -61,17 +61,19 @@ def _server(rank: DecodeRank) -> arena.ArenaServer:
     return server
 
 
-def _connect_on_loop(ex: LocalExecutor, reg: registration_pb2.KvRegistration, peer: str = "p") -> None:
-    """Register's path: ``start_connect`` and ``finish`` on a running loop."""
-    async def on_loop() -> None:
-        pending = ex.start_connect(reg)
-        assert pending is not None
-        try:
-            await pending.finish(peer, 5.0)
-        finally:
-            pending.close()
+async def _finish_on_loop(ex: LocalExecutor, reg: registration_pb2.KvRegistration, peer: str = "p") -> None:
+    """Register's path, on the running loop: ``start_connect``, then ``finish``."""
+    pending = ex.start_connect(reg)
+    assert pending is not None
+    try:
+        await pending.finish(peer, 5.0)
+    finally:
+        pending.close()
 
-    asyncio.run(on_loop())
+
+def _connect_on_loop(ex: LocalExecutor, reg: registration_pb2.KvRegistration, peer: str = "p") -> None:
+    """``_finish_on_loop`` on a loop of its own."""
+    asyncio.run(_finish_on_loop(ex, reg, peer))
 
 
 def test_register_takes_the_pushed_arena_and_moves_bytes_without_asking_the_decode() -> None:
@@ -208,9 +210,7 @@ def test_a_push_sent_after_its_connection_is_read_when_it_comes(prefill: LocalEx
             message = arena._PUSH.pack(arena.PUSH, len(server.secret)) + server.secret
             conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [server.fd]))])
             await asyncio.sleep(0.05)
-            pending = prefill.start_connect(rank.registration())
-            assert pending is not None
-            await pending.finish("p", 1.0)
+            await _finish_on_loop(prefill, rank.registration())
             prefill.close()  # on the loop's thread: stops watching before the socket closes
 
         asyncio.run(main())
@@ -255,9 +255,7 @@ def test_an_inbox_watched_by_a_closed_loop_is_taken_over_by_the_next(prefill: Lo
                 info = server_info_pb2.PrefillServerInfo(local_inbox=prefill.inbox(asyncio.get_running_loop()))
                 assert offer(rank.executor, info)
                 await asyncio.sleep(0.05)  # this loop reads the push
-                pending = prefill.start_connect(rank.registration())
-                assert pending is not None
-                await pending.finish(f"p{run}", 1.0)
+                await _finish_on_loop(prefill, rank.registration(), f"p{run}")
 
             asyncio.run(main())
         assert prefill.stats.arenas_pushed == 2 and _server(rank).asked == 0

@@ -143,7 +143,7 @@ class ArenaServer:
         try:
             sock.setblocking(False)
             sock.connect("\0" + inbox.socket)
-            pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            pid = peer_pid(sock)
             message = _PUSH.pack(PUSH, len(self.secret)) + self.secret
             if pid != inbox.pid or sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                              array.array("i", [self.fd]))]) != len(message):
@@ -416,10 +416,17 @@ def _socket_failed(endpoint: registration_pb2.LocalEndpoint, exc: OSError) -> Re
 
 def _peer_pid(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint) -> int:
     """The process at the other end of the connected socket; it must be the endpoint's."""
-    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    pid = peer_pid(sock)
     if endpoint.pid and endpoint.pid != pid:
         raise InvalidFieldError(f"{_FIELD}.pid", f"the arena socket belongs to process {pid}, not {endpoint.pid}",
                                 metadata={"pid": endpoint.pid, "socket_pid": pid})
+    return pid
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The process at the other end of a connected Unix socket (``SO_PEERCRED``: for a listener, the
+    process that listened; for an accepted connection, the one that connected)."""
+    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     return int(pid)
 
 
@@ -510,4 +517,4 @@ def _hung_up(sock: socket.socket) -> bool:
 
 
 __all__ = ["ArenaServer", "HELLO", "Handover", "INBOX_NAME", "Lease", "PUSH", "REQUIRED_SEALS", "SOCKET_NAME", "check",
-           "create", "fetch"]
+           "create", "fetch", "peer_pid"]

@@ -22,8 +22,8 @@ from pdproto.errors import InvalidFieldError
 from pdproto.v1 import registration_pb2, server_info_pb2
 
 # The wire format and the checks are the arena's: a push carries what a fetch would receive.
-from .arena import (_CTRUNC, _FIELD, _MAX_SECRET, _PUSH, _UCRED, PUSH, Lease, _check_endpoint, _descriptors, _lease,
-                    check)
+from .arena import (_CTRUNC, _FIELD, _MAX_SECRET, _PUSH, PUSH, Lease, _check_endpoint, _descriptors, _lease, check,
+                    peer_pid)
 
 MAX_PUSHED = 64
 """Pushes an inbox holds unclaimed; more are closed (their decodes' Registers fetch instead)."""
@@ -167,12 +167,12 @@ class Inbox:
             try:
                 conn, _ = self._listener.accept()
                 conn.setblocking(False)
-                pid, _, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+                pid = peer_pid(conn)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # closed under us (close())
-            pushed = _Pushed(sock=conn, pid=int(pid), at=now)
+            pushed = _Pushed(sock=conn, pid=pid, at=now)
             held = [*self._unread.values(), *(p for v in self._pushed.values() for p in v)]
             if len(held) >= MAX_PUSHED or sum(p.pid == pushed.pid for p in held) >= MAX_PUSHED_PER_PID:
                 self.refused += 1
