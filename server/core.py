@@ -129,6 +129,7 @@ class HandshakeCore:
         if isinstance(executor, TakesPushedMemory):
             # Decodes on this host push their arenas here before Register, which then need not wait on them.
             self.info.local_inbox.CopyFrom(executor.inbox(asyncio.get_running_loop()))
+            self.metrics.count_arenas(executor.stats)
         self._janitor = asyncio.get_running_loop().create_task(self._housekeeping(), name="janitor")
 
     def _accepting(self) -> None:

@@ -79,7 +79,8 @@ def _connect_on_loop(ex: LocalExecutor, reg: registration_pb2.KvRegistration, pe
 def test_register_takes_the_pushed_arena_and_moves_bytes_without_asking_the_decode() -> None:
     pushed, asked = DecodeRank.for_spec(SPEC, pages=32), DecodeRank.for_spec(SPEC, pages=32)
     try:
-        with running_server(*SERVE_ARGS) as srv, HandshakeClient(srv.target, timeout=30) as client:
+        with running_server(*SERVE_ARGS, "--metrics-port", "0") as srv, \
+                HandshakeClient(srv.target, timeout=30) as client:
             info = client.get_server_info()
             assert arena.INBOX_NAME.fullmatch(info.local_inbox.socket), info.local_inbox
             assert info.local_inbox.pid == srv.proc.pid
@@ -93,6 +94,9 @@ def test_register_takes_the_pushed_arena_and_moves_bytes_without_asking_the_deco
                 done = client.wait_for(peer, [room], timeout=30)
                 assert done[room].state == common_pb2.TRANSFER_STATE_SUCCESS, done[room]
                 rank.verify({room: pages}, SPEC.prompt_tokens)
+            samples = srv.metrics()
+            assert samples['pdproto_local_arenas_total{how="pushed"}'] == 1
+            assert samples['pdproto_local_arenas_total{how="fetched"}'] == 1
         assert (_server(pushed).pushed, _server(pushed).asked) == (1, 0)
         assert (_server(asked).pushed, _server(asked).asked) == (0, 1)
     finally:
