@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import os
 import secrets
-import select
 import socket
 import struct
 import tempfile
@@ -24,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from pdproto.transfer.arena import HELLO, PUSH, REQUIRED_SEALS
+from pdproto.transfer.arena import HELLO, PUSH, REQUIRED_SEALS, _hung_up
 from pdproto.v1 import registration_pb2
 from pdproto_demo.proc import Child, Reply, redirect_stdout_to_stderr, serve_commands
 
@@ -98,11 +97,7 @@ class HostilePeer:
         self.fds[name] = fds
         self.listeners.append(listener)
         threading.Thread(target=self._answer, args=(listener, fds, secret, kind), daemon=True).start()
-        reg = registration_pb2.KvRegistration(page_size=1)
-        reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name=f"hostile-{kind}", pid=pid or os.getpid(),
-                                                          socket=name, secret=secret))
-        reg.kv_buffers.add(ptr=0, item_len=64, length=length)
-        return {"registration": reg.SerializeToString().hex(), "socket": name}
+        return _registration(kind, name, secret, pid or os.getpid(), length)
 
     def push(self, kind: str, inbox: str, length: int = ARENA, count: int = 1) -> Reply:
         """Push one arena of ``kind`` to the prefill inbox ``inbox``, ``count`` times, without listening
@@ -121,23 +116,18 @@ class HostilePeer:
                 conn.close()
                 continue
             magic = b"NOTAPUSH" if kind == "wrong_answer" else PUSH
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
             try:
-                conn.sendmsg([struct.pack("<8sH", magic, len(secret)) + secret], rights)
+                conn.sendmsg([struct.pack("<8sH", magic, len(secret)) + secret], _rights(fds))
             except OSError:  # a prefill reading as pushes arrive closed it at once (over its bound)
                 conn.close()
                 continue
             self.held.append(conn)
             sent += 1
-        reg = registration_pb2.KvRegistration(page_size=1)
-        reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name=f"hostile-{kind}", pid=os.getpid(),
-                                                          socket=name, secret=secret))
-        reg.kv_buffers.add(ptr=0, item_len=64, length=length)
-        return {"registration": reg.SerializeToString().hex(), "socket": name, "sent": sent}
+        return {**_registration(kind, name, secret, os.getpid(), length), "sent": sent}
 
     def hung_up(self) -> Reply:
         """How many pushed connections the prefill has closed."""
-        return {"hung_up": sum(1 for c in self.held if _closed_by_peer(c)), "held": len(self.held)}
+        return {"hung_up": sum(1 for c in self.held if _hung_up(c)), "held": len(self.held)}
 
     @staticmethod
     def _answer(listener: socket.socket, fds: list[int], secret: bytes, kind: str) -> None:
@@ -152,8 +142,7 @@ class HostilePeer:
                 conn.close()
                 continue
             answer = struct.pack("<8sQ", b"NOTARENA" if kind == "wrong_answer" else HELLO, ARENA)
-            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-            conn.sendmsg([answer], rights)
+            conn.sendmsg([answer], _rights(fds))
             held.append(conn)
 
     def shrink(self, socket_name: str) -> Reply:
@@ -189,10 +178,18 @@ def spawned() -> Iterator[Child]:
         child.close()
 
 
-def _closed_by_peer(conn: socket.socket) -> bool:
-    poller = select.poll()
-    poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
-    return bool(poller.poll(0))
+def _registration(kind: str, name: str, secret: bytes, pid: int, length: int) -> Reply:
+    """The reply naming an arena: a registration of one KV buffer of ``length`` bytes at offset 0."""
+    reg = registration_pb2.KvRegistration(page_size=1)
+    reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name=f"hostile-{kind}", pid=pid, socket=name,
+                                                      secret=secret))
+    reg.kv_buffers.add(ptr=0, item_len=64, length=length)
+    return {"registration": reg.SerializeToString().hex(), "socket": name}
+
+
+def _rights(fds: list[int]) -> list[tuple[int, int, array.array[int]]]:
+    """The ``SCM_RIGHTS`` ancillary data carrying ``fds`` (none for an empty list)."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
 def main() -> int:
