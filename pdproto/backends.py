@@ -94,9 +94,13 @@ def by_enum(value: int) -> BackendSpec:
     return _find("enum", value)
 
 
+_BY_TRANSPORT = {spec.transport: spec for spec in ALL}
+
+
 def by_transport(transport: str) -> BackendSpec:
     """The row of a ``KvRegistration.transport`` oneof case."""
-    return _find("transport", transport)
+    spec = _BY_TRANSPORT.get(transport)  # a dict, not _find's scan: several lookups per Register
+    return spec if spec is not None else _find("transport", transport)
 
 
 def by_endpoint(endpoint: Message) -> BackendSpec:

@@ -26,8 +26,8 @@ ADVERTISE_ENV = "PDPROTO_ADVERTISE_HOST"
 @functools.lru_cache(maxsize=1024)
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1); False for names it cannot tell."""
-    # Remembered: every Register asks about its caller's address and its engine's, a few of them
-    # per fleet, and ``ipaddress`` parsing was a tenth of a Register's own time.
+    # Remembered, as grpc_peer_host is: every Register asks about its caller's address and its
+    # engine's, a few of them per fleet, and parsing them was a tenth of a Register's own time.
     host = host.strip().strip("[]").lower()
     if host == "localhost" or host.endswith(".localhost"):
         return True
@@ -37,6 +37,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1024)
 def grpc_peer_host(peer: str) -> str | None:
     """The host of a gRPC peer string (``ipv4:10.0.0.2:5000``, ``ipv6:[::1]:5000``); None for ``unix:``
     and the unknown."""
@@ -66,8 +67,10 @@ def unreachable(registration: registration_pb2.KvRegistration, peer: str) -> lis
     loopback itself, unknown, or the endpoint names no host.
     """
     peer_host = grpc_peer_host(peer)
+    if peer_host is None or is_loopback(peer_host):
+        return []
     found = engine_host(registration)
-    if peer_host is None or is_loopback(peer_host) or found is None or not is_loopback(found[1]):
+    if found is None or not is_loopback(found[1]):
         return []
     field, host = found
     return [(field, f"the decode's engine advertises {host}, a loopback address, but it registered from "

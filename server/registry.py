@@ -11,11 +11,10 @@ returned yet included.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -318,26 +317,50 @@ class _KeyLocks:
     def __init__(self) -> None:
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 
-    @contextlib.asynccontextmanager
-    async def holding(self, keys: tuple[str, ...]) -> AsyncIterator[None]:
+    def holding(self, keys: tuple[str, ...]) -> _Holding:
         """Hold every key's lock (sorted, so two callers never wait on each other in a cycle)."""
-        ordered = sorted(set(keys))
-        entries = [self._locks.setdefault(k, (asyncio.Lock(), [0])) for k in ordered]
-        for _, users in entries:
-            users[0] += 1
-        held: list[asyncio.Lock] = []
+        return _Holding(self._locks, sorted(set(keys)))
+
+
+class _Holding:
+    """``_KeyLocks.holding``: a class, not a generator, since every Register enters one."""
+
+    __slots__ = ("_entries", "_held", "_keys", "_locks")
+
+    def __init__(self, locks: dict[str, tuple[asyncio.Lock, list[int]]], keys: list[str]) -> None:
+        self._locks = locks
+        self._keys = keys
+        self._entries: list[tuple[asyncio.Lock, list[int]]] = []
+        self._held: list[asyncio.Lock] = []
+
+    async def __aenter__(self) -> None:
+        locks = self._locks
+        for key in self._keys:
+            entry = locks.get(key)
+            if entry is None:
+                entry = locks[key] = (asyncio.Lock(), [0])
+            entry[1][0] += 1
+            self._entries.append(entry)
         try:
-            for lock, _ in entries:
+            for lock, _ in self._entries:
                 await lock.acquire()
-                held.append(lock)
-            yield
-        finally:
-            for lock in reversed(held):
-                lock.release()
-            for key, (_, users) in zip(ordered, entries, strict=True):
-                users[0] -= 1
-                if users[0] == 0:
-                    del self._locks[key]
+                self._held.append(lock)
+        except BaseException:
+            self._release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for lock in reversed(self._held):
+            lock.release()
+        self._held.clear()
+        for key, (_, users) in zip(self._keys, self._entries, strict=True):
+            users[0] -= 1
+            if users[0] == 0:
+                del self._locks[key]
+        self._entries.clear()
 
 
 class PeerRegistry:
@@ -380,7 +403,7 @@ class PeerRegistry:
         match = hmac.compare_digest(credential, expected)
         return peer if match and peer is not None else None
 
-    def serialized(self, identity: tuple[str, ...]) -> contextlib.AbstractAsyncContextManager[None]:
+    def serialized(self, identity: tuple[str, ...]) -> _Holding:
         """Hold while registering ``identity``: registrations of one decode rank run one at a time."""
         return self._identity_locks.holding(identity)
 

@@ -18,7 +18,7 @@ from pdproto.reach import unreachable
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
 from pdproto.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
-from pdproto.v1 import registration_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 from .engine import page_extent
 from .registry import Peer
@@ -93,35 +93,51 @@ def _string_fields(transport: str) -> tuple[tuple[str, str], ...]:
                  if fd.type == fd.TYPE_STRING)
 
 
-def _sanity(reg: registration_pb2.KvRegistration, bad: list[tuple[str, str]]) -> None:
-    """Every size, count, rank and name of a registration inside ``Bounds``."""
+_GROUPS = ("attn_tp", "dcp", "pp")
+
+
+def _names(values: Sequence[tuple[str, str]], bad: list[tuple[str, str]]) -> None:
+    """``_name`` for each (field, value), looked at closely only when one is past its bound."""
+    for field, value in values:
+        if len(value) > Bounds.NAME or not value.isprintable():
+            _name(field, value, bad)
+
+
+def _sanity(reg: registration_pb2.KvRegistration, groups: Sequence[common_pb2.ParallelGroup],
+            transport: str | None, bad: list[tuple[str, str]]) -> None:
+    """Every size, count, rank and name of a registration inside ``Bounds``.
+
+    Written for the registration that passes: a field's path is spelled out only when it is
+    reported, since Register runs this on every call.
+    """
     _most("registration.page_size", reg.page_size, Bounds.PAGE_SIZE, bad)
-    for name in ("attn_tp", "dcp", "pp"):
-        _most(f"registration.{name}.size", getattr(reg, name).size, Bounds.GROUP, bad)
-    for field, value in (("registration.kv_cache_dtype", reg.kv_cache_dtype), ("registration.model_id", reg.model_id),
-                         ("registration.notify_endpoint.host", reg.notify_endpoint.host)):
-        _name(field, value, bad)
-    _count("registration.capabilities", len(reg.capabilities), Bounds.CAPABILITIES, bad)
-    for i, cap in enumerate(reg.capabilities[:Bounds.CAPABILITIES]):
-        _name(f"registration.capabilities[{i}]", cap, bad)
-    transport = reg.WhichOneof("transport")
+    for name, group in zip(_GROUPS, groups):
+        if group.size > Bounds.GROUP:
+            _most(f"registration.{name}.size", group.size, Bounds.GROUP, bad)
+    _names((("registration.kv_cache_dtype", reg.kv_cache_dtype), ("registration.model_id", reg.model_id),
+            ("registration.notify_endpoint.host", reg.notify_endpoint.host)), bad)
+    capabilities = reg.capabilities
+    if capabilities:
+        _count("registration.capabilities", len(capabilities), Bounds.CAPABILITIES, bad)
+        _names([(f"registration.capabilities[{i}]", cap) for i, cap in enumerate(capabilities[:Bounds.CAPABILITIES])],
+               bad)
     if transport is not None:
         endpoint = getattr(reg, transport)
-        for field, attr in _string_fields(transport):
-            _name(field, getattr(endpoint, attr), bad)
-    for field, n in (("registration.kv_buffers", len(reg.kv_buffers)), ("registration.aux_ptrs", len(reg.aux_ptrs)),
+        _names([(field, getattr(endpoint, attr)) for field, attr in _string_fields(transport)], bad)
+    kv, states = reg.kv_buffers, reg.state_buffers
+    for field, n in (("registration.kv_buffers", len(kv)), ("registration.aux_ptrs", len(reg.aux_ptrs)),
                      ("registration.aux_item_lens", len(reg.aux_item_lens)),
                      ("registration.aux_data_lens", len(reg.aux_data_lens)),
-                     ("registration.state_buffers", len(reg.state_buffers))):
+                     ("registration.state_buffers", len(states))):
         _count(field, n, Bounds.ENTRIES, bad)
-    for i, sb in enumerate(reg.state_buffers[:Bounds.ENTRIES]):
+    for i, sb in enumerate(states[:Bounds.ENTRIES] if len(states) > Bounds.ENTRIES else states):
         _count(f"registration.state_buffers[{i}].data_ptrs", len(sb.data_ptrs), Bounds.ENTRIES, bad)
     # Each buffer and tensor costs the server time at registration and a bound at every transfer.
     listed = registration_entries(reg)
     if listed > Bounds.REGIONS:
         bad.append(("registration", f"more than {Bounds.REGIONS} buffers and tensors in all (KV buffers, aux "
                                     f"buffers, state entries and their tensors: {listed} counted so far)"))
-    for i, buf in enumerate(reg.kv_buffers[:Bounds.ENTRIES]):
+    for i, buf in enumerate(kv[:Bounds.ENTRIES] if len(kv) > Bounds.ENTRIES else kv):
         if buf.ptr + buf.length > Bounds.ADDRESS:
             bad.append((f"registration.kv_buffers[{i}].length", "ptr + length runs past the 64-bit address space"))
     _most("registration.total_kv_heads", reg.total_kv_heads, Bounds.HEADS, bad)
@@ -139,27 +155,32 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
     if not request.HasField("registration"):
         raise InvalidFieldError.of([("registration", "required")])
     reg = request.registration
-    spec = backends.of_registration(reg)
-    if spec is None:
+    transport = reg.WhichOneof("transport")
+    if transport is None:
         bad.append(("registration.transport",
                      f"one of {', '.join(b.transport for b in backends.ALL)} is required"))
-    elif not spec.identity_of(reg):
-        bad.append((f"registration.{spec.transport}.{spec.identity}", "must be non-empty"))
+    else:
+        spec = backends.by_transport(transport)
+        if not spec.identity_of(reg):
+            bad.append((f"registration.{spec.transport}.{spec.identity}", "must be non-empty"))
     if reg.page_size == 0:
         bad.append(("registration.page_size", "must be > 0"))
-    if not reg.kv_buffers:
+    kv = reg.kv_buffers
+    if not kv:
         bad.append(("registration.kv_buffers", "at least one KV buffer is required"))
     if reg.notify_endpoint.port > 65535:
         bad.append(("registration.notify_endpoint.port", "must be <= 65535"))
-    for name in ("attn_tp", "dcp", "pp"):
-        group = getattr(reg, name)
-        if group.size and group.rank >= group.size:
-            bad.append((f"registration.{name}.rank", f"rank {group.rank} is outside size {group.size}"))
-    for i, buf in enumerate(reg.kv_buffers[:Bounds.ENTRIES]):
-        if buf.length and buf.item_len and buf.length < buf.item_len:
+    groups = (reg.attn_tp, reg.dcp, reg.pp)
+    for name, group in zip(_GROUPS, groups):
+        size = group.size
+        if size and group.rank >= size:
+            bad.append((f"registration.{name}.rank", f"rank {group.rank} is outside size {size}"))
+    for i, buf in enumerate(kv[:Bounds.ENTRIES] if len(kv) > Bounds.ENTRIES else kv):
+        length, item_len = buf.length, buf.item_len
+        if length and item_len and length < item_len:
             bad.append((f"registration.kv_buffers[{i}].length", "smaller than one page (item_len)"))
     bad += unreachable(reg, origin)
-    _sanity(reg, bad)
+    _sanity(reg, groups, transport, bad)
     if bad:
         raise InvalidFieldError.of(bad)
     return reg
