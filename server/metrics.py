@@ -34,7 +34,9 @@ class ServiceMetrics:
         """Open transfer requests now (what ``pdproto_requests_inflight`` exports; the runner sets it)."""
         r.register(_PerRequest(self))
         self.negotiation_seconds = Histogram(
-            "pdproto_negotiation_seconds", "Time spent in topology negotiation per Register.",
+            "pdproto_negotiation_seconds",
+            "Time spent in topology negotiation per Register whose verdict was not remembered (those count in "
+            "pdproto_negotiations_remembered).",
             buckets=_NEGOTIATION_BUCKETS, registry=r)
         self.negotiations_remembered = Counter(
             "pdproto_negotiations_remembered",
@@ -88,10 +90,14 @@ class ServiceMetrics:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def negotiated(self, seconds: float, *, remembered: bool) -> None:
-        """Observe one Register's verdict: how long it took, and whether it was remembered."""
-        self.negotiation_seconds.observe(seconds)
+        """Observe one Register's verdict: how long negotiating took, or that it was remembered.
+
+        A remembered verdict is a lookup, not a negotiation; a histogram observation costs a
+        Register more than that lookup, so it is only counted."""
         if remembered:
             self.negotiations_remembered.inc()
+        else:
+            self.negotiation_seconds.observe(seconds)
 
     def count_arenas(self, stats: TransferStats) -> None:
         """Export how Register took local arenas (``pdproto_local_arenas``), from ``stats`` (once)."""

@@ -139,9 +139,8 @@ class ArenaServer:
         """
         if not INBOX_NAME.fullmatch(inbox.socket) or not inbox.pid:
             return False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)  # no setblocking call
         try:
-            sock.setblocking(False)
             sock.connect("\0" + inbox.socket)
             pid = peer_pid(sock)
             message = _PUSH.pack(PUSH, len(self.secret)) + self.secret

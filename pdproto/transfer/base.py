@@ -405,8 +405,11 @@ def remote_regions(registration: registration_pb2.KvRegistration) -> Regions:
     Built once per connection, not per job: a registration may list tens of thousands of
     state tensors. Two regions at one base: the looser bound wins (0, unknown, is the loosest).
     """
-    bases: list[int] = [b.ptr for b in registration.kv_buffers]
-    lengths: list[int] = [b.length for b in registration.kv_buffers]
+    bases: list[int] = []
+    lengths: list[int] = []
+    for b in registration.kv_buffers:  # one pass: each step through a repeated message costs a microsecond
+        bases.append(b.ptr)
+        lengths.append(b.length)
     # Scalar lists convert through numpy at once; indexing them one by one costs a microsecond each.
     for ptrs, lens in ((registration.aux_ptrs, registration.aux_data_lens),
                        *((s.data_ptrs, s.data_lens) for s in registration.state_buffers)):

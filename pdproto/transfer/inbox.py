@@ -173,8 +173,8 @@ class Inbox:
             except OSError:
                 return  # closed under us (close())
             pushed = _Pushed(sock=conn, pid=pid, at=now)
-            held = [*self._unread.values(), *(p for v in self._pushed.values() for p in v)]
-            if len(held) >= MAX_PUSHED or sum(p.pid == pushed.pid for p in held) >= MAX_PUSHED_PER_PID:
+            if len(self._unread) + sum(map(len, self._pushed.values())) >= MAX_PUSHED_PER_PID and \
+                    self._over_bounds(pid):  # under that count, no bound can be reached: skip the walk
                 self.refused += 1
                 conn.close()
                 continue
@@ -183,6 +183,11 @@ class Inbox:
             if self._loop is not None and conn.fileno() in self._unread:  # a decode between connect and send
                 self._loop.add_reader(conn.fileno(), self._readable, conn.fileno())
                 pushed.watched = True
+
+    def _over_bounds(self, pid: int) -> bool:
+        """True when the inbox holds ``MAX_PUSHED`` pushes, or ``MAX_PUSHED_PER_PID`` from ``pid``."""
+        held = [*self._unread.values(), *(p for v in self._pushed.values() for p in v)]
+        return len(held) >= MAX_PUSHED or sum(p.pid == pid for p in held) >= MAX_PUSHED_PER_PID
 
     def _read(self, pushed: _Pushed) -> None:
         """Read ``pushed``'s message if it has come: file it by secret, or refuse it if malformed."""

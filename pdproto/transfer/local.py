@@ -362,7 +362,11 @@ def _declared(registration: registration_pb2.KvRegistration) -> tuple[Regions, i
                             metadata={"transport": registration.WhichOneof("transport")})
     declared = remote_regions(registration)
     # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
-    need = 0 if 0 in declared.values() else max((p + n for p, n in declared.items()), default=0)
+    need = 0
+    for ptr, length in declared.items():
+        if not length:
+            return declared, 0
+        need = max(need, ptr + length)
     return declared, need
 
 
