@@ -83,6 +83,8 @@ class HandshakeCore:
         self.limits = limits or Limits()
         self.metrics = metrics or ServiceMetrics()
         self.registry = PeerRegistry(self.limits)
+        # Read when scraped: setting the gauge on every Register and Deregister cost them a lock and a walk.
+        self.metrics.peers.set_function(self.registry.live)
         # One thread per peer the registry may hold: a stuck peer keeps only its own.
         self.pool = LanePool(self.limits.max_peers)
         self.runner = TransferRunner(engine, self.metrics, self.limits, self.registry.peers)
@@ -329,7 +331,6 @@ class HandshakeCore:
                 self.registry.add(peer)
             finally:
                 self._registering -= 1
-        self.metrics.peers.set(self.registry.live())
         return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
 
     @staticmethod
@@ -388,7 +389,6 @@ class HandshakeCore:
         done = self._disconnect_later(peer)
         if not peer.lane.stuck:
             await asyncio.wait([done], timeout=self.limits.drain_timeout)
-        self.metrics.peers.set(self.registry.live())
         return len(open_requests)
 
     def _disconnect_later(self, peer: Peer) -> asyncio.Task[object]:
@@ -425,7 +425,6 @@ class HandshakeCore:
                                for r in open_requests))
         peer.end_streams()
         self._disconnect_later(peer)
-        self.metrics.peers.set(self.registry.live())
         return len(open_requests)
 
     # -- SubmitTransfer / Abort --------------------------------------------------

@@ -413,8 +413,9 @@ class PeerRegistry:
         return [self.peers[i] for i in sorted(ids) if i in self.peers]
 
     def live(self) -> int:
-        """Registered peers whose process is not known to be gone."""
-        return sum(1 for p in self.peers.values() if p.gone_at is None)
+        """Registered peers whose process is not known to be gone (safe from a scrape's thread: the
+        peers are copied in one step before they are counted)."""
+        return sum(1 for p in list(self.peers.values()) if p.gone_at is None)
 
     def held(self) -> int:
         """Peers counted toward ``max_peers``: registered (gone ones too) and retired with a call out."""
