@@ -89,6 +89,9 @@ class ArenaServer:
         self.fd = fd
         self.size = size
         self.secret = secret if secret is not None else secrets.token_bytes(SECRET_BYTES)
+        # What every push and every answer sends: built once, as the descriptor and secret never change.
+        self._rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+        self._push = _PUSH.pack(PUSH, len(self.secret)) + self.secret
         self.name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
@@ -124,8 +127,7 @@ class ArenaServer:
             conn.close()
             return
         _time_left(conn, deadline)
-        conn.sendmsg([_ANSWER.pack(HELLO, self.size)],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd]))])
+        conn.sendmsg([_ANSWER.pack(HELLO, self.size)], self._rights)
         conn.settimeout(None)
         self.asked += 1
         self._hold(conn)
@@ -142,10 +144,7 @@ class ArenaServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)  # no setblocking call
         try:
             sock.connect("\0" + inbox.socket)
-            pid = peer_pid(sock)
-            message = _PUSH.pack(PUSH, len(self.secret)) + self.secret
-            if pid != inbox.pid or sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                             array.array("i", [self.fd]))]) != len(message):
+            if peer_pid(sock) != inbox.pid or sock.sendmsg([self._push], self._rights) != len(self._push):
                 sock.close()
                 return False
         except OSError:
