@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TypeVar
 
 from pdproto import backends
 from pdproto.reach import unreachable
@@ -94,6 +95,13 @@ def _string_fields(transport: str) -> tuple[tuple[str, str], ...]:
 
 
 _GROUPS = ("attn_tp", "dcp", "pp")
+_T = TypeVar("_T")
+
+
+def _first_entries(items: Sequence[_T]) -> Sequence[_T]:
+    """The first ``Bounds.ENTRIES`` of ``items``: the field itself when it has no more (slicing a
+    repeated field copies it)."""
+    return items[:Bounds.ENTRIES] if len(items) > Bounds.ENTRIES else items
 
 
 def _names(values: Sequence[tuple[str, str]], bad: list[tuple[str, str]]) -> None:
@@ -130,14 +138,14 @@ def _sanity(reg: registration_pb2.KvRegistration, groups: Sequence[common_pb2.Pa
                      ("registration.aux_data_lens", len(reg.aux_data_lens)),
                      ("registration.state_buffers", len(states))):
         _count(field, n, Bounds.ENTRIES, bad)
-    for i, sb in enumerate(states[:Bounds.ENTRIES] if len(states) > Bounds.ENTRIES else states):
+    for i, sb in enumerate(_first_entries(states)):
         _count(f"registration.state_buffers[{i}].data_ptrs", len(sb.data_ptrs), Bounds.ENTRIES, bad)
     # Each buffer and tensor costs the server time at registration and a bound at every transfer.
     listed = registration_entries(reg)
     if listed > Bounds.REGIONS:
         bad.append(("registration", f"more than {Bounds.REGIONS} buffers and tensors in all (KV buffers, aux "
                                     f"buffers, state entries and their tensors: {listed} counted so far)"))
-    for i, buf in enumerate(kv[:Bounds.ENTRIES] if len(kv) > Bounds.ENTRIES else kv):
+    for i, buf in enumerate(_first_entries(kv)):
         if buf.ptr + buf.length > Bounds.ADDRESS:
             bad.append((f"registration.kv_buffers[{i}].length", "ptr + length runs past the 64-bit address space"))
     _most("registration.total_kv_heads", reg.total_kv_heads, Bounds.HEADS, bad)
@@ -175,7 +183,7 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
         size = group.size
         if size and group.rank >= size:
             bad.append((f"registration.{name}.rank", f"rank {group.rank} is outside size {size}"))
-    for i, buf in enumerate(kv[:Bounds.ENTRIES] if len(kv) > Bounds.ENTRIES else kv):
+    for i, buf in enumerate(_first_entries(kv)):
         length, item_len = buf.length, buf.item_len
         if length and item_len and length < item_len:
             bad.append((f"registration.kv_buffers[{i}].length", "smaller than one page (item_len)"))
