@@ -104,34 +104,23 @@ def _first_entries(items: Sequence[_T]) -> Sequence[_T]:
     return items[:Bounds.ENTRIES] if len(items) > Bounds.ENTRIES else items
 
 
-def _names(values: Sequence[tuple[str, str]], bad: list[tuple[str, str]]) -> None:
-    """``_name`` for each (field, value), looked at closely only when one is past its bound."""
-    for field, value in values:
-        if len(value) > Bounds.NAME or not value.isprintable():
-            _name(field, value, bad)
-
-
 def _sanity(reg: registration_pb2.KvRegistration, groups: Sequence[common_pb2.ParallelGroup],
             transport: str | None, bad: list[tuple[str, str]]) -> None:
-    """Every size, count, rank and name of a registration inside ``Bounds``.
-
-    Written for the registration that passes: a field's path is spelled out only when it is
-    reported, since Register runs this on every call.
-    """
+    """Every size, count, rank and name of a registration inside ``Bounds`` (``groups`` and ``transport``
+    as ``check_registration`` read them: each field is read once per Register)."""
     _most("registration.page_size", reg.page_size, Bounds.PAGE_SIZE, bad)
     for name, group in zip(_GROUPS, groups):
-        if group.size > Bounds.GROUP:
-            _most(f"registration.{name}.size", group.size, Bounds.GROUP, bad)
-    _names((("registration.kv_cache_dtype", reg.kv_cache_dtype), ("registration.model_id", reg.model_id),
-            ("registration.notify_endpoint.host", reg.notify_endpoint.host)), bad)
-    capabilities = reg.capabilities
-    if capabilities:
-        _count("registration.capabilities", len(capabilities), Bounds.CAPABILITIES, bad)
-        _names([(f"registration.capabilities[{i}]", cap) for i, cap in enumerate(capabilities[:Bounds.CAPABILITIES])],
-               bad)
+        _most(f"registration.{name}.size", group.size, Bounds.GROUP, bad)
+    for field, value in (("registration.kv_cache_dtype", reg.kv_cache_dtype), ("registration.model_id", reg.model_id),
+                         ("registration.notify_endpoint.host", reg.notify_endpoint.host)):
+        _name(field, value, bad)
+    _count("registration.capabilities", len(reg.capabilities), Bounds.CAPABILITIES, bad)
+    for i, cap in enumerate(reg.capabilities[:Bounds.CAPABILITIES]):
+        _name(f"registration.capabilities[{i}]", cap, bad)
     if transport is not None:
         endpoint = getattr(reg, transport)
-        _names([(field, getattr(endpoint, attr)) for field, attr in _string_fields(transport)], bad)
+        for field, attr in _string_fields(transport):
+            _name(field, getattr(endpoint, attr), bad)
     kv, states = reg.kv_buffers, reg.state_buffers
     for field, n in (("registration.kv_buffers", len(kv)), ("registration.aux_ptrs", len(reg.aux_ptrs)),
                      ("registration.aux_item_lens", len(reg.aux_item_lens)),
