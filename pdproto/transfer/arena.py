@@ -62,6 +62,8 @@ _HANDOVER_S = 2.0
 _FIELD = "registration.local"
 PUSH = b"PDPUSH01"
 """First bytes of a decode's push to an inbox: then the secret's length (u16) and the secret."""
+LINKED_PUSH = b"PDPUSH02"
+"""``PUSH`` on a link: the connection stays the decode's link to the inbox and carries its later pushes."""
 INBOX_NAME = re.compile(r"pdproto-inbox-[0-9]{1,10}-[0-9a-f]{32}")
 """Every name a prefill's inbox listens on; a decode pushes to no other socket."""
 _PUSH = struct.Struct("<8sH")
@@ -92,6 +94,10 @@ class ArenaServer:
         # What every push and every answer sends: built once, as the descriptor and secret never change.
         self._rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
         self._push = _PUSH.pack(PUSH, len(self.secret)) + self.secret
+        self._linked_push = _PUSH.pack(LINKED_PUSH, len(self.secret)) + self.secret
+        self._links: dict[tuple[str, int], socket.socket] = {}
+        """This arena's link to each inbox that reads many pushes per connection, by inbox name and pid."""
+        self._linking = threading.Lock()
         self.name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
@@ -138,21 +144,74 @@ class ArenaServer:
         False, having sent nothing, when the inbox is malformed, takes no connection now (its
         backlog is full) or is not the published process: that Register then fetches the
         arena as if nothing was pushed. The connection stays open as the liveness channel.
+        To an inbox that reads links (``LocalInbox.links``) the push goes on this arena's link
+        to it, made by the first push: later pushes cost one ``sendmsg``, not a new connection.
         """
         if not INBOX_NAME.fullmatch(inbox.socket) or not inbox.pid:
             return False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)  # no setblocking call
-        try:
-            sock.connect("\0" + inbox.socket)
-            if peer_pid(sock) != inbox.pid or sock.sendmsg([self._push], self._rights) != len(self._push):
-                sock.close()
-                return False
-        except OSError:
-            sock.close()
+        if inbox.links:
+            return self._push_linked(inbox)
+        sock = self._connect_inbox(inbox)
+        if sock is None or not self._sent_on(sock, self._push):
             return False
         self.pushed += 1
         self._hold(sock)
         return True
+
+    def _push_linked(self, inbox: server_info_pb2.LocalInbox) -> bool:
+        """``push`` on the link to ``inbox``, made now if there is none or the prefill closed it."""
+        with self._linking:
+            if self._closed:
+                return False
+            key = (inbox.socket, inbox.pid)
+            link = self._links.get(key)
+            if link is not None:
+                try:
+                    if link.sendmsg([self._linked_push], self._rights) == len(self._linked_push):
+                        self.pushed += 1
+                        return True
+                except (BlockingIOError, InterruptedError):
+                    return False  # the prefill is not reading now; its Register fetches
+                except OSError:
+                    pass  # the prefill closed the link: every lease it carried is gone already
+                # Closing our end would tell the prefill that every peer registered through this link
+                # is gone; only a link the prefill closed (or a send that did not go whole) is replaced.
+                del self._links[key]
+                self._hold(link)
+            link = self._connect_inbox(inbox)
+            if link is None or not self._sent_on(link, self._linked_push):
+                return False
+            # Links to prefills that are gone are dropped as new ones are made (rarely: one per prefill).
+            for other_key, other in list(self._links.items()):
+                if _hung_up(other):
+                    other.close()
+                    del self._links[other_key]
+            self._links[key] = link
+            self.pushed += 1
+            return True
+
+    def _sent_on(self, sock: socket.socket, message: bytes) -> bool:
+        """Send ``message`` with the arena on a new connection; closes it unless the message went whole."""
+        try:
+            if sock.sendmsg([message], self._rights) == len(message):
+                return True
+        except OSError:
+            pass
+        sock.close()
+        return False
+
+    @staticmethod
+    def _connect_inbox(inbox: server_info_pb2.LocalInbox) -> socket.socket | None:
+        """A connection to ``inbox``, once its listener is the published process; None otherwise."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)  # no setblocking call
+        try:
+            sock.connect("\0" + inbox.socket)
+            if peer_pid(sock) == inbox.pid:
+                return sock
+        except OSError:
+            pass
+        sock.close()
+        return None
 
     def _hold(self, conn: socket.socket) -> None:
         """Keep ``conn`` open while this arena is (its prefill sees the hang-up when it closes)."""
@@ -173,9 +232,11 @@ class ArenaServer:
 
     def close(self) -> None:
         """Stop listening and close every handed-over connection (prefills see the hang-up)."""
-        with self._lock:
+        with self._linking, self._lock:
             self._closed = True
             held, self._held = self._held, []
+            held += self._links.values()
+            self._links = {}
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -196,10 +257,13 @@ class Lease:
     sock: socket.socket
     pid: int
     """The decode process, from the socket's credentials."""
+    linked: bool = False
+    """``sock`` is a copy of the decode's link to the inbox, on which later pushes arrive: only a
+    hang-up says it is gone, not something to read."""
 
     def alive(self) -> bool:
         """False once the decode closed its end (it exited, or closed its executor)."""
-        return not _hung_up(self.sock)
+        return not _hung_up(self.sock, _GONE if self.linked else _GONE | select.POLLIN)
 
     def close(self) -> None:
         """Drop the connection and the mapping (the memory stays the decode's)."""
@@ -348,7 +412,7 @@ def _check_endpoint(endpoint: registration_pb2.LocalEndpoint) -> None:
 
 
 def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.LocalEndpoint, need: int,
-           checked: int | InvalidFieldError | None = None) -> Lease:
+           checked: int | InvalidFieldError | None = None, *, linked: bool = False) -> Lease:
     """Check the handed-over descriptor (``checked``: what ``check`` said of it already), map ``need`` bytes
     of it, and close it (the mapping stays)."""
     try:
@@ -370,7 +434,7 @@ def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.Lo
                                     metadata={"error": exc}) from exc
     finally:
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
-    return Lease(mapping=mapping, size=size, sock=sock, pid=pid)
+    return Lease(mapping=mapping, size=size, sock=sock, pid=pid, linked=linked)
 
 
 def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, timeout: float) -> tuple[int, int]:
@@ -502,17 +566,21 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
     return buf
 
 
-def _hung_up(sock: socket.socket) -> bool:
-    """True when the other end closed (or sent something, which the protocol never does), or this end was closed."""
+_GONE = select.POLLHUP | select.POLLERR | select.POLLRDHUP
+
+
+def _hung_up(sock: socket.socket, events: int = _GONE | select.POLLIN) -> bool:
+    """True when the other end closed (or, by default, sent something, which the protocol never does
+    after a handover), or this end was closed."""
     if sock.fileno() < 0:
         return True  # closed here (Lease.close): nothing can come through it any more
     poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
+    poller.register(sock, events)
     try:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 
 
-__all__ = ["ArenaServer", "HELLO", "Handover", "INBOX_NAME", "Lease", "PUSH", "REQUIRED_SEALS", "SOCKET_NAME", "check",
-           "create", "fetch", "peer_pid"]
+__all__ = ["ArenaServer", "HELLO", "Handover", "INBOX_NAME", "LINKED_PUSH", "Lease", "PUSH", "REQUIRED_SEALS",
+           "SOCKET_NAME", "check", "create", "fetch", "peer_pid"]

@@ -1,11 +1,20 @@
 """The prefill's inbox: local arenas that decodes push ahead of their Register (``arena.ArenaServer.push``).
 
 The prefill publishes the inbox in ``PrefillServerInfo.local_inbox`` (its abstract socket
-and pid). A push is one message on a fresh connection: ``arena.PUSH``, the registration's
-secret and the memfd. ``Inbox.claim`` hands a Register the push filed under its secret,
-checked exactly as a fetched arena (``arena.check``); the connection stays open as the
-lease's liveness channel. What a push may hold is bounded (``MAX_PUSHED``,
-``MAX_PUSHED_PER_PID``, ``PUSH_TTL_S``), since any local process can connect.
+and pid). A push is one message: ``arena.PUSH``, the registration's secret and the memfd.
+``Inbox.claim`` hands a Register the push filed under its secret, checked exactly as a
+fetched arena (``arena.check``); the connection stays open as the lease's liveness channel.
+
+A push starting ``arena.PUSH`` comes on a connection of its own, which the lease then takes.
+One starting ``arena.LINKED_PUSH`` makes its connection the decode's link: the inbox keeps
+reading it, each later push on it costs the decode one ``sendmsg`` (no socket, connect or
+credentials), and each lease holds a copy of it (``dup``), so the decode closing the link,
+or exiting, ends every lease it carried. The inbox publishes that it reads links
+(``LocalInbox.links``); a decode sends ``LINKED_PUSH`` to no other.
+
+What pushes may hold is bounded (``MAX_PUSHED``, ``MAX_PUSHED_PER_PID``, ``PUSH_TTL_S``),
+since any local process can connect: a connection not yet read, a link and an unclaimed
+push each take a place.
 """
 
 from __future__ import annotations
@@ -22,47 +31,67 @@ from pdproto.errors import InvalidFieldError
 from pdproto.v1 import registration_pb2, server_info_pb2
 
 # The wire format and the checks are the arena's: a push carries what a fetch would receive.
-from .arena import (_CTRUNC, _FIELD, _MAX_SECRET, _PUSH, PUSH, Lease, _check_endpoint, _descriptors, _lease, check,
-                    peer_pid)
+from .arena import (_CTRUNC, _FIELD, _MAX_SECRET, _PUSH, LINKED_PUSH, PUSH, Lease, _check_endpoint, _descriptors,
+                    _lease, check, peer_pid)
 
 MAX_PUSHED = 64
-"""Pushes an inbox holds unclaimed; more are closed (their decodes' Registers fetch instead)."""
+"""Places an inbox gives (connections not yet read, links, unclaimed pushes); past it new ones are
+closed (their decodes' Registers fetch instead)."""
 MAX_PUSHED_PER_PID = 8
-"""Unclaimed pushes one process may have waiting, so one process cannot take every place."""
+"""Places one process may take, so one process cannot take every place."""
 PUSH_TTL_S = 10.0
-"""How long a push waits for its Register before the inbox closes it."""
+"""How long a push waits for its Register (and a connection for its first push) before the inbox
+closes it."""
+_READS_PER_LINK = MAX_PUSHED_PER_PID + 1
+"""Pushes a Register reads from one link while looking for its own: more than its process may have
+waiting, and a bound, so a link that keeps sending cannot keep the reader going."""
 
 
 @dataclass
-class _Pushed:
-    """A decode's push: its connection, then (once read) the arena descriptor it carried."""
+class _Conn:
+    """An accepted connection the inbox reads: one whose first push has not come, or a link."""
 
     sock: socket.socket
     pid: int
     at: float
+    linked: bool = False
+    """Its first push was ``LINKED_PUSH``: the inbox reads it as long as it is open."""
+    watched: bool = False
+    """A loop reader waits for its next push."""
+
+
+@dataclass
+class _Pushed:
+    """A decode's push, read: the arena descriptor it carried, and the connection it came on."""
+
+    sock: socket.socket
+    """Its own connection, or (``linked``) the link it came on, which the inbox keeps."""
+    pid: int
+    at: float
+    linked: bool
     fd: int = -1
     checked: int | InvalidFieldError | None = None
     """What ``check`` said of the descriptor when it was read: its size, or why it is refused. It
     cannot change after: the seals it requires fix the size and forbid new seals, and the access
     mode of an open descriptor is fixed."""
-    watched: bool = False
-    """A loop reader waits for the message (it came after the connection)."""
 
     def close(self) -> None:
-        """Drop the descriptor and the connection (the decode sees the hang-up)."""
+        """Drop the descriptor and its own connection (the decode sees the hang-up), not a link."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.sock.close()
+        if not self.linked:
+            self.sock.close()
 
 
 class Inbox:
     """The prefill side of a push: arenas decodes hand over ahead of their Register, found by secret.
 
-    A decode's push completes (connect and send) before it sends Register, so ``claim`` finds
-    it by accepting and reading what waits; on an event loop (``watch``) pushes are read as
-    they arrive, while the Register is still on its way. Pushes are bounded in number, per
-    process and in age; one that does not fit is closed, and its Register fetches instead.
+    A decode's push completes (connect or link, and send) before it sends Register, so
+    ``claim`` finds it by accepting and reading what waits; on an event loop (``watch``)
+    pushes are read as they arrive, while the Register is still on its way. Places are
+    bounded in number, per process and (unless a link) in age; a push that does not fit is
+    closed, and its Register fetches instead.
     """
 
     def __init__(self) -> None:
@@ -74,17 +103,18 @@ class Inbox:
         self._listener.setblocking(False)
         self._pushed: dict[bytes, list[_Pushed]] = {}
         """Read pushes by secret, oldest first."""
-        self._unread: dict[int, _Pushed] = {}
-        """Accepted connections whose push has not arrived yet, by descriptor."""
+        self._conns: dict[int, _Conn] = {}
+        """Accepted connections the inbox reads (first push not come yet, or links), by descriptor."""
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.refused = 0
-        """Pushes closed unclaimed: malformed, over a bound, or not claimed within ``PUSH_TTL_S``."""
+        """Pushes and connections closed unclaimed: malformed, over a bound, or not claimed (or sent on)
+        within ``PUSH_TTL_S``."""
 
     def endpoint(self) -> server_info_pb2.LocalInbox:
         """What ``PrefillServerInfo.local_inbox`` publishes."""
-        return server_info_pb2.LocalInbox(socket=self.name, pid=os.getpid())
+        return server_info_pb2.LocalInbox(socket=self.name, pid=os.getpid(), links=True)
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read pushes on ``loop`` as they arrive (call on that loop's thread); a later loop takes over
@@ -92,13 +122,13 @@ class Inbox:
         with self._lock:
             if self._closed or (self._loop is not None and not self._loop.is_closed()):
                 return
-            for pushed in self._unread.values():
-                pushed.watched = False  # the closed loop's readers went with it
+            for conn in self._conns.values():
+                conn.watched = False  # the closed loop's readers went with it
             self._loop = loop
             loop.add_reader(self._listener.fileno(), self._acceptable)
-            for fd in self._unread:
+            for fd, conn in self._conns.items():
                 loop.add_reader(fd, self._readable, fd)
-                self._unread[fd].watched = True
+                conn.watched = True
 
     def claim(self, endpoint: registration_pb2.LocalEndpoint, need: int) -> Lease | None:
         """The lease of the arena pushed under ``endpoint.secret``, checked as ``fetch`` checks it;
@@ -124,9 +154,16 @@ class Inbox:
                                     f"not {endpoint.pid}", metadata={"pid": endpoint.pid, "pusher": pushed.pid})
         fd, pushed.fd = pushed.fd, -1
         try:
-            return _lease(pushed.sock, fd, pushed.pid, endpoint, need, pushed.checked)
+            # A link's lease holds a copy of it: the lease closing it leaves the link to later pushes.
+            sock = pushed.sock.dup() if pushed.linked else pushed.sock
+        except OSError as exc:
+            os.close(fd)
+            raise InvalidFieldError(_FIELD, "the pushed arena's connection could not be held",
+                                    metadata={"error": exc}) from exc
+        try:
+            return _lease(sock, fd, pushed.pid, endpoint, need, pushed.checked, linked=pushed.linked)
         except BaseException:
-            pushed.sock.close()  # _lease closed the descriptor
+            sock.close()  # _lease closed the descriptor
             raise
 
     def _acceptable(self) -> None:
@@ -137,27 +174,39 @@ class Inbox:
                 self._accept(time.monotonic(), most=1)
 
     def _readable(self, fd: int) -> None:
-        """The loop's callback for an accepted connection: read its push."""
+        """The loop's callback for a connection: read its next push (the loop calls again while more wait)."""
         with self._lock:
-            pushed = self._unread.get(fd)
-            if pushed is not None:
-                self._read(pushed)
+            conn = self._conns.get(fd)
+            if conn is not None:
+                self._read(conn, time.monotonic())
 
     def _take(self, now: float) -> None:
         """Read the pushes that arrived since, and accept new ones."""
-        for pushed in list(self._unread.values()):
-            self._read(pushed)
+        for conn in list(self._conns.values()):
+            self._drain(conn, now)
         self._accept(now)
 
+    def _drain(self, conn: _Conn, now: float) -> None:
+        """Read what waits on ``conn``: its push, or up to ``_READS_PER_LINK`` on a link."""
+        for _ in range(_READS_PER_LINK):
+            if not self._read(conn, now) or not conn.linked:
+                return
+
     def _sweep(self, now: float) -> None:
-        """Close pushes not claimed within ``PUSH_TTL_S``."""
-        if not self._unread and not self._pushed:
+        """Close pushes not claimed, and connections not sent on, within ``PUSH_TTL_S``."""
+        if not self._conns and not self._pushed:
             return
-        for pushed in [*self._unread.values(), *(p for v in self._pushed.values() for p in v)]:
-            if now - pushed.at >= PUSH_TTL_S:
-                self._refuse(pushed)
+        for conn in list(self._conns.values()):
+            if not conn.linked and now - conn.at >= PUSH_TTL_S:
+                self._drop(conn)
+                self.refused += 1
+        for waiting in self._pushed.values():
+            for pushed in waiting:
+                if now - pushed.at >= PUSH_TTL_S:
+                    pushed.close()
+                    self.refused += 1
         self._pushed = {secret: kept for secret, waiting in self._pushed.items()
-                        if (kept := [p for p in waiting if p.sock.fileno() >= 0])}
+                        if (kept := [p for p in waiting if p.fd >= 0])}
 
     def _accept(self, now: float, most: int = 2 * MAX_PUSHED) -> None:
         """Accept what waits, up to ``most`` (so a process connecting in a loop cannot keep this going),
@@ -165,72 +214,95 @@ class Inbox:
         self._sweep(now)
         for _ in range(most):
             try:
-                conn, _ = self._listener.accept()
-                conn.setblocking(False)
-                pid = peer_pid(conn)
+                sock, _ = self._listener.accept()
+                sock.setblocking(False)
+                pid = peer_pid(sock)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # closed under us (close())
-            pushed = _Pushed(sock=conn, pid=pid, at=now)
-            if len(self._unread) + sum(map(len, self._pushed.values())) >= MAX_PUSHED_PER_PID and \
-                    self._over_bounds(pid):  # under that count, no bound can be reached: skip the walk
+            if self._full(pid):
                 self.refused += 1
-                conn.close()
+                sock.close()
                 continue
-            self._unread[conn.fileno()] = pushed
-            self._read(pushed)
-            if self._loop is not None and conn.fileno() in self._unread:  # a decode between connect and send
-                self._loop.add_reader(conn.fileno(), self._readable, conn.fileno())
-                pushed.watched = True
+            conn = self._conns[sock.fileno()] = _Conn(sock=sock, pid=pid, at=now)
+            self._drain(conn, now)
+            if self._loop is not None and sock.fileno() in self._conns:  # a decode between connect and send, or a link
+                self._loop.add_reader(sock.fileno(), self._readable, sock.fileno())
+                conn.watched = True
 
-    def _over_bounds(self, pid: int) -> bool:
-        """True when the inbox holds ``MAX_PUSHED`` pushes, or ``MAX_PUSHED_PER_PID`` from ``pid``."""
-        held = [*self._unread.values(), *(p for v in self._pushed.values() for p in v)]
-        return len(held) >= MAX_PUSHED or sum(p.pid == pid for p in held) >= MAX_PUSHED_PER_PID
+    def _full(self, pid: int) -> bool:
+        """True when the inbox gives no place to ``pid`` now: ``MAX_PUSHED`` taken, or ``MAX_PUSHED_PER_PID`` by it."""
+        taken = len(self._conns) + sum(map(len, self._pushed.values()))
+        if taken < MAX_PUSHED_PER_PID:
+            return False  # under that count no bound can be reached: no walk
+        if taken >= MAX_PUSHED:
+            return True
+        mine = sum(c.pid == pid for c in self._conns.values())
+        return mine + sum(p.pid == pid for v in self._pushed.values() for p in v) >= MAX_PUSHED_PER_PID
 
-    def _read(self, pushed: _Pushed) -> None:
-        """Read ``pushed``'s message if it has come: file it by secret, or refuse it if malformed."""
+    def _read(self, conn: _Conn, now: float) -> bool:
+        """Read ``conn``'s next push if it has come: file it by secret, or refuse it if malformed; True when
+        something was read (a push, a refusal or the hang-up)."""
         try:
-            msg, ancdata, flags, _ = pushed.sock.recvmsg(_PUSH.size + _MAX_SECRET, socket.CMSG_SPACE(4 * 4),
-                                                         socket.MSG_CMSG_CLOEXEC)
+            msg, ancdata, flags, _ = conn.sock.recvmsg(_PUSH.size + _MAX_SECRET, socket.CMSG_SPACE(4 * 4),
+                                                       socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
-            return  # a decode between its connect and its send: read when it sends
+            return False  # a decode between its connect and its send, or an idle link
         except OSError:
             msg, ancdata, flags = b"", [], 0
-        self._forget(pushed)
         fds = _descriptors(ancdata)
-        ok = len(msg) >= _PUSH.size and len(fds) == 1 and not flags & _CTRUNC
-        if ok:
-            magic, length = _PUSH.unpack_from(msg)
-            ok = magic == PUSH and 16 <= length <= _MAX_SECRET and len(msg) == _PUSH.size + length
+        magic, length = _PUSH.unpack_from(msg) if len(msg) >= _PUSH.size else (b"", 0)
+        linked = magic == LINKED_PUSH
+        # A link carries linked pushes only; a connection's own push is its only message.
+        ok = (linked or (magic == PUSH and not conn.linked)) and len(fds) == 1 and not flags & _CTRUNC and \
+            16 <= length <= _MAX_SECRET and len(msg) == _PUSH.size + length
         if not ok:
             for fd in fds:
                 os.close(fd)
-            self._refuse(pushed)
-            return
-        pushed.fd = fds[0]  # the socket stays non-blocking: the lease only polls it for the hang-up
+            if msg or fds or not conn.linked:
+                self.refused += 1  # malformed (a link's hang-up is no refusal)
+            # A stream that carried something malformed cannot be read on: the link ends, and with
+            # it every lease it carried (the decode that sent it sees the hang-up).
+            self._drop(conn, shut=True)
+            return True
+        if not linked:
+            self._forget(conn)  # the connection is this push's own: the lease takes it
+        elif not conn.linked:
+            conn.linked = True
+        pushed = _Pushed(sock=conn.sock, pid=conn.pid, at=now, linked=linked, fd=fds[0])
+        # A push on a link takes a place of its own; the link's place stays taken.
+        if linked and self._full(conn.pid):
+            self.refused += 1
+            pushed.close()
+            return True
         try:
             pushed.checked = check(pushed.fd)  # here, while the Register is still on its way
         except InvalidFieldError as exc:
             pushed.checked = exc
         self._pushed.setdefault(msg[_PUSH.size:], []).append(pushed)
+        return True
 
-    def _forget(self, pushed: _Pushed) -> None:
-        """Stop waiting for ``pushed``'s message."""
-        fd = pushed.sock.fileno()
-        self._unread.pop(fd, None)
-        if pushed.watched and self._loop is not None:
+    def _forget(self, conn: _Conn) -> None:
+        """Stop reading ``conn``."""
+        fd = conn.sock.fileno()
+        self._conns.pop(fd, None)
+        if conn.watched and self._loop is not None:
             self._loop.remove_reader(fd)
-            pushed.watched = False
+            conn.watched = False
 
-    def _refuse(self, pushed: _Pushed) -> None:
-        self._forget(pushed)
-        pushed.close()
-        self.refused += 1
+    def _drop(self, conn: _Conn, *, shut: bool = False) -> None:
+        """Stop reading ``conn`` and close it; ``shut`` ends the connection itself, copies held by leases too."""
+        self._forget(conn)
+        if shut:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        conn.sock.close()
 
     def close(self) -> None:
-        """Stop listening and close every unclaimed push."""
+        """Stop listening and close every unclaimed push (the leases keep their connections)."""
         with self._lock:
             if self._closed:
                 return
@@ -251,10 +323,12 @@ class Inbox:
         with self._lock:
             if self._loop is not None and self._loop.is_closed():
                 self._loop = None
-            for pushed in [*self._unread.values(), *(p for v in self._pushed.values() for p in v)]:
-                self._forget(pushed)
-                pushed.close()
+            for waiting in self._pushed.values():
+                for pushed in waiting:
+                    pushed.close()
             self._pushed.clear()
+            for conn in list(self._conns.values()):
+                self._drop(conn)
             if self._listener.fileno() >= 0:
                 if self._loop is not None:
                     self._loop.remove_reader(self._listener.fileno())

@@ -375,19 +375,26 @@ class LocalInbox(_message.Message):
 
     SOCKET_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
     socket: _builtins.str
     """Abstract Unix socket (Linux, without the leading NUL): "pdproto-inbox-<pid>-<32 hex digits>"."""
     pid: _builtins.int
     """Process id of the prefill listening on `socket`; a decode pushes to no other process."""
+    links: _builtins.bool
+    """The inbox reads every push a connection carries, not only its first: a decode may keep one
+    connection (a link) to this inbox and push each later arena on it. Unset (older prefills):
+    one connection per push, as each connection's first message is the only one read.
+    """
     def __init__(
         self,
         *,
         socket: _builtins.str = ...,
         pid: _builtins.int = ...,
+        links: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "socket", b"socket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links", "pid", b"pid", "socket", b"socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
