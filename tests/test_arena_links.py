@@ -126,6 +126,7 @@ def test_a_link_carrying_something_malformed_is_shut_with_its_leases(
     name = _inbox(prefill)
     (first,) = _registrations(hostile.call("link", kind="good", inbox=name))
     prefill.connect("a", first)
+    (pending,) = _registrations(hostile.call("link", kind="good", inbox=name))  # not yet claimed
     if malformed == "single_push_on_a_link":
         (bad,) = _registrations(hostile.call("link", kind="good", inbox=name, magic="single"))
     else:
@@ -137,6 +138,8 @@ def test_a_link_carrying_something_malformed_is_shut_with_its_leases(
         prefill.connect("x", bad)
     assert hostile.call("link_state", inbox=name)["hung_up"] is True
     _gone(prefill, "a", _job(prefill))
+    with pytest.raises(RequestFailedError):  # a push read before the fault went with its link
+        prefill.connect("p", pending)
     # The process may link again; what it sends on the new link is read.
     hostile.call("unlink", inbox=name)
     (again,) = _registrations(hostile.call("link", kind="good", inbox=name))

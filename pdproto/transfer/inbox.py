@@ -292,8 +292,18 @@ class Inbox:
             conn.watched = False
 
     def _drop(self, conn: _Conn, *, shut: bool = False) -> None:
-        """Stop reading ``conn`` and close it; ``shut`` ends the connection itself, copies held by leases too."""
+        """Stop reading ``conn`` and close it; ``shut`` ends the connection itself, copies held by leases too.
+
+        A link's unclaimed pushes go with it: a lease needs the link as its liveness channel.
+        """
         self._forget(conn)
+        if conn.linked:
+            for waiting in self._pushed.values():
+                for pushed in [p for p in waiting if p.sock is conn.sock]:
+                    waiting.remove(pushed)
+                    pushed.close()
+                    self.refused += 1
+            self._pushed = {secret: waiting for secret, waiting in self._pushed.items() if waiting}
         if shut:
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
