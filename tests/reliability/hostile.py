@@ -10,8 +10,9 @@ token-holding decode tries everything the issue named:
 * registrations naming the bystander: its notify endpoint, and its arena (engine identity),
   each refused ``IDENTITY_IN_USE`` while the bystander reads its status stream;
 * registrations naming hostile arenas: every kind ``tests/_arena_peer.py`` serves (unsealed,
-  FIFO, /dev/shm and disk files, ...), the same pushed to the server's inbox after a flood
-  of pushes, and old-style arena names that are a symlink to a file it does not own and a FIFO;
+  FIFO, /dev/shm and disk files, ...), the same pushed to the server's inbox and on a link to
+  it (then a flood and a malformed message on the link), a flood of pushes, and old-style
+  arena names that are a symlink to a file it does not own and a FIFO;
 * sessions opened back to back with its 100 kept statuses, each asking for the largest window
   and leaving after the first frame: past its snapshot allowance, refused ``TOO_MANY_STREAMS``;
 * twelve registrations of 16,000 KV buffers at once: past what the judge queues, refused
@@ -177,6 +178,22 @@ def _hostile_arenas(out: Outcome, client: HandshakeClient) -> None:
                 bytes.fromhex(reply["registration"])).local)
             expected = {Reason.PEER_GONE} if kind in ("two_fds", "no_fd", "wrong_answer") else {Reason.INVALID_FIELD}
             _expect_error(out, f"arena {kind} pushed", expected, lambda r=reg: client.register(r))
+        # The same arenas on a link (one connection carrying many pushes): each refused with its reason
+        # while the link goes on; then a flood on the link, then a malformed message, which shuts it.
+        if info.local_inbox.links:
+            for kind in KINDS:
+                if kind in ("good", "two_fds", "no_fd", "wrong_answer"):
+                    continue  # not a push at all: the malformed message below stands for them
+                (pushed,) = served.call("link", kind=kind, inbox=inbox)["registrations"]
+                reg = registration_pb2.KvRegistration()
+                reg.CopyFrom(base)
+                reg.local.CopyFrom(registration_pb2.KvRegistration.FromString(bytes.fromhex(pushed)).local)
+                _expect_error(out, f"arena {kind} pushed on a link", {Reason.INVALID_FIELD},
+                              lambda r=reg: client.register(r))
+            served.call("link", kind="good", inbox=inbox, count=4 * MAX_PUSHED_PER_PID)
+            served.call("link_raw", inbox=inbox, data_hex=(b"NOTAPUSH" + bytes(34)).hex())
+            out.faults += 2
+            client.get_server_info()  # the server is still answering
         # A flood of pushes takes this process's places in the inbox; another decode still pushes its own.
         flood = served.call("push", kind="good", inbox=inbox, count=4 * MAX_PUSHED_PER_PID)
         out.faults += 1
