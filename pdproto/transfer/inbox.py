@@ -25,6 +25,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdproto.errors import InvalidFieldError
@@ -200,13 +201,19 @@ class Inbox:
             if not conn.linked and now - conn.at >= PUSH_TTL_S:
                 self._drop(conn)
                 self.refused += 1
-        for waiting in self._pushed.values():
+        self._refuse_pushes(lambda pushed: now - pushed.at >= PUSH_TTL_S)
+
+    def _refuse_pushes(self, which: Callable[[_Pushed], bool]) -> None:
+        """Close the unclaimed pushes ``which`` picks, counted as refused."""
+        kept: dict[bytes, list[_Pushed]] = {}
+        for secret, waiting in self._pushed.items():
             for pushed in waiting:
-                if now - pushed.at >= PUSH_TTL_S:
+                if which(pushed):
                     pushed.close()
                     self.refused += 1
-        self._pushed = {secret: kept for secret, waiting in self._pushed.items()
-                        if (kept := [p for p in waiting if p.fd >= 0])}
+                else:
+                    kept.setdefault(secret, []).append(pushed)
+        self._pushed = kept
 
     def _accept(self, now: float, most: int = 2 * MAX_PUSHED) -> None:
         """Accept what waits, up to ``most`` (so a process connecting in a loop cannot keep this going),
@@ -266,10 +273,10 @@ class Inbox:
             # it every lease it carried (the decode that sent it sees the hang-up).
             self._drop(conn, shut=True)
             return True
-        if not linked:
-            self._forget(conn)  # the connection is this push's own: the lease takes it
-        elif not conn.linked:
+        if linked:
             conn.linked = True
+        else:
+            self._forget(conn)  # the connection is this push's own: the lease takes it
         pushed = _Pushed(sock=conn.sock, pid=conn.pid, at=now, linked=linked, fd=fds[0])
         # A push on a link takes a place of its own; the link's place stays taken.
         if linked and self._full(conn.pid):
@@ -298,12 +305,7 @@ class Inbox:
         """
         self._forget(conn)
         if conn.linked:
-            for waiting in self._pushed.values():
-                for pushed in [p for p in waiting if p.sock is conn.sock]:
-                    waiting.remove(pushed)
-                    pushed.close()
-                    self.refused += 1
-            self._pushed = {secret: waiting for secret, waiting in self._pushed.items() if waiting}
+            self._refuse_pushes(lambda pushed: pushed.sock is conn.sock)
         if shut:
             try:
                 conn.sock.shutdown(socket.SHUT_RDWR)
