@@ -107,8 +107,9 @@ def test_a_flooded_link_keeps_its_places_and_others_still_push(hostile: Child, p
         assert offer(rank.executor, server_info_pb2.PrefillServerInfo(local_inbox=prefill.inbox()))
         prefill.connect("mine", rank.registration())
         assert _server(rank).asked == 0
-        # The link takes a place, and its first pushes the rest of its share; the others were closed.
-        kept = inbox.MAX_PUSHED_PER_PID - 1
+        # The link and its first push take one place, its next pushes the rest of its share; the
+        # others were closed.
+        kept = inbox.MAX_PUSHED_PER_PID
         for i, reg in enumerate(regs[:kept]):
             prefill.connect(f"flood{i}", reg)
         for reg in (regs[kept], regs[-1]):
@@ -118,6 +119,26 @@ def test_a_flooded_link_keeps_its_places_and_others_still_push(hostile: Child, p
         assert hostile.call("link_state", inbox=name)["hung_up"] is False  # a bound closes pushes, not the link
     finally:
         rank.close()
+
+
+def test_a_process_with_a_link_per_executor_pushes_on_each_up_to_its_share(prefill: LocalExecutor) -> None:
+    """Each link's waiting push rides the link's place, so one process's share of places is links."""
+    info = server_info_pb2.PrefillServerInfo(local_inbox=prefill.inbox())
+    ranks = [DecodeRank.for_spec(SPEC, pages=8) for _ in range(inbox.MAX_PUSHED_PER_PID + 1)]
+    try:
+        for turn in range(2):  # links made, then every push on a link a lease still holds
+            for i, rank in enumerate(ranks[:-1]):
+                assert offer(rank.executor, info)
+                prefill.connect(f"r{i}.{turn}", rank.registration())
+        assert prefill.stats.arenas_pushed == 2 * inbox.MAX_PUSHED_PER_PID
+        assert [_server(rank).asked for rank in ranks[:-1]] == [0] * inbox.MAX_PUSHED_PER_PID
+        # A link more is past the process's share: closed at once, and that decode is asked instead.
+        offer(ranks[-1].executor, info)
+        prefill.connect("past", ranks[-1].registration())
+        assert (prefill.stats.arenas_pushed, _server(ranks[-1]).asked) == (2 * inbox.MAX_PUSHED_PER_PID, 1)
+    finally:
+        for rank in ranks:
+            rank.close()
 
 
 @pytest.mark.parametrize("malformed", ["garbage", "single_push_on_a_link", "no_descriptor"])

@@ -13,8 +13,8 @@ or exiting, ends every lease it carried. The inbox publishes that it reads links
 (``LocalInbox.links``); a decode sends ``LINKED_PUSH`` to no other.
 
 What pushes may hold is bounded (``MAX_PUSHED``, ``MAX_PUSHED_PER_PID``, ``PUSH_TTL_S``),
-since any local process can connect: a connection not yet read, a link and an unclaimed
-push each take a place.
+since any local process can connect: a connection not yet read, a link (with its first
+unclaimed push) and each other unclaimed push take a place.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from .arena import (_CTRUNC, _FIELD, _MAX_SECRET, _PUSH, LINKED_PUSH, PUSH, Leas
                     _lease, check, peer_pid)
 
 MAX_PUSHED = 64
-"""Places an inbox gives (connections not yet read, links, unclaimed pushes); past it new ones are
-closed (their decodes' Registers fetch instead)."""
+"""Places an inbox gives (connections not yet read, links with their first unclaimed push, other
+unclaimed pushes); past it new ones are closed (their decodes' Registers fetch instead)."""
 MAX_PUSHED_PER_PID = 8
 """Places one process may take, so one process cannot take every place."""
 PUSH_TTL_S = 10.0
@@ -238,15 +238,29 @@ class Inbox:
                 self._loop.add_reader(sock.fileno(), self._readable, sock.fileno())
                 conn.watched = True
 
-    def _full(self, pid: int) -> bool:
-        """True when the inbox gives no place to ``pid`` now: ``MAX_PUSHED`` taken, or ``MAX_PUSHED_PER_PID`` by it."""
-        taken = len(self._conns) + sum(map(len, self._pushed.values()))
-        if taken < MAX_PUSHED_PER_PID:
-            return False  # under that count no bound can be reached: no walk
-        if taken >= MAX_PUSHED:
-            return True
-        mine = sum(c.pid == pid for c in self._conns.values())
-        return mine + sum(p.pid == pid for v in self._pushed.values() for p in v) >= MAX_PUSHED_PER_PID
+    def _full(self, pid: int, *, room: int = 1) -> bool:
+        """True when fewer than ``room`` places are left to ``pid``: of ``MAX_PUSHED``, or of its
+        ``MAX_PUSHED_PER_PID``; ``room=0`` asks whether what is filed already is over a bound."""
+        upper = len(self._conns) + sum(map(len, self._pushed.values()))
+        if upper + room <= MAX_PUSHED_PER_PID:
+            return False  # no bound can be reached under that count: no walk
+        return self._taken() + room > MAX_PUSHED or self._taken(pid) + room > MAX_PUSHED_PER_PID
+
+    def _taken(self, pid: int | None = None) -> int:
+        """Places taken (by ``pid`` when given): each connection the inbox reads, and each unclaimed push
+        but a link's first, which waits in its link's place (one decode process with several
+        executors links each, and each link's push must not cost it a second place)."""
+        n = sum(c.pid == pid for c in self._conns.values()) if pid is not None else len(self._conns)
+        riding: set[socket.socket] = set()
+        for waiting in self._pushed.values():
+            for pushed in waiting:
+                if pid is not None and pushed.pid != pid:
+                    continue
+                if pushed.linked and pushed.sock not in riding:
+                    riding.add(pushed.sock)
+                else:
+                    n += 1
+        return n
 
     def _read(self, conn: _Conn, now: float) -> bool:
         """Read ``conn``'s next push if it has come: file it by secret, or refuse it if malformed; True when
@@ -278,8 +292,13 @@ class Inbox:
         else:
             self._forget(conn)  # the connection is this push's own: the lease takes it
         pushed = _Pushed(sock=conn.sock, pid=conn.pid, at=now, linked=linked, fd=fds[0])
-        # A push on a link takes a place of its own; the link's place stays taken.
-        if linked and self._full(conn.pid):
+        waiting = self._pushed.setdefault(msg[_PUSH.size:], [])
+        waiting.append(pushed)
+        # A link's first unclaimed push waits in the link's place; each more takes a place of its own.
+        if linked and self._full(conn.pid, room=0):
+            waiting.pop()
+            if not waiting:
+                del self._pushed[msg[_PUSH.size:]]
             self.refused += 1
             pushed.close()
             return True
@@ -287,7 +306,6 @@ class Inbox:
             pushed.checked = check(pushed.fd)  # here, while the Register is still on its way
         except InvalidFieldError as exc:
             pushed.checked = exc
-        self._pushed.setdefault(msg[_PUSH.size:], []).append(pushed)
         return True
 
     def _forget(self, conn: _Conn) -> None:
