@@ -141,6 +141,29 @@ def test_a_process_with_a_link_per_executor_pushes_on_each_up_to_its_share(prefi
             rank.close()
 
 
+def test_places_in_all_are_bounded_with_a_link_and_its_first_push_one(prefill: LocalExecutor,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MAX_PUSHED`` counted as ``MAX_PUSHED_PER_PID`` is (lowered here: one process reaches it)."""
+    monkeypatch.setattr(inbox, "MAX_PUSHED", 4)
+    info = server_info_pb2.PrefillServerInfo(local_inbox=prefill.inbox())
+    ranks = [DecodeRank.for_spec(SPEC, pages=8) for _ in range(5)]
+    try:
+        for rank in ranks:
+            assert offer(rank.executor, info)
+        # Four links, each with its push waiting, fill the four places: the fifth link is closed at once.
+        for i, rank in enumerate(ranks):
+            prefill.connect(f"r{i}", rank.registration())
+        assert [_server(rank).asked for rank in ranks] == [0, 0, 0, 0, 1]
+        # A second push waiting on a link takes a place of its own: none is left, so it is closed.
+        assert offer(ranks[0].executor, info) and offer(ranks[0].executor, info)
+        prefill.connect("again", ranks[0].registration())
+        prefill.connect("twice", ranks[0].registration())
+        assert (prefill.stats.arenas_pushed, _server(ranks[0]).asked) == (5, 1)
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
 @pytest.mark.parametrize("malformed", ["garbage", "single_push_on_a_link", "no_descriptor"])
 def test_a_link_carrying_something_malformed_is_shut_with_its_leases(
         hostile: Child, prefill: LocalExecutor, malformed: str) -> None:

@@ -242,7 +242,7 @@ class Inbox:
         """True when fewer than ``room`` places are left to ``pid``: of ``MAX_PUSHED``, or of its
         ``MAX_PUSHED_PER_PID``; ``room=0`` asks whether what is filed already is over a bound."""
         upper = len(self._conns) + sum(map(len, self._pushed.values()))
-        if upper + room <= MAX_PUSHED_PER_PID:
+        if upper + room <= min(MAX_PUSHED, MAX_PUSHED_PER_PID):
             return False  # no bound can be reached under that count: no walk
         return self._taken() + room > MAX_PUSHED or self._taken(pid) + room > MAX_PUSHED_PER_PID
 
