@@ -244,23 +244,24 @@ class Inbox:
         upper = len(self._conns) + sum(map(len, self._pushed.values()))
         if upper + room <= min(MAX_PUSHED, MAX_PUSHED_PER_PID):
             return False  # no bound can be reached under that count: no walk
-        return self._taken() + room > MAX_PUSHED or self._taken(pid) + room > MAX_PUSHED_PER_PID
+        taken, mine = self._taken(pid)
+        return taken + room > MAX_PUSHED or mine + room > MAX_PUSHED_PER_PID
 
-    def _taken(self, pid: int | None = None) -> int:
-        """Places taken (by ``pid`` when given): each connection the inbox reads, and each unclaimed push
+    def _taken(self, pid: int) -> tuple[int, int]:
+        """Places taken in all, and by ``pid``: each connection the inbox reads, and each unclaimed push
         but a link's first, which waits in its link's place (one decode process with several
         executors links each, and each link's push must not cost it a second place)."""
-        n = sum(c.pid == pid for c in self._conns.values()) if pid is not None else len(self._conns)
+        taken = len(self._conns)
+        mine = sum(c.pid == pid for c in self._conns.values())
         riding: set[socket.socket] = set()
         for waiting in self._pushed.values():
             for pushed in waiting:
-                if pid is not None and pushed.pid != pid:
-                    continue
                 if pushed.linked and pushed.sock not in riding:
                     riding.add(pushed.sock)
                 else:
-                    n += 1
-        return n
+                    taken += 1
+                    mine += pushed.pid == pid
+        return taken, mine
 
     def _read(self, conn: _Conn, now: float) -> bool:
         """Read ``conn``'s next push if it has come: file it by secret, or refuse it if malformed; True when
