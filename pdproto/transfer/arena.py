@@ -133,9 +133,14 @@ class ArenaServer:
             conn.close()
             return
         _time_left(conn, deadline)
-        conn.sendmsg([_ANSWER.pack(HELLO, self.size)], self._rights)
-        conn.settimeout(None)
+        # Counted before the answer goes, so a prefill that holds the arena finds it counted already.
         self.asked += 1
+        try:
+            conn.sendmsg([_ANSWER.pack(HELLO, self.size)], self._rights)
+        except OSError:
+            self.asked -= 1
+            raise
+        conn.settimeout(None)
         self._hold(conn)
 
     def push(self, inbox: server_info_pb2.LocalInbox) -> bool:
