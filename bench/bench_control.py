@@ -6,15 +6,13 @@ this process (asyncio), one request in flight per peer: send one request's desti
 (room, pages, prefix), then receive its terminal status. The requests are dummies (no
 KV bytes move), so only the control plane is measured.
 
-* pdproto: ``pdproto serve --session-lane``; each peer registers, then submits on its
-  session and waits for the room's terminal status (``AsyncHandshakeClient`` defaults,
-  which move the session to the lane), and again with ``session_lane=False`` (the same
-  session on the gRPC ``Session`` RPC).
+* pdproto: ``pdproto serve``; each peer registers, then submits on its session (the gRPC
+  ``Session`` RPC) and waits for the room's terminal status (``AsyncHandshakeClient`` defaults).
 * ZMQ: SGLang 0.5.23's positional frames over PUSH/PULL (``bench/_control_baselines.py``).
 * echo: a gRPC stream that sends each message straight back: what gRPC itself costs.
 
-The four run in turn at each concurrency, three times, so a shared machine's noise hits
-them alike; each ratio is taken within one repetition. Then the session (lane) and ZMQ
+The three run in turn at each concurrency, three times, so a shared machine's noise hits
+them alike; each ratio is taken within one repetition. Then the session and ZMQ
 again with several requests in flight per peer (``DEPTH``, as a scheduler step submits
 them), the ZMQ peer with one reader handing each status to its request. CPU per request
 is each process's user+system time over the measured window divided by the requests it
@@ -88,13 +86,13 @@ class Peer(Protocol):
 class PdprotoPeer:
     """A decode rank with its own arena (a shared one would make the peers one identity)."""
 
-    def __init__(self, target: str, index: int, *, lane: bool = True) -> None:
+    def __init__(self, target: str, index: int) -> None:
         self.executor = create_executor("local", arena_bytes=4 << 20)
         self.executor.allocate(1 << 20)
         endpoint = self.executor.endpoint()
         assert isinstance(endpoint, registration_pb2.LocalEndpoint)
         self.registration = _registration(endpoint, index)
-        self.client = AsyncHandshakeClient(target, timeout=10, session_lane=lane)
+        self.client = AsyncHandshakeClient(target, timeout=10)
         self.peer_id = ""
         self.room = index * 10_000_000
 
@@ -194,8 +192,8 @@ def _process(*args: str) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, in
             proc.wait(timeout=5)
 
 
-async def _run_pdproto(target: str, n: int, pid: int, *, lane: bool = True, deep: bool = False) -> Sample:
-    peers = [PdprotoPeer(target, 1000 + i, lane=lane) for i in range(n)]
+async def _run_pdproto(target: str, n: int, pid: int, *, deep: bool = False) -> Sample:
+    peers = [PdprotoPeer(target, 1000 + i) for i in range(n)]
     try:
         await asyncio.gather(*(p.setup() for p in peers))
         return await (measure_deep([p.request_room for p in peers], pid) if deep else measure(peers, pid))
@@ -298,7 +296,7 @@ async def run_all() -> tuple[tuple[list[float], list[float], list[float]], dict[
     """Start the three servers, then measure Register and every system at every concurrency."""
     serve = ["-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", "--layers", "4", "--row-bytes", "1152",
              "--pages", "64", "--page-size", str(PAGE_SIZE), "--prompt-tokens", "64", "--chunk-tokens", "64",
-             "--max-inflight", "64", "--session-lane", "127.0.0.1:0"]
+             "--max-inflight", "64"]
     payload = transfer_pb2.TransferInfo(room=10_000_001, dst_kv_pages=PAGES, decode_prefix_len=0,
                                         is_dummy=True).SerializeToString()
     with _process(*serve) as (pd, pd_port), _process("-m", "bench._control_baselines", "zmq") as (zq, zq_port), \
@@ -307,7 +305,6 @@ async def run_all() -> tuple[tuple[list[float], list[float], list[float]], dict[
         register = await register_latencies(target, echo)
         runners: dict[str, Runner] = {
             "pdproto": lambda n: _run_pdproto(target, n, pd.pid),
-            "grpc": lambda n: _run_pdproto(target, n, pd.pid, lane=False),
             "zmq": lambda n: _run_zmq(zq_port["port"], n, zq.pid),
             "echo": lambda n: _run_echo(echo, n, ec.pid, payload),
         }
@@ -349,28 +346,25 @@ def main() -> int:
           f"{_pct(built, 50) / echo:6.2f}x")
     print(f"\ncontrol-plane throughput (submit + terminal status, dummy requests; {REPETITIONS} x {SECONDS:g} s per "
           "cell, systems interleaved)")
-    print("  session: on the session lane (the default client, --session-lane); gRPC: the same session on the "
-          "Session RPC")
+    print("  session: the default client, on the gRPC Session RPC")
     print(f"  {'peers':>5}  {'session req/s':>13}  {'ZMQ req/s':>9}  {'session/ZMQ min/med/max':>23}  "
-          f"{'gRPC/ZMQ med':>12}  {'echo/ZMQ med':>12}")
+          f"{'echo/ZMQ med':>12}")
     for p in CONCURRENCY:
         pd, zq = samples["pdproto"][p], samples["zmq"][p]
         ratios = sorted(a.rate / b.rate for a, b in zip(pd, zq, strict=True))
         spread = f"{ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}"
-        grpc_ratio, echo_ratio = (statistics.median(a.rate / b.rate for a, b in zip(samples[n][p], zq, strict=True))
-                                  for n in ("grpc", "echo"))
-        print(f"  {p:>5}  {_med(pd, 'rate'):>13.0f}  {_med(zq, 'rate'):>9.0f}  {spread:>23}  "
-              f"{grpc_ratio:>12.2f}  {echo_ratio:>12.2f}")
+        echo_ratio = statistics.median(a.rate / b.rate for a, b in zip(samples["echo"][p], zq, strict=True))
+        print(f"  {p:>5}  {_med(pd, 'rate'):>13.0f}  {_med(zq, 'rate'):>9.0f}  {spread:>23}  {echo_ratio:>12.2f}")
     print("  (target: median session/ZMQ >= 1.0 at 8 and 32 peers; loopback, client and server share the cores)")
     print("\nCPU per request, microseconds (median over repetitions; server process / client process)")
-    print(f"  {'peers':>5}  {'session srv/cli':>15}  {'gRPC srv/cli':>12}  {'ZMQ srv/cli':>11}  {'echo srv/cli':>12}")
+    print(f"  {'peers':>5}  {'session srv/cli':>15}  {'ZMQ srv/cli':>11}  {'echo srv/cli':>12}")
     for p in CONCURRENCY:
         cells = [f"{_med(samples[n][p], 'server_us'):.0f} / {_med(samples[n][p], 'client_us'):.0f}"
-                 for n in ("pdproto", "grpc", "zmq", "echo")]
-        print(f"  {p:>5}  {cells[0]:>15}  {cells[1]:>12}  {cells[2]:>11}  {cells[3]:>12}")
+                 for n in ("pdproto", "zmq", "echo")]
+        print(f"  {p:>5}  {cells[0]:>15}  {cells[1]:>11}  {cells[2]:>12}")
     pd, zq = deep["pdproto"], deep["zmq"]
     ratios = sorted(a.rate / b.rate for a, b in zip(pd, zq, strict=True))
-    print(f"\nseveral requests in flight: {DEEP_PEERS} peers x {DEPTH} each, session (lane) against ZMQ with one "
+    print(f"\nseveral requests in flight: {DEEP_PEERS} peers x {DEPTH} each, session against ZMQ with one "
           f"status reader per peer; {REPETITIONS} x {SECONDS:g} s")
     print(f"  session {_med(pd, 'rate'):.0f} req/s, ZMQ {_med(zq, 'rate'):.0f} req/s; session/ZMQ min/med/max "
           f"{ratios[0]:.2f} / {statistics.median(ratios):.2f} / {ratios[-1]:.2f}; CPU us srv/cli: session "

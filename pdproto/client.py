@@ -12,10 +12,7 @@ By default submits, aborts and status waits of a peer travel on one Session stre
 (``pdproto.client_session``): a broken stream is resumed within the caller's deadline,
 and what the server has not acknowledged is sent again, so no result or terminal status
 is lost or repeated. A deadline that passes while the stream is still broken (a dead or
-unreachable prefill) raises ``UnavailableError`` naming the cause. When the server runs a
-session lane (``SessionOpened.lane_port``, ``pdproto.client_lane``) the session moves there,
-on the host of ``target``, with the same token and TLS; ``session_lane=False`` keeps it on
-gRPC, as does a lane that takes no connection. ``session=False`` (or a
+unreachable prefill) raises ``UnavailableError`` naming the cause. ``session=False`` (or a
 server without the Session RPC) uses the unary calls; ``watch_status`` then re-opens a
 broken WatchStatus stream within its deadline, dropping what it already delivered.
 """
@@ -58,7 +55,6 @@ from .client_rpc import (
     make_settings,
     next_try,
 )
-from .client_lane import LaneDialer
 from .client_session import LoopThread, PeerSession, SessionUnsupportedError
 
 _T = TypeVar("_T")
@@ -78,9 +74,8 @@ def _deadline_error(rooms: Iterable[int]) -> PdprotoError:
 class _AsyncCore:
     """The asyncio half both clients share: sessions by peer, and the unary calls they fall back to."""
 
-    def __init__(self, s: Settings, secure: bool, creds: Credentials, use_session: bool, lane: bool) -> None:
+    def __init__(self, s: Settings, secure: bool, creds: Credentials, use_session: bool) -> None:
         self._s = s
-        self._lane = LaneDialer.of(s, secure) if lane else None
         self._secure = secure
         self._creds = creds
         self.use_session = use_session
@@ -122,7 +117,7 @@ class _AsyncCore:
         if s is None or s.credential != cred:
             if s is not None:
                 await s.close()
-            s = self._sessions[peer_id] = PeerSession(self.stub, self._s, peer_id, cred, lane=self._lane)
+            s = self._sessions[peer_id] = PeerSession(self.stub, self._s, peer_id, cred)
         try:
             await s.open(budget)
         except SessionUnsupportedError:
@@ -219,7 +214,7 @@ class HandshakeClient:
     def __init__(self, target: str, *, token: str | None = None, root_cert: bytes | str | Path | None = None,
                  tls: bool = False, timeout: float = 5.0, retry: RetryConfig | None = None,
                  channel: ChannelConfig | None = None, server_name: str | None = None,
-                 session: bool = True, session_lane: bool = True) -> None:
+                 session: bool = True) -> None:
         self._s, secure = make_settings(target, token, root_cert, timeout, retry, channel, server_name, tls)
         if secure:
             creds = grpc.ssl_channel_credentials(root_certificates=self._s.root_cert)
@@ -228,7 +223,7 @@ class HandshakeClient:
             self._channel = grpc.insecure_channel(target, options=self._s.options())
         self._stub = hs_grpc.HandshakeServiceStub(self._channel)
         self._creds = Credentials()
-        self._aio = _AsyncCore(self._s, secure, self._creds, session, session_lane)
+        self._aio = _AsyncCore(self._s, secure, self._creds, session)
         self._loop: LoopThread | None = None
 
     def _run(self, coro_fn: Callable[[], Any]) -> Any:
@@ -409,10 +404,10 @@ class AsyncHandshakeClient:
     def __init__(self, target: str, *, token: str | None = None, root_cert: bytes | str | Path | None = None,
                  tls: bool = False, timeout: float = 5.0, retry: RetryConfig | None = None,
                  channel: ChannelConfig | None = None, server_name: str | None = None,
-                 session: bool = True, session_lane: bool = True) -> None:
+                 session: bool = True) -> None:
         self._s, secure = make_settings(target, token, root_cert, timeout, retry, channel, server_name, tls)
         self._creds = Credentials()
-        self._core = _AsyncCore(self._s, secure, self._creds, session, session_lane)
+        self._core = _AsyncCore(self._s, secure, self._creds, session)
 
     def credential(self, peer_id: str) -> bytes:
         """The credential this client holds for ``peer_id`` (empty if none)."""

@@ -7,17 +7,12 @@ resolves the callers: a command's result, a room's terminal status, a watcher's 
 status. A caller writes its own command (no task per request); while a write is in
 progress, later commands join the writer's next message. The sync client drives the
 same class on a private event loop thread (``LoopThread``).
-
-A stream is a gRPC ``Session`` call, or a connection to the server's session lane
-(``pdproto.client_lane``): a session opens on gRPC, and when ``SessionOpened`` names a
-lane port it is resumed there at once. The rules above are the same on both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -30,14 +25,7 @@ from pdproto.errors import PdprotoError, Reason, UnavailableError
 from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
 
-from .client_lane import LaneDialer, LaneUnreachableError
 from .client_rpc import Settings, deadline_error, error_from_command, error_from_rpc, next_try, retry_hint
-
-log = logging.getLogger("pdproto.client")
-
-LANE_BREAKS = 3
-"""Lane streams in a row that may break before opening before the session serves on gRPC instead:
-a lane that keeps breaking (a middlebox resetting it, a flapping link) must not stall the session."""
 
 _T = TypeVar("_T")
 
@@ -69,7 +57,7 @@ class PeerSession:
     """A peer's session: commands out, events in, resumed on a new stream after a break."""
 
     def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str, credential: bytes,
-                 *, event_window: int = DEFAULT_EVENT_WINDOW, lane: LaneDialer | None = None) -> None:
+                 *, event_window: int = DEFAULT_EVENT_WINDOW) -> None:
         self.peer_id = peer_id
         self.credential = credential
         self._stub = stub
@@ -86,14 +74,6 @@ class PeerSession:
         self._resent: set[int] = set()
         """Seqs of submits sent again in a new session: DUPLICATE_REQUEST then means it was applied."""
         self._call: Any = None
-        self._lane = lane
-        """How to reach the server's session lane; None: gRPC streams only."""
-        self.lane_port = 0
-        """The lane port the server told (SessionOpened.lane_port)."""
-        self._lane_told = False
-        """The lane port was told by the last gRPC stream and not reached since."""
-        self._lane_breaks = 0
-        """Lane streams in a row that broke before they opened."""
         self._pump: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._changed = asyncio.Event()
@@ -119,17 +99,8 @@ class PeerSession:
         backoffs = self._s.backoffs()
         while not self._closed:
             try:
-                if await self._stream():
-                    continue  # the server has a lane: resume the session there at once
+                await self._stream()
                 error: PdprotoError = UnavailableError("the session stream ended")
-            except LaneUnreachableError as exc:
-                # Back to gRPC, which tells the lane port again (a restarted server has a new one);
-                # a lane unreachable right after it was told is behind a firewall: gRPC from then on.
-                if self._lane_told and self._lane is not None:
-                    log.warning("session of peer %s: %s; staying on gRPC", self.peer_id, exc.message)
-                    self._lane.unreachable.add(self.lane_port)
-                self.lane_port = 0
-                continue
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 error.__cause__ = exc
@@ -156,9 +127,6 @@ class PeerSession:
             self.broken = error
             if opened:  # the stream worked: the next break starts again from the first backoff
                 backoffs = self._s.backoffs()
-            elif self.lane_port:  # broke on the lane before it opened: resume on gRPC, which tells it again
-                self._lane_breaks += 1
-                self.lane_port = 0
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
@@ -178,10 +146,9 @@ class PeerSession:
                 return
             await asyncio.sleep(delay)
 
-    async def _stream(self) -> bool:
-        """One stream: open or resume, replay, then read until it breaks; True to move to the lane."""
-        lane = self._lane if self.lane_port else None
-        call = lane.call(self.lane_port) if lane is not None else self._stub.Session(metadata=self._s.metadata())
+    async def _stream(self) -> None:
+        """One stream: open or resume, replay, then read until it breaks."""
+        call = self._stub.Session(metadata=self._s.metadata())
         self._call = call
         opening = session_pb2.SessionOpen(peer_id=self.peer_id, peer_credential=self.credential,
                                           resume_session_id=self.session_id, event_window=self.inbox.window)
@@ -195,16 +162,6 @@ class PeerSession:
         self.inbox.window = opened.event_window or self.inbox.window
         self.outbox.resume(opened.applied_command_seq if opened.resumed else 0)
         self._dispatch(first)
-        if lane is None and opened.lane_port and self._lane is not None \
-                and opened.lane_port not in self._lane.unreachable:
-            if self._lane_breaks < LANE_BREAKS:
-                self.lane_port = opened.lane_port
-                self._lane_told = True
-                return True  # commands wait in the outbox for the lane stream
-            log.warning("session of peer %s: the lane at port %d broke %d times before opening; "
-                        "this stream stays on gRPC", self.peer_id, opened.lane_port, self._lane_breaks)
-        self._lane_told = False
-        self._lane_breaks = 0  # on the lane, or on gRPC after it broke: the next break may try it again
         self.broken = None
         self._ready.set()
         self._changed.set()
@@ -212,7 +169,7 @@ class PeerSession:
         while True:
             response = await call.read()
             if not isinstance(response, hs.SessionResponse):
-                return False  # EOF without a status: treated as a break
+                return  # EOF without a status: treated as a break
             self._dispatch(response)
             if self.inbox.ack_due(self.command_window):
                 await self.flush()
@@ -285,7 +242,7 @@ class PeerSession:
                 if not commands and not self.inbox.ack_due(self.command_window):
                     return
                 await call.write(hs.SessionRequest(commands=commands, event_ack=self.inbox.ack()))
-        except (grpc.RpcError, asyncio.InvalidStateError, UnavailableError):
+        except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the stream broke; the pump resumes it and the outbox sends these again
         finally:
             self._writing = False
@@ -295,7 +252,7 @@ class PeerSession:
             self._writing = True
             try:
                 await self._call.write(hs.SessionRequest(event_ack=self.inbox.ack()))
-            except (grpc.RpcError, asyncio.InvalidStateError, UnavailableError):
+            except (grpc.RpcError, asyncio.InvalidStateError):
                 pass
             finally:
                 self._writing = False

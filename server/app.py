@@ -22,7 +22,6 @@ from pdproto.v1 import SERVICE_NAME
 
 from .auth import BearerTokenInterceptor, OperatorToken, require_token_policy
 from .core import HandshakeCore
-from .lane import SessionLane, server_tls
 from .service import HandshakeServicer, add_to_server
 
 log = logging.getLogger("pdproto_server.app")
@@ -49,14 +48,6 @@ class ServerConfig:
     """Keepalive and message-size options (the client uses the same)."""
     grace: float = 10.0
     """Seconds in-flight work may take to finish after SIGTERM."""
-    session_lane: str | None = None
-    """host:port of the session lane (``lane.py``; port 0 picks one), or None for none. Same token and TLS."""
-    lane_open_timeout: float = 10.0
-    """Seconds a lane connection has to open its session (its TLS handshake included)."""
-    lane_max_unopened: int = 64
-    """Lane connections that have not opened a session yet, at most; more are closed on arrival."""
-    lane_advertise_port: int = 0
-    """The lane port clients are told, when it is not the bound one (NAT, a port forward); 0: the bound one."""
 
 
 @dataclass
@@ -68,21 +59,12 @@ class RunningServer:
     core: HandshakeCore
     port: int
     config: ServerConfig
-    lane: SessionLane | None = None
-    """The session lane, when ``config.session_lane`` asked for one."""
-
-    @property
-    def lane_port(self) -> int:
-        """The session lane's bound port (0: no lane)."""
-        return self.lane.port if self.lane is not None else 0
 
     async def shutdown(self) -> None:
         """NOT_SERVING, drain in-flight requests, stop the server, release everything."""
         await self.health.enter_graceful_shutdown()
         await self.core.drain(self.config.grace)
         await self.server.stop(self.config.grace)
-        if self.lane is not None:
-            await self.lane.close(self.config.grace)
         await self.core.close()
 
 
@@ -97,8 +79,6 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
                           "and engine identity; give the operator a token of its own",
                           metadata={"setting": "operator_token"})
     require_token_policy(config.listen, config.token, allow_insecure=config.allow_unauthenticated)
-    if config.session_lane is not None:
-        require_token_policy(config.session_lane, config.token, allow_insecure=config.allow_unauthenticated)
     # An empty token is refused by the interceptor, never read as "no authentication".
     operator = OperatorToken(config.operator_token) if config.operator_token is not None else None
     interceptors = [BearerTokenInterceptor(config.token, operator=operator)] if config.token is not None else []
@@ -118,23 +98,11 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
         port = server.add_secure_port(config.listen, creds)
     else:
         port = server.add_insecure_port(config.listen)
-    lane = None
-    if config.session_lane is not None:
-        # Bound before anything starts: a lane address that cannot be had fails the start, cleanly.
-        tls = server_tls(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
-        lane = SessionLane(servicer.sessions, token=config.token, max_bytes=config.channel.max_message_bytes,
-                           open_timeout=config.lane_open_timeout, max_unopened=config.lane_max_unopened)
-        try:
-            bound = await lane.start(config.session_lane, tls)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on the session lane address {config.session_lane}: {exc}",
-                              metadata={"setting": "session_lane", "address": config.session_lane}) from exc
-        servicer.sessions.lane_port = config.lane_advertise_port or bound
     await core.start()
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, health=health, core=core, port=port, config=config, lane=lane)
+    return RunningServer(server=server, health=health, core=core, port=port, config=config)
 
 
 async def serve(core: HandshakeCore, config: ServerConfig, *,

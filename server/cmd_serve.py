@@ -2,7 +2,7 @@
 
 The pool and its chunks come from ``pdproto_demo.synthetic``, imported when the command runs.
 
-Prints one JSON line ``{"event": "listening", "port": ..., "metrics_port": ..., "lane_port": ...}`` on
+Prints one JSON line ``{"event": "listening", "port": ..., "metrics_port": ...}`` on
 stdout once it accepts calls (tests and scripts read the bound port from it), and
 exits 0 after a graceful SIGTERM.
 """
@@ -55,15 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="serve a non-loopback address without a token (trusted networks only)")
     net.add_argument("--tls-cert", type=Path, help="PEM server certificate chain")
     net.add_argument("--tls-key", type=Path, help="PEM server private key")
-    net.add_argument("--session-lane", metavar="HOST:PORT", default=None,
-                     help="also serve sessions as length-prefixed frames on this address (port 0 picks one); "
-                          "clients reach it on the host they reached --listen on")
-    net.add_argument("--lane-advertise-port", type=int, default=0, metavar="PORT",
-                     help="the lane port clients are told, when a NAT or port forward maps it (default: the bound one)")
-    net.add_argument("--lane-open-timeout", type=float, default=10.0, metavar="S",
-                     help="seconds a lane connection has to open its session")
-    net.add_argument("--lane-max-unopened", type=int, default=64, metavar="N",
-                     help="lane connections without a session at once; more are closed on arrival")
     net.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 picks one)")
     net.add_argument("--grace", type=float, default=10.0, help="drain seconds after SIGTERM")
     net.add_argument("--max-message-bytes", type=int, default=4 << 20)
@@ -162,8 +153,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         tls_key=_read_file(args.tls_key, "--tls-key") if args.tls_key else None,
         channel=ChannelConfig(max_message_bytes=args.max_message_bytes, keepalive_time_ms=args.keepalive_ms,
                               min_ping_interval_ms=min(10_000, args.keepalive_ms)),
-        grace=args.grace, session_lane=args.session_lane, lane_open_timeout=args.lane_open_timeout,
-        lane_max_unopened=args.lane_max_unopened, lane_advertise_port=args.lane_advertise_port)
+        grace=args.grace)
 
 
 def _inline_bytes(value: str) -> int:
@@ -213,8 +203,8 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
 
         def ready(running: RunningServer) -> None:
             _collect_less()
-            print(json.dumps({"event": "listening", "port": running.port, "metrics_port": metrics_port,
-                              "lane_port": running.lane_port}), flush=True)
+            print(json.dumps({"event": "listening", "port": running.port, "metrics_port": metrics_port}),
+                  flush=True)
 
         try:
             return await serve(core, config, ready=ready)

@@ -68,15 +68,7 @@ class ServiceMetrics:
         self.notifications = Counter(
             "pdproto_chunk_notifications", "Per-chunk completion notifications delivered through the engine.",
             registry=r)
-        self.session_streams = Gauge(
-            "pdproto_session_streams", "Session streams being served, by transport (grpc, or lane: the session lane).",
-            ["transport"], registry=r)
-        self.lane_turned_away = Counter(
-            "pdproto_lane_turned_away",
-            "Session lane connections closed before a session opened, by why: crowded (--lane-max-unopened"
-            " reached), silent (no preface or SessionOpen within --lane-open-timeout), preface (not the lane's"
-            " preface), refused (the open was refused: token, credential, session id, size).",
-            ["why"], registry=r)
+        self.session_streams = Gauge("pdproto_session_streams", "Session streams being served.", registry=r)
         self.snapshots_refused = Counter(
             "pdproto_snapshots_refused",
             "Status streams (WatchStatus, new or resumed sessions) and Describe calls refused because their peer"
@@ -114,7 +106,7 @@ class _PerRequest(Collector):
     """``pdproto_requests`` and ``pdproto_requests_inflight``, read from plain counts when scraped.
 
     Both change on every request, on the event loop; a prometheus_client child takes a lock
-    per change, about 5 % of the server's CPU per request at 32 peers (docs/protocol.md, section 2c, the lane's cost).
+    per change, about 5 % of the server's CPU per request at 32 peers (docs/perf-log.md).
     A scrape (another thread) copies the dict in one C call under the GIL.
     """
 

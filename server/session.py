@@ -6,12 +6,11 @@ missed), and keeps its ``EventLog`` (``pdproto.session``) while no stream is att
 for ``Limits.keep_finished`` seconds, so a client that lost its stream resumes without
 losing or repeating an event.
 
-A stream (a gRPC call, or a connection of the session lane, ``lane.py``) is two
-coroutines: the handler writes (it sleeps until the log has something sendable, then
+A stream (one gRPC ``Session`` call) is two coroutines: the handler writes (it sleeps until the log has something sendable, then
 writes everything the window allows in one message) and one reader task per stream
 applies acknowledgements and commands in order. A command beyond the client's command
 window is held unread; with ``command_window`` commands held the reader stops reading,
-so a flooding client stalls on HTTP/2 (or TCP) flow control while other peers' streams
+so a flooding client stalls on HTTP/2 flow control while other peers' streams
 carry on. The credential is checked once per stream, in ``SessionOpen``.
 """
 
@@ -41,7 +40,7 @@ APPLY_TURN = 32
 
 
 class Ctx(Protocol):
-    """What a stream offers the hub: a gRPC call's context, or a session lane connection (``lane.py``)."""
+    """What a stream offers the hub: the gRPC call's context (``read``, ``write``)."""
 
     async def read(self) -> object:
         """The next request, a ``Malformed`` one, or ``grpc.aio.EOF``."""
@@ -53,9 +52,7 @@ class Ctx(Protocol):
 class _Stream:
     """One attached stream: how to wake its writer, and whether a newer stream took over."""
 
-    def __init__(self, lane: bool) -> None:
-        self.lane = lane
-        """A session lane connection, not a gRPC call."""
+    def __init__(self) -> None:
         self.wake = asyncio.Event()
         self.replaced = False
         """A newer stream resumed the session: this one stops at once."""
@@ -153,7 +150,7 @@ class ServerSession:
 
     @property
     def attached(self) -> bool:
-        """A stream (gRPC or lane) serves the session now; a detached one waits for a resume."""
+        """A stream serves the session now; a detached one waits for a resume."""
         return self.stream is not None
 
     def wake(self) -> None:
@@ -170,16 +167,13 @@ class SessionHub:
         self.command_window = command_window
         self.sessions: dict[str, ServerSession] = {}
         self.started_at = time.monotonic()
-        self.lane_port = 0
-        """The session lane's port, told to every stream in SessionOpened (0: no lane)."""
         self.detached: Deadlines[ServerSession] = Deadlines()
         """Sessions without a stream, due to be forgotten ``keep_finished`` after they lost it."""
         core.on_tick.append(self.expire)
 
     # -- opening -------------------------------------------------------------
 
-    def open(self, request: hs.SessionRequest, *,
-             lane: bool = False) -> tuple[ServerSession, session_pb2.SessionOpened]:
+    def open(self, request: hs.SessionRequest) -> tuple[ServerSession, session_pb2.SessionOpened]:
         """Start or resume the session a stream's first message names; raises a typed error otherwise."""
         if not request.HasField("open"):
             raise InvalidFieldError("open", "the first message of a Session stream must carry SessionOpen")
@@ -210,12 +204,11 @@ class SessionHub:
         if session.stream is not None:
             session.stream.replaced = True
             session.stream.wake.set()
-        session.stream = _Stream(lane)
+        session.stream = _Stream()
         session.detached_at = None
         return session, session_pb2.SessionOpened(
             session_id=session.session_id, resumed=resumed, applied_command_seq=session.log.applied_command_seq,
-            event_window=session.log.event_window, command_window=session.log.command_window,
-            lane_port=self.lane_port)
+            event_window=session.log.event_window, command_window=session.log.command_window)
 
     def _new(self, peer: Peer, event_window: int) -> ServerSession:
         mine = self.of(peer)
@@ -255,28 +248,28 @@ class SessionHub:
 
     # -- one stream ------------------------------------------------------------
 
-    async def serve(self, context: Ctx, *, lane: bool = False) -> None:
+    async def serve(self, context: Ctx) -> None:
         """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
         first: object = await context.read()
         if isinstance(first, Malformed):
             first.raise_error()
         if not isinstance(first, hs.SessionRequest):
             return  # EOF: the client left before opening
-        session, opened = self.open(first, lane=lane)
+        session, opened = self.open(first)
         stream = session.stream
         assert stream is not None
         stream.task = asyncio.current_task()
         if session.ended is not None:
             session.cut_later()
         reader = asyncio.get_running_loop().create_task(self._read(context, session, stream, first))
-        streams = self.core.metrics.session_streams.labels(transport="lane" if lane else "grpc")
+        streams = self.core.metrics.session_streams
         streams.inc()
         try:
             await self._write(context, session, stream, opened, reader)
         except asyncio.CancelledError:
             if not stream.closing or session.ended is None:
                 raise
-            # Cut by cut_later: end with the session's reason (a lane sends it in its end frame).
+            # Cut by cut_later: end with the session's reason (the call's status).
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
@@ -354,7 +347,7 @@ class SessionHub:
                 await self._flush(context, session, stream)
                 while session.held and session.ended is None:
                     # Commands beyond the credit (a client ignoring its window; a compliant one
-                    # never has any): read nothing more, so HTTP/2 (or TCP) flow control stops
+                    # never has any): read nothing more, so HTTP/2 flow control stops
                     # its writes and what is held stays within one message, until credit frees.
                     session.progress.clear()
                     await session.progress.wait()

@@ -1,4 +1,4 @@
-"""What a flooding session peer must not do, checked the same way on gRPC and on the session lane.
+"""What a flooding session peer must not do (``tests/test_session.py``).
 
 A flooder writes submits without reading or acknowledging anything; meanwhile a good
 peer's requests must complete, byte-exact, the server must have applied no more of the

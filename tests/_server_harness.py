@@ -6,7 +6,7 @@ Usage::
         HandshakeClient(srv.target, token=srv.token) ...
         rc = srv.terminate()          # SIGTERM, wait, exit status
 
-The server prints ``{"event": "listening", "port": N, "metrics_port": M, "lane_port": L}`` on stdout once
+The server prints ``{"event": "listening", "port": N, "metrics_port": M}`` on stdout once
 it accepts calls; stderr goes to a file whose tail is shown when startup fails.
 """
 
@@ -53,8 +53,6 @@ class ServerProcess:
     token: str | None
     stderr_path: Path
     lines: list[str] = field(default_factory=list)
-    lane_port: int = 0
-    """The session lane's bound port (0: started without --session-lane)."""
 
     @property
     def target(self) -> str:
@@ -142,7 +140,7 @@ def running_server(*args: str, token: str | None = None, operator_token: str | N
         metrics = ready.get("metrics_port")
         srv = ServerProcess(proc=proc, port=int(str(ready["port"])),
                             metrics_port=int(str(metrics)) if metrics is not None else None,
-                            token=token, stderr_path=stderr_path, lane_port=int(str(ready.get("lane_port") or 0)))
+                            token=token, stderr_path=stderr_path)
         yield srv
     finally:
         if proc.poll() is None:

@@ -56,14 +56,12 @@ def test_token_policy() -> None:
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("where", [("--listen", "0.0.0.0:0"), ("--session-lane", "0.0.0.0:0")],
-                         ids=["grpc", "session-lane"])
-def test_serve_refuses_public_address_without_token(where: tuple[str, str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "127.0.0.1:0", *where,
+def test_serve_refuses_public_address_without_token() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pdproto_server.cli", "serve", "--listen", "0.0.0.0:0",
                            "--pages", "4", "--layers", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert f"refusing to listen on {where[1]} without a bearer token" in proc.stderr
+    assert "refusing to listen on 0.0.0.0:0 without a bearer token" in proc.stderr
 
 
 class _Exploding(HandshakeServicer):

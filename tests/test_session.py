@@ -32,7 +32,6 @@ from ._server_harness import SERVE_ARGS, SPEC, running_server
 pytestmark = pytest.mark.process
 
 SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
-LANE = ("--session-lane", "127.0.0.1:0")
 
 
 def _terminal_counts(statuses: list[transfer_pb2.TransferStatus]) -> collections.Counter[int]:
@@ -54,15 +53,10 @@ def _watch_all(client: HandshakeClient, peer_id: str, rooms: set[int], timeout: 
         assert exc.reason is Reason.PEER_NOT_FOUND, exc
 
 
-@pytest.mark.parametrize("mode", ["session", "unary-watch", "lane"])
+@pytest.mark.parametrize("mode", ["session", "unary-watch"])
 def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
-    """The link is cut again and again while requests run; each still ends exactly once, bytes intact.
-
-    ``lane``: the session moved to the session lane, and the relay is cut on the lane's way
-    (the server names the relay's port as its lane's). A lane stream cut before it opened sends the
-    session back through gRPC (not cut here); after three in a row one stream stays there.
-    """
-    session, lane = mode != "unary-watch", mode == "lane"
+    """The link is cut again and again while requests run; each still ends exactly once, bytes intact."""
+    session = mode != "unary-watch"
     peer = DecodeRank.for_spec(SPEC, pages=128)
     rooms = list(range(1, 25))
     placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=(i % 8) * 16) for i, room in enumerate(rooms)}
@@ -70,9 +64,9 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
     stop = threading.Event()
     cuts: threading.Thread | None = None
     try:
-        with running_server(*SERVE_ARGS, *(LANE + ("--lane-advertise-port", str(proxy.port)) if lane else ())) as srv:
-            proxy.upstream = srv.lane_port if lane else srv.port
-            with HandshakeClient(srv.target if lane else proxy.target, timeout=20, session=session) as client, \
+        with running_server(*SERVE_ARGS) as srv:
+            proxy.upstream = srv.port
+            with HandshakeClient(proxy.target, timeout=20, session=session) as client, \
                     HandshakeClient(srv.target, session=False) as direct:
                 peer_id = client.register(peer.registration()).peer_id
                 seen: list[transfer_pb2.TransferStatus] = []
@@ -102,7 +96,6 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
                                        credential=client.credential(peer_id)).peers[0]
                 if session:
                     assert view.sessions_connected + view.sessions_detached == 1, view
-                assert view.sessions_on_lane <= (view.sessions_connected if lane else 0), view
                 assert view.finished_kept == len(rooms) and view.open_requests == 0
                 assert sorted(s.room for s in view.finished if s.state == SUCCESS) == rooms
                 # The watch has every terminal status before the peer goes (a watch cut later
@@ -124,17 +117,13 @@ def test_cut_links_lose_no_terminal_status_and_repeat_none(mode: str) -> None:
         peer.close()
 
 
-@pytest.mark.parametrize("lane", [False, True], ids=["grpc", "lane"])
-def test_restarted_server_loses_no_terminal_status_and_repeats_none(lane: bool) -> None:
-    """SIGTERM mid-transfer: every request ends once before the stream closes; the decode re-registers.
-
-    ``lane``: the session was on the session lane, and the restarted server's lane has a new port.
-    """
+def test_restarted_server_loses_no_terminal_status_and_repeats_none() -> None:
+    """SIGTERM mid-transfer: every request ends once before the stream closes; the decode re-registers."""
     peer = DecodeRank.for_spec(SPEC, pages=64)
-    args = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "150", "--match-timeout", "10", *(LANE if lane else ()))
+    args = (*SERVE_ARGS[:-4], "--chunk-delay-ms", "150", "--match-timeout", "10")
     try:
         with running_server(*args) as first, HandshakeClient(first.target, timeout=10) as client:
-            port, first_lane = first.port, first.lane_port
+            port = first.port
             peer_id = client.register(peer.registration()).peer_id
             placed = {room: peer.pages_for(SPEC.prompt_tokens, first_page=i * 16) for i, room in enumerate((1, 2, 3))}
             for room, pages in placed.items():
@@ -154,7 +143,6 @@ def test_restarted_server_loses_no_terminal_status_and_repeats_none(lane: bool) 
             assert all(s.state == SUCCESS or s.failure_code == "SHUTTING_DOWN" for s in final.values()), final
             # The same client reaches the restarted server on the same port; the old peer is gone there.
             with running_server(*args, "--listen", f"127.0.0.1:{port}") as second:
-                assert second.lane_port != first_lane or not lane
                 with pytest.raises(E.NotFoundError) as gone:
                     client.submit_transfer(peer_id, peer.transfer_info(9, placed[1]))
                 assert gone.value.reason is Reason.PEER_NOT_FOUND
@@ -170,8 +158,7 @@ def test_restarted_server_loses_no_terminal_status_and_repeats_none(lane: bool) 
                 assert all(s.state == SUCCESS for s in done.values()), done
                 assert _terminal_counts(more) == {4: 1, 5: 1, 6: 1}
                 peer.verify(later, SPEC.prompt_tokens)
-                # The session found the new server's lane (through gRPC, which named its port).
-                assert client.describe(peer_id=again).peers[0].sessions_on_lane == (1 if lane else 0)
+                assert client.describe(peer_id=again).peers[0].sessions_connected == 1
                 client.deregister(again)
     finally:
         peer.close()

@@ -147,23 +147,21 @@ def test_settings_come_from_the_environment_and_bad_values_name_their_variable(t
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     got = BackendSettings.from_env({"PDPROTO_ENGINE": "nixl", "PDPROTO_TOKEN_FILE": str(token),
-                                    "PDPROTO_PORT": "50100", "PDPROTO_STAGING_MB": "0", "PDPROTO_SESSION_LANE": "1",
-                                    "PDPROTO_LANE_PORT": "50200"})
+                                    "PDPROTO_PORT": "50100", "PDPROTO_STAGING_MB": "0"})
     assert (got.engine, got.token, got.port, got.staging_mb) == ("nixl", "s3cret", 50100, 0)
-    assert (got.session_lane, got.lane_port) == (True, 50200)
     operator = tmp_path / "operator"
     operator.write_text("look\n")
     assert BackendSettings.from_env({"PDPROTO_OPERATOR_TOKEN_FILE": str(operator)}).operator_token == "look"
     with pytest.raises(ConfigError) as same:
         BackendSettings.from_env({"PDPROTO_TOKEN": "look", "PDPROTO_OPERATOR_TOKEN_FILE": str(operator)})
     assert "PDPROTO_OPERATOR_TOKEN_FILE" in same.value.message
-    for flag in ("PDPROTO_SESSION_LANE", "PDPROTO_ALLOW_UNAUTHENTICATED"):
+    for flag in ("PDPROTO_ALLOW_UNAUTHENTICATED",):
         for on in ("1", "TRUE", "Yes", " on "):
             assert getattr(BackendSettings.from_env({flag: on}), flag.lower()[len("PDPROTO_"):]) is True
         for off in ("", "0", "False", "NO", "off"):
             assert getattr(BackendSettings.from_env({flag: off}), flag.lower()[len("PDPROTO_"):]) is False
     for name, value in (("PDPROTO_ENGINE", "local"), ("PDPROTO_PORT", "70000"), ("PDPROTO_STAGING_MB", "x"),
-                        ("PDPROTO_LANE_PORT", "-1"), ("PDPROTO_SESSION_LANE", "ture"),
+                        ("PDPROTO_PORT", "-1"), ("PDPROTO_ALLOW_UNAUTHENTICATED", "ture"),
                         ("PDPROTO_ALLOW_UNAUTHENTICATED", "2"),
                         ("PDPROTO_TOKEN_FILE", str(tmp_path / "missing"))):
         with pytest.raises(ConfigError) as info:

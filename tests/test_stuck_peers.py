@@ -29,12 +29,11 @@ import pytest
 
 from pdproto.client import HandshakeClient
 from pdproto.errors import DeadlineExceededError
-from pdproto.client_lane import PREFACE
 from pdproto.v1 import common_pb2, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.synthetic import SyntheticSpec
 
-from ._raw_lane import Raw, open_request
+from ._raw_session import RawSession, open_request
 from ._server_harness import REPO, running_server
 
 pytestmark = pytest.mark.process
@@ -151,10 +150,10 @@ def test_a_submit_waiting_for_a_stuck_chunk_keeps_its_result_across_a_resume() -
     counts as applied (``applied_command_seq``), so the decode does not send it again: its result must
     still come, on the resumed stream. Before, the old stream's reader was cancelled inside the submit,
     and the result never came (and the session lost a unit of command credit for good)."""
-    with running_server(*SERVE, "--session-lane", "127.0.0.1:0", "--grace", "3") as srv:
+    with running_server(*SERVE, "--grace", "3") as srv:
         child = subprocess.Popen([sys.executable, "-c", _FROZEN_DECODE, srv.target], cwd=REPO,
                                  stdout=subprocess.PIPE, text=True)
-        raw: Raw | None = None
+        raw: RawSession | None = None
         try:
             assert child.stdout is not None
             peer_id, credential = child.stdout.readline().split()
@@ -166,22 +165,20 @@ def test_a_submit_waiting_for_a_stuck_chunk_keeps_its_result_across_a_resume() -
                 dst_kv_pages=list(range(first_page + 127, first_page - 1, -1))))
             opening = open_request(peer_id, bytes.fromhex(credential))
             opening.commands.append(again)
-            raw = Raw.opening(srv.lane_port, opening)
+            raw = RawSession.opening(srv.target, opening)
             opened = raw.read()
-            assert opened is not None and opened.HasField("opened"), opened
+            assert opened is not None and opened.HasField("opened"), raw.error
             time.sleep(1.0)  # the submit waits for the stuck chunk now
-            raw.close()
-            raw = Raw(srv.lane_port)
-            raw.sock.settimeout(40)
-            raw.send(PREFACE)
-            raw.frame(open_request(peer_id, bytes.fromhex(credential), resume=opened.opened.session_id))
+            raw.close()  # the stream breaks while the submit waits
+            raw = RawSession.opening(srv.target, open_request(peer_id, bytes.fromhex(credential),
+                                                              resume=opened.opened.session_id))
             resumed = raw.read()
-            assert resumed is not None and resumed.opened.resumed, resumed
+            assert resumed is not None and resumed.opened.resumed, raw.error
             assert resumed.opened.applied_command_seq == 1, resumed  # so the decode will not send it again
             results = [e.result for e in resumed.events if e.HasField("result")]
             while not results:
                 frame = raw.read()
-                assert frame is not None and not frame.HasField("end"), frame
+                assert frame is not None, raw.error
                 results = [e.result for e in frame.events if e.HasField("result")]
             assert [r.command_seq for r in results] == [1], results
             assert results[0].submitted.room == room and results[0].submitted.generation == 1, results[0]

@@ -116,7 +116,6 @@ class PeerView(_message.Message):
     EVENTS_UNACKNOWLEDGED_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
-    SESSIONS_ON_LANE_FIELD_NUMBER: _builtins.int
     REDACTED_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_REFUSED_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
@@ -139,8 +138,6 @@ class PeerView(_message.Message):
     """WatchStatus streams open now."""
     events_unacknowledged: _builtins.int
     """Session events sent and not yet acknowledged, summed over the peer's sessions."""
-    sessions_on_lane: _builtins.int
-    """Of sessions_connected, those on the session lane (the rest are gRPC Session streams)."""
     redacted: _builtins.bool
     """Room ids (requests[].room is 0), kept final statuses, engine_identity and
     notify_endpoint are left out: a room id is enough to receive that room's KV, and an
@@ -184,13 +181,12 @@ class PeerView(_message.Message):
         events_unacknowledged: _builtins.int = ...,
         requests: _abc.Iterable[Global___RequestView] | None = ...,
         finished: _abc.Iterable[_transfer_pb2.TransferStatus] | None = ...,
-        sessions_on_lane: _builtins.int = ...,
         redacted: _builtins.bool = ...,
         snapshots_refused: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["notify_endpoint", b"notify_endpoint", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "engine_identity", b"engine_identity", "events_unacknowledged", b"events_unacknowledged", "finished", b"finished", "finished_kept", b"finished_kept", "notify_endpoint", b"notify_endpoint", "open_requests", b"open_requests", "peer_id", b"peer_id", "redacted", b"redacted", "requests", b"requests", "result", b"result", "sessions_connected", b"sessions_connected", "sessions_detached", b"sessions_detached", "sessions_on_lane", b"sessions_on_lane", "snapshots_refused", b"snapshots_refused", "state", b"state", "watch_streams", b"watch_streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "engine_identity", b"engine_identity", "events_unacknowledged", b"events_unacknowledged", "finished", b"finished", "finished_kept", b"finished_kept", "notify_endpoint", b"notify_endpoint", "open_requests", b"open_requests", "peer_id", b"peer_id", "redacted", b"redacted", "requests", b"requests", "result", b"result", "sessions_connected", b"sessions_connected", "sessions_detached", b"sessions_detached", "snapshots_refused", b"snapshots_refused", "state", b"state", "watch_streams", b"watch_streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -386,7 +386,6 @@ class SessionResponse(_message.Message):
 
     OPENED_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
-    END_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def opened(self) -> _session_pb2.SessionOpened:
         """Set in the stream's first message only."""
@@ -395,22 +394,15 @@ class SessionResponse(_message.Message):
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_session_pb2.SessionEvent]:
         """Events, in seq order."""
 
-    @_builtins.property
-    def end(self) -> _session_pb2.CommandError:
-        """On a session lane only, in its last message: why the server ended the stream (a gRPC
-        stream ends with this as its status and ErrorInfo instead).
-        """
-
     def __init__(
         self,
         *,
         opened: _session_pb2.SessionOpened | None = ...,
         events: _abc.Iterable[_session_pb2.SessionEvent] | None = ...,
-        end: _session_pb2.CommandError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "opened", b"opened"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["opened", b"opened"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "events", b"events", "opened", b"opened"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "opened", b"opened"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

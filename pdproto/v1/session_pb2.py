@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdproto.v1 import transfer_pb2 as pdproto_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdproto/v1/session.proto\x12\npdproto.v1\x1a\x19pdproto/v1/transfer.proto\"~\n\x0bSessionOpen\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\x12\x19\n\x11resume_session_id\x18\x03 \x01(\t\x12\x14\n\x0c\x65vent_window\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x65\x61rer_token\x18\x05 \x01(\t\"\x92\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x1b\n\x13\x61pplied_command_seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x65vent_window\x18\x04 \x01(\r\x12\x16\n\x0e\x63ommand_window\x18\x05 \x01(\r\x12\x11\n\tlane_port\x18\x06 \x01(\r\"\x81\x01\n\x0eSessionCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x06submit\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfoH\x00\x12.\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotificationH\x00\x42\x06\n\x04kind\"~\n\x0cSessionEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.pdproto.v1.CommandResultH\x00\x12,\n\x06status\x18\x03 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatusH\x00\x42\x06\n\x04kind\"\xb4\x01\n\rCommandResult\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12/\n\tsubmitted\x18\x02 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatusH\x00\x12\'\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x14.pdproto.v1.AbortAckH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.pdproto.v1.CommandErrorH\x00\x42\t\n\x07outcome\"\xde\x01\n\x0c\x43ommandError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x38\n\x08metadata\x18\x04 \x03(\x0b\x32&.pdproto.v1.CommandError.MetadataEntry\x12\x34\n\x10\x66ield_violations\x18\x05 \x03(\x0b\x32\x1a.pdproto.v1.FieldViolation\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdproto/v1/session.proto\x12\npdproto.v1\x1a\x19pdproto/v1/transfer.proto\"|\n\x0bSessionOpen\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\x12\x19\n\x11resume_session_id\x18\x03 \x01(\t\x12\x14\n\x0c\x65vent_window\x18\x04 \x01(\rJ\x04\x08\x05\x10\x06R\x0c\x62\x65\x61rer_token\"\x90\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x1b\n\x13\x61pplied_command_seq\x18\x03 \x01(\x04\x12\x14\n\x0c\x65vent_window\x18\x04 \x01(\r\x12\x16\n\x0e\x63ommand_window\x18\x05 \x01(\rJ\x04\x08\x06\x10\x07R\tlane_port\"\x81\x01\n\x0eSessionCommand\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12*\n\x06submit\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfoH\x00\x12.\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotificationH\x00\x42\x06\n\x04kind\"~\n\x0cSessionEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.pdproto.v1.CommandResultH\x00\x12,\n\x06status\x18\x03 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatusH\x00\x42\x06\n\x04kind\"\xb4\x01\n\rCommandResult\x12\x13\n\x0b\x63ommand_seq\x18\x01 \x01(\x04\x12/\n\tsubmitted\x18\x02 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatusH\x00\x12\'\n\x07\x61\x62orted\x18\x03 \x01(\x0b\x32\x14.pdproto.v1.AbortAckH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.pdproto.v1.CommandErrorH\x00\x42\t\n\x07outcome\"\xde\x01\n\x0c\x43ommandError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x38\n\x08metadata\x18\x04 \x03(\x0b\x32&.pdproto.v1.CommandError.MetadataEntry\x12\x34\n\x10\x66ield_violations\x18\x05 \x03(\x0b\x32\x1a.pdproto.v1.FieldViolation\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMANDERROR_METADATAENTRY']._loaded_options = None
   _globals['_COMMANDERROR_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SESSIONOPEN']._serialized_start=67
-  _globals['_SESSIONOPEN']._serialized_end=193
-  _globals['_SESSIONOPENED']._serialized_start=196
-  _globals['_SESSIONOPENED']._serialized_end=342
-  _globals['_SESSIONCOMMAND']._serialized_start=345
-  _globals['_SESSIONCOMMAND']._serialized_end=474
-  _globals['_SESSIONEVENT']._serialized_start=476
-  _globals['_SESSIONEVENT']._serialized_end=602
-  _globals['_COMMANDRESULT']._serialized_start=605
-  _globals['_COMMANDRESULT']._serialized_end=785
-  _globals['_COMMANDERROR']._serialized_start=788
-  _globals['_COMMANDERROR']._serialized_end=1010
-  _globals['_COMMANDERROR_METADATAENTRY']._serialized_start=963
-  _globals['_COMMANDERROR_METADATAENTRY']._serialized_end=1010
-  _globals['_FIELDVIOLATION']._serialized_start=1012
-  _globals['_FIELDVIOLATION']._serialized_end=1064
+  _globals['_SESSIONOPEN']._serialized_end=191
+  _globals['_SESSIONOPENED']._serialized_start=194
+  _globals['_SESSIONOPENED']._serialized_end=338
+  _globals['_SESSIONCOMMAND']._serialized_start=341
+  _globals['_SESSIONCOMMAND']._serialized_end=470
+  _globals['_SESSIONEVENT']._serialized_start=472
+  _globals['_SESSIONEVENT']._serialized_end=598
+  _globals['_COMMANDRESULT']._serialized_start=601
+  _globals['_COMMANDRESULT']._serialized_end=781
+  _globals['_COMMANDERROR']._serialized_start=784
+  _globals['_COMMANDERROR']._serialized_end=1006
+  _globals['_COMMANDERROR_METADATAENTRY']._serialized_start=959
+  _globals['_COMMANDERROR_METADATAENTRY']._serialized_end=1006
+  _globals['_FIELDVIOLATION']._serialized_start=1008
+  _globals['_FIELDVIOLATION']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,6 @@ class SessionOpen(_message.Message):
     PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
     RESUME_SESSION_ID_FIELD_NUMBER: _builtins.int
     EVENT_WINDOW_FIELD_NUMBER: _builtins.int
-    BEARER_TOKEN_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id from RegisterResponse."""
     peer_credential: _builtins.bytes
@@ -49,10 +48,6 @@ class SessionOpen(_message.Message):
     """Empty to start a new session; else the SessionOpened.session_id to resume."""
     event_window: _builtins.int
     """Events the client accepts beyond its acknowledgement; 0 leaves it to the server."""
-    bearer_token: _builtins.str
-    """The server's bearer token, on a session lane only (a gRPC stream carries it in its
-    call metadata instead; docs/protocol.md, section 2c).
-    """
     def __init__(
         self,
         *,
@@ -60,11 +55,10 @@ class SessionOpen(_message.Message):
         peer_credential: _builtins.bytes = ...,
         resume_session_id: _builtins.str = ...,
         event_window: _builtins.int = ...,
-        bearer_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bearer_token", b"bearer_token", "event_window", b"event_window", "peer_credential", b"peer_credential", "peer_id", b"peer_id", "resume_session_id", b"resume_session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_window", b"event_window", "peer_credential", b"peer_credential", "peer_id", b"peer_id", "resume_session_id", b"resume_session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -81,7 +75,6 @@ class SessionOpened(_message.Message):
     APPLIED_COMMAND_SEQ_FIELD_NUMBER: _builtins.int
     EVENT_WINDOW_FIELD_NUMBER: _builtins.int
     COMMAND_WINDOW_FIELD_NUMBER: _builtins.int
-    LANE_PORT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session's id (random): resume it with SessionOpen.resume_session_id."""
     resumed: _builtins.bool
@@ -98,11 +91,6 @@ class SessionOpened(_message.Message):
     """Commands the client may have sent whose results it has not acknowledged; the server
     reads no further commands past this until acknowledgements arrive.
     """
-    lane_port: _builtins.int
-    """TCP port of the server's session lane, on the host the client reached (0: none): the
-    same session over length-prefixed frames instead of gRPC, cheaper per message. A
-    client may resume this session there (docs/protocol.md, section 2c).
-    """
     def __init__(
         self,
         *,
@@ -111,11 +99,10 @@ class SessionOpened(_message.Message):
         applied_command_seq: _builtins.int = ...,
         event_window: _builtins.int = ...,
         command_window: _builtins.int = ...,
-        lane_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_command_seq", b"applied_command_seq", "command_window", b"command_window", "event_window", b"event_window", "lane_port", b"lane_port", "resumed", b"resumed", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_command_seq", b"applied_command_seq", "command_window", b"command_window", "event_window", b"event_window", "resumed", b"resumed", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -110,7 +110,7 @@ def _engine_report(manager: Any) -> dict[str, Any]:
 
 
 def _sessions(manager: Any) -> dict[str, int]:
-    """The decode peers' sessions as the prefill rank's service sees them: connected, and of those on its lane."""
+    """The decode peers' sessions as the prefill rank's service sees them: how many are connected."""
     import os
 
     from pdproto.client import HandshakeClient
@@ -121,7 +121,7 @@ def _sessions(manager: Any) -> dict[str, int]:
     endpoint = side.info.rank_endpoint
     with HandshakeClient(f"{endpoint.host}:{endpoint.port}", token=os.environ.get("PDPROTO_TOKEN")) as client:
         peers = client.describe().peers
-    return {"connected": sum(p.sessions_connected for p in peers), "lane": sum(p.sessions_on_lane for p in peers)}
+    return {"connected": sum(p.sessions_connected for p in peers)}
 
 
 def _metadata() -> tuple[Any, Any]:

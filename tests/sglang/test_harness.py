@@ -6,8 +6,7 @@ decode rank checks every byte of its KV pool, aux buffers and state. The Mooncak
 proves the harness on SGLang's own backend; the pdproto runs are issue 13's proof:
 
 * dense MLA prefill -> DCP 4 decode (5 processes): chunked prefill, a partial last page,
-  a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token, the
-  sessions on the prefill's session lane;
+  a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token;
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """
@@ -54,7 +53,7 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     a request either side aborts fails on the other side too, with the reason, and moves nothing;
     SGLang's heartbeat loses the prefill with a request in flight, which stops on the prefill before
     the decode may reuse its pages; a last request reaches it again."""
-    out = run("pdproto", REQUESTS + ABORTS, dcp=4, again=True, env={**TOKEN, "PDPROTO_SESSION_LANE": "1"})
+    out = run("pdproto", REQUESTS + ABORTS, dcp=4, again=True, env=TOKEN)
     _assert_ranks_ok(out, 4, len(REQUESTS), failed=len(ABORTS))  # mismatches: aborted rooms stay zero
     assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
     results = {int(room): r for room, r in out["prefill"]["results"].items()}
@@ -80,9 +79,9 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
         assert "Aborted by AbortReq." in decode["reasons"][str(decode_abort)]
         assert "ABORTED: the prefill aborted room 106: Aborted by AbortReq." in decode["reasons"][str(prefill_abort)]
     assert out["ready"]["engine"]["adopted"] is False  # no shared Mooncake engine in this run
-    # PDPROTO_SESSION_LANE=1: the decode ranks' sessions moved to the prefill's session lane.
+    # The decode ranks' submits and statuses travel on Session streams the prefill rank serves.
     sessions = out["prefill"]["sessions"]
-    assert sessions["lane"] == sessions["connected"] > 0, sessions
+    assert sessions["connected"] > 0, sessions
     # The heartbeat loss made SGLang forget the prefill's ranks while room 997 was in flight. Each
     # decode rank deregistered the rank SGLang dropped: the prefill failed 997 with PEER_GONE, and
     # by the time SGLang could release its pages (every abort acknowledged) the registration had

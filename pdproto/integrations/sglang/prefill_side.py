@@ -51,14 +51,11 @@ class PrefillSide:
             # One port per process on a host: the rank's GPU index picks it.
             gpu_id = int(getattr(kv_args, "gpu_id", 0) or 0)
 
-            def address(base: int) -> str:
-                return layout.host_port(host, base + gpu_id if base else 0)
-
-            lane = address(settings.lane_port) if settings.session_lane else None
-            config = ServerConfig(listen=address(settings.port),
+            listen = layout.host_port(host, settings.port + gpu_id if settings.port else 0)
+            config = ServerConfig(listen=listen,
                                   token=settings.token, operator_token=settings.operator_token,
                                   allow_unauthenticated=settings.allow_unauthenticated,
-                                  tls_cert=settings.tls_cert, tls_key=settings.tls_key, session_lane=lane)
+                                  tls_cert=settings.tls_cert, tls_key=settings.tls_key)
             self.service = ServiceThread(HandshakeCore(self.engine, limits=limits), config,
                                          name=f"pdproto-prefill-{prefill_rank}")
             self.port = self.service.start()

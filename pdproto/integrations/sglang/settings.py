@@ -16,9 +16,6 @@ every scheduler process:
 ``PDPROTO_TLS_ROOT``                 decode: PEM root certificate (TLS to every prefill rank)
 ``PDPROTO_PORT``                     prefill: gRPC port base; the rank on GPU g listens on port + g
                                      (0, the default: any free port; ``/route`` publishes it)
-``PDPROTO_SESSION_LANE``            prefill: ``1`` also serves sessions on a session lane (docs/protocol.md
-                                     2c; decodes move there on their own); default off
-``PDPROTO_LANE_PORT``                prefill: lane port base, as ``PDPROTO_PORT`` (0: any free port)
 ``PDPROTO_STAGING_MB``               packing region per rank, in MiB (default 64; 0: per-row)
 ``PDPROTO_RPC_TIMEOUT_S``            deadline of one Register/Submit/Abort call (default 10)
 ===================================  ==========================================================
@@ -61,10 +58,6 @@ class BackendSettings:
     """Decode: PEM root certificate the prefill ranks' certificates chain to."""
     port: int = 0
     """Prefill: gRPC port base (the rank on GPU g listens on port + g); 0: any free port."""
-    session_lane: bool = False
-    """Prefill: also serve sessions on a session lane."""
-    lane_port: int = 0
-    """Prefill: lane port base (the rank on GPU g listens on port + g); 0: any free port."""
     staging_mb: int = 64
     """Packing region per rank in MiB; 0 disables packing."""
     rpc_timeout_s: float = 10.0
@@ -97,8 +90,6 @@ class BackendSettings:
             tls_key=_read(env["PDPROTO_TLS_KEY"], "PDPROTO_TLS_KEY") if env.get("PDPROTO_TLS_KEY") else None,
             tls_root=_read(env["PDPROTO_TLS_ROOT"], "PDPROTO_TLS_ROOT") if env.get("PDPROTO_TLS_ROOT") else None,
             port=_number(env, "PDPROTO_PORT", cls.port, int, 0, 65535),
-            session_lane=_flag(env, "PDPROTO_SESSION_LANE"),
-            lane_port=_number(env, "PDPROTO_LANE_PORT", cls.lane_port, int, 0, 65535),
             staging_mb=_number(env, "PDPROTO_STAGING_MB", cls.staging_mb, int, 0, 1 << 20),
             rpc_timeout_s=_number(env, "PDPROTO_RPC_TIMEOUT_S", cls.rpc_timeout_s, float, 0.1, 3600.0))
 
