@@ -23,8 +23,7 @@ Register: 300 calls, each a new peer (deregistered after), against unary echoes 
 request bytes. Their registrations cycle through four DCP ranks, four layouts, so all but
 the first four find their verdict remembered (``pdproto_server.verdicts``), as a fleet's
 decode ranks of one shape do; ``negotiate() in process`` is what a new layout adds. Each
-call's time includes pushing the decode's arena to the server's inbox just before it
-(``pdproto.transfer.offer``, after one ``GetServerInfo`` as a decode makes first).
+call includes the prefill fetching the decode's arena (the local backend's handover).
 
 Run: ``python -m bench bench_control`` (about two minutes on two cores).
 """
@@ -53,7 +52,7 @@ import zmq.asyncio
 from pdproto.client import AsyncHandshakeClient
 from pdproto.registration import DecodeLayout, Region, kv_entries, make_registration
 from pdproto.topology import negotiate
-from pdproto.transfer import create_executor, offer
+from pdproto.transfer import create_executor
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, transfer_pb2
 
 from ._control_baselines import PAGE_SIZE, PAGES, EchoPeer, ZmqPeer, unary_echo_latencies
@@ -247,14 +246,12 @@ async def register_latencies(target: str, echo: str) -> tuple[list[float], list[
     bare: list[float] = []
     try:
         async with AsyncHandshakeClient(target) as client:
-            info = await client.get_server_info()  # a decode reads its prefill's topology first
+            await client.get_server_info()  # a decode reads its prefill's topology first
             for block in range(6):
                 for i in range(REGISTER_CALLS // 6):
                     t0 = time.perf_counter()
                     registration = _registration(endpoint, block * 1000 + i)
                     t1 = time.perf_counter()
-                    if not offer(executor, info):
-                        raise RuntimeError("the local executor did not push its arena to the server's inbox")
                     pid = (await client.register(registration)).peer_id
                     t2 = time.perf_counter()
                     ours.append(t2 - t1)

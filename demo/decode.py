@@ -51,9 +51,9 @@ from pdproto.errors import PdprotoError, Reason
 from pdproto.fanin import FanInTracker, KindTotals
 from pdproto.registration import make_registration
 from pdproto.senders import SenderSet
-from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor, offer
+from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
-from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 from . import data
 from .model import ModelShape
@@ -297,8 +297,7 @@ class DecodeRank:
         if unknown_field:
             reg.MergeFromString(data.FUTURE_FIELD)
         for address in targets:
-            client, info = self._reach(address, token, timeout, root_cert)
-            offer(self.executor, info)  # a prefill on this host then takes the arena without waking us
+            client = self._reach(address, token, timeout, root_cert)
             result = client.register(reg)
             senders = SenderSet.from_proto(result.senders)
             me = senders.senders[result.senders.self_index] if senders.senders else None
@@ -309,16 +308,15 @@ class DecodeRank:
                 "required": [t.senders.required_responses for t in self.targets]}
 
     @staticmethod
-    def _reach(address: str, token: str | None, timeout: float,
-               root_cert: str | None) -> tuple[HandshakeClient, server_info_pb2.PrefillServerInfo]:
-        """A client whose server answered GetServerInfo, and that answer; keeps trying a restarting
-        prefill until ``timeout``."""
+    def _reach(address: str, token: str | None, timeout: float, root_cert: str | None) -> HandshakeClient:
+        """A client whose server answered GetServerInfo; keeps trying a restarting prefill until ``timeout``."""
         end = time.monotonic() + timeout
         while True:
             client = HandshakeClient(address, token=token, timeout=min(timeout, 5.0), root_cert=root_cert,
                                      server_name="localhost" if root_cert else None)
             try:
-                return client, client.get_server_info()
+                client.get_server_info()
+                return client
             except PdprotoError as exc:
                 client.close()
                 if exc.reason is not Reason.UNAVAILABLE or time.monotonic() + 0.5 >= end:

@@ -124,8 +124,7 @@ class PrefillRank:
         st = self.executor.stats
         out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
                            "packed_jobs": st.packed_jobs, "pack_fallbacks": st.pack_fallbacks,
-                           "failures": st.failures, "arenas_pushed": st.arenas_pushed,
-                           "arenas_fetched": st.arenas_fetched}
+                           "failures": st.failures}
         return out
 
     async def _snapshot(self) -> Reply:

@@ -62,7 +62,7 @@ ALL: tuple[BackendSpec, ...] = (
     BackendSpec("nixl", common_pb2.BACKEND_NIXL, "nixl", registration_pb2.NixlEndpoint,
                 "agent_name", "pdproto.transfer.nixl:NixlExecutor", notifications=True),
     BackendSpec("local", common_pb2.BACKEND_LOCAL, "local", registration_pb2.LocalEndpoint,
-                "shm_name", "pdproto.transfer.local:LocalExecutor", single_host=True),
+                "arena_name", "pdproto.transfer.local:LocalExecutor", single_host=True),
 )
 """Every engine pdproto can move bytes with."""
 

@@ -26,7 +26,6 @@ from pdproto.errors import (
     ShuttingDownError,
 )
 from pdproto.topology import Decision, Rejection
-from pdproto.transfer.base import ConnectsOnLoop, PendingConnect, TakesPushedMemory
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
     registration_pb2,
@@ -94,9 +93,6 @@ class HandshakeCore:
         self._streams_closed = False
         self._registering = 0
         self._janitor: asyncio.Task[None] | None = None
-        executor = engine.executor
-        self._start_connect = executor.start_connect if isinstance(executor, ConnectsOnLoop) else None
-        """Register connects on the loop (no thread hop) where the engine can (``ConnectsOnLoop``)."""
         self.verdicts = Verdicts()
         """Negotiation verdicts by registration layout: a decode rank shape is negotiated once."""
         self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
@@ -127,11 +123,6 @@ class HandshakeCore:
     async def start(self) -> None:
         """Attach the engine to this loop and start housekeeping."""
         self.engine.attach(asyncio.get_running_loop())
-        executor = self.engine.executor
-        if isinstance(executor, TakesPushedMemory):
-            # Decodes on this host push their arenas here before Register, which then need not wait on them.
-            self.info.local_inbox.CopyFrom(executor.inbox(asyncio.get_running_loop()))
-            self.metrics.count_arenas(executor.stats)
         self._janitor = asyncio.get_running_loop().create_task(self._housekeeping(), name="janitor")
 
     def _accepting(self) -> None:
@@ -243,21 +234,7 @@ class HandshakeCore:
             self._accepting()
         else:
             reg = check_registration(request, origin)
-        # An engine that connects on the loop starts now: the decode answers while we negotiate. A
-        # heavy registration connects on its lane instead (its buffers are checked there, off the loop).
-        pending = None
-        if self._start_connect is not None and verdict is None:
-            try:
-                pending = self._start_connect(reg)
-            except PdprotoError:
-                # Refused at once (nothing listens, a bad endpoint): the blocking connect says so again
-                # where a connect fails, after a restarted decode's old peer was dropped (docs/security.md).
-                pending = None
-        try:
-            return await self._admit(reg, pending, verdict or self._negotiate(reg))
-        finally:
-            if pending is not None:
-                pending.close()
+        return await self._admit(reg, verdict or self._negotiate(reg))
 
     def _judge_room(self, entries: int) -> None:
         """Raise TOO_MANY_REGISTRATIONS, with the seconds to wait, unless the judge takes ``entries`` more."""
@@ -292,9 +269,8 @@ class HandshakeCore:
         finally:
             self._judge_s = 0.5 * self._judge_s + 0.5 * (time.perf_counter() - started)
 
-    async def _admit(self, reg: registration_pb2.KvRegistration, pending: PendingConnect | None,
-                     verdict: Verdict) -> hs.RegisterResponse:
-        """Connect (finishing ``pending``, or on the peer's lane) and add the peer, as ``verdict`` says."""
+    async def _admit(self, reg: registration_pb2.KvRegistration, verdict: Verdict) -> hs.RegisterResponse:
+        """Connect the executor (on the peer's lane) and add the peer, as ``verdict`` says."""
         identity = identity_of(reg)
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
         async with self.registry.serialized(identity):
@@ -318,11 +294,8 @@ class HandshakeCore:
                             credential=self.registry.new_credential())
                 peer.page_limit = page_limit(peer)
                 try:
-                    if pending is not None:
-                        await pending.finish(peer_id, self.limits.engine_timeout)
-                    else:
-                        await peer.lane.run(self.engine.executor.connect, peer_id, reg,
-                                            timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
+                    await peer.lane.run(self.engine.executor.connect, peer_id, reg,
+                                        timeout=self.limits.engine_timeout, what=f"connect {peer_id}")
                 except BaseException:
                     # Never admitted; its connect (maybe still running) is undone in the background.
                     self.registry.remove(peer)

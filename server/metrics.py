@@ -10,8 +10,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdproto.transfer.base import TransferStats
-
 # Negotiation is pure Python over small messages: tens of microseconds to milliseconds.
 _NEGOTIATION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
@@ -75,7 +73,6 @@ class ServiceMetrics:
             " asked for more statuses than --snapshot-rate allows (TOO_MANY_STREAMS, with the seconds to wait).",
             registry=r)
         self._registration_children: dict[str, Any] = {}
-        self._arenas_counted = False
 
     def finished(self, outcome: str) -> None:
         """Count one finished request ("SUCCESS" or its failure reason)."""
@@ -90,12 +87,6 @@ class ServiceMetrics:
             self.negotiations_remembered.inc()
         else:
             self.negotiation_seconds.observe(seconds)
-
-    def count_arenas(self, stats: TransferStats) -> None:
-        """Export how Register took local arenas (``pdproto_local_arenas``), from ``stats`` (once)."""
-        if not self._arenas_counted:
-            self._arenas_counted = True
-            self.registry.register(_Arenas(stats))
 
     def registered(self, outcome: str) -> None:
         """Count one Register call ("ACCEPTED" or the rejection reason); the labelled child is looked up once."""
@@ -122,23 +113,6 @@ class _PerRequest(Collector):
         yield done
         yield GaugeMetricFamily("pdproto_requests_inflight", "Open transfer requests.",
                                 value=self.metrics.open_requests())
-
-
-class _Arenas(Collector):
-    """``pdproto_local_arenas``: how Register got each decode's local arena, read from the executor's
-    counts when scraped (``TransferStats.arenas_pushed``, ``arenas_fetched``)."""
-
-    def __init__(self, stats: TransferStats) -> None:
-        self.stats = stats
-
-    def collect(self) -> Iterator[Metric]:
-        """The family, as of now."""
-        family = CounterMetricFamily("pdproto_local_arenas", "Local-backend decode arenas Register took: pushed"
-                                     " to the inbox ahead of the call, or fetched from the decode during it.",
-                                     labels=["how"])
-        family.add_metric(["pushed"], self.stats.arenas_pushed)
-        family.add_metric(["fetched"], self.stats.arenas_fetched)
-        yield family
 
 
 def _child(children: dict[str, Any], metric: Any, outcome: str) -> Any:

@@ -5,10 +5,7 @@ command creates one arena of a given kind (a good sealed memfd, or something a p
 must refuse: unsealed, a FIFO, a /dev/shm file, ...), listens for it on a fresh abstract
 socket speaking the handover protocol of ``pdproto.transfer.arena`` (written out here, not
 imported, so a change to the protocol shows up as a failing test), and answers with a
-``KvRegistration`` naming it. ``push`` instead pushes the arena to a prefill's inbox ahead of
-Register (and listens nowhere); ``link`` pushes on one connection kept to the inbox, as a
-decode's link does, and ``link_raw`` sends whatever bytes a test asks for on it. ``shrink``
-tries to truncate and grow an arena it served.
+``KvRegistration`` naming it. ``shrink`` tries to truncate and grow an arena it served.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from pdproto.transfer.arena import HELLO, PUSH, REQUIRED_SEALS, _hung_up
+from pdproto.transfer.arena import HELLO, REQUIRED_SEALS
 from pdproto.v1 import registration_pb2
 from pdproto_demo.proc import Child, Reply, redirect_stdout_to_stderr, serve_commands
 
@@ -86,8 +83,6 @@ class HostilePeer:
         self.fds: dict[str, list[int]] = {}
         self.listeners: list[socket.socket] = []
         self.paths: list[str] = []
-        self.held: list[socket.socket] = []
-        self.links: dict[str, socket.socket] = {}
 
     def serve(self, kind: str, length: int = ARENA, pid: int = 0, secret_hex: str = "") -> Reply:
         """Serve one arena; the registration claims one KV buffer of ``length`` bytes at offset 0."""
@@ -101,75 +96,6 @@ class HostilePeer:
         self.listeners.append(listener)
         threading.Thread(target=self._answer, args=(listener, fds, secret, kind), daemon=True).start()
         return _registration(kind, name, secret, pid or os.getpid(), length)
-
-    def push(self, kind: str, inbox: str, length: int = ARENA, count: int = 1) -> Reply:
-        """Push one arena of ``kind`` to the prefill inbox ``inbox``, ``count`` times, without listening
-        for a handover: a prefill that does not take the push finds nobody on the named socket."""
-        secret = secrets.token_bytes(32)
-        name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
-        sent = 0
-        for _ in range(count):
-            fds = _descriptors(kind, self.paths)
-            self.fds.setdefault(name, []).extend(fds)
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.setblocking(False)
-            try:
-                conn.connect("\0" + inbox)
-            except BlockingIOError:
-                conn.close()
-                continue
-            magic = b"NOTAPUSH" if kind == "wrong_answer" else PUSH
-            try:
-                conn.sendmsg([struct.pack("<8sH", magic, len(secret)) + secret], _rights(fds))
-            except OSError:  # a prefill reading as pushes arrive closed it at once (over its bound)
-                conn.close()
-                continue
-            self.held.append(conn)
-            sent += 1
-        return {**_registration(kind, name, secret, os.getpid(), length), "sent": sent}
-
-    def link(self, kind: str, inbox: str, count: int = 1, magic: str = "linked") -> Reply:
-        """Push ``count`` arenas of ``kind`` on this process's link to ``inbox`` (made by the first call),
-        each under a secret of its own, as ``PDPUSH02`` (``magic="single"``: ``PDPUSH01``, which a link
-        must not carry); the registrations name them in order."""
-        conn = self._link(inbox)
-        head = b"PDPUSH02" if magic == "linked" else b"PDPUSH01"
-        name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
-        registrations = []
-        for _ in range(count):
-            secret = secrets.token_bytes(32)
-            fds = _descriptors(kind, self.paths)
-            self.fds.setdefault(name, []).extend(fds)
-            try:
-                conn.sendmsg([struct.pack("<8sH", head, len(secret)) + secret], _rights(fds))
-            except OSError:
-                break  # the prefill shut the link
-            registrations.append(_registration(kind, name, secret, os.getpid(), ARENA)["registration"])
-        return {"registrations": registrations, "sent": len(registrations)}
-
-    def link_raw(self, inbox: str, data_hex: str) -> Reply:
-        """Send ``data_hex`` as it is on the link to ``inbox``, with no descriptor."""
-        return {"sent": self._link(inbox).send(bytes.fromhex(data_hex))}
-
-    def link_state(self, inbox: str) -> Reply:
-        """Whether the prefill closed this process's link to ``inbox``."""
-        return {"hung_up": _hung_up(self.links[inbox])}
-
-    def unlink(self, inbox: str) -> Reply:
-        """Close the link to ``inbox`` (as a decode that exits or closes its executor does)."""
-        self.links.pop(inbox).close()
-        return {"closed": True}
-
-    def _link(self, inbox: str) -> socket.socket:
-        conn = self.links.get(inbox)
-        if conn is None:
-            conn = self.links[inbox] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            conn.connect("\0" + inbox)
-        return conn
-
-    def hung_up(self) -> Reply:
-        """How many pushed connections the prefill has closed."""
-        return {"hung_up": sum(1 for c in self.held if _hung_up(c)), "held": len(self.held)}
 
     @staticmethod
     def _answer(listener: socket.socket, fds: list[int], secret: bytes, kind: str) -> None:
@@ -200,7 +126,7 @@ class HostilePeer:
 
     def close(self) -> None:
         """Close every listener, connection and descriptor and remove temporary files."""
-        for sock in [*self.listeners, *self.held, *self.links.values()]:
+        for sock in self.listeners:
             sock.close()
         for fds in self.fds.values():
             for fd in fds:
@@ -223,7 +149,7 @@ def spawned() -> Iterator[Child]:
 def _registration(kind: str, name: str, secret: bytes, pid: int, length: int) -> Reply:
     """The reply naming an arena: a registration of one KV buffer of ``length`` bytes at offset 0."""
     reg = registration_pb2.KvRegistration(page_size=1)
-    reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name=f"hostile-{kind}", pid=pid, socket=name,
+    reg.local.CopyFrom(registration_pb2.LocalEndpoint(arena_name=f"hostile-{kind}", pid=pid, socket=name,
                                                       secret=secret))
     reg.kv_buffers.add(ptr=0, item_len=64, length=length)
     return {"registration": reg.SerializeToString().hex(), "socket": name}
@@ -235,16 +161,13 @@ def _rights(fds: list[int]) -> list[tuple[int, int, array.array[int]]]:
 
 
 def main() -> int:
-    """Entry point: one ready line, then commands ``serve``, ``push``, ``link``, ``link_raw``, ``link_state``,
-    ``unlink``, ``hung_up``, ``shrink``, ``ping``."""
+    """Entry point: one ready line, then commands ``serve``, ``shrink``, ``ping``."""
     out = redirect_stdout_to_stderr()
     peer = HostilePeer()
     try:
         out.write('{"ready": true, "pid": %d}\n' % os.getpid())
         out.flush()
-        serve_commands({"serve": peer.serve, "push": peer.push, "link": peer.link, "link_raw": peer.link_raw,
-                        "link_state": peer.link_state, "unlink": peer.unlink, "hung_up": peer.hung_up,
-                        "shrink": peer.shrink, "ping": lambda: {"pong": True}}, out)
+        serve_commands({"serve": peer.serve, "shrink": peer.shrink, "ping": lambda: {"pong": True}}, out)
     finally:
         peer.close()
     return 0

@@ -8,17 +8,19 @@ file by name, so none of the old name-based attacks has anything to aim at.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import gc
 import os
+import secrets
 import signal
+import socket
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from pdproto.client import HandshakeClient
-from pdproto.errors import InvalidFieldError, PdprotoError, Reason, RequestFailedError
+from pdproto.errors import DeadlineExceededError, InvalidFieldError, PdprotoError, Reason, RequestFailedError
 from pdproto.transfer import LayerSpan, TransferJob, create_executor
 from pdproto.transfer.local import LocalExecutor
 from pdproto.v1 import common_pb2, registration_pb2
@@ -43,28 +45,6 @@ def prefill() -> Iterator[LocalExecutor]:
     assert isinstance(ex, LocalExecutor)
     yield ex
     ex.close()
-
-
-WAYS = ["thread", "loop"]
-"""How a test connects: ``connect`` (blocking, as on a lane) or ``start_connect`` + ``finish``
-(Register's loop path)."""
-
-
-def _connect(ex: LocalExecutor, reg: registration_pb2.KvRegistration, way: str) -> None:
-    """Connect peer "p" one of the two ways; both must raise the same typed errors."""
-    if way == "thread":
-        ex.connect("p", reg)
-        return
-
-    async def on_loop() -> None:
-        pending = ex.start_connect(reg)
-        assert pending is not None
-        try:
-            await pending.finish("p", 5.0)
-        finally:
-            pending.close()
-
-    asyncio.run(on_loop())
 
 
 def _registration(reply: dict[str, object]) -> registration_pb2.KvRegistration:
@@ -100,14 +80,13 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_an_arena_that_is_not_a_sealed_memfd_is_refused_with_a_reason(hostile: Child, prefill: LocalExecutor,
-                                                                    kind: str, way: str) -> None:
+                                                                    kind: str) -> None:
     reg = _registration(hostile.call("serve", kind=kind))
     before = _open_fds()
     with pytest.raises(InvalidFieldError) as info:
-        _connect(prefill, reg, way)
+        prefill.connect("p", reg)
     assert info.value.reason is Reason.INVALID_FIELD
     assert REFUSED[kind] in info.value.message, info.value.message
     assert _open_fds() == before, "a refused arena left a descriptor open"
@@ -137,24 +116,22 @@ def _bad_endpoint(ep: registration_pb2.LocalEndpoint, case: str) -> str:
 
 @pytest.mark.parametrize("case", ["nul_in_socket", "foreign_socket", "no_socket", "short_secret", "wrong_secret",
                                   "wrong_pid", "wrong_size"])
-@pytest.mark.parametrize("way", WAYS)
-def test_bad_endpoint_fields_are_typed_errors(hostile: Child, prefill: LocalExecutor, case: str, way: str) -> None:
+def test_bad_endpoint_fields_are_typed_errors(hostile: Child, prefill: LocalExecutor, case: str) -> None:
     reg = _registration(hostile.call("serve", kind="good"))
     field = _bad_endpoint(reg.local, case)
     with pytest.raises(InvalidFieldError) as info:
-        _connect(prefill, reg, way)
+        prefill.connect("p", reg)
     assert info.value.field == field, info.value
 
 
 @pytest.mark.parametrize(("length", "ptr", "field"), [(2 << 20, 0, "registration.kv_buffers"),
                                                      (0, 2 << 20, "registration.kv_buffers[0].ptr")])
-@pytest.mark.parametrize("way", WAYS)
 def test_buffers_outside_the_arena_are_refused(hostile: Child, prefill: LocalExecutor, length: int, ptr: int,
-                                               field: str, way: str) -> None:
+                                               field: str) -> None:
     reg = _registration(hostile.call("serve", kind="good", length=length))
     reg.kv_buffers[0].ptr = ptr
     with pytest.raises(InvalidFieldError) as info:
-        _connect(prefill, reg, way)
+        prefill.connect("p", reg)
     assert info.value.field == field
 
 
@@ -168,26 +145,86 @@ def _arena_mappings() -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("way", WAYS)
-def test_only_the_bytes_the_buffers_cover_are_mapped(hostile: Child, prefill: LocalExecutor, way: str) -> None:
+def test_only_the_bytes_the_buffers_cover_are_mapped(hostile: Child, prefill: LocalExecutor) -> None:
     reg = _registration(hostile.call("serve", kind="good", length=64 << 10))
     assert [b.length for b in reg.kv_buffers] == [64 << 10]  # of a 1 MiB arena
     before = _arena_mappings()
-    _connect(prefill, reg, way)
+    prefill.connect("p", reg)
     try:
         assert _arena_mappings() == [*before, 64 << 10]  # not the whole 1 MiB arena
     finally:
         prefill.disconnect("p")
 
 
-@pytest.mark.parametrize("way", WAYS)
-def test_nothing_listening_is_peer_gone(prefill: LocalExecutor, way: str) -> None:
+def test_nothing_listening_is_peer_gone(prefill: LocalExecutor) -> None:
     reg = registration_pb2.KvRegistration()
-    reg.local.CopyFrom(registration_pb2.LocalEndpoint(shm_name="x", socket=f"pdproto-arena-1-{'0' * 32}",
+    reg.local.CopyFrom(registration_pb2.LocalEndpoint(arena_name="x", socket=f"pdproto-arena-1-{'0' * 32}",
                                                       secret=bytes(32)))
     with pytest.raises(RequestFailedError) as info:
-        _connect(prefill, reg, way)
+        prefill.connect("p", reg)
     assert info.value.reason is Reason.PEER_GONE
+
+
+def _silent_listener() -> tuple[socket.socket, str]:
+    """An arena socket that accepts connections (the kernel does) and never answers: a frozen decode."""
+    name = f"pdproto-arena-1-{secrets.token_hex(16)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(16)
+    return listener, name
+
+
+@pytest.fixture
+def silent() -> Iterator[str]:
+    """The name of a silent arena socket."""
+    listener, name = _silent_listener()
+    yield name
+    listener.close()
+
+
+def _silenced(rank: DecodeRank, name: str) -> registration_pb2.KvRegistration:
+    """The rank's registration with its arena socket swapped for a silent one."""
+    reg = rank.registration()
+    reg.local.socket, reg.local.secret, reg.local.pid = name, secrets.token_bytes(32), 0
+    return reg
+
+
+def test_a_silent_decode_fails_at_the_connect_deadline(silent: str) -> None:
+    rank = DecodeRank.for_spec(SPEC, pages=8)
+    ex = LocalExecutor(arena_bytes=1 << 20, connect_timeout_s=0.5)
+    try:
+        with pytest.raises(DeadlineExceededError) as info:
+            ex.connect("p", _silenced(rank, silent))
+        assert info.value.reason is Reason.DEADLINE_EXCEEDED
+        assert "hand its arena over in time" in info.value.message
+    finally:
+        ex.close()
+        rank.close()
+
+
+def test_a_silent_decode_does_not_stop_another_register(silent: str) -> None:
+    """A Register whose decode never hands its arena over waits on its own engine thread, to the
+    connect deadline; meanwhile another decode registers and moves its bytes."""
+    peer, frozen = DecodeRank.for_spec(SPEC, pages=32), DecodeRank.for_spec(SPEC, pages=8)
+    try:
+        with running_server(*SERVE_ARGS, "--engine-timeout", "10") as srv, \
+                HandshakeClient(srv.target, timeout=30) as client, HandshakeClient(srv.target, timeout=30) as other, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(other.register, _silenced(frozen, silent))
+            # While that Register waits on the silent decode, this one is served in full.
+            peer_id = client.register(peer.registration()).peer_id
+            pages = peer.pages_for(SPEC.prompt_tokens)
+            client.submit_transfer(peer_id, peer.transfer_info(7, pages))
+            done = client.wait_for(peer_id, [7], timeout=30)
+            assert not waiting.done(), "the silent decode's Register ended before the healthy one's transfer"
+            with pytest.raises(DeadlineExceededError) as info:
+                waiting.result(timeout=60)
+            assert "hand its arena over in time" in info.value.message, info.value.message
+        assert done[7].state == common_pb2.TRANSFER_STATE_SUCCESS, done[7]
+        peer.verify({7: pages}, SPEC.prompt_tokens)
+    finally:
+        peer.close()
+        frozen.close()
 
 
 def test_a_sealed_arena_cannot_shrink_under_the_prefill(prefill: LocalExecutor) -> None:
@@ -226,7 +263,7 @@ def _shrink(rank: DecodeRank) -> list[str]:
             tried.append("memfd truncated")
         except OSError as exc:
             tried.append(f"memfd: {exc.strerror}")
-    path = os.path.join("/dev/shm", rank.registration().local.shm_name)
+    path = os.path.join("/dev/shm", rank.registration().local.arena_name)
     if os.path.exists(path):  # a name-based arena (what the prefill used to open)
         os.truncate(path, 0)
         tried.append("shm file truncated")

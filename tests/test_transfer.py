@@ -411,7 +411,7 @@ def test_unknown_peer_and_wrong_backend_are_typed_errors(pair: Pair) -> None:
     assert info.value.reason == Reason.PEER_NOT_FOUND
     reg = registration_pb2.KvRegistration()
     if ex.backend == "mooncake":
-        reg.local.shm_name = "nothing-here"
+        reg.local.arena_name = "nothing-here"
     else:
         reg.mooncake.session_id = "127.0.0.1:1"
     with pytest.raises(TopologyError) as info:

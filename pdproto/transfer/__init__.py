@@ -28,7 +28,6 @@ from .base import (
     TransferStats,
     decode_notification,
     encode_notification,
-    offer,
     set_endpoint,
 )
 from ._paths import INLINE_BYTES
@@ -39,7 +38,7 @@ def create_executor(backend: str, *, name: str | None = None, **options: Any) ->
     """Create the executor of a backend named in ``pdproto.backends`` ("local", "mooncake", "nixl").
 
     Options (each backend ignores those its executor does not take):
-      name: engine identity (NIXL agent name; local arena file name).
+      name: engine identity (NIXL agent name; local arena (memfd) name).
       staging_bytes: size of the registered packing region (0 disables packing).
       inline_bytes: packed jobs up to this size are packed inline and sent as one
         engine call (default 4 MiB, measured in docs/transfer.md); 0 always pipelines.
@@ -86,6 +85,5 @@ __all__ = [
     "decode_notification",
     "encode_notification",
     "external",
-    "offer",
     "set_endpoint",
 ]

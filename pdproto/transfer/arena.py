@@ -14,20 +14,11 @@ pages. Whatever the peer hands over, the prefill can then only write into memory
 peer itself holds and offered. The connection stays open as a liveness channel: when
 the decode exits or closes its executor, the prefill's end reports a hang-up, and that
 peer's transfers fail with ``PEER_GONE``.
-
-A decode may also push its arena ahead of Register (``ArenaServer.push``) to the prefill's
-inbox (``inbox.py``), whose name and pid the prefill publishes in ``PrefillServerInfo.local_inbox``:
-Register then takes the waiting descriptor by the registration's secret (``Inbox.claim``)
-instead of waking the decode to ask for it. The decode pushes only to the published pid
-(SO_PEERCRED), so a process squatting a dead prefill's socket name gets nothing; the
-prefill checks a pushed descriptor exactly as a fetched one, and a push that is missing,
-refused or malformed leaves Register to fetch the arena as before.
 """
 
 from __future__ import annotations
 
 import array
-import asyncio
 import fcntl
 import hmac
 import mmap
@@ -43,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from pdproto.errors import DeadlineExceededError, InvalidFieldError, Reason, RequestFailedError
-from pdproto.v1 import registration_pb2, server_info_pb2
+from pdproto.v1 import registration_pb2
 
 HELLO = b"PDARENA1"
 """First bytes of the client's request and of the server's answer."""
@@ -60,15 +51,7 @@ _PRUNE_AT = 16
 _HANDOVER_S = 2.0
 """How long the decode gives a client, in all, to present its secret and take the arena."""
 _FIELD = "registration.local"
-PUSH = b"PDPUSH01"
-"""First bytes of a decode's push to an inbox: then the secret's length (u16) and the secret."""
-LINKED_PUSH = b"PDPUSH02"
-"""``PUSH`` on a link: the connection stays the decode's link to the inbox and carries its later pushes."""
-INBOX_NAME = re.compile(r"pdproto-inbox-[0-9]{1,10}-[0-9a-f]{32}")
-"""Every name a prefill's inbox listens on; a decode pushes to no other socket."""
-_PUSH = struct.Struct("<8sH")
-_CTRUNC = int(socket.MSG_CTRUNC)  # an int: "&" on the enum flag costs microseconds per message
-_MAX_SECRET = 64
+_CTRUNC = int(socket.MSG_CTRUNC)
 
 
 def create(name: str, size: int) -> int:
@@ -91,13 +74,8 @@ class ArenaServer:
         self.fd = fd
         self.size = size
         self.secret = secret if secret is not None else secrets.token_bytes(SECRET_BYTES)
-        # What every push and every answer sends: built once, as the descriptor and secret never change.
+        # What every answer sends: built once, as the descriptor never changes.
         self._rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
-        self._push = _PUSH.pack(PUSH, len(self.secret)) + self.secret
-        self._linked_push = _PUSH.pack(LINKED_PUSH, len(self.secret)) + self.secret
-        self._links: dict[tuple[str, int], socket.socket] = {}
-        """This arena's link to each inbox that reads many pushes per connection, by inbox name and pid."""
-        self._linking = threading.Lock()
         self.name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
@@ -108,8 +86,6 @@ class ArenaServer:
         self._closed = False
         self.asked = 0
         """Prefills that asked for the arena (with the secret) and were handed it."""
-        self.pushed = 0
-        """Pushes sent to prefill inboxes (``push``)."""
         self._thread = threading.Thread(target=self._serve, name="pdproto-arena", daemon=True)
         self._thread.start()
 
@@ -143,81 +119,6 @@ class ArenaServer:
         conn.settimeout(None)
         self._hold(conn)
 
-    def push(self, inbox: server_info_pb2.LocalInbox) -> bool:
-        """Hand the arena to the prefill listening on ``inbox``, ahead of a Register that names this arena.
-
-        False, having sent nothing, when the inbox is malformed, takes no connection now (its
-        backlog is full) or is not the published process: that Register then fetches the
-        arena as if nothing was pushed. The connection stays open as the liveness channel.
-        To an inbox that reads links (``LocalInbox.links``) the push goes on this arena's link
-        to it, made by the first push: later pushes cost one ``sendmsg``, not a new connection.
-        """
-        if not INBOX_NAME.fullmatch(inbox.socket) or not inbox.pid:
-            return False
-        if inbox.links:
-            return self._push_linked(inbox)
-        sock = self._connect_inbox(inbox)
-        if sock is None or not self._sent_on(sock, self._push):
-            return False
-        self.pushed += 1
-        self._hold(sock)
-        return True
-
-    def _push_linked(self, inbox: server_info_pb2.LocalInbox) -> bool:
-        """``push`` on the link to ``inbox``, made now if there is none or the prefill closed it."""
-        with self._linking:
-            if self._closed:
-                return False
-            key = (inbox.socket, inbox.pid)
-            link = self._links.get(key)
-            if link is not None:
-                try:
-                    if link.sendmsg([self._linked_push], self._rights) == len(self._linked_push):
-                        self.pushed += 1
-                        return True
-                except (BlockingIOError, InterruptedError):
-                    return False  # the prefill is not reading now; its Register fetches
-                except OSError:
-                    pass  # the prefill closed the link: every lease it carried is gone already
-                # Closing our end would tell the prefill that every peer registered through this link
-                # is gone; only a link the prefill closed (or a send that did not go whole) is replaced.
-                del self._links[key]
-                self._hold(link)
-            link = self._connect_inbox(inbox)
-            if link is None or not self._sent_on(link, self._linked_push):
-                return False
-            # Links to prefills that are gone are dropped as new ones are made (rarely: one per prefill).
-            for other_key, other in list(self._links.items()):
-                if _hung_up(other):
-                    other.close()
-                    del self._links[other_key]
-            self._links[key] = link
-            self.pushed += 1
-            return True
-
-    def _sent_on(self, sock: socket.socket, message: bytes) -> bool:
-        """Send ``message`` with the arena on a new connection; closes it unless the message went whole."""
-        try:
-            if sock.sendmsg([message], self._rights) == len(message):
-                return True
-        except OSError:
-            pass
-        sock.close()
-        return False
-
-    @staticmethod
-    def _connect_inbox(inbox: server_info_pb2.LocalInbox) -> socket.socket | None:
-        """A connection to ``inbox``, once its listener is the published process; None otherwise."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)  # no setblocking call
-        try:
-            sock.connect("\0" + inbox.socket)
-            if peer_pid(sock) == inbox.pid:
-                return sock
-        except OSError:
-            pass
-        sock.close()
-        return None
-
     def _hold(self, conn: socket.socket) -> None:
         """Keep ``conn`` open while this arena is (its prefill sees the hang-up when it closes)."""
         with self._lock:
@@ -228,7 +129,7 @@ class ArenaServer:
             if len(self._held) < self._prune_at:
                 return
             # Connections whose prefill went away are dropped as new ones arrive, in batches: polling
-            # every held connection on every push would cost a Register more than the push itself.
+            # every held connection on every handover would cost each handover more than it does.
             gone = [c for c in self._held if _hung_up(c)]
             for c in gone:
                 c.close()
@@ -237,11 +138,9 @@ class ArenaServer:
 
     def close(self) -> None:
         """Stop listening and close every handed-over connection (prefills see the hang-up)."""
-        with self._linking, self._lock:
+        with self._lock:
             self._closed = True
             held, self._held = self._held, []
-            held += self._links.values()
-            self._links = {}
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -262,13 +161,10 @@ class Lease:
     sock: socket.socket
     pid: int
     """The decode process, from the socket's credentials."""
-    linked: bool = False
-    """``sock`` is a copy of the decode's link to the inbox, on which later pushes arrive: only a
-    hang-up says it is gone, not something to read."""
 
     def alive(self) -> bool:
         """False once the decode closed its end (it exited, or closed its executor)."""
-        return not _hung_up(self.sock, _GONE if self.linked else _GONE | select.POLLIN)
+        return not _hung_up(self.sock)
 
     def close(self) -> None:
         """Drop the connection and the mapping (the memory stays the decode's)."""
@@ -296,118 +192,12 @@ def fetch(endpoint: registration_pb2.LocalEndpoint, need: int, *, timeout: float
         raise
 
 
-class Handover:
-    """``fetch`` without blocking, for a caller on an event loop: ``start`` connects and asks
-    for the arena, ``finish`` waits on the loop for the answer, with a deadline.
-
-    ``start`` returns None when the decode's socket does not take the connection at once (its
-    backlog is full: a frozen or busy decode); the caller then uses the blocking ``fetch`` on a
-    thread of its own. Until ``finish`` returns, ``close`` drops the half-done handover.
-    """
-
-    def __init__(self, sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, need: int, pid: int) -> None:
-        """Hold a connected socket that has sent its request (``start`` builds it)."""
-        self._sock: socket.socket | None = sock
-        self._endpoint = endpoint
-        self._need = need
-        self._pid = pid
-
-    @classmethod
-    def start(cls, endpoint: registration_pb2.LocalEndpoint, need: int) -> Handover | None:
-        """Check the endpoint, connect without waiting and send the request; the same errors as ``fetch``."""
-        _check_endpoint(endpoint)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            hello = HELLO + endpoint.secret
-            try:
-                sock.connect("\0" + endpoint.socket)
-                pid = _peer_pid(sock, endpoint)
-                sent = sock.send(hello)
-            except BlockingIOError:
-                sent = -1
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                raise _nobody_listens(endpoint) from exc
-            if sent != len(hello):
-                sock.close()
-                return None
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, endpoint, need, pid)
-
-    async def finish(self, timeout: float) -> Lease:
-        """Wait (on the running loop) up to ``timeout`` seconds for the arena; map it and return the lease."""
-        sock, self._sock = self._sock, None
-        assert sock is not None, "finish() runs once"
-        try:
-            try:
-                # The answer is often in already (it had the checks' and the verdict's time): no timer then.
-                answer = _answer_now(sock)
-                if answer is None:
-                    async with asyncio.timeout(timeout):
-                        answer = await _answer(sock)
-            except TimeoutError:
-                raise _too_slow(self._endpoint, timeout) from None
-            except OSError as exc:
-                raise _socket_failed(self._endpoint, exc) from exc
-            fd = _received(answer[0], answer[1], answer[2], self._endpoint)
-            sock.setblocking(True)
-            return _lease(sock, fd, self._pid, self._endpoint, self._need)
-        except BaseException:
-            sock.close()
-            raise
-
-    def close(self) -> None:
-        """Drop a handover ``finish`` never took (once it has, the lease owns the socket)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-
-def _set_once(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-_Answer = tuple[bytes, list[tuple[int, int, bytes]], int, object]
-
-
-def _recv_answer(sock: socket.socket) -> _Answer:
-    """``recvmsg`` of the decode's answer: its header and up to four descriptors."""
-    return sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
-
-
-def _answer_now(sock: socket.socket) -> _Answer | None:
-    """The decode's answer if it has arrived; None if not yet (a non-blocking socket)."""
-    try:
-        return _recv_answer(sock)
-    except BlockingIOError:
-        return None
-
-
-async def _answer(sock: socket.socket) -> _Answer:
-    """Wait on the running loop for the decode's answer."""
-    loop = asyncio.get_running_loop()
-    fd = sock.fileno()  # not the socket: the selector's first lookup fails, and formats its key's repr
-    while True:
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _set_once, readable)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
-        answer = _answer_now(sock)
-        if answer is not None:
-            return answer
-
-
 def _check_endpoint(endpoint: registration_pb2.LocalEndpoint) -> None:
     """``InvalidFieldError`` for an endpoint this prefill does not connect to."""
     if not endpoint.socket:
         raise InvalidFieldError(f"{_FIELD}.socket", "required: the decode hands its arena over on a Unix "
                                 "socket; a prefill no longer opens /dev/shm files by name (upgrade the decode)",
-                                metadata={"shm_name": endpoint.shm_name})
+                                metadata={"arena": endpoint.arena_name})
     if not SOCKET_NAME.fullmatch(endpoint.socket):
         raise InvalidFieldError(f"{_FIELD}.socket", "not an arena socket name (pdproto-arena-<pid>-<32 hex>)",
                                 metadata={"socket": endpoint.socket[:80]})
@@ -416,14 +206,10 @@ def _check_endpoint(endpoint: registration_pb2.LocalEndpoint) -> None:
                                 metadata={"bytes": len(endpoint.secret)})
 
 
-def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.LocalEndpoint, need: int,
-           checked: int | InvalidFieldError | None = None, *, linked: bool = False) -> Lease:
-    """Check the handed-over descriptor (``checked``: what ``check`` said of it already), map ``need`` bytes
-    of it, and close it (the mapping stays)."""
+def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.LocalEndpoint, need: int) -> Lease:
+    """Check the handed-over descriptor, map ``need`` bytes of it, and close it (the mapping stays)."""
     try:
-        if isinstance(checked, InvalidFieldError):
-            raise checked
-        size = check(fd) if checked is None else checked
+        size = check(fd)
         if endpoint.size and endpoint.size != size:
             raise InvalidFieldError(f"{_FIELD}.size", f"the arena has {size} bytes, not {endpoint.size}",
                                     metadata={"size": endpoint.size, "arena": size})
@@ -439,7 +225,7 @@ def _lease(sock: socket.socket, fd: int, pid: int, endpoint: registration_pb2.Lo
                                     metadata={"error": exc}) from exc
     finally:
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
-    return Lease(mapping=mapping, size=size, sock=sock, pid=pid, linked=linked)
+    return Lease(mapping=mapping, size=size, sock=sock, pid=pid)
 
 
 def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, timeout: float) -> tuple[int, int]:
@@ -456,7 +242,8 @@ def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, tim
     pid = _peer_pid(sock, endpoint)
     try:
         sock.sendall(HELLO + endpoint.secret)
-        msg, ancdata, flags, _ = _recv_answer(sock)
+        # The answer's header and up to four descriptors (one is expected; more are refused).
+        msg, ancdata, flags, _ = sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
     except TimeoutError as exc:
         raise _too_slow(endpoint, timeout) from exc
     except OSError as exc:
@@ -483,18 +270,11 @@ def _socket_failed(endpoint: registration_pb2.LocalEndpoint, exc: OSError) -> Re
 
 def _peer_pid(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint) -> int:
     """The process at the other end of the connected socket; it must be the endpoint's."""
-    pid = peer_pid(sock)
+    pid = int(_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0])
     if endpoint.pid and endpoint.pid != pid:
         raise InvalidFieldError(f"{_FIELD}.pid", f"the arena socket belongs to process {pid}, not {endpoint.pid}",
                                 metadata={"pid": endpoint.pid, "socket_pid": pid})
     return pid
-
-
-def peer_pid(sock: socket.socket) -> int:
-    """The process at the other end of a connected Unix socket (``SO_PEERCRED``: for a listener, the
-    process that listened; for an accepted connection, the one that connected)."""
-    pid, _, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return int(pid)
 
 
 def _received(msg: bytes, ancdata: list[tuple[int, int, bytes]], flags: int,
@@ -574,18 +354,17 @@ def _recv_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
 _GONE = select.POLLHUP | select.POLLERR | select.POLLRDHUP
 
 
-def _hung_up(sock: socket.socket, events: int = _GONE | select.POLLIN) -> bool:
-    """True when the other end closed (or, by default, sent something, which the protocol never does
-    after a handover), or this end was closed."""
+def _hung_up(sock: socket.socket) -> bool:
+    """True when the other end closed or sent something (which the protocol never does after a
+    handover), or this end was closed."""
     if sock.fileno() < 0:
         return True  # closed here (Lease.close): nothing can come through it any more
     poller = select.poll()
-    poller.register(sock, events)
+    poller.register(sock, _GONE | select.POLLIN)
     try:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 
 
-__all__ = ["ArenaServer", "HELLO", "Handover", "INBOX_NAME", "LINKED_PUSH", "Lease", "PUSH", "REQUIRED_SEALS",
-           "SOCKET_NAME", "check", "create", "fetch", "peer_pid"]
+__all__ = ["ArenaServer", "HELLO", "Lease", "REQUIRED_SEALS", "SOCKET_NAME", "check", "create", "fetch"]

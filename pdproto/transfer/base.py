@@ -13,7 +13,6 @@ one index per row: executors gather, bound and cut descriptors from the runs.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -27,7 +26,7 @@ import numpy.typing as npt
 from pdproto.backends import Endpoint, set_endpoint
 from pdproto.dcp import runs as run_arith
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
-from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
+from pdproto.v1 import common_pb2, registration_pb2
 
 Runs = npt.NDArray[np.int64]
 """(R, 5) int64 row runs: src_start, src_stride, dst_start, dst_stride, count (``pdproto.dcp.runs``)."""
@@ -189,10 +188,6 @@ class TransferStats:
     failures: int = 0
     timeouts: int = 0
     """Calls that ran past the executor's ``transfer_timeout_s`` (also counted in ``failures``)."""
-    arenas_pushed: int = 0
-    """Local backend: decode arenas a connect took from the inbox, pushed ahead of Register."""
-    arenas_fetched: int = 0
-    """Local backend: decode arenas a connect asked the decode for (nothing was pushed)."""
 
 
 @dataclass(frozen=True)
@@ -258,53 +253,6 @@ class TransferExecutor(Protocol):
     def close(self) -> None:
         """Release every engine resource; the executor is unusable afterwards."""
         ...
-
-
-class PendingConnect(Protocol):
-    """A connect under way on the caller's event loop (``ConnectsOnLoop.start_connect``)."""
-
-    async def finish(self, peer_id: str, timeout: float) -> None:
-        """Complete the connect of ``peer_id`` within ``timeout`` seconds, without blocking the loop."""
-        ...
-
-    def close(self) -> None:
-        """Drop what ``finish`` did not take (idempotent)."""
-        ...
-
-
-@runtime_checkable
-class ConnectsOnLoop(Protocol):
-    """An executor whose connect can run on the caller's event loop (no thread hop)."""
-
-    def start_connect(self, registration: registration_pb2.KvRegistration) -> PendingConnect | None:
-        """Start connecting without blocking; None when only the blocking ``connect`` can do it now."""
-        ...
-
-
-@runtime_checkable
-class TakesPushedMemory(Protocol):
-    """A prefill executor that takes a decode's memory pushed ahead of Register (the local backend)."""
-
-    def inbox(self, loop: asyncio.AbstractEventLoop | None = None) -> server_info_pb2.LocalInbox:
-        """Where decodes push: the server publishes it as ``PrefillServerInfo.local_inbox``. With
-        ``loop``, pushes are read on it as they arrive, so a Register finds its push already read."""
-        ...
-
-
-@runtime_checkable
-class PushesMemory(Protocol):
-    """A decode executor that can hand its memory to a prefill before registering with it."""
-
-    def offer(self, info: server_info_pb2.PrefillServerInfo) -> bool:
-        """Push this executor's memory to ``info``'s prefill for the next Register; False when it did not."""
-        ...
-
-
-def offer(executor: object, info: server_info_pb2.PrefillServerInfo) -> bool:
-    """Push ``executor``'s memory to ``info``'s prefill just before a Register, where both sides can
-    (the local backend on one host); False otherwise, and that Register works as before."""
-    push = getattr(executor, "offer", None)  # not isinstance(PushesMemory): that costs more than the push
-    return bool(push is not None and push(info))
 
 
 def encode_notification(room: int, payload: bytes) -> bytes:
@@ -430,17 +378,13 @@ __all__ = [
     "PAGE",
     "VRAM",
     "Buffer",
-    "ConnectsOnLoop",
     "Endpoint",
     "LayerSpan",
     "MemoryKind",
     "Notification",
-    "PendingConnect",
-    "PushesMemory",
     "Regions",
     "Runs",
     "Segment",
-    "TakesPushedMemory",
     "TransferExecutor",
     "TransferJob",
     "TransferResult",
@@ -449,7 +393,6 @@ __all__ = [
     "check_bounds",
     "decode_notification",
     "encode_notification",
-    "offer",
     "remote_regions",
     "set_endpoint",
     "validate_job",

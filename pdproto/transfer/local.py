@@ -9,7 +9,6 @@ executors are tested against. Nothing is ever opened, created or deleted under /
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import os
 import threading
@@ -29,10 +28,9 @@ from pdproto.errors import (
     RequestFailedError,
     TopologyError,
 )
-from pdproto.v1 import registration_pb2, server_info_pb2
+from pdproto.v1 import registration_pb2
 
 from . import arena
-from .inbox import Inbox
 from .base import (
     DRAM,
     PAGE,
@@ -80,7 +78,6 @@ class LocalExecutor:
         self._arena: mmap.mmap | None = None
         self._arena_fd = -1
         self._server: arena.ArenaServer | None = None
-        self._inbox: Inbox | None = None
         self._arena_view: np.ndarray | None = None
         self._next = 0
         self._local: list[tuple[int, int]] = []
@@ -133,76 +130,18 @@ class LocalExecutor:
         with self._lock:
             self._ensure_arena()
         assert self._server is not None
-        return registration_pb2.LocalEndpoint(shm_name=self._name, size=self._arena_bytes, pid=os.getpid(),
+        return registration_pb2.LocalEndpoint(arena_name=self._name, size=self._arena_bytes, pid=os.getpid(),
                                               socket=self._server.name, secret=self._server.secret)
 
-    def offer(self, info: server_info_pb2.PrefillServerInfo) -> bool:
-        """Push this process's arena to ``info``'s inbox for the Register that follows (``arena.ArenaServer.push``).
-
-        False when the prefill publishes no inbox or the push cannot be made now; that Register
-        then has the prefill ask for the arena, as without a push.
-        """
-        if not info.HasField("local_inbox"):
-            return False
-        with self._lock:
-            self._ensure_arena()
-        assert self._server is not None
-        return self._server.push(info.local_inbox)
-
-    def inbox(self, loop: asyncio.AbstractEventLoop | None = None) -> server_info_pb2.LocalInbox:
-        """The inbox decodes push their arenas to (created on first call; read on ``loop`` as pushes
-        arrive when one is given); see ``inbox.py``."""
-        with self._lock:
-            if self._inbox is None:
-                self._inbox = Inbox()
-            inbox = self._inbox
-        if loop is not None:
-            inbox.watch(loop)
-        return inbox.endpoint()
-
     def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
-        """Take the peer's pushed arena, or receive it from the peer, and map it; a typed error when it
-        is unusable or its owner is gone.
+        """Receive the peer's arena from the peer and map it; a typed error when it is unusable or its
+        owner is gone (blocks for at most ``connect_timeout_s``).
 
         Every KV buffer must lie inside the arena (a length of 0 means "to the arena's end").
         """
         declared, need = _declared(registration)
-        lease = self._claim(registration, need)
-        if lease is None:
-            lease = arena.fetch(registration.local, need, timeout=self._connect_timeout)
-            self.stats.arenas_fetched += 1
+        lease = arena.fetch(registration.local, need, timeout=self._connect_timeout)
         self._install(peer_id, lease, declared, registration)
-
-    def start_connect(self, registration: registration_pb2.KvRegistration) -> _ArenaConnect | None:
-        """``connect`` for a caller on an event loop: a pushed arena is taken now, else the handover
-        starts now and ends on the loop.
-
-        None when the decode's socket does not take the connection at once (a frozen or busy
-        decode): then ``connect`` on a thread, with its deadline. The same errors as ``connect``.
-        """
-        declared, need = _declared(registration)
-        try:
-            lease = self._claim(registration, need)
-        except PdprotoError as exc:
-            # The push is spent: the refusal waits for finish, where the caller reports connect failures.
-            return _ArenaConnect(self, exc, declared, registration)
-        if lease is not None:
-            return _ArenaConnect(self, lease, declared, registration)
-        handover = arena.Handover.start(registration.local, need)
-        if handover is None:
-            return None
-        self.stats.arenas_fetched += 1
-        return _ArenaConnect(self, handover, declared, registration)
-
-    def _claim(self, registration: registration_pb2.KvRegistration, need: int) -> arena.Lease | None:
-        """The lease of the arena the peer pushed to this executor's inbox; None if it pushed none."""
-        inbox = self._inbox
-        if inbox is None:
-            return None
-        lease = inbox.claim(registration.local, need)
-        if lease is not None:
-            self.stats.arenas_pushed += 1
-        return lease
 
     def _install(self, peer_id: str, lease: arena.Lease, declared: Regions,
                  registration: registration_pb2.KvRegistration) -> None:
@@ -311,8 +250,6 @@ class LocalExecutor:
             self.disconnect(peer_id)
         if self._server is not None:
             self._server.close()
-        if self._inbox is not None:
-            self._inbox.close()
         if self._arena is not None:
             self._arena_view = None
             try:
@@ -323,35 +260,6 @@ class LocalExecutor:
         if self._arena_fd >= 0:
             os.close(self._arena_fd)
             self._arena_fd = -1
-
-
-class _ArenaConnect:
-    """A connect whose arena handover is under way (``LocalExecutor.start_connect``)."""
-
-    def __init__(self, executor: LocalExecutor, handover: arena.Handover | arena.Lease | PdprotoError,
-                 declared: Regions, registration: registration_pb2.KvRegistration) -> None:
-        """Hold the handover (or the lease of a pushed arena, or why it was refused) until ``finish`` or ``close``."""
-        self._executor = executor
-        self._handover: arena.Handover | arena.Lease | PdprotoError | None = handover
-        self._declared = declared
-        self._registration = registration
-
-    async def finish(self, peer_id: str, timeout: float) -> None:
-        """Wait on the running loop for the arena (up to ``timeout`` seconds, and no longer than the
-        executor's ``connect_timeout_s``), then connect ``peer_id`` to it."""
-        handover, self._handover = self._handover, None
-        assert handover is not None, "finish() runs once"
-        if isinstance(handover, PdprotoError):
-            raise handover
-        lease = handover if isinstance(handover, arena.Lease) else \
-            await handover.finish(min(timeout, self._executor._connect_timeout))
-        self._executor._install(peer_id, lease, self._declared, self._registration)
-
-    def close(self) -> None:
-        """Drop the handover (or pushed arena) if ``finish`` did not take it (idempotent)."""
-        if self._handover is not None and not isinstance(self._handover, PdprotoError):
-            self._handover.close()
-        self._handover = None
 
 
 def _declared(registration: registration_pb2.KvRegistration) -> tuple[Regions, int]:

@@ -25,25 +25,27 @@ _sym_db = _symbol_database.Default()
 from pdproto.v1 import common_pb2 as pdproto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdproto/v1/registration.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\"&\n\x10MooncakeEndpoint\x12\x12\n\nsession_id\x18\x01 \x01(\t\":\n\x0cNixlEndpoint\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\"\\\n\rLocalEndpoint\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0e\n\x06socket\x18\x04 \x01(\t\x12\x0e\n\x06secret\x18\x05 \x01(\x0c\"\xb1\x01\n\x08KvBuffer\x12\x0b\n\x03ptr\x18\x01 \x01(\x04\x12\x10\n\x08item_len\x18\x02 \x01(\x04\x12\x15\n\x08layer_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12+\n\x0bmemory_kind\x18\x04 \x01(\x0e\x32\x16.pdproto.v1.MemoryKind\x12%\n\x04role\x18\x05 \x01(\x0e\x32\x17.pdproto.v1.KvEntryRole\x12\x0e\n\x06length\x18\x06 \x01(\x04\x42\x0b\n\t_layer_id\"\x97\x01\n\x0bStateBuffer\x12\x11\n\tdata_ptrs\x18\x01 \x03(\x04\x12\x11\n\titem_lens\x18\x02 \x03(\r\x12\x17\n\x0f\x64im_per_tensors\x18\x03 \x03(\r\x12\x11\n\tlayer_ids\x18\x04 \x03(\r\x12\x11\n\tdata_lens\x18\x05 \x03(\x04\x12#\n\x04kind\x18\x06 \x01(\x0e\x32\x15.pdproto.v1.StateKind\"M\n\rStagingRegion\x12\x10\n\x08\x62\x61se_ptr\x18\x01 \x01(\x04\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x16\n\x0eslot_layer_ids\x18\x03 \x03(\x04\"\xd7\x06\n\x0eKvRegistration\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\x12\x14\n\x0c\x63\x61pabilities\x18\x02 \x03(\t\x12-\n\x0fnotify_endpoint\x18\x03 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x30\n\x08mooncake\x18\x04 \x01(\x0b\x32\x1c.pdproto.v1.MooncakeEndpointH\x00\x12(\n\x04nixl\x18\x05 \x01(\x0b\x32\x18.pdproto.v1.NixlEndpointH\x00\x12*\n\x05local\x18\x15 \x01(\x0b\x32\x19.pdproto.v1.LocalEndpointH\x00\x12*\n\x07\x61ttn_tp\x18\x06 \x01(\x0b\x32\x19.pdproto.v1.ParallelGroup\x12&\n\x03\x64\x63p\x18\x07 \x01(\x0b\x32\x19.pdproto.v1.ParallelGroup\x12%\n\x02pp\x18\x08 \x01(\x0b\x32\x19.pdproto.v1.ParallelGroup\x12\x11\n\tpage_size\x18\t \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x31\n\x0e\x61ttention_kind\x18\x0b \x01(\x0e\x32\x19.pdproto.v1.AttentionKind\x12\x10\n\x08model_id\x18\x0c \x01(\t\x12\x13\n\x0bkv_item_len\x18\r \x01(\x04\x12(\n\nkv_buffers\x18\x0e \x03(\x0b\x32\x14.pdproto.v1.KvBuffer\x12\x10\n\x08\x61ux_ptrs\x18\x0f \x03(\x04\x12.\n\rstate_buffers\x18\x10 \x03(\x0b\x32\x17.pdproto.v1.StateBuffer\x12*\n\x07staging\x18\x11 \x01(\x0b\x32\x19.pdproto.v1.StagingRegion\x12\x0e\n\x06gpu_id\x18\x12 \x01(\r\x12\x16\n\tnum_slots\x18\x13 \x01(\rH\x01\x88\x01\x01\x12)\n\x06legacy\x18\x14 \x01(\x0b\x32\x19.pdproto.v1.LegacyFraming\x12\x15\n\raux_item_lens\x18\x16 \x03(\x04\x12\x15\n\raux_data_lens\x18\x17 \x03(\x04\x12\x16\n\x0etotal_kv_heads\x18\x18 \x01(\rB\x0b\n\ttransportB\x0c\n\n_num_slotsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdproto/v1/registration.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\"&\n\x10MooncakeEndpoint\x12\x12\n\nsession_id\x18\x01 \x01(\t\":\n\x0cNixlEndpoint\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\"t\n\rLocalEndpoint\x12\x14\n\x08shm_name\x18\x01 \x01(\tB\x02\x18\x01\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x0e\n\x06socket\x18\x04 \x01(\t\x12\x0e\n\x06secret\x18\x05 \x01(\x0c\x12\x12\n\narena_name\x18\x06 \x01(\t\"\xb1\x01\n\x08KvBuffer\x12\x0b\n\x03ptr\x18\x01 \x01(\x04\x12\x10\n\x08item_len\x18\x02 \x01(\x04\x12\x15\n\x08layer_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12+\n\x0bmemory_kind\x18\x04 \x01(\x0e\x32\x16.pdproto.v1.MemoryKind\x12%\n\x04role\x18\x05 \x01(\x0e\x32\x17.pdproto.v1.KvEntryRole\x12\x0e\n\x06length\x18\x06 \x01(\x04\x42\x0b\n\t_layer_id\"\x97\x01\n\x0bStateBuffer\x12\x11\n\tdata_ptrs\x18\x01 \x03(\x04\x12\x11\n\titem_lens\x18\x02 \x03(\r\x12\x17\n\x0f\x64im_per_tensors\x18\x03 \x03(\r\x12\x11\n\tlayer_ids\x18\x04 \x03(\r\x12\x11\n\tdata_lens\x18\x05 \x03(\x04\x12#\n\x04kind\x18\x06 \x01(\x0e\x32\x15.pdproto.v1.StateKind\"M\n\rStagingRegion\x12\x10\n\x08\x62\x61se_ptr\x18\x01 \x01(\x04\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x16\n\x0eslot_layer_ids\x18\x03 \x03(\x04\"\xd7\x06\n\x0eKvRegistration\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\x12\x14\n\x0c\x63\x61pabilities\x18\x02 \x03(\t\x12-\n\x0fnotify_endpoint\x18\x03 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x30\n\x08mooncake\x18\x04 \x01(\x0b\x32\x1c.pdproto.v1.MooncakeEndpointH\x00\x12(\n\x04nixl\x18\x05 \x01(\x0b\x32\x18.pdproto.v1.NixlEndpointH\x00\x12*\n\x05local\x18\x15 \x01(\x0b\x32\x19.pdproto.v1.LocalEndpointH\x00\x12*\n\x07\x61ttn_tp\x18\x06 \x01(\x0b\x32\x19.pdproto.v1.ParallelGroup\x12&\n\x03\x64\x63p\x18\x07 \x01(\x0b\x32\x19.pdproto.v1.ParallelGroup\x12%\n\x02pp\x18\x08 \x01(\x0b\x32\x19.pdproto.v1.ParallelGroup\x12\x11\n\tpage_size\x18\t \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\n \x01(\t\x12\x31\n\x0e\x61ttention_kind\x18\x0b \x01(\x0e\x32\x19.pdproto.v1.AttentionKind\x12\x10\n\x08model_id\x18\x0c \x01(\t\x12\x13\n\x0bkv_item_len\x18\r \x01(\x04\x12(\n\nkv_buffers\x18\x0e \x03(\x0b\x32\x14.pdproto.v1.KvBuffer\x12\x10\n\x08\x61ux_ptrs\x18\x0f \x03(\x04\x12.\n\rstate_buffers\x18\x10 \x03(\x0b\x32\x17.pdproto.v1.StateBuffer\x12*\n\x07staging\x18\x11 \x01(\x0b\x32\x19.pdproto.v1.StagingRegion\x12\x0e\n\x06gpu_id\x18\x12 \x01(\r\x12\x16\n\tnum_slots\x18\x13 \x01(\rH\x01\x88\x01\x01\x12)\n\x06legacy\x18\x14 \x01(\x0b\x32\x19.pdproto.v1.LegacyFraming\x12\x15\n\raux_item_lens\x18\x16 \x03(\x04\x12\x15\n\raux_data_lens\x18\x17 \x03(\x04\x12\x16\n\x0etotal_kv_heads\x18\x18 \x01(\rB\x0b\n\ttransportB\x0c\n\n_num_slotsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdproto.v1.registration_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_LOCALENDPOINT'].fields_by_name['shm_name']._loaded_options = None
+  _globals['_LOCALENDPOINT'].fields_by_name['shm_name']._serialized_options = b'\030\001'
   _globals['_MOONCAKEENDPOINT']._serialized_start=70
   _globals['_MOONCAKEENDPOINT']._serialized_end=108
   _globals['_NIXLENDPOINT']._serialized_start=110
   _globals['_NIXLENDPOINT']._serialized_end=168
   _globals['_LOCALENDPOINT']._serialized_start=170
-  _globals['_LOCALENDPOINT']._serialized_end=262
-  _globals['_KVBUFFER']._serialized_start=265
-  _globals['_KVBUFFER']._serialized_end=442
-  _globals['_STATEBUFFER']._serialized_start=445
-  _globals['_STATEBUFFER']._serialized_end=596
-  _globals['_STAGINGREGION']._serialized_start=598
-  _globals['_STAGINGREGION']._serialized_end=675
-  _globals['_KVREGISTRATION']._serialized_start=678
-  _globals['_KVREGISTRATION']._serialized_end=1533
+  _globals['_LOCALENDPOINT']._serialized_end=286
+  _globals['_KVBUFFER']._serialized_start=289
+  _globals['_KVBUFFER']._serialized_end=466
+  _globals['_STATEBUFFER']._serialized_start=469
+  _globals['_STATEBUFFER']._serialized_end=620
+  _globals['_STAGINGREGION']._serialized_start=622
+  _globals['_STAGINGREGION']._serialized_end=699
+  _globals['_KVREGISTRATION']._serialized_start=702
+  _globals['_KVREGISTRATION']._serialized_end=1557
 # @@protoc_insertion_point(module_scope)

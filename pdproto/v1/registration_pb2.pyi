@@ -17,6 +17,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -81,11 +86,21 @@ class LocalEndpoint(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     SOCKET_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
-    shm_name: _builtins.str
-    """Name of the arena (the memfd's name); it identifies the decode's arena across restarts.
-    KvBuffer.ptr values are offsets inside the arena. Older decodes named a /dev/shm file
-    here; a prefill no longer opens files by name, and refuses an endpoint without `socket`.
-    """
+    ARENA_NAME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def shm_name(self) -> _builtins.str:
+        """Deprecated: read arena_name. 1.0 decodes named a /dev/shm file here, which a prefill no
+        longer opens (it refuses an endpoint without `socket`); 1.1 decodes leave it empty.
+        """
+
+    @shm_name.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def shm_name(self, value: _builtins.str) -> None:
+        """Deprecated: read arena_name. 1.0 decodes named a /dev/shm file here, which a prefill no
+        longer opens (it refuses an endpoint without `socket`); 1.1 decodes leave it empty.
+        """
+
     size: _builtins.int
     """Size of the arena in bytes."""
     pid: _builtins.int
@@ -101,6 +116,10 @@ class LocalEndpoint(_message.Message):
     """Random bytes (at least 16) the prefill presents on `socket`; the decode hands its arena
     only to a holder of this registration.
     """
+    arena_name: _builtins.str
+    """Name of the arena (the memfd's name); it identifies the decode's arena across restarts.
+    KvBuffer.ptr values are offsets inside the arena.
+    """
     def __init__(
         self,
         *,
@@ -109,10 +128,11 @@ class LocalEndpoint(_message.Message):
         pid: _builtins.int = ...,
         socket: _builtins.str = ...,
         secret: _builtins.bytes = ...,
+        arena_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid", "secret", b"secret", "shm_name", b"shm_name", "size", b"size", "socket", b"socket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_name", b"arena_name", "pid", b"pid", "secret", b"secret", "shm_name", b"shm_name", "size", b"size", "socket", b"socket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

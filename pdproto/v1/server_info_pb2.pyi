@@ -225,7 +225,6 @@ class PrefillServerInfo(_message.Message):
     STATE_ENTRIES_FIELD_NUMBER: _builtins.int
     STATE_TP_FIELD_NUMBER: _builtins.int
     TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
-    LOCAL_INBOX_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Physical page size in tokens."""
     kv_cache_dtype: _builtins.str
@@ -314,12 +313,6 @@ class PrefillServerInfo(_message.Message):
         unset: attn_tp.
         """
 
-    @_builtins.property
-    def local_inbox(self) -> Global___LocalInbox:
-        """Where a decode on this host may hand its local arena over before Register (the local
-        backend); unset: the prefill asks the decode for it during Register.
-        """
-
     def __init__(
         self,
         *,
@@ -351,54 +344,16 @@ class PrefillServerInfo(_message.Message):
         state_entries: _abc.Iterable[Global___StateEntryInfo] | None = ...,
         state_tp: _common_pb2.ParallelGroup | None = ...,
         total_kv_heads: _builtins.int = ...,
-        local_inbox: Global___LocalInbox | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "dcp", b"dcp", "local_inbox", b"local_inbox", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "state_tp", b"state_tp", "system_dp", b"system_dp", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "dcp", b"dcp", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "state_tp", b"state_tp", "system_dp", b"system_dp", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attention_kind", b"attention_kind", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "aux_entries", b"aux_entries", "backends", b"backends", "capabilities", b"capabilities", "dcp", b"dcp", "decode_allocation_policy", b"decode_allocation_policy", "dsv41_spec_layout", b"dsv41_spec_layout", "enable_dsa_cache_layer_split", b"enable_dsa_cache_layer_split", "enable_kv_cache_sharding", b"enable_kv_cache_sharding", "kv_cache_dtype", b"kv_cache_dtype", "kv_entries", b"kv_entries", "kv_layout", b"kv_layout", "load_balance_method", b"load_balance_method", "local_inbox", b"local_inbox", "model_id", b"model_id", "num_layers", b"num_layers", "page_size", b"page_size", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "start_layer", b"start_layer", "state_entries", b"state_entries", "state_tp", b"state_tp", "system_dp", b"system_dp", "total_kv_heads", b"total_kv_heads", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attention_kind", b"attention_kind", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "aux_entries", b"aux_entries", "backends", b"backends", "capabilities", b"capabilities", "dcp", b"dcp", "decode_allocation_policy", b"decode_allocation_policy", "dsv41_spec_layout", b"dsv41_spec_layout", "enable_dsa_cache_layer_split", b"enable_dsa_cache_layer_split", "enable_kv_cache_sharding", b"enable_kv_cache_sharding", "kv_cache_dtype", b"kv_cache_dtype", "kv_entries", b"kv_entries", "kv_layout", b"kv_layout", "load_balance_method", b"load_balance_method", "model_id", b"model_id", "num_layers", b"num_layers", "page_size", b"page_size", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "start_layer", b"start_layer", "state_entries", b"state_entries", "state_tp", b"state_tp", "system_dp", b"system_dp", "total_kv_heads", b"total_kv_heads", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prefill_http_port: _TypeAlias = _typing.Literal["prefill_http_port"]  # noqa: Y015
     _WhichOneofArgType__prefill_http_port: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prefill_http_port) -> _WhichOneofReturnType__prefill_http_port | None: ...
 
 Global___PrefillServerInfo: _TypeAlias = PrefillServerInfo  # noqa: Y015
-
-@_typing.final
-class LocalInbox(_message.Message):
-    """LocalInbox is a prefill's Unix socket for local arenas pushed ahead of Register. The decode
-    connects, checks that `pid` listens there (SO_PEERCRED), and sends its registration's
-    LocalEndpoint.secret with the memfd (SCM_RIGHTS); Register then finds the arena waiting,
-    by that secret, instead of waking the decode to ask for it.
-    """
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    SOCKET_FIELD_NUMBER: _builtins.int
-    PID_FIELD_NUMBER: _builtins.int
-    LINKS_FIELD_NUMBER: _builtins.int
-    socket: _builtins.str
-    """Abstract Unix socket (Linux, without the leading NUL): "pdproto-inbox-<pid>-<32 hex digits>"."""
-    pid: _builtins.int
-    """Process id of the prefill listening on `socket`; a decode pushes to no other process."""
-    links: _builtins.bool
-    """The inbox reads every push a connection carries, not only its first: a decode may keep one
-    connection (a link) to this inbox and push each later arena on it. Unset (older prefills):
-    one connection per push, as each connection's first message is the only one read.
-    """
-    def __init__(
-        self,
-        *,
-        socket: _builtins.str = ...,
-        pid: _builtins.int = ...,
-        links: _builtins.bool = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links", "pid", b"pid", "socket", b"socket"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___LocalInbox: _TypeAlias = LocalInbox  # noqa: Y015
 
 @_typing.final
 class EntryPairing(_message.Message):

@@ -10,9 +10,8 @@ token-holding decode tries everything the issue named:
 * registrations naming the bystander: its notify endpoint, and its arena (engine identity),
   each refused ``IDENTITY_IN_USE`` while the bystander reads its status stream;
 * registrations naming hostile arenas: every kind ``tests/_arena_peer.py`` serves (unsealed,
-  FIFO, /dev/shm and disk files, ...), the same pushed to the server's inbox and on a link to
-  it (then a flood and a malformed message on the link), a flood of pushes, and old-style
-  arena names that are a symlink to a file it does not own and a FIFO;
+  FIFO, /dev/shm and disk files, ...), and old-style arena names that are a symlink to a
+  file it does not own and a FIFO;
 * sessions opened back to back with its 100 kept statuses, each asking for the largest window
   and leaving after the first frame: past its snapshot allowance, refused ``TOO_MANY_STREAMS``;
 * twelve registrations of 16,000 KV buffers at once: past what the judge queues, refused
@@ -38,8 +37,6 @@ from pdproto import errors as E
 from pdproto.client import HandshakeClient
 from pdproto.client_rpc import error_from_rpc
 from pdproto.errors import Reason
-from pdproto.transfer import offer
-from pdproto.transfer.inbox import MAX_PUSHED_PER_PID
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
@@ -164,49 +161,6 @@ def _hostile_arenas(out: Outcome, client: HandshakeClient) -> None:
             reg.local.CopyFrom(registration_pb2.KvRegistration.FromString(
                 bytes.fromhex(reply["registration"])).local)
             _expect_error(out, f"arena {kind}", {Reason.INVALID_FIELD}, lambda r=reg: client.register(r))
-        # The same arenas pushed to the server's inbox ahead of Register. What is no push at all (no
-        # descriptor, two, a wrong header) is dropped, and its Register asks a socket nobody listens on.
-        info = client.get_server_info()
-        inbox = info.local_inbox.socket
-        for kind in KINDS:
-            if kind == "good":
-                continue
-            reply = served.call("push", kind=kind, inbox=inbox)
-            reg = registration_pb2.KvRegistration()
-            reg.CopyFrom(base)
-            reg.local.CopyFrom(registration_pb2.KvRegistration.FromString(
-                bytes.fromhex(reply["registration"])).local)
-            expected = {Reason.PEER_GONE} if kind in ("two_fds", "no_fd", "wrong_answer") else {Reason.INVALID_FIELD}
-            _expect_error(out, f"arena {kind} pushed", expected, lambda r=reg: client.register(r))
-        # The same arenas on a link (one connection carrying many pushes): each refused with its reason
-        # while the link goes on; then a flood on the link, then a malformed message, which shuts it.
-        if info.local_inbox.links:
-            for kind in KINDS:
-                if kind in ("good", "two_fds", "no_fd", "wrong_answer"):
-                    continue  # not a push at all: the malformed message below stands for them
-                (pushed,) = served.call("link", kind=kind, inbox=inbox)["registrations"]
-                reg = registration_pb2.KvRegistration()
-                reg.CopyFrom(base)
-                reg.local.CopyFrom(registration_pb2.KvRegistration.FromString(bytes.fromhex(pushed)).local)
-                _expect_error(out, f"arena {kind} pushed on a link", {Reason.INVALID_FIELD},
-                              lambda r=reg: client.register(r))
-            served.call("link", kind="good", inbox=inbox, count=4 * MAX_PUSHED_PER_PID)
-            served.call("link_raw", inbox=inbox, data_hex=(b"NOTAPUSH" + bytes(34)).hex())
-            out.faults += 2
-            client.get_server_info()  # the server is still answering
-        # A flood of pushes takes this process's places in the inbox; another decode still pushes its own.
-        flood = served.call("push", kind="good", inbox=inbox, count=4 * MAX_PUSHED_PER_PID)
-        out.faults += 1
-        other = DecodeRank.for_spec(SPEC, pages=16)
-        try:
-            out.expect(offer(other.executor, info), "a decode could not push while another process flooded the inbox")
-            peer_id = client.register(other.registration()).peer_id
-            asked = other.executor._server.asked  # type: ignore[attr-defined]
-            out.expect(asked == 0, "Register asked the decode for the arena it had pushed")
-            client.deregister(peer_id)
-            out.notes.append(f"inbox flood: {flood['sent']} pushes from one process; another decode's push taken")
-        finally:
-            other.close()
     finally:
         served.close()
     with tempfile.TemporaryDirectory() as tmp:
