@@ -223,8 +223,8 @@ def _collect_less() -> None:
 
     Every request allocates a few container objects that outlive it (statuses kept for
     ``--keep-finished``), so CPython's defaults collect every few hundred requests, walking a
-    heap that grows with what is kept. Measured at 32 peers (docs/protocol.md, section 2c):
-    server CPU per request 171 -> 164 us. Embedders own their process's collector; this is ours.
+    heap that grows with what is kept (what it saved: docs/perf-log.md, "Garbage collection").
+    Embedders own their process's collector; this is ours.
     """
     gc.freeze()
     gc.set_threshold(GC_YOUNG, 20, 20)
