@@ -50,8 +50,8 @@ import zmq
 import zmq.asyncio
 
 from pdproto.client import AsyncHandshakeClient
-from pdproto.registration import DecodeLayout, Region, kv_entries, make_registration
-from pdproto.topology import negotiate
+from pdproto.negotiation.registration import DecodeLayout, Region, kv_entries, make_registration
+from pdproto.negotiation.topology import negotiate
 from pdproto.transfer import create_executor
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, transfer_pb2
 

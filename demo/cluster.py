@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdproto.senders import target_tp_ranks
+from pdproto.negotiation.senders import target_tp_ranks
 
 from . import data
 from .decode import DecodeConfig, DecodeProcess

@@ -23,11 +23,11 @@ One program, two ways to use it:
 * **In process** (``DecodeRank``), for tests that drive their own client: ``registration()``,
   ``pages_for()``, ``transfer_info()`` and ``verify()``.
 
-The registration comes from ``pdproto.registration.make_registration``; the expected bytes
+The registration comes from ``pdproto.negotiation.registration.make_registration``; the expected bytes
 from a ``data.Reference`` (the demo's tokens, or ``SyntheticSpec`` for ``pdproto serve``) and,
 for aux and state, from ``model.ModelShape``. A rank fed by several prefill ranks learns from
 their answers which are dummies, submits to all, and folds the statuses of the others with
-``pdproto.fanin.FanInTracker``: SUCCESS only when each succeeded, FAILED with the first
+``pdproto.negotiation.fanin.FanInTracker``: SUCCESS only when each succeeded, FAILED with the first
 failing rank's reason (the others are then aborted so nothing writes into reused slots).
 """
 
@@ -48,9 +48,9 @@ import numpy as np
 from pdproto import PROTOCOL_MINOR, backends
 from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError, Reason
-from pdproto.fanin import FanInTracker, KindTotals
-from pdproto.registration import make_registration
-from pdproto.senders import SenderSet
+from pdproto.negotiation.fanin import FanInTracker, KindTotals
+from pdproto.negotiation.registration import make_registration
+from pdproto.negotiation.senders import SenderSet
 from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2

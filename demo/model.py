@@ -5,7 +5,7 @@ run holds, so a decode rank checks every byte it received against first principl
 
 * **KV.** MLA rows are whole on every rank (``data.token_rows``). MHA rows hold this
   rank's share of the KV heads: the monolithic row of all heads, projected through
-  ``pdproto.shards.local_bytes``.
+  ``pdproto.negotiation.shards.local_bytes``.
 * **State.** One recurrent entry, Kimi's layout: for every KDA layer a conv state
   ``[K-1, q|k|v]`` (bf16 channels, each group split by TP), then for every KDA layer a
   temporal state ``[H, hd, hd]`` (fp32, split by head); optionally one tensor whole on
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdproto.registration import AuxEntry, DecodeLayout, KvEntry, StateEntry, StateTensor
-from pdproto.shards import Layout, SplitAxis, Whole, head_axis, local_bytes, local_width
-from pdproto.topology import example_server_info
+from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, StateEntry, StateTensor
+from pdproto.negotiation.shards import Layout, SplitAxis, Whole, head_axis, local_bytes, local_width
+from pdproto.negotiation.topology import example_server_info
 from pdproto.v1 import common_pb2, server_info_pb2
 
 from .data import I64, ROW_BYTES, U8, Reference, _mix, token_rows

@@ -1,7 +1,7 @@
 """``pdproto check``: the topology verdict and deployment findings for one prefill/decode pair.
 
 Each side comes from flags (``--prefill-dcp 1 --decode-dcp 4 ...``, built with
-``pdproto.topology.example_*``) or from a protobuf-JSON file (``--prefill-json`` holds a
+``pdproto.negotiation.topology.example_*``) or from a protobuf-JSON file (``--prefill-json`` holds a
 ``PrefillServerInfo``, ``--decode-json`` a ``KvRegistration``). Exit status: 0 when the
 pair is accepted with no error finding, 1 when the topology is rejected or a finding
 is an error, 2 when the input itself is malformed.
@@ -18,10 +18,10 @@ from typing import Any
 from google.protobuf import json_format
 
 from pdproto import backends, v1
-from pdproto.config import (SGLANG_ONLY_DCP_BACKENDS, CacheMode, DeploymentConfig, Finding, Role, Severity,
+from pdproto.negotiation.config import (SGLANG_ONLY_DCP_BACKENDS, CacheMode, DeploymentConfig, Finding, Role, Severity,
                              check_deployment)
 from pdproto.errors import InvalidFieldError
-from pdproto.topology import (
+from pdproto.negotiation.topology import (
     Decision,
     Rejection,
     example_registration,

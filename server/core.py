@@ -25,7 +25,7 @@ from pdproto.errors import (
     ResourceLimitError,
     ShuttingDownError,
 )
-from pdproto.topology import Decision, Rejection
+from pdproto.negotiation.topology import Decision, Rejection
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
     registration_pb2,

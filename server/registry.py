@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from pdproto import backends
 from pdproto.errors import Reason, ResourceLimitError
-from pdproto.topology import Decision
+from pdproto.negotiation.topology import Decision
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
 
 from .engine import RoomLog

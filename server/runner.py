@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
-from pdproto.slots import SlotCopy
+from pdproto.negotiation.slots import SlotCopy
 from pdproto.transfer import TransferResult
 from pdproto.v1 import common_pb2
 

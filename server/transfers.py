@@ -15,7 +15,7 @@ from pdproto.dcp import plan_chunk
 from pdproto.dcp import runs as run_arith
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError
-from pdproto.slots import SlotCopy, aux_copies, state_copies
+from pdproto.negotiation.slots import SlotCopy, aux_copies, state_copies
 from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, TransferResult
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
 

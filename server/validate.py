@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from pdproto import backends
-from pdproto.reach import unreachable
+from pdproto.negotiation.reach import unreachable
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason
-from pdproto.slots import check_destination
+from pdproto.negotiation.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
@@ -146,7 +146,7 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
     """The registration, or an ``InvalidFieldError`` naming every malformed field.
 
     ``origin`` is the gRPC peer of the call: an engine advertising loopback to a prefill it
-    reached from another host is refused here (``pdproto.reach.unreachable``).
+    reached from another host is refused here (``pdproto.negotiation.reach.unreachable``).
     """
     bad: list[tuple[str, str]] = []
     if not request.HasField("registration"):

@@ -4,7 +4,7 @@ A fleet's decode ranks share a few shapes (one per TP and DCP rank of each decod
 configuration), and a restarted decode registers the shape it had. ``negotiate`` is the
 larger part of a Register's own cost (60 to 120 µs for a 4-entry MLA registration, 0.4 ms for
 a 61-layer one, 4 ms with 48 state entries of 12 tensors each, all on the event loop);
-``pdproto.topology.layout_of`` strips what differs between ranks
+``pdproto.negotiation.topology.layout_of`` strips what differs between ranks
 of one shape (pointers, endpoints), and the verdict on that layout is the verdict on every
 registration with it. Computing it on the layout, not on the registration, makes the
 cache exact: the stored verdict is a function of its key alone.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from pdproto.topology import Decision, Rejection, layout_of, negotiate
+from pdproto.negotiation.topology import Decision, Rejection, layout_of, negotiate
 from pdproto.v1 import registration_pb2, server_info_pb2
 
 MAX_LAYOUTS = 256

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.shards import Segment, SplitAxis, shard
+from pdproto.negotiation.shards import Segment, SplitAxis, shard
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 
 Ids = npt.NDArray[np.int64]

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from pdproto import backends, v1
-from pdproto.config import KNOWN_BACKENDS, DeploymentConfig, Role, check_deployment
+from pdproto.negotiation.config import KNOWN_BACKENDS, DeploymentConfig, Role, check_deployment
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
-from pdproto.topology import backend_of, example_registration
+from pdproto.negotiation.topology import backend_of, example_registration
 from pdproto.transfer import create_executor
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto_server.registry import identity_of

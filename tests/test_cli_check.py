@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from pdproto.topology import example_registration, example_server_info
+from pdproto.negotiation.topology import example_registration, example_server_info
 
 pytestmark = pytest.mark.process
 

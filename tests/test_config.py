@@ -1,4 +1,4 @@
-"""Deployment rules (pdproto.config): one test per finding code, plus clean configs."""
+"""Deployment rules (pdproto.negotiation.config): one test per finding code, plus clean configs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdproto.config import (
+from pdproto.negotiation.config import (
     CacheMode,
     DeploymentConfig,
     Role,

@@ -1,4 +1,4 @@
-"""Aux and state matching, state slicing and MHA head slicing (pdproto.extras)."""
+"""Aux and state matching, state slicing and MHA head slicing (pdproto.negotiation.extras)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
-from pdproto.extras import (
+from pdproto.negotiation.extras import (
     AuxPairing,
     StatePairing,
     kv_row_writes,
@@ -16,8 +16,8 @@ from pdproto.extras import (
     pair_aux,
     state_writes,
 )
-from pdproto.senders import target_tp_ranks
-from pdproto.shards import Segment, head_axis
+from pdproto.negotiation.senders import target_tp_ranks
+from pdproto.negotiation.shards import Segment, head_axis
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 from tests._tp_model import KimiShape, apply, local_item
 

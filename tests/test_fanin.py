@@ -1,4 +1,4 @@
-"""Decode-side fan-in (pdproto.fanin): SUCCESS from every expected rank, FAILED with the first reason."""
+"""Decode-side fan-in (pdproto.negotiation.fanin): SUCCESS from every expected rank, FAILED with the first reason."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdproto.fanin import FanInTracker, KindTotals
+from pdproto.negotiation.fanin import FanInTracker, KindTotals
 from pdproto.v1 import common_pb2, transfer_pb2
 
 S = common_pb2

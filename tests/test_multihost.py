@@ -17,7 +17,7 @@ import pytest
 
 from pdproto.client import HandshakeClient
 from pdproto.errors import InvalidFieldError, PdprotoError
-from pdproto.reach import is_loopback
+from pdproto.negotiation.reach import is_loopback
 from pdproto.transfer.address import interface_addresses
 from pdproto_demo.decode import DecodeRank
 

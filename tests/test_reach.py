@@ -1,10 +1,10 @@
-"""The pure multi-host rule (``pdproto.reach``) and how an executor picks the address it advertises."""
+"""The pure multi-host rule (``pdproto.negotiation.reach``) and how an executor picks the address it advertises."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdproto import reach
+from pdproto.negotiation import reach
 from pdproto.transfer import address
 from pdproto.v1 import registration_pb2
 

@@ -7,8 +7,8 @@ import pytest
 from pdproto import backends, v1
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, TopologyError
-from pdproto.registration import DecodeLayout, KvEntry, Region, kv_entries, make_registration
-from pdproto.topology import Rejection, check_pair, example_server_info, negotiate
+from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, kv_entries, make_registration
+from pdproto.negotiation.topology import Rejection, check_pair, example_server_info, negotiate
 from pdproto.transfer import create_executor
 
 MOONCAKE = v1.MooncakeEndpoint(session_id="10.0.0.7:17000")

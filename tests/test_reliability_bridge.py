@@ -7,7 +7,7 @@ import pytest
 from pdproto import wire
 from pdproto.bridge import ENVELOPE, LEGACY, route
 from pdproto.errors import LegacyFormatError, WireError
-from pdproto.topology import example_registration
+from pdproto.negotiation.topology import example_registration
 from pdproto.legacy import mooncake
 from pdproto.v1 import transfer_pb2
 from tests.reliability import skew

@@ -1,4 +1,4 @@
-"""Which prefill ranks feed a decode rank, and what each sends (pdproto.senders)."""
+"""Which prefill ranks feed a decode rank, and what each sends (pdproto.negotiation.senders)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproto.errors import Reason, TopologyError
-from pdproto.senders import (
+from pdproto.negotiation.senders import (
     Sender,
     SenderSet,
     prefill_rank_id,

@@ -17,8 +17,8 @@ from pdproto import v1
 from pdproto.errors import ConfigError, Reason, TopologyError
 from pdproto.integrations.sglang import layout
 from pdproto.integrations.sglang.settings import BackendSettings
-from pdproto.registration import make_registration
-from pdproto.topology import Decision, Mode, Rejection, negotiate
+from pdproto.negotiation.registration import make_registration
+from pdproto.negotiation.topology import Decision, Mode, Rejection, negotiate
 
 PAGE = 64
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 512, 64]  # MetadataBuffers.get_buf_infos item lengths

@@ -1,4 +1,4 @@
-"""TP slicing arithmetic (pdproto.shards): every destination byte written once, from the right byte."""
+"""TP slicing arithmetic (pdproto.negotiation.shards): every destination byte written once, from the right byte."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdproto.errors import Reason, TopologyError
-from pdproto.senders import target_tp_ranks
-from pdproto.shards import (
+from pdproto.negotiation.senders import target_tp_ranks
+from pdproto.negotiation.shards import (
     Segment,
     SplitAxis,
     Whole,

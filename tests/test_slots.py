@@ -1,13 +1,13 @@
-"""Per-request aux and state copies and their decode-side bounds (pdproto.slots)."""
+"""Per-request aux and state copies and their decode-side bounds (pdproto.negotiation.slots)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason
-from pdproto.extras import AuxPairing, StatePairing, StateTensorPairing
-from pdproto.shards import Segment
-from pdproto.slots import SlotCopy, aux_copies, check_destination, state_copies
+from pdproto.negotiation.extras import AuxPairing, StatePairing, StateTensorPairing
+from pdproto.negotiation.shards import Segment
+from pdproto.negotiation.slots import SlotCopy, aux_copies, check_destination, state_copies
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 REC, SW = common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW

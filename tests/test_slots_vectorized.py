@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pdproto.slots as slots
+import pdproto.negotiation.slots as slots
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, PdprotoError, Reason
-from pdproto.extras import StatePairing, StateTensorPairing
-from pdproto.shards import Segment
-from pdproto.slots import check_destination, state_copies
+from pdproto.negotiation.extras import StatePairing, StateTensorPairing
+from pdproto.negotiation.shards import Segment
+from pdproto.negotiation.slots import check_destination, state_copies
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 from pdproto_server import transfers
 

@@ -11,7 +11,7 @@ from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp import DcpLayout
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
-from pdproto.topology import (
+from pdproto.negotiation.topology import (
     Decision,
     Mode,
     Rejection,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pdproto import v1
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, TopologyError
-from pdproto.topology import (
+from pdproto.negotiation.topology import (
     Decision,
     Mode,
     Rejection,

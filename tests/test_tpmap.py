@@ -1,12 +1,12 @@
-"""One prefill rank's plan for one decode rank: senders, aux, state, row slices (pdproto.tpmap)."""
+"""One prefill rank's plan for one decode rank: senders, aux, state, row slices (pdproto.negotiation.tpmap)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdproto.errors import Reason, TopologyError
-from pdproto.shards import Segment
-from pdproto.tpmap import plan_tp
+from pdproto.negotiation.shards import Segment
+from pdproto.negotiation.tpmap import plan_tp
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 from tests._tp_model import KimiShape
 

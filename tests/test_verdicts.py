@@ -7,7 +7,7 @@ import pytest
 from pdproto import v1
 from pdproto.client import HandshakeClient
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
-from pdproto.topology import example_registration, example_server_info, layout_of, negotiate
+from pdproto.negotiation.topology import example_registration, example_server_info, layout_of, negotiate
 from pdproto.v1 import common_pb2
 from pdproto_demo.decode import DecodeRank
 from pdproto_server.verdicts import Verdicts, result_for

@@ -1,6 +1,6 @@
 """``DcpLayout``: where one rank keeps tokens (page size, DCP group), the one layout value.
 
-Negotiation (``pdproto.topology.Decision.src`` / ``.dst``), the planner
+Negotiation (``pdproto.negotiation.topology.Decision.src`` / ``.dst``), the planner
 (``plan_chunk``) and the plan itself (``RelayoutPlan.src`` / ``.dst``) all pass this
 value; the wire carries it as a page size plus a ``ParallelGroup``.
 """

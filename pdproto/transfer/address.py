@@ -22,7 +22,7 @@ import os
 import socket
 import struct
 
-from pdproto.reach import ADVERTISE_ENV, is_loopback
+from pdproto.negotiation.reach import ADVERTISE_ENV, is_loopback
 
 _SIOCGIFADDR = 0x8915
 _SIOCGIFFLAGS = 0x8913

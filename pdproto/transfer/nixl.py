@@ -38,7 +38,7 @@ from pdproto.errors import (
     TopologyError,
     TransferError,
 )
-from pdproto.reach import ADVERTISE_ENV
+from pdproto.negotiation.reach import ADVERTISE_ENV
 from pdproto.v1 import common_pb2, registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present

@@ -11,7 +11,7 @@ import grpc
 
 from pdproto.client import HandshakeClient
 from pdproto.errors import PdprotoError, Reason
-from pdproto.topology import example_registration
+from pdproto.negotiation.topology import example_registration
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
 from pdproto_demo.cluster import Cluster, Topology, free_port
 from pdproto_demo.proc import Child, ChildError

@@ -10,7 +10,7 @@ import threading
 from pdproto import legacy, wire
 from pdproto.bridge import ENVELOPE, LEGACY, Routed, ZmqBridge
 from pdproto.errors import PdprotoError
-from pdproto.topology import example_registration
+from pdproto.negotiation.topology import example_registration
 from pdproto.v1 import transfer_pb2
 from pdproto_demo.cluster import Cluster, Topology
 from pdproto_demo.proc import ChildError

@@ -2,10 +2,10 @@
 
 Built once per decode scheduler rank. Every prefill rank SGLang's ``/route`` resolves for a
 request becomes a *peer*: one ``AsyncHandshakeClient``, one ``Register`` (the decode's whole
-registration, built by ``pdproto.registration``), the negotiated sender set (which tells
+registration, built by ``pdproto.negotiation.registration``), the negotiated sender set (which tells
 whether that rank writes anything here, and how many decode ranks it serves per request),
 and one long-lived status stream. Requests submit their destination to each peer of the
-request; the statuses of the non-dummy peers are folded by ``pdproto.fanin.FanInTracker``;
+request; the statuses of the non-dummy peers are folded by ``pdproto.negotiation.fanin.FanInTracker``;
 a terminal outcome is handed to ``on_outcome`` once (the manager turns it into SGLang's
 room status and failure reason).
 
@@ -33,9 +33,9 @@ import numpy as np
 from pdproto import backends
 from pdproto.client import AsyncHandshakeClient
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, error_for
-from pdproto.fanin import FanInTracker, Outcome
-from pdproto.registration import make_registration
-from pdproto.senders import SenderSet
+from pdproto.negotiation.fanin import FanInTracker, Outcome
+from pdproto.negotiation.registration import make_registration
+from pdproto.negotiation.senders import SenderSet
 from pdproto.v1 import common_pb2, transfer_pb2
 
 from . import layout

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pdproto.registration import Region
+from pdproto.negotiation.registration import Region
 from pdproto.transfer import Buffer, TransferExecutor, at_address, create_executor
 
 from . import layout

@@ -29,7 +29,7 @@ from typing import Any
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import ConfigError, Reason, TopologyError
-from pdproto.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
+from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.v1 import common_pb2
 
 STATE_KINDS: dict[str, common_pb2.StateKind.ValueType] = {

@@ -30,7 +30,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from pdproto.errors import ConfigError, PdprotoError, Reason
-from pdproto.fanin import Outcome
+from pdproto.negotiation.fanin import Outcome
 from pdproto.v1 import common_pb2
 
 from . import layout

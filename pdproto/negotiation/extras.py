@@ -12,14 +12,14 @@ purely from ``PrefillServerInfo`` and ``KvRegistration``:
   entry, tensors pair like KV entries (``pdproto.dcp.layers``): by layer id when both sides
   send ids, by position when neither does and both hold the same stage.
 * **per tensor**, how the two sides' items relate: equal state TP sizes copy the item whole;
-  different sizes split it by ``pdproto.shards`` (heads of a temporal state, the q/k/v
+  different sizes split it by ``pdproto.negotiation.shards`` (heads of a temporal state, the q/k/v
   channels of a conv state per window row, heads per token of a sliding-window page), which
   needs the split widths of both sides; a tensor whole on every rank moves once.
 * **MHA KV rows** with different attention TP sizes are split by head the same way; MLA rows
   are whole on every prefill rank and written by one.
 
 Each mismatch is a ``TopologyError`` with its own reason; malformed registrations (parallel
-lists of different lengths) raise ``InvalidFieldError``. Pure, like ``pdproto.topology``.
+lists of different lengths) raise ``InvalidFieldError``. Pure, like ``pdproto.negotiation.topology``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pdproto.dcp.layers import EntryRef, resolve_entries
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
-from pdproto.shards import Layout, Segment, SplitAxis, Whole, assign_writes, head_axis, local_width
+from pdproto.negotiation.shards import Layout, Segment, SplitAxis, Whole, assign_writes, head_axis, local_width
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 
 _KINDS = {common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW}
@@ -324,9 +324,9 @@ def state_writes(matches: Sequence[EntryMatch], *, src_tp: int, dst_tp: int, dst
                  senders: Sequence[int]) -> dict[int, tuple[StatePairing, ...]]:
     """Per prefill TP rank in ``senders``, the state bytes it writes into decode rank ``dst_rank``.
 
-    ``senders`` are the decode rank's prefill TP ranks in order (``pdproto.senders``). With
+    ``senders`` are the decode rank's prefill TP ranks in order (``pdproto.negotiation.senders``). With
     equal TP sizes the one sender writes whole items; otherwise every destination byte is
-    written by exactly one sender (``pdproto.shards.assign_writes``).
+    written by exactly one sender (``pdproto.negotiation.shards.assign_writes``).
     """
     plans: dict[int, list[StatePairing]] = {s: [] for s in senders}
     for m in matches:

@@ -1,6 +1,6 @@
 """Decode-side fan-in: one request's outcome from the statuses of every prefill rank feeding it.
 
-A decode rank fed by several prefill ranks (``pdproto.senders``) receives one status stream
+A decode rank fed by several prefill ranks (``pdproto.negotiation.senders``) receives one status stream
 per rank. ``FanInTracker`` folds them into one outcome per request, as SGLang's decode does
 with ``prefill_response_tracker`` (``common/conn.py:921-977``), with two differences: a
 failure keeps the failing rank's reason code and text, and statuses of another generation

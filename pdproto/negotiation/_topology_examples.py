@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
 from pdproto.dcp.layers import EntryRole, stage_layer_range
-from pdproto.registration import DecodeLayout, KvEntry, Region, make_registration
+from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, make_registration
 
 _DEFAULT_TOKEN_BYTES = 1152
 """576 bf16 values: one DeepSeek-style MLA latent row."""

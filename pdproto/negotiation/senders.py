@@ -15,11 +15,11 @@ A decode rank needs data from one prefill rank or from several (SGLang
 Within one stage's TP group the senders split the work: the KV of an MLA pool is whole on
 every prefill rank, so only the first sender writes it; MHA senders write their heads; state
 is written by every sender that holds part of it (a tensor replicated across TP by one only,
-``pdproto.shards.assign_writes``); the aux slot once per destination, by the first sender of
+``pdproto.negotiation.shards.assign_writes``); the aux slot once per destination, by the first sender of
 the last stage in the set (the stage that computed the first output token). A sender that
 writes nothing is a *dummy*: the decode still submits to it (``TransferInfo.is_dummy``) so its
 room completes, and does not wait for its status. A request is SUCCESS on the decode only when
-every non-dummy sender reported SUCCESS (``pdproto.fanin``).
+every non-dummy sender reported SUCCESS (``pdproto.negotiation.fanin``).
 
 Pure: the same inputs give the same set on the prefill (in its negotiation answer) and on the
 decode.

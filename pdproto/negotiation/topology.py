@@ -26,7 +26,7 @@ Rules, checked in this order (the first failing rule is the one reported):
 14. per-entry bytes per token equal, with no remainder (MHA with
     different attention TP sizes: bytes per head, rule 16) ....... TOPOLOGY_ROW_SIZE_MISMATCH
 15. relayout destinations all in one memory kind ................ TOPOLOGY_MEMORY_KIND_MIXED
-16. TP mapping (``pdproto.tpmap``): TP sizes divide one another,
+16. TP mapping (``pdproto.negotiation.tpmap``): TP sizes divide one another,
     this prefill rank feeds the decode rank, aux and state entries
     match and split consistently, MHA heads split evenly ......... TOPOLOGY_TP_NOT_DIVISIBLE,
     NOT_A_SENDER, AUX_*, STATE_*, LAYER_* (state tensors), KV_HEADS_MISMATCH
@@ -52,11 +52,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends, v1
-from pdproto._topology_examples import example_registration, example_server_info
+from pdproto.negotiation._topology_examples import example_registration, example_server_info
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
-from pdproto.tpmap import TpPlan, plan_tp
+from pdproto.negotiation.tpmap import TpPlan, plan_tp
 
 _MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
 

@@ -1,6 +1,6 @@
 """Per request: which aux and state items move where, and the decode-side bounds of each.
 
-Negotiation (``pdproto.tpmap``) fixed, per decode peer, which aux buffers and state tensors
+Negotiation (``pdproto.negotiation.tpmap``) fixed, per decode peer, which aux buffers and state tensors
 this prefill rank writes and which bytes of an item. A request then names the items: the
 prefill engine's aux slot and state slots (on its last chunk), and the decode's
 ``TransferInfo.dst_aux_index`` and ``dst_state_indices``. This module pairs the two into
@@ -30,8 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
-from pdproto.extras import AuxPairing, StatePairing
-from pdproto.shards import Segment
+from pdproto.negotiation.extras import AuxPairing, StatePairing
+from pdproto.negotiation.shards import Segment
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 

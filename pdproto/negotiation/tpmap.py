@@ -1,11 +1,11 @@
 """The TP mapping of one prefill rank to one decode rank: what it writes besides the DCP token layout.
 
-``plan_tp`` is the part of negotiation (``pdproto.topology``) that handles tensor and
+``plan_tp`` is the part of negotiation (``pdproto.negotiation.topology``) that handles tensor and
 pipeline parallelism, aux and state, from the same ``(PrefillServerInfo, KvRegistration)``
 pair on either side:
 
-1. the decode rank's senders (``pdproto.senders``): this prefill rank must be one of them;
-2. aux pairings (``pdproto.extras.pair_aux``), moved by the one sender elected for aux;
+1. the decode rank's senders (``pdproto.negotiation.senders``): this prefill rank must be one of them;
+2. aux pairings (``pdproto.negotiation.extras.pair_aux``), moved by the one sender elected for aux;
 3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
 4. per KV pairing, the part of each token row this rank writes (``extras.kv_row_writes``):
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdproto.errors import Reason, TopologyError
-from pdproto.extras import AuxPairing, StatePairing, kv_row_writes, match_state, pair_aux, state_writes
-from pdproto.senders import Sender, SenderSet, sender_set, target_pp_ranks, target_tp_ranks
-from pdproto.shards import Segment
+from pdproto.negotiation.extras import AuxPairing, StatePairing, kv_row_writes, match_state, pair_aux, state_writes
+from pdproto.negotiation.senders import Sender, SenderSet, sender_set, target_pp_ranks, target_tp_ranks
+from pdproto.negotiation.shards import Segment
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 
 _MLA_KINDS = frozenset({common_pb2.ATTENTION_KIND_MLA, common_pb2.ATTENTION_KIND_HYBRID_MLA})
