@@ -31,6 +31,7 @@ import grpc
 import grpc.aio
 
 from pdproto.errors import PdprotoError, UnavailableError, error_class
+from pdproto.rpc import ChannelConfig, error_from_rpc
 from pdproto.session import StatusBook
 from pdproto.v1 import (
     SERVICE_NAME,
@@ -44,14 +45,12 @@ from pdproto.v1 import (
 
 from .client_rpc import (
     TERMINAL_STATES,
-    ChannelConfig,
     Credentials,
     RetryConfig,
     Settings,
     abort_request,
     deadline_error,
     describe_request,
-    error_from_rpc,
     make_settings,
     next_try,
 )

@@ -1,73 +1,25 @@
-"""What both gRPC client flavours share: transport options, retries, credentials, typed errors.
+"""What both client flavours share: settings, retries, credentials, request builders.
 
-``error_from_rpc`` turns a failed call into the ``pdproto.errors`` class of its
-``google.rpc.ErrorInfo`` reason; ``error_from_parts`` does the same for a refusal that
-arrived inside a session stream (``pdproto.v1.CommandError``), so both paths raise the
-same class with the same metadata.
+The transport options (``ChannelConfig``) and the reading of a refusal into its typed
+error (``error_from_rpc``, ``error_from_command``) are ``pdproto.rpc``'s, which the server
+shares.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-from google.rpc import error_details_pb2  # type: ignore[import-untyped]
-from grpc_status import rpc_status
-
 from pdproto import errors as E
-from pdproto.errors import PdprotoError, Reason, error_class, error_for
-from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, server_info_pb2, session_pb2, transfer_pb2
+from pdproto.errors import PdprotoError, Reason
+from pdproto.rpc import ChannelConfig
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, server_info_pb2, transfer_pb2
 
-DOMAIN = "pdproto"
 TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
-
-
-@dataclass(frozen=True)
-class ChannelConfig:
-    """Transport options that must agree between server and client (keepalive, sizes)."""
-
-    max_message_bytes: int = 4 << 20
-    """Largest message either side sends or accepts (control messages are small)."""
-    keepalive_time_ms: int = 30_000
-    """Client ping interval; must be >= the server's ``min_ping_interval_ms``."""
-    keepalive_timeout_ms: int = 10_000
-    """How long a ping may go unanswered before the connection is considered dead."""
-    min_ping_interval_ms: int = 10_000
-    """Server: the most frequent ping it tolerates (else GOAWAY too_many_pings)."""
-    permit_without_calls: bool = True
-    """Ping idle connections too, so a dead peer is noticed before the next call."""
-
-    def _common(self) -> list[tuple[str, Any]]:
-        return [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", int(self.permit_without_calls)),
-        ]
-
-    def client_options(self) -> list[tuple[str, Any]]:
-        """Channel arguments for the client."""
-        # gRPC's own retry layer stays off: ours retries only UNAVAILABLE, inside the deadline.
-        # Short reconnect backoff: after a prefill restart the default (1 s growing to 120 s)
-        # outlived whole deadlines, so a re-registering decode never reached the new server.
-        return [*self._common(), ("grpc.enable_retries", 0),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000)]
-
-    def server_options(self) -> list[tuple[str, Any]]:
-        """Server arguments matching ``client_options``."""
-        return [
-            *self._common(),
-            ("grpc.http2.min_ping_interval_without_data_ms", self.min_ping_interval_ms),
-            ("grpc.http2.max_ping_strikes", 2),
-        ]
 
 
 @dataclass(frozen=True)
@@ -99,35 +51,6 @@ class RetryConfig:
             raise E.ConfigError(f"RetryConfig.jitter is {self.jitter}: within [0, 1)")
 
 
-# Statuses without an ErrorInfo come from the transport or gRPC itself: read each code as
-# the reason it stands for (the class and retryability then follow from pdproto.errors).
-_BARE_CODES: Mapping[grpc.StatusCode, Reason] = {
-    grpc.StatusCode.UNAVAILABLE: Reason.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE_EXCEEDED,
-    grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.MESSAGE_TOO_LARGE,
-    grpc.StatusCode.CANCELLED: Reason.ABORTED,
-}
-
-
-def error_from_parts(code_name: str, reason_name: str, domain: str, message: str,
-                     metadata: Mapping[str, str], violations: Sequence[tuple[str, str]] = ()) -> PdprotoError:
-    """The typed error for a refusal: its reason's class, the metadata, the code name as ``grpcCode``."""
-    meta: dict[str, str] = {"grpcCode": code_name}
-    if domain == DOMAIN and reason_name in Reason.__members__:
-        reason = Reason[reason_name]
-        meta.update(metadata)
-    else:
-        reason = _BARE_CODES.get(getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN), Reason.INTERNAL)
-        if reason_name:
-            meta.update(metadata, foreignReason=reason_name, foreignDomain=domain)
-    if issubclass(error_class(reason), E.InvalidFieldError):
-        field_name = violations[0][0] if violations else meta.get("field", "")
-        return E.InvalidFieldError(field_name, message, reason=reason, metadata=meta,
-                                   violations=list(violations) or None)
-    return error_for(reason, message, meta)
-
-
 def retry_hint(error: PdprotoError) -> float | None:
     """Seconds a refusal says to wait before asking again (``retryAfterMs``: a peer's snapshot allowance,
     the queue of large registrations); None when it says nothing."""
@@ -146,35 +69,6 @@ def next_try(error: PdprotoError, backoffs: Iterator[float]) -> float | None:
         return None
     delay = next(backoffs, None)
     return None if delay is None else max(delay, hint or 0.0)
-
-
-def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
-    """Turn a failed call into the typed error of its ErrorInfo reason (BadRequest -> field)."""
-    code: grpc.StatusCode = exc.code()
-    status = rpc_status.from_call(exc)
-    info: error_details_pb2.ErrorInfo | None = None
-    violations: list[tuple[str, str]] = []
-    for any_msg in status.details if status is not None else ():
-        if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR) and info is None:
-            info = error_details_pb2.ErrorInfo()
-            any_msg.Unpack(info)
-        elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            any_msg.Unpack(bad)
-            violations.extend((v.field, v.description) for v in bad.field_violations)
-    if info is None:
-        return error_from_parts(code.name, "", "", exc.details() or "", {}, violations)
-    return error_from_parts(code.name, info.reason, info.domain, exc.details() or "", dict(info.metadata),
-                            violations)
-
-
-_CODE_NAMES: Mapping[int, str] = {c.value[0]: c.name for c in grpc.StatusCode}
-
-
-def error_from_command(error: session_pb2.CommandError) -> PdprotoError:
-    """The typed error of a command a session refused (the same one the unary call raises)."""
-    return error_from_parts(_CODE_NAMES.get(error.code, "UNKNOWN"), error.reason, DOMAIN, error.message,
-                            dict(error.metadata), [(v.field, v.description) for v in error.field_violations])
 
 
 def read_cert(value: bytes | str | Path | None) -> bytes | None:
@@ -270,18 +164,13 @@ def abort_request(peer_id: str, credential: bytes, room: int, generation: int | 
 
 
 __all__ = [
-    "ChannelConfig",
     "Credentials",
-    "DOMAIN",
     "RetryConfig",
     "Settings",
     "TERMINAL_STATES",
     "abort_request",
     "deadline_error",
     "describe_request",
-    "error_from_command",
-    "error_from_parts",
-    "error_from_rpc",
     "make_settings",
     "next_try",
     "read_cert",

@@ -25,7 +25,9 @@ from pdproto.errors import PdprotoError, Reason, UnavailableError
 from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
 
-from .client_rpc import Settings, deadline_error, error_from_command, error_from_rpc, next_try, retry_hint
+from pdproto.rpc.status import error_from_command, error_from_rpc
+
+from .client_rpc import Settings, deadline_error, next_try, retry_hint
 
 _T = TypeVar("_T")
 

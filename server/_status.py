@@ -1,8 +1,8 @@
-"""Errors to gRPC statuses (codes from ``pdproto.errors``), and the one wrapper every handler uses.
+"""The one wrapper every handler uses, and request deserializers that never answer UNKNOWN.
 
-Every non-OK status the service sends carries exactly one ``google.rpc.ErrorInfo``
-(reason, domain ``pdproto``, metadata) and, for invalid fields, one
-``google.rpc.BadRequest``. Nothing escapes a handler as UNKNOWN.
+Errors become statuses through ``pdproto.rpc.status`` (exactly one ``google.rpc.ErrorInfo``,
+and a ``google.rpc.BadRequest`` for invalid fields), which the client reads back. Nothing
+escapes a handler as UNKNOWN.
 """
 
 from __future__ import annotations
@@ -10,89 +10,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
-from grpc_status import rpc_status
 
-from pdproto.errors import GRPC_CODE_NAMES, InvalidFieldError, PdprotoError, Reason, WireError
-from pdproto.v1 import session_pb2
+from pdproto.errors import PdprotoError, Reason, WireError
+from pdproto.rpc.status import build_status, status_for
 
 log = logging.getLogger("pdproto_server.status")
-
-DOMAIN = "pdproto"
-
-
-def grpc_code(reason: Reason) -> grpc.StatusCode:
-    """The gRPC status code a reason is answered with (declared on its error class)."""
-    code: grpc.StatusCode = getattr(grpc.StatusCode, GRPC_CODE_NAMES[reason])
-    return code
-
-
-_CAMEL = re.compile(r"_([a-z0-9])")
-
-
-def _camel(key: str) -> str:
-    """lowerCamelCase a metadata key (AIP-193); keys already camel stay as they are."""
-    return _CAMEL.sub(lambda m: m.group(1).upper(), key)
-
-
-def build_status(
-    reason: Reason,
-    message: str,
-    metadata: Mapping[str, object] | None = None,
-    *,
-    field_violations: Sequence[tuple[str, str]] = (),
-    code: grpc.StatusCode | None = None,
-) -> grpc.Status:
-    """A grpc.Status with one ErrorInfo and, when fields are named, one BadRequest."""
-    info = error_details_pb2.ErrorInfo(
-        reason=reason.code,
-        domain=DOMAIN,
-        metadata={_camel(k): str(v) for k, v in (metadata or {}).items()},
-    )
-    details: list[any_pb2.Any] = []
-    packed = any_pb2.Any()
-    packed.Pack(info)
-    details.append(packed)
-    if field_violations:
-        bad = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
-                for f, d in field_violations
-            ]
-        )
-        packed_bad = any_pb2.Any()
-        packed_bad.Pack(bad)
-        details.append(packed_bad)
-    status_code = code if code is not None else grpc_code(reason)
-    proto = status_pb2.Status(
-        code=getattr(code_pb2, status_code.name),
-        message=message,
-        details=details,
-    )
-    result: grpc.Status = rpc_status.to_status(proto)
-    return result
-
-
-def command_error(error: PdprotoError) -> session_pb2.CommandError:
-    """What a unary call would answer for ``error``, as a session CommandError (same code, reason, metadata)."""
-    violations = error.violations if isinstance(error, InvalidFieldError) else ()
-    return session_pb2.CommandError(
-        code=grpc_code(error.reason).value[0], reason=error.reason.code, message=error.message,
-        metadata={_camel(k): str(v) for k, v in error.metadata.items()},
-        field_violations=[session_pb2.FieldViolation(field=f, description=d) for f, d in violations])
-
-
-def status_for(error: PdprotoError) -> grpc.Status:
-    """The status for a typed pdproto error (BadRequest added for InvalidFieldError)."""
-    violations = error.violations if isinstance(error, InvalidFieldError) else ()
-    return build_status(error.reason, error.message, error.metadata, field_violations=violations)
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException, rpc: str) -> None:
@@ -193,13 +120,7 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
 
 
 __all__ = [
-    "DOMAIN",
-    "GRPC_CODE_NAMES",
     "Malformed",
-    "build_status",
-    "command_error",
-    "grpc_code",
-    "status_for",
     "stream",
     "tolerant",
     "unary",

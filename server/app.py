@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as _health_aio
 from grpc_reflection.v1alpha import reflection
 
-from pdproto.client import ChannelConfig
+from pdproto.rpc import ChannelConfig
 from pdproto.errors import ConfigError, DeadlineExceededError, Reason
 from pdproto.v1 import SERVICE_NAME
 

@@ -11,8 +11,7 @@ import grpc
 import grpc.aio
 
 from pdproto.errors import ConfigError, Reason
-
-from ._status import build_status
+from pdproto.rpc.status import build_status
 
 # Probes and debugging tools must work without credentials (load balancers, grpcurl).
 EXEMPT_PREFIXES = ("/grpc.health.", "/grpc.reflection.")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdproto.client import ChannelConfig
+from pdproto.rpc import ChannelConfig
 from pdproto.errors import ConfigError, PdprotoError
 from pdproto import backends
 from pdproto.transfer import INLINE_BYTES, create_executor

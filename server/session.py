@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pdproto.errors import InvalidFieldError, NotFoundError, PdprotoError, Reason
+from pdproto.rpc.status import command_error
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
-from ._status import Malformed, command_error
+from ._status import Malformed
 from .core import HandshakeCore
 from .expiry import Deadlines
 from .registry import Peer

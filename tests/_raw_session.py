@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from pdproto.client_rpc import error_from_rpc
+from pdproto.rpc import error_from_rpc
 from pdproto.errors import PdprotoError
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2
 

@@ -15,7 +15,7 @@ import pytest
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
-from pdproto.client_rpc import error_from_rpc
+from pdproto.rpc import error_from_rpc
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank

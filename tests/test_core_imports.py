@@ -29,7 +29,7 @@ FORBIDDEN = ("grpc", "asyncio", "threading", "socket", "concurrent.futures")
 # (importing package, forbidden module) pairs that are not ours to change.
 ALLOWED = {("google.protobuf", "threading")}
 # Edges: these talk to sockets, engines or gRPC by design (integrations run inside an engine).
-EDGES = ("pdproto.client", "pdproto.bridge", "pdproto.transfer", "pdproto.integrations")
+EDGES = ("pdproto.client", "pdproto.rpc", "pdproto.bridge", "pdproto.transfer", "pdproto.integrations")
 
 PROBE = textwrap.dedent(
     """

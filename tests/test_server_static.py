@@ -12,8 +12,9 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 from pdproto.client import AsyncHandshakeClient, error_class
-from pdproto.errors import ConfigError, PdprotoError, Reason
+from pdproto.errors import GRPC_CODE_NAMES, ConfigError, PdprotoError, Reason
 from pdproto import v1
+from pdproto.rpc import build_status, grpc_code
 from pdproto.v1 import handshake_service_pb2, handshake_service_pb2_grpc
 from pdproto_server import _status
 from pdproto_server.auth import is_loopback, require_token_policy
@@ -31,10 +32,10 @@ def test_every_rpc_in_the_proto_is_implemented() -> None:
 
 @pytest.mark.parametrize("reason", list(Reason))
 def test_every_reason_has_a_code_and_one_error_info(reason: Reason) -> None:
-    code = _status.grpc_code(reason)
+    code = grpc_code(reason)
     assert code not in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN)
-    assert _status.GRPC_CODE_NAMES[reason] == code.name
-    status = _status.build_status(reason, "msg", {"some_key": 1}, field_violations=[("a.b", "bad")])
+    assert GRPC_CODE_NAMES[reason] == code.name
+    status = build_status(reason, "msg", {"some_key": 1}, field_violations=[("a.b", "bad")])
     proto = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"])
     infos = [d for d in proto.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR)]
     bads = [d for d in proto.details if d.Is(error_details_pb2.BadRequest.DESCRIPTOR)]

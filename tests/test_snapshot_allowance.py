@@ -22,7 +22,7 @@ import pytest
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
-from pdproto.client_rpc import error_from_rpc
+from pdproto.rpc import error_from_rpc
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2
 from pdproto.v1 import transfer_pb2

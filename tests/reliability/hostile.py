@@ -35,7 +35,7 @@ import grpc
 
 from pdproto import errors as E
 from pdproto.client import HandshakeClient
-from pdproto.client_rpc import error_from_rpc
+from pdproto.rpc import error_from_rpc
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, registration_pb2, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank

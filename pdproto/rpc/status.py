@@ -1,0 +1,168 @@
+"""Typed errors to gRPC statuses and back: the one conversion both ends use.
+
+Every non-OK status pdproto sends carries exactly one ``google.rpc.ErrorInfo`` (reason,
+domain ``pdproto``, metadata) and, for invalid fields, one ``google.rpc.BadRequest``
+(``status_for``; a refused session command carries the same as a ``CommandError``,
+``command_error``). The client reads either back into the ``pdproto.errors`` class of the
+reason (``error_from_rpc``, ``error_from_command``), so both paths raise the same class with
+the same metadata. The reason's gRPC code comes from its class's declaration in
+``pdproto.errors``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
+from grpc_status import rpc_status
+
+from pdproto import errors as E
+from pdproto.errors import GRPC_CODE_NAMES, PdprotoError, Reason, error_class, error_for
+from pdproto.v1 import session_pb2
+
+DOMAIN = "pdproto"
+"""``ErrorInfo.domain`` of every error pdproto sends."""
+
+
+# -- error -> status (the server's answers) -----------------------------------
+
+def grpc_code(reason: Reason) -> grpc.StatusCode:
+    """The gRPC status code a reason is answered with (declared on its error class)."""
+    code: grpc.StatusCode = getattr(grpc.StatusCode, GRPC_CODE_NAMES[reason])
+    return code
+
+
+_CAMEL = re.compile(r"_([a-z0-9])")
+
+
+def _camel(key: str) -> str:
+    """lowerCamelCase a metadata key (AIP-193); keys already camel stay as they are."""
+    return _CAMEL.sub(lambda m: m.group(1).upper(), key)
+
+
+def build_status(
+    reason: Reason,
+    message: str,
+    metadata: Mapping[str, object] | None = None,
+    *,
+    field_violations: Sequence[tuple[str, str]] = (),
+    code: grpc.StatusCode | None = None,
+) -> grpc.Status:
+    """A grpc.Status with one ErrorInfo and, when fields are named, one BadRequest."""
+    info = error_details_pb2.ErrorInfo(
+        reason=reason.code,
+        domain=DOMAIN,
+        metadata={_camel(k): str(v) for k, v in (metadata or {}).items()},
+    )
+    details: list[any_pb2.Any] = []
+    packed = any_pb2.Any()
+    packed.Pack(info)
+    details.append(packed)
+    if field_violations:
+        bad = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                for f, d in field_violations
+            ]
+        )
+        packed_bad = any_pb2.Any()
+        packed_bad.Pack(bad)
+        details.append(packed_bad)
+    status_code = code if code is not None else grpc_code(reason)
+    proto = status_pb2.Status(
+        code=getattr(code_pb2, status_code.name),
+        message=message,
+        details=details,
+    )
+    result: grpc.Status = rpc_status.to_status(proto)
+    return result
+
+
+def status_for(error: PdprotoError) -> grpc.Status:
+    """The status for a typed pdproto error (BadRequest added for InvalidFieldError)."""
+    violations = error.violations if isinstance(error, E.InvalidFieldError) else ()
+    return build_status(error.reason, error.message, error.metadata, field_violations=violations)
+
+
+def command_error(error: PdprotoError) -> session_pb2.CommandError:
+    """What a unary call would answer for ``error``, as a session CommandError (same code, reason, metadata)."""
+    violations = error.violations if isinstance(error, E.InvalidFieldError) else ()
+    return session_pb2.CommandError(
+        code=grpc_code(error.reason).value[0], reason=error.reason.code, message=error.message,
+        metadata={_camel(k): str(v) for k, v in error.metadata.items()},
+        field_violations=[session_pb2.FieldViolation(field=f, description=d) for f, d in violations])
+
+
+# -- status -> error (the client's reading) -----------------------------------
+
+# Statuses without an ErrorInfo come from the transport or gRPC itself: read each code as
+# the reason it stands for (the class and retryability then follow from pdproto.errors).
+_BARE_CODES: Mapping[grpc.StatusCode, Reason] = {
+    grpc.StatusCode.UNAVAILABLE: Reason.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.MESSAGE_TOO_LARGE,
+    grpc.StatusCode.CANCELLED: Reason.ABORTED,
+}
+
+
+def error_from_parts(code_name: str, reason_name: str, domain: str, message: str,
+                     metadata: Mapping[str, str], violations: Sequence[tuple[str, str]] = ()) -> PdprotoError:
+    """The typed error for a refusal: its reason's class, the metadata, the code name as ``grpcCode``."""
+    meta: dict[str, str] = {"grpcCode": code_name}
+    if domain == DOMAIN and reason_name in Reason.__members__:
+        reason = Reason[reason_name]
+        meta.update(metadata)
+    else:
+        reason = _BARE_CODES.get(getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN), Reason.INTERNAL)
+        if reason_name:
+            meta.update(metadata, foreignReason=reason_name, foreignDomain=domain)
+    if issubclass(error_class(reason), E.InvalidFieldError):
+        field_name = violations[0][0] if violations else meta.get("field", "")
+        return E.InvalidFieldError(field_name, message, reason=reason, metadata=meta,
+                                   violations=list(violations) or None)
+    return error_for(reason, message, meta)
+
+
+def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
+    """Turn a failed call into the typed error of its ErrorInfo reason (BadRequest -> field)."""
+    code: grpc.StatusCode = exc.code()
+    status = rpc_status.from_call(exc)
+    info: error_details_pb2.ErrorInfo | None = None
+    violations: list[tuple[str, str]] = []
+    for any_msg in status.details if status is not None else ():
+        if any_msg.Is(error_details_pb2.ErrorInfo.DESCRIPTOR) and info is None:
+            info = error_details_pb2.ErrorInfo()
+            any_msg.Unpack(info)
+        elif any_msg.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            any_msg.Unpack(bad)
+            violations.extend((v.field, v.description) for v in bad.field_violations)
+    if info is None:
+        return error_from_parts(code.name, "", "", exc.details() or "", {}, violations)
+    return error_from_parts(code.name, info.reason, info.domain, exc.details() or "", dict(info.metadata),
+                            violations)
+
+
+_CODE_NAMES: Mapping[int, str] = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def error_from_command(error: session_pb2.CommandError) -> PdprotoError:
+    """The typed error of a command a session refused (the same one the unary call raises)."""
+    return error_from_parts(_CODE_NAMES.get(error.code, "UNKNOWN"), error.reason, DOMAIN, error.message,
+                            dict(error.metadata), [(v.field, v.description) for v in error.field_violations])
+
+
+__all__ = [
+    "DOMAIN",
+    "build_status",
+    "command_error",
+    "error_from_command",
+    "error_from_parts",
+    "error_from_rpc",
+    "grpc_code",
+    "status_for",
+]
