@@ -10,7 +10,7 @@ import pytest
 
 from pdproto import errors as E
 from pdproto.client import AsyncHandshakeClient, HandshakeClient, RetryConfig, UnavailableError
-from pdproto.client_rpc import make_settings
+from pdproto.client._rpc import make_settings
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2
 from pdproto_demo.decode import DecodeRank
@@ -52,7 +52,7 @@ def test_retry_sleeps_are_jittered_and_settings_checked() -> None:
 
 
 def test_a_refusal_that_says_when_to_retry_is_waited_for_and_others_are_not_retried() -> None:
-    from pdproto.client_rpc import next_try, retry_hint
+    from pdproto.client._rpc import next_try, retry_hint
 
     refusal = E.ResourceLimitError("queue full", reason=Reason.TOO_MANY_REGISTRATIONS,
                                    metadata={"retryAfterMs": "750"})
@@ -68,12 +68,12 @@ def test_a_session_opening_against_a_down_prefill_backs_off(monkeypatch: pytest.
     """Opening a session waits between tries as every retry does. Before, the pump stopped at each
     failed open (no command or watcher waited yet) and the opening caller started it again at once:
     4,796 opens in 2 s."""
-    from pdproto import client_session
+    from pdproto.client import _session as client_session
 
     tries = 0
     stream = client_session.PeerSession._stream
 
-    async def counted(self: client_session.PeerSession) -> bool:
+    async def counted(self: client_session.PeerSession) -> None:
         nonlocal tries
         tries += 1
         return await stream(self)

@@ -27,7 +27,7 @@ from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc a
 
 from pdproto.rpc.status import error_from_command, error_from_rpc
 
-from .client_rpc import Settings, deadline_error, next_try, retry_hint
+from ._rpc import Settings, deadline_error, next_try, retry_hint
 
 _T = TypeVar("_T")
 
