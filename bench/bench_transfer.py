@@ -34,7 +34,7 @@ from bench import per_backend
 from pdproto.dcp import DcpLayout, plan_chunk
 from pdproto.transfer import (DRAM, VRAM, Buffer, LayerSpan, TransferExecutor, TransferJob, TransferResult,
                               create_executor)
-from pdproto.transfer._engine import EngineExecutor
+from pdproto.transfer.engines._engine import EngineExecutor
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
 ROW = 1152

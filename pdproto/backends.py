@@ -58,9 +58,9 @@ class BackendSpec:
 
 ALL: tuple[BackendSpec, ...] = (
     BackendSpec("mooncake", common_pb2.BACKEND_MOONCAKE, "mooncake", registration_pb2.MooncakeEndpoint,
-                "session_id", "pdproto.transfer.mooncake:MooncakeExecutor", host_in="session_id"),
+                "session_id", "pdproto.transfer.engines.mooncake:MooncakeExecutor", host_in="session_id"),
     BackendSpec("nixl", common_pb2.BACKEND_NIXL, "nixl", registration_pb2.NixlEndpoint,
-                "agent_name", "pdproto.transfer.nixl:NixlExecutor", notifications=True),
+                "agent_name", "pdproto.transfer.engines.nixl:NixlExecutor", notifications=True),
     BackendSpec("local", common_pb2.BACKEND_LOCAL, "local", registration_pb2.LocalEndpoint,
                 "arena_name", "pdproto.transfer.local:LocalExecutor", single_host=True),
 )

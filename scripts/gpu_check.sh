@@ -42,7 +42,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.c
       torch.cuda.get_device_name(0))
 import mooncake.engine as m
 print("mooncake CUDA support:", getattr(m, "SUPPORT_CUDA", "unknown"))
-from pdproto.transfer.nixl import _import_api
+from pdproto.transfer.engines.nixl import _import_api
 print("nixl api:", _import_api().__name__)
 EOF
 

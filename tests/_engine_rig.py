@@ -55,7 +55,7 @@ import numpy as np
 
 from pdproto.errors import PdprotoError
 from pdproto.transfer import LayerSpan, Segment, TransferJob, create_executor
-from pdproto.transfer._engine import EngineExecutor
+from pdproto.transfer.engines._engine import EngineExecutor
 from pdproto.v1 import registration_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 from pdproto_demo.proc import redirect_stdout_to_stderr
@@ -421,7 +421,7 @@ def unreleased(rig: Rig, report: dict[str, Any]) -> None:
 
 def probes(rig: Rig, report: dict[str, Any]) -> None:
     """A probe that cannot say (none free) neither refuses a peer as gone nor writes a healthy one off."""
-    from pdproto.transfer import mooncake
+    from pdproto.transfer.engines import mooncake
 
     mooncake.MAX_PENDING_PROBES = 1
     b = rig.add("B")

@@ -42,8 +42,8 @@ from pdproto.transfer import (
     create_executor,
     encode_notification,
 )
-from pdproto.transfer._engine import EngineExecutor
-from pdproto.transfer._paths import INLINE_BYTES
+from pdproto.transfer.engines._engine import EngineExecutor
+from pdproto.transfer.engines._paths import INLINE_BYTES
 from pdproto.v1 import registration_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 

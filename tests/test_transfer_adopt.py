@@ -16,7 +16,7 @@ import pytest
 from pdproto.dcp import plan_relayout
 from pdproto.errors import InvalidFieldError
 from pdproto.transfer import LayerSpan, TransferJob, at_address, external
-from pdproto.transfer.mooncake import MooncakeExecutor
+from pdproto.transfer.engines.mooncake import MooncakeExecutor
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
 from ._per_token import reference

@@ -30,7 +30,7 @@ from .base import (
     encode_notification,
     set_endpoint,
 )
-from ._paths import INLINE_BYTES
+from .engines._paths import INLINE_BYTES
 from .memory import aligned_dram, allocate, at_address, external
 
 

@@ -52,7 +52,7 @@ def make_executor(settings: BackendSettings, *, host: str, device: str, gpu_id: 
     if settings.engine == "mooncake":
         shared = sglang_shared_mooncake()
         if shared is not None:
-            from pdproto.transfer.mooncake import MooncakeExecutor
+            from pdproto.transfer.engines.mooncake import MooncakeExecutor
 
             log.info("pdproto: adopting SGLang's shared Mooncake engine %s", shared.get_session_id())
             return MooncakeExecutor(engine=shared.engine, session_id=shared.get_session_id(),

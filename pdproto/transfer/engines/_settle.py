@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from .packing import StagingExtents
+from ..packing import StagingExtents
 
 if TYPE_CHECKING:
     from ._engine import PeerState

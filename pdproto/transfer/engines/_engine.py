@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason, ShuttingDownError
 from pdproto.v1 import registration_pb2
 
-from .base import (
+from ..base import (
     DRAM,
     VRAM,
     Buffer,
@@ -48,8 +48,8 @@ from .base import (
 from ._lane import Lane
 from ._paths import INLINE_BYTES, JobPaths
 from ._settle import Settling, all_done
-from .memory import allocate, host_view
-from .packing import Gatherer, StagingExtents
+from ..memory import allocate, host_view
+from ..packing import Gatherer, StagingExtents
 
 _T = TypeVar("_T")
 

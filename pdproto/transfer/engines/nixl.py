@@ -43,9 +43,9 @@ from pdproto.v1 import common_pb2, registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
 from ._paths import INLINE_BYTES
-from .address import interface_of
-from .base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification
-from .packing import Descs
+from ..address import interface_of
+from ..base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification
+from ..packing import Descs
 
 _AGENT_LOCK = threading.Lock()
 PROGRESS_DELAY_US = 1000

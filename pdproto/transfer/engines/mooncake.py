@@ -48,9 +48,9 @@ from pdproto.v1 import registration_pb2
 
 from ._engine import EngineExecutor, PeerState, rdma_present
 from ._paths import INLINE_BYTES
-from .address import advertise_host
-from .base import VRAM, Buffer, Endpoint, MemoryKind
-from .packing import Descs
+from ..address import advertise_host
+from ..base import VRAM, Buffer, Endpoint, MemoryKind
+from ..packing import Descs
 
 _INIT_LOCK = threading.Lock()
 MAX_PENDING_PROBES = 16

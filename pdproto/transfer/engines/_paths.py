@@ -25,8 +25,8 @@ import numpy as np
 from pdproto.dcp.runs import source_rows
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
 
-from .base import Buffer, LayerSpan, MemoryKind, Runs, Segment
-from .packing import Descs, Gatherer, packed_units, row_descriptors
+from ..base import Buffer, LayerSpan, MemoryKind, Runs, Segment
+from ..packing import Descs, Gatherer, packed_units, row_descriptors
 
 if TYPE_CHECKING:
     from ._engine import PeerState
