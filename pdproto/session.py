@@ -19,7 +19,7 @@ the client's acknowledgement; the client acknowledges once half of it is used. A
 server applies at most ``command_window`` commands whose results the client has not
 acknowledged (a command in progress counts too); the client sends no more than that.
 A client that ignores the command window gets its surplus commands held unread, and its
-stream stalls under HTTP/2 flow control (``server/session.py``).
+stream stalls under HTTP/2 flow control (``pdproto_server/session.py``).
 
 Progress statuses waiting to be sent coalesce under backlog (only the newest status of a
 request generation is kept); results and terminal statuses never do, so a terminal

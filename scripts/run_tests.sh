@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 # The tests start hundreds of interpreters (servers, decodes, engine rigs), each of which would
 # otherwise compile the project's modules again: PYTHONDONTWRITEBYTECODE=1 (set on these machines)
 # keeps Python from caching them, but it still reads the bytecode compileall writes here.
-.venv/bin/python -m compileall -q -j 0 pdproto server demo tests bench >/dev/null
+.venv/bin/python -m compileall -q -j 0 pdproto pdproto_server pdproto_demo tests bench >/dev/null
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "run_tests: no tests were collected" >&2; exit 1; fi

@@ -27,8 +27,8 @@ from pdproto_server.cli import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-               *(p for d in ("pdproto", "server", "demo", "tests") for p in (ROOT / d).rglob("README.md"))])
-TOP = ("pdproto/", "server/", "demo/", "tests/", "docs/", "scripts/", "protos/", "compat/", "bench/")
+               *(p for d in ("pdproto", "pdproto_server", "pdproto_demo", "tests") for p in (ROOT / d).rglob("README.md"))])
+TOP = ("pdproto/", "pdproto_server/", "pdproto_demo/", "tests/", "docs/", "scripts/", "protos/", "compat/", "bench/")
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```")
 
@@ -72,7 +72,7 @@ def test_pdproto_command_flags_exist(doc: Path) -> None:
 
 
 def test_every_documented_pdproto_variable_is_read_by_the_code() -> None:
-    code = "\n".join(p.read_text() for d in ("pdproto", "server", "demo", "scripts", "bench", "tests")
+    code = "\n".join(p.read_text() for d in ("pdproto", "pdproto_server", "pdproto_demo", "scripts", "bench", "tests")
                      for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".sh"))
     read = set(re.findall(r"PDPROTO_[A-Z0-9_]+", code))
     named = {(_where(doc), name) for doc in DOCS for name in re.findall(r"PDPROTO_[A-Z0-9_]+", doc.read_text())}

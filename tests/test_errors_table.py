@@ -1,7 +1,7 @@
 """One declaration per error class, and everything derived from it agrees.
 
 Python ``Reason`` == proto ``ErrorReason``; every reason has exactly one class; every raise
-site in pdproto/ and server/ uses the class of its reason (so the server's class equals
+site in pdproto/ and pdproto_server/ uses the class of its reason (so the server's class equals
 the one the client derives); docs/errors.md shows exactly the declared codes, classes
 and retryability.
 """
@@ -97,10 +97,10 @@ def test_a_class_refuses_a_reason_it_does_not_own() -> None:
 
 
 def raise_sites() -> list[tuple[str, str, Reason]]:
-    """Every ``SomeError(..., reason=Reason.X)`` in pdproto/ and server/: (where, class, reason)."""
+    """Every ``SomeError(..., reason=Reason.X)`` in pdproto/ and pdproto_server/: (where, class, reason)."""
     declared = {c.__name__ for c in errors.declared_classes()}
     sites = []
-    for path in sorted([*(ROOT / "pdproto").rglob("*.py"), *(ROOT / "server").rglob("*.py")]):
+    for path in sorted([*(ROOT / "pdproto").rglob("*.py"), *(ROOT / "pdproto_server").rglob("*.py")]):
         if "v1" in path.relative_to(ROOT).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):

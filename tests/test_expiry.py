@@ -2,7 +2,7 @@
 
 A tick used to walk every retained room and request (about 200 ms of the event loop at
 180,000 retained requests). Now each thing is looked at when it falls due
-(``server/expiry.py``); the tests keep 100,000 finished requests and rooms, let a handful
+(``pdproto_server/expiry.py``); the tests keep 100,000 finished requests and rooms, let a handful
 expire, and check how many entries one tick took.
 """
 

@@ -25,7 +25,7 @@ from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 from pdproto_server import transfers
 
 REC, SW = common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW
-PAGES, TENSORS = 1 << 14, 48  # server/validate.py Bounds.ENTRIES pages; a large hybrid model's tensors
+PAGES, TENSORS = 1 << 14, 48  # pdproto_server/validate.py Bounds.ENTRIES pages; a large hybrid model's tensors
 Outcome = tuple[type, Reason, str, dict[str, str]] | None
 
 

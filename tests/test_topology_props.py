@@ -221,7 +221,7 @@ def _outcome(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> object:
 @given(pairs(), st.booleans(), st.booleans(), st.integers(1, 2**40))
 def test_a_registration_and_its_layout_get_the_same_verdict(
         pair: tuple[v1.PrefillServerInfo, v1.KvRegistration], aux: bool, state: bool, shift: int) -> None:
-    # The server remembers verdicts by layout_of (server/verdicts.py): that is exact only while
+    # The server remembers verdicts by layout_of (pdproto_server/verdicts.py): that is exact only while
     # negotiate reads nothing layout_of clears, which this pins, aux and state tensors included.
     info, reg = pair
     if aux:

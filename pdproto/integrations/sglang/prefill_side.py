@@ -3,7 +3,7 @@
 Built once per prefill scheduler rank from the ``KVArgs`` SGLang gave the manager. The
 service (``pdproto_server``: negotiation, planning, transfers, statuses) runs on its own
 event loop in a thread (``ServiceThread``); SGLang's scheduler thread talks to it only
-through the thread-safe engine API (``server/README.md``): ``submit_chunk`` per send,
+through the thread-safe engine API (``pdproto_server/README.md``): ``submit_chunk`` per send,
 ``status`` per poll, ``decode_prefix_len``, ``abort`` and ``release_room``. Nothing here
 decides anything about layouts or bytes: that is the service's job.
 

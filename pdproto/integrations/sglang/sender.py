@@ -3,7 +3,7 @@
 ``CommonKVSender`` keeps SGLang's own bookkeeping (page counting, the last-chunk test, CP
 filtering, the bootstrap timeout, failure records); every send reaches the engine through
 the manager's ``add_transfer_request``. What this class adds maps SGLang's calls onto the
-engine API (``server/README.md``):
+engine API (``pdproto_server/README.md``):
 
 =========================  ================================================================
 ``poll()``                 ``PrefillEngine.status(room)`` copied into SGLang's table, then

@@ -3,7 +3,7 @@
 ``concurrent.futures`` pools join their worker threads when the interpreter exits, so a
 call stuck in native engine code (a frozen peer) would keep a process that has shut down
 alive until the engine gives the call up. A lane's thread is a daemon, as the server's
-lanes are (``server/lanes.py``), so exit never waits for it. Like those pools, a lane
+lanes are (``pdproto_server/lanes.py``), so exit never waits for it. Like those pools, a lane
 takes no new work once the interpreter is exiting: whether a call still runs can then no
 longer be answered by a marker queued behind it.
 """

@@ -233,7 +233,7 @@ class RoomLog:
     claimed: bool = False
     """A decode peer has submitted for this room (so it is not an orphan)."""
     waiters: list[Callable[[], None]] = field(default_factory=list)
-    """Requests waiting for the next chunk (``server/runner.py``), called once on the next change."""
+    """Requests waiting for the next chunk (``pdproto_server/runner.py``), called once on the next change."""
     prefix_len: int | None = None
     """The decode's prefix (tokens it already holds), from the first request for the room."""
     expected: int = 1

@@ -5,7 +5,7 @@ arrives, and a timer (``loop.call_at``) fails it with MATCH_TIMEOUT when the nex
 does not come within ``match_timeout``. A dummy request (no KV for this rank) takes each
 chunk as it comes and ends on the last one, without leaving the callback. A chunk with
 bytes to move goes to its peer's queue; one task per peer with work (``_work``) takes the
-queue in order and runs each chunk's jobs on the peer's lane (``server/lanes.py``), which
+queue in order and runs each chunk's jobs on the peer's lane (``pdproto_server/lanes.py``), which
 runs that peer's engine calls one at a time anyway. Every request ends exactly once, in
 SUCCESS or FAILED with a reason (``finish``), and FAILED is published only once no chunk
 of the request is inside the engine (or the drain timed out): the decode may reuse its

@@ -128,7 +128,7 @@ class Request:
     finished_at: float | None = None
     admitted_at: float = field(default_factory=time.monotonic)
     room_log: RoomLog | None = field(default=None, repr=False)
-    """The room it takes its chunks from, until it ends (``server/runner.py``)."""
+    """The room it takes its chunks from, until it ends (``pdproto_server/runner.py``)."""
     waiter: Callable[[], None] | None = field(default=None, repr=False)
     """Its callback on the room log's waiters, for the next chunk; taken off when it ends (kept, it
     kept the whole ended request, pages included, for as long as the room)."""
@@ -204,7 +204,7 @@ class Peer:
     result: server_info_pb2.NegotiationResult
     identity: tuple[str, ...]
     lane: Lane
-    """Where the peer's engine calls run, one at a time (``server/lanes.py``)."""
+    """Where the peer's engine calls run, one at a time (``pdproto_server/lanes.py``)."""
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
     open: dict[int, Request] = field(default_factory=dict)
@@ -212,7 +212,7 @@ class Peer:
     finished: dict[int, Finished] = field(default_factory=dict)
     """The final status of each finished room, oldest first: all a late query needs, not the request."""
     feeds: set[StatusSink] = field(default_factory=set)
-    """Open status streams: WatchStatus feeds and sessions (``server/session.py``)."""
+    """Open status streams: WatchStatus feeds and sessions (``pdproto_server/session.py``)."""
     registered_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     """Removed from the registry (deregistered, replaced or shut down)."""

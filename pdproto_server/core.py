@@ -507,7 +507,7 @@ class HandshakeCore:
     async def watch(self, request: hs.WatchStatusRequest) -> AsyncIterator[transfer_pb2.TransferStatus]:
         """Current statuses of the peer's (matching) requests, then every change until the peer goes.
 
-        Each request's terminal status is sent exactly once per stream (``server/feed.py``).
+        Each request's terminal status is sent exactly once per stream (``pdproto_server/feed.py``).
         """
         peer = self.peer(request.peer_id, request.peer_credential)
         most = self.limits.kept_per_peer
