@@ -82,7 +82,7 @@ def _gone(pid: int) -> bool:
     """True once ``pid`` has exited (a zombie still waiting for the zygote to reap it counts as gone)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between it and the read
         return True
 
 
