@@ -6,16 +6,15 @@ a break (with backoff, for as long as a caller is waiting on it), reads events a
 resolves the callers: a command's result, a room's terminal status, a watcher's next
 status. A caller writes its own command (no task per request); while a write is in
 progress, later commands join the writer's next message. The sync client drives the
-same class on a private event loop thread (``LoopThread``).
+same class on the shared event loop thread (``pdproto.rpc.loop.LoopThread``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -28,8 +27,6 @@ from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc a
 from pdproto.rpc.status import error_from_command, error_from_rpc
 
 from ._rpc import Settings, deadline_error, next_try, retry_hint
-
-_T = TypeVar("_T")
 
 Deliver = Callable[[transfer_pb2.TransferStatus | None], None]
 """A watcher's sink: each status it asked for, then None when no more will come."""
@@ -411,41 +408,4 @@ def _expire(result: asyncio.Future[Any]) -> None:
         result.set_exception(TimeoutError())
 
 
-class LoopThread:
-    """An event loop on a daemon thread, for the blocking clients' sessions (one per process)."""
-
-    _shared: LoopThread | None = None
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="pdproto-session", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def shared(cls) -> LoopThread:
-        """The process's loop thread, started on first use and kept for the process's life.
-
-        One loop serves every blocking client: gRPC's asyncio poller is per loop, and
-        loops that come and go leave its callbacks behind.
-        """
-        with cls._lock:
-            if cls._shared is None:
-                cls._shared = LoopThread()
-            return cls._shared
-
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``coro`` on the loop and wait for its result (its exceptions are raised here)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def call(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on the loop thread and return its result."""
-
-        async def wrapped() -> _T:
-            return fn()
-
-        return self.run(wrapped())
-
-
-
-__all__ = ["CommandRefusedError", "Deliver", "LoopThread", "PeerSession", "SessionUnsupportedError"]
+__all__ = ["CommandRefusedError", "Deliver", "PeerSession", "SessionUnsupportedError"]

@@ -23,7 +23,7 @@ from pdproto.v1 import (
 
 from ._async import _AsyncCore, _deadline_error
 from ._rpc import TERMINAL_STATES, Credentials, RetryConfig, abort_request, describe_request, make_settings, next_try
-from ._session import LoopThread
+from pdproto.rpc.loop import LoopThread
 
 _T = TypeVar("_T")
 
