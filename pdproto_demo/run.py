@@ -13,6 +13,7 @@ kind (KV, aux, state).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdproto import backends
+from pdproto.negotiation.reach import ADVERTISE_ENV
 
 from .cluster import Cluster, Geometry, RequestResult, Topology
 from .proc import ChildError
@@ -152,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown topology {unknown}; choose from {list(TOPOLOGIES)}", file=sys.stderr)
         return 2
+    # Every rank runs on this host: engines advertise loopback, so no byte leaves it (a decode
+    # started here would otherwise advertise this host's routable address).
+    os.environ.setdefault(ADVERTISE_ENV, "127.0.0.1")
     t0 = time.monotonic()
     args.log_dir = tempfile.mkdtemp(prefix="pdproto-demo-")
     print(f"process logs: {args.log_dir}", file=sys.stderr)

@@ -28,6 +28,11 @@ settings.register_profile(
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# Every process a test starts shares this host: engines advertise loopback, so test traffic
+# stays on 127.0.0.1 (by default they advertise this host's routable address). The
+# multi-host tests drop it for the processes they start in their network namespaces.
+os.environ.setdefault("PDPROTO_ADVERTISE_HOST", "127.0.0.1")
+
 _SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn",
                            "os.spawn", "os.system", "os.exec"})
 _pure_test: str | None = None

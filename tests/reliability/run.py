@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="row names to run (e.g. decode_killed load)")
     ap.add_argument("--write-doc", action="store_true", help="record the table in docs/reliability.md")
     args = ap.parse_args(argv)
+    # Every process shares this host: engines advertise loopback, so traffic stays on 127.0.0.1
+    # (the multi-host row drops it for the processes it starts in its namespaces).
+    os.environ.setdefault("PDPROTO_ADVERTISE_HOST", "127.0.0.1")
     backends = [b for b in args.backends.split(",") if b]
     rows = [r for r in plan(backends, args.requests) if args.only is None or r[0] in args.only]
     print(f"process logs: {LOG_DIR}", file=sys.stderr)
