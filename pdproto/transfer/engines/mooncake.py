@@ -14,8 +14,9 @@ and never answers holds the first submit, under a lock every other peer's submit
 needs, for 60 s. So the executor (1) runs every call on the peer's own lane with a
 deadline (``_engine.py``), (2) starts the engine with its progress and transfer
 timeouts set to ``transfer_timeout_s`` (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
-``MC_TRANSFER_TIMEOUT``; an operator's own values win), so a stuck call ends soon
-after its deadline, and (3) probes a session and fetches its segment descriptor before
+``MC_TRANSFER_TIMEOUT``, and the TCP lanes' admission wait ``MC_TCP_ADMISSION_TIMEOUT_MS``;
+an operator's own values win), so a stuck call ends soon after its deadline and a slow
+one, on a loaded host, is not failed before it, and (3) probes a session and fetches its segment descriptor before
 accepting it (``connect``), on a helper thread it waits for at most
 ``connect_timeout_s`` and off the engine's shared lock: a black-holed session is
 refused at registration, and a peer that stops answering later stalls only its own
@@ -129,6 +130,11 @@ class MooncakeExecutor(EngineExecutor):
         seconds = str(max(1, math.ceil(transfer_timeout_s)))
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", seconds)
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
+        # A slice waits for admission to a peer's TCP lanes; past this the engine fails its whole
+        # batch, and the peer's queue then stays full, failing its next batches too. On a loaded
+        # host a 2,048-descriptor batch waits longer than the engine's default: only our deadline
+        # should end it.
+        os.environ.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", str(max(1, math.ceil(transfer_timeout_s)) * 1000))
         with _INIT_LOCK:
             self._engine = engine_cls()
             rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
