@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import crash, exactly_once, faults, hostile, limits, load, memory, skew, stuck
+from . import busy, crash, exactly_once, faults, hostile, limits, load, memory, skew, stuck
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
@@ -42,6 +42,9 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
         rows.append(("stuck_peer", b, lambda b=b: stuck.stuck_peer(b)))  # type: ignore[misc]
     for b in [b for b in backends if b in ("mooncake", "nixl")]:
         rows.append(("multihost", b, lambda b=b: crash.multihost(b)))  # type: ignore[misc]
+    for b in [b for b in backends if b in ("mooncake", "nixl")]:
+        for n in (8, 16):
+            rows.append(("busy", b, lambda b=b, n=n: busy.busy_sessions(b, n)))  # type: ignore[misc]
     for b in backends:
         rows.append(("load", b, lambda b=b: load.load(b, requests)))  # type: ignore[misc]
     return rows
