@@ -1,8 +1,8 @@
 """Busy sessions: one prefill executor writes per-row descriptors to 8 or 16 decodes at once.
 
 Every session gets a DCP-4 relayout job left unpacked (one descriptor per row: 2,048 rows a
-layer, 4 layers, so each job is four full engine batches) in every round, all sessions in
-flight together, and every decode's whole pool is compared with its source rows after each
+layer, so each layer is one full engine batch; 4 layers at 8 sessions, 2 at 16, so a round
+moves 65,536 descriptors either way) in every round, all sessions in flight together, and every decode's whole pool is compared with its source rows after each
 round. What must hold: no batch fails (before the executor set the Mooncake TCP lanes'
 admission wait, a loaded host failed 2,048-descriptor batches with rc -1 and the peer's
 queue then stayed full), no job is slower than its deadline, every byte lands.
@@ -26,7 +26,8 @@ import numpy as np
 
 from .harness import LOG_DIR, Outcome
 
-LAYERS, ROWS, ROW, PAGE, DCP = 4, 2048, 1152, 64, 4
+ROWS, ROW, PAGE, DCP = 2048, 1152, 64, 4
+DESCRIPTORS_PER_ROUND = 65536
 ROUNDS = 2
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,16 +60,17 @@ def _rig(backend: str, sessions: int) -> dict[str, object]:
     from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
     src_rows = ROWS * DCP
+    layers = max(1, DESCRIPTORS_PER_ROUND // (sessions * ROWS))
     ex = create_executor(backend, transfer_timeout_s=120)
     peers: list[DecodeProcess] = []
     try:
-        config = DecodeConfig(backend=backend, layers=LAYERS, pages=ROWS, page_size=1, row_bytes=ROW, background=0)
+        config = DecodeConfig(backend=backend, layers=layers, pages=ROWS, page_size=1, row_bytes=ROW, background=0)
         peers = [DecodeProcess.spawn_rank(config, label=f"busy-{i}", log_dir=LOG_DIR) for i in range(sessions)]
         for p in peers:
             p.await_ready(180)
         rng = np.random.default_rng(sessions)
-        fill = rng.integers(0, 256, (LAYERS, src_rows, ROW), dtype=np.uint8)
-        srcs = [ex.allocate(src_rows * ROW) for _ in range(LAYERS)]
+        fill = rng.integers(0, 256, (layers, src_rows, ROW), dtype=np.uint8)
+        srcs = [ex.allocate(src_rows * ROW) for _ in range(layers)]
         for layer, b in enumerate(srcs):
             b.array[:] = fill[layer].reshape(-1)
         ex.register_memory(srcs)
@@ -106,16 +108,16 @@ def _rig(backend: str, sessions: int) -> dict[str, object]:
                         continue
                     path = os.path.join(tmp, f"{i}.bin")
                     peers[i].dump(path)
-                    got = np.fromfile(path, dtype=np.uint8).reshape(LAYERS, ROWS, ROW)
+                    got = np.fromfile(path, dtype=np.uint8).reshape(layers, ROWS, ROW)
                     src, dst = expected[i]
                     checked += got.nbytes
-                    if all(np.array_equal(got[layer][dst], fill[layer][src]) for layer in range(LAYERS)):
+                    if all(np.array_equal(got[layer][dst], fill[layer][src]) for layer in range(layers)):
                         ok += 1
                     else:
                         corrupted += 1
                         failures.append(f"session {i}: destination bytes differ from the source rows")
         return {"jobs": sessions * ROUNDS, "ok": ok, "corrupted": corrupted, "failures": failures,
-                "bytes_verified": checked, "descriptors_per_job": LAYERS * ROWS,
+                "bytes_verified": checked, "descriptors_per_job": layers * ROWS,
                 "descriptors_per_s": descriptors / busy if busy else 0.0, "slowest_s": slowest}
     finally:
         for p in peers:
