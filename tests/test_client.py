@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -142,6 +144,45 @@ def test_async_client_end_to_end(server: ServerProcess) -> None:
     try:
         asyncio.run(asyncio.wait_for(run(), 30))
     finally:
+        peer.close()
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("session", [True, False], ids=["session", "unary"])
+def test_one_blocking_client_serves_many_threads_and_a_watch_closed_early_ends(server: ServerProcess,
+                                                                              session: bool) -> None:
+    """The blocking client runs the async one on the shared loop thread: threads calling one client
+    at once each get their own answers; an iterator closed early ends its watch (with unary calls
+    the server counts no WatchStatus stream left); closing twice is harmless."""
+    peer = DecodeRank.for_spec(SPEC, pages=64)
+    client = HandshakeClient(server.target, timeout=20, session=session)
+    try:
+        peer_id = client.register(peer.registration()).peer_id
+        watch = client.watch_status(peer_id, timeout=20)
+
+        def transfer(room: int) -> tuple[int, int]:
+            client.submit_transfer(peer_id, peer.transfer_info(room, peer.pages_for(SPEC.prompt_tokens, 16 * room)))
+            return room, client.wait_for(peer_id, [room])[room].state
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            done = dict(pool.map(transfer, range(4)))
+        assert done == dict.fromkeys(range(4), common_pb2.TRANSFER_STATE_SUCCESS)
+        assert next(watch).room in range(4)
+        watch.close()
+
+        def watch_streams() -> int:
+            (view,) = client.describe(peer_id=peer_id).peers
+            return int(view.watch_streams)
+
+        end = time.monotonic() + 10
+        while watch_streams() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert watch_streams() == 0
+        assert client.deregister(peer_id) == 0
+        peer.verify({room: peer.pages_for(SPEC.prompt_tokens, 16 * room) for room in range(4)}, SPEC.prompt_tokens)
+    finally:
+        client.close()
+        client.close()
         peer.close()
 
 

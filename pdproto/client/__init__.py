@@ -16,6 +16,9 @@ unreachable prefill) raises ``UnavailableError`` naming the cause. ``session=Fal
 server without the Session RPC) uses the unary calls; ``watch_status`` then re-opens a
 broken WatchStatus stream within its deadline, dropping what it already delivered.
 
+``AsyncHandshakeClient`` is the implementation; ``HandshakeClient`` runs it on one event loop
+thread the process's blocking clients share, so it may be called from several threads at once.
+
 The public names are here; the modules behind them are private (README.md here).
 """
 

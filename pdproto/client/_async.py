@@ -1,10 +1,10 @@
-"""The asyncio client, and the asyncio core both clients share (sessions by peer, unary calls)."""
+"""The asyncio client, the one implementation: the blocking ``HandshakeClient`` runs it on a loop thread."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterable
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -12,8 +12,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from pdproto.errors import PdprotoError
-from pdproto.rpc import ChannelConfig, error_from_rpc
+from pdproto.rpc import ChannelConfig
 from pdproto.session import StatusBook
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
@@ -28,174 +27,77 @@ from ._rpc import (
     TERMINAL_STATES,
     Credentials,
     RetryConfig,
-    Settings,
+    Tries,
     abort_request,
     deadline_error,
     describe_request,
     make_settings,
-    next_try,
 )
 from ._session import PeerSession, SessionUnsupportedError
 
 
-def _aio_channel(s: Settings, secure: bool) -> grpc.aio.Channel:
-    if secure:
-        creds = grpc.ssl_channel_credentials(root_certificates=s.root_cert)
-        return grpc.aio.secure_channel(s.target, creds, options=s.options())
-    return grpc.aio.insecure_channel(s.target, options=s.options())
+class AsyncHandshakeClient:
+    """asyncio client; create and use it on one event loop.
 
+    A peer's submits, aborts and waits travel on its session (``PeerSession``), or on the unary
+    calls with ``session=False`` or against a server without sessions.
+    """
 
-def _deadline_error(rooms: Iterable[int]) -> PdprotoError:
-    return deadline_error("status stream ended before every room finished", rooms=sorted(rooms))
-
-
-class _AsyncCore:
-    """The asyncio half both clients share: sessions by peer, and the unary calls they fall back to."""
-
-    def __init__(self, s: Settings, secure: bool, creds: Credentials, use_session: bool) -> None:
-        self._s = s
-        self._secure = secure
-        self._creds = creds
-        self.use_session = use_session
+    def __init__(self, target: str, *, token: str | None = None, root_cert: bytes | str | Path | None = None,
+                 tls: bool = False, timeout: float = 5.0, retry: RetryConfig | None = None,
+                 channel: ChannelConfig | None = None, server_name: str | None = None,
+                 session: bool = True) -> None:
+        self._s, self._secure = make_settings(target, token, root_cert, timeout, retry, channel, server_name, tls)
+        self._creds = Credentials()
+        self._use_session = session
         self._channel: grpc.aio.Channel | None = None
-        self._stub: hs_grpc.HandshakeServiceAsyncStub | None = None
+        self._lazy_stub: hs_grpc.HandshakeServiceAsyncStub | None = None
         self._sessions: dict[str, PeerSession] = {}
         self._ending: set[PeerSession] = set()
         """Sessions of deregistered peers, still delivering their last statuses (closed with the client)."""
 
     @property
-    def stub(self) -> hs_grpc.HandshakeServiceAsyncStub:
+    def _stub(self) -> hs_grpc.HandshakeServiceAsyncStub:
         """The aio stub (its channel is created on first use, on the running loop)."""
-        if self._stub is None:
-            self._channel = _aio_channel(self._s, self._secure)
-            self._stub = hs_grpc.HandshakeServiceStub(self._channel)
-        return self._stub
+        if self._lazy_stub is None:
+            s = self._s
+            if self._secure:
+                creds = grpc.ssl_channel_credentials(root_certificates=s.root_cert)
+                self._channel = grpc.aio.secure_channel(s.target, creds, options=s.options())
+            else:
+                self._channel = grpc.aio.insecure_channel(s.target, options=s.options())
+            self._lazy_stub = hs_grpc.HandshakeServiceStub(self._channel)
+        return self._lazy_stub
 
-    async def call(self, fn: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        """One unary call with a deadline, retried only on UNAVAILABLE inside that deadline."""
-        budget = self._s.timeout if timeout is None else timeout
-        end = time.monotonic() + budget
-        backoffs = self._s.backoffs()
-        while True:
-            try:
-                return await fn(request, timeout=max(end - time.monotonic(), 0.001), metadata=self._s.metadata())
-            except grpc.RpcError as exc:
-                error = error_from_rpc(exc)
-                delay = next_try(error, backoffs)
-                if delay is None or time.monotonic() + delay >= end:
-                    raise error from exc
-                await asyncio.sleep(delay)
+    def _budget(self, timeout: float | None) -> float:
+        return self._s.timeout if timeout is None else timeout
 
-    async def session(self, peer_id: str, credential: bytes | None, budget: float) -> PeerSession | None:
+    async def _call(self, fn: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        """One unary call with a deadline, retried (``Tries``) inside that deadline."""
+        async for attempt in Tries(self._s, timeout):
+            with attempt:
+                return await fn(request, timeout=attempt.left(), metadata=self._s.metadata())
+        raise AssertionError("a unary try returns or fails")
+
+    async def _session(self, peer_id: str, credential: bytes | None, budget: float) -> PeerSession | None:
         """The peer's open session, or None when the unary calls must be used."""
-        if not self.use_session:
+        if not self._use_session:
             return None
         cred = self._creds.of(peer_id, credential)
         s = self._sessions.get(peer_id)
         if s is None or s.credential != cred:
             if s is not None:
                 await s.close()
-            s = self._sessions[peer_id] = PeerSession(self.stub, self._s, peer_id, cred)
+            s = self._sessions[peer_id] = PeerSession(self._stub, self._s, peer_id, cred)
         try:
             await s.open(budget)
         except SessionUnsupportedError:
-            self.use_session = False
+            self._use_session = False
             return None
         return s
 
-    async def submit(self, peer_id: str, transfer: transfer_pb2.TransferInfo, timeout: float | None,
-                     credential: bytes | None) -> transfer_pb2.TransferStatus:
-        budget = self._s.timeout if timeout is None else timeout
-        s = await self.session(peer_id, credential, budget)
-        if s is not None:
-            out = s.outcome(await s.command(session_pb2.SessionCommand(submit=transfer), budget))
-            assert isinstance(out, transfer_pb2.TransferStatus)
-            return out
-        req = hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer,
-                                       peer_credential=self._creds.of(peer_id, credential))
-        resp: hs.SubmitTransferResponse = await self.call(self.stub.SubmitTransfer, req, timeout)
-        return resp.status
-
-    async def abort(self, peer_id: str, room: int, generation: int | None, timeout: float | None,
-                    credential: bytes | None) -> transfer_pb2.AbortAck:
-        budget = self._s.timeout if timeout is None else timeout
-        req = abort_request(peer_id, self._creds.of(peer_id, credential), room, generation)
-        s = await self.session(peer_id, credential, budget)
-        if s is not None:
-            out = s.outcome(await s.command(session_pb2.SessionCommand(abort=req.abort), budget))
-            assert isinstance(out, transfer_pb2.AbortAck)
-            return out
-        resp: hs.AbortResponse = await self.call(self.stub.Abort, req, timeout)
-        return resp.ack
-
-    async def watch_unary(self, peer_id: str, rooms: Iterable[int], timeout: float | None,
-                          credential: bytes | None) -> AsyncIterator[transfer_pb2.TransferStatus]:
-        """WatchStatus, re-opened on UNAVAILABLE within the deadline; repeats are dropped."""
-        wanted = list(rooms)
-        end = time.monotonic() + (self._s.timeout if timeout is None else timeout)
-        book = StatusBook()
-        backoffs = self._s.backoffs()
-        req = hs.WatchStatusRequest(peer_id=peer_id, rooms=wanted, peer_credential=self._creds.of(peer_id, credential))
-        while True:
-            call = self.stub.WatchStatus(req, timeout=max(end - time.monotonic(), 0.001), metadata=self._s.metadata())
-            try:
-                async for item in call:
-                    if book.update(item.status):
-                        yield item.status
-                return
-            except grpc.RpcError as exc:
-                error = error_from_rpc(exc)
-                delay = next_try(error, backoffs)
-                if delay is None or time.monotonic() + delay >= end:
-                    raise error from exc
-            finally:
-                call.cancel()
-            await asyncio.sleep(delay)
-
-    async def wait_for(self, peer_id: str, rooms: Iterable[int], timeout: float | None,
-                       credential: bytes | None) -> dict[int, transfer_pb2.TransferStatus]:
-        pending = set(rooms)
-        budget = self._s.timeout if timeout is None else timeout
-        s = await self.session(peer_id, credential, budget)
-        if s is not None:
-            return await s.wait(pending, budget)
-        done: dict[int, transfer_pb2.TransferStatus] = {}
-        async for status in self.watch_unary(peer_id, pending, timeout, credential):
-            if status.state in TERMINAL_STATES and status.room in pending:
-                done[status.room] = status
-                pending.discard(status.room)
-                if not pending:
-                    return done
-        raise _deadline_error(pending)
-
-    def forget(self, peer_id: str) -> None:
-        """A deregistered peer: no new calls use its session; the server ends it once it sent everything."""
-        s = self._sessions.pop(peer_id, None)
-        if s is not None and s.error is None:
-            self._ending.add(s)
-
-    async def close(self) -> None:
-        for s in [*self._sessions.values(), *self._ending]:
-            await s.close()
-        self._sessions.clear()
-        self._ending.clear()
-        if self._channel is not None:
-            await self._channel.close()
-
-
-class AsyncHandshakeClient:
-    """asyncio client; create and use it on one event loop."""
-
-    def __init__(self, target: str, *, token: str | None = None, root_cert: bytes | str | Path | None = None,
-                 tls: bool = False, timeout: float = 5.0, retry: RetryConfig | None = None,
-                 channel: ChannelConfig | None = None, server_name: str | None = None,
-                 session: bool = True) -> None:
-        self._s, secure = make_settings(target, token, root_cert, timeout, retry, channel, server_name, tls)
-        self._creds = Credentials()
-        self._core = _AsyncCore(self._s, secure, self._creds, session)
-
     def credential(self, peer_id: str) -> bytes:
-        """The credential this client holds for ``peer_id`` (empty if none)."""
+        """The credential this client holds for ``peer_id`` (empty if none): hand it to another process."""
         return self._creds.of(peer_id, None)
 
     def adopt(self, peer_id: str, credential: bytes) -> None:
@@ -204,48 +106,75 @@ class AsyncHandshakeClient:
 
     async def get_server_info(self, *, timeout: float | None = None) -> server_info_pb2.PrefillServerInfo:
         """The prefill rank's topology."""
-        resp: hs.GetServerInfoResponse = await self._core.call(self._core.stub.GetServerInfo,
-                                                               hs.GetServerInfoRequest(), timeout)
+        resp: hs.GetServerInfoResponse = await self._call(self._stub.GetServerInfo, hs.GetServerInfoRequest(),
+                                                          timeout)
         return resp.info
 
     async def describe(self, *, peer_id: str = "", request_limit: int = 0, include_finished: bool = False,
                        timeout: float | None = None, credential: bytes | None = None) -> hs.DescribeResponse:
-        """The server's state for operators: peers, open requests, limits (as ``HandshakeClient.describe``)."""
+        """The server's state for operators: peers, open requests, limits (``pdproto status``).
+
+        ``peer_id``'s credential (given, or kept from its Register) goes along, so that peer is
+        shown in full; other peers' rooms and engine identities need the operator token.
+        """
         req = describe_request(peer_id, request_limit, include_finished, self._creds.of(peer_id, credential))
-        resp: hs.DescribeResponse = await self._core.call(self._core.stub.Describe, req, timeout)
+        resp: hs.DescribeResponse = await self._call(self._stub.Describe, req, timeout)
         return resp
 
     async def evict(self, peer_id: str, *, timeout: float | None = None) -> int:
-        """Drop another peer, as the operator (as ``HandshakeClient.evict``)."""
-        resp: hs.EvictResponse = await self._core.call(self._core.stub.Evict, hs.EvictRequest(peer_id=peer_id),
-                                                       timeout)
+        """Drop another peer, as the operator (the client's token must be the operator token);
+        returns how many open requests were failed with PEER_GONE (``pdproto evict``)."""
+        resp: hs.EvictResponse = await self._call(self._stub.Evict, hs.EvictRequest(peer_id=peer_id), timeout)
         return int(resp.failed_requests)
 
     async def register(self, registration: registration_pb2.KvRegistration, *,
                        timeout: float | None = None) -> server_info_pb2.NegotiationResult:
-        """Register this decode rank (keeping its credential)."""
-        resp: hs.RegisterResponse = await self._core.call(
-            self._core.stub.Register, hs.RegisterRequest(registration=registration), timeout)
+        """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class)
+        on rejection."""
+        resp: hs.RegisterResponse = await self._call(self._stub.Register, hs.RegisterRequest(registration=registration),
+                                                     timeout)
         return self._creds.keep(resp)
 
     async def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
                               timeout: float | None = None,
                               credential: bytes | None = None) -> transfer_pb2.TransferStatus:
         """Hand the prefill one request's destination; returns the status right after."""
-        return await self._core.submit(peer_id, transfer, timeout, credential)
+        budget = self._budget(timeout)
+        s = await self._session(peer_id, credential, budget)
+        if s is not None:
+            out = s.outcome(await s.command(session_pb2.SessionCommand(submit=transfer), budget))
+            assert isinstance(out, transfer_pb2.TransferStatus)
+            return out
+        req = hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer,
+                                       peer_credential=self._creds.of(peer_id, credential))
+        resp: hs.SubmitTransferResponse = await self._call(self._stub.SubmitTransfer, req, timeout)
+        return resp.status
 
     async def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *, timeout: float | None = None,
-                           credential: bytes | None = None) -> AsyncIterator[transfer_pb2.TransferStatus]:
-        """Stream status changes until the deadline (``DeadlineExceededError``; ``UnavailableError`` when the
-        session's stream is broken then) or the peer's removal."""
-        budget = self._s.timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
+                           credential: bytes | None = None) -> AsyncGenerator[transfer_pb2.TransferStatus, None]:
+        """Stream status changes (first the current state of matching requests) until the deadline.
+
+        Raises ``DeadlineExceededError`` at the deadline (``UnavailableError`` when the session's stream
+        is broken then); ends when the peer is removed. Without a session, a broken WatchStatus stream
+        is re-opened within the deadline (``Tries``) and what it already delivered is dropped.
+        """
+        budget = self._budget(timeout)
+        deadline = asyncio.get_running_loop().time() + budget
         wanted = frozenset(rooms)
-        s = await self._core.session(peer_id, credential, budget)
+        s = await self._session(peer_id, credential, budget)
         if s is None:
-            async for status in self._core.watch_unary(peer_id, wanted, timeout, credential):
-                yield status
+            req = hs.WatchStatusRequest(peer_id=peer_id, rooms=list(wanted),
+                                        peer_credential=self._creds.of(peer_id, credential))
+            book = StatusBook()
+            async for attempt in Tries(self._s, timeout):
+                call = self._stub.WatchStatus(req, timeout=attempt.left(), metadata=self._s.metadata())
+                with attempt:
+                    try:
+                        async for response in call:
+                            if book.update(response.status):
+                                yield response.status
+                    finally:
+                        call.cancel()
             return
         items: asyncio.Queue[transfer_pb2.TransferStatus | None] = asyncio.Queue()
         stop = s.watch(wanted, items.put_nowait)
@@ -266,25 +195,54 @@ class AsyncHandshakeClient:
     async def wait_for(self, peer_id: str, rooms: Iterable[int], *, timeout: float | None = None,
                        credential: bytes | None = None) -> dict[int, transfer_pb2.TransferStatus]:
         """Wait until every room is SUCCESS or FAILED; returns the terminal statuses."""
-        return await self._core.wait_for(peer_id, rooms, timeout, credential)
+        pending = set(rooms)
+        budget = self._budget(timeout)
+        s = await self._session(peer_id, credential, budget)
+        if s is not None:
+            return await s.wait(pending, budget)
+        done: dict[int, transfer_pb2.TransferStatus] = {}
+        async with contextlib.aclosing(self.watch_status(peer_id, pending, timeout=timeout,
+                                                         credential=credential)) as statuses:
+            async for status in statuses:
+                if status.state in TERMINAL_STATES and status.room in pending:
+                    done[status.room] = status
+                    pending.discard(status.room)
+                    if not pending:
+                        return done
+        raise deadline_error("status stream ended before every room finished", rooms=sorted(pending))
 
     async def abort(self, peer_id: str, room: int, generation: int | None = None, *,
                     timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.AbortAck:
         """Abort a request generation; returns once its in-flight chunks drained."""
-        return await self._core.abort(peer_id, room, generation, timeout, credential)
+        budget = self._budget(timeout)
+        req = abort_request(peer_id, self._creds.of(peer_id, credential), room, generation)
+        s = await self._session(peer_id, credential, budget)
+        if s is not None:
+            out = s.outcome(await s.command(session_pb2.SessionCommand(abort=req.abort), budget))
+            assert isinstance(out, transfer_pb2.AbortAck)
+            return out
+        resp: hs.AbortResponse = await self._call(self._stub.Abort, req, timeout)
+        return resp.ack
 
-    async def deregister(self, peer_id: str, *, timeout: float | None = None,
-                         credential: bytes | None = None) -> int:
-        """Remove this peer."""
+    async def deregister(self, peer_id: str, *, timeout: float | None = None, credential: bytes | None = None) -> int:
+        """Remove this peer; returns how many open requests were failed with PEER_GONE."""
         req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._creds.of(peer_id, credential))
-        resp: hs.DeregisterResponse = await self._core.call(self._core.stub.Deregister, req, timeout)
-        self._core.forget(peer_id)
+        resp: hs.DeregisterResponse = await self._call(self._stub.Deregister, req, timeout)
+        # No new call uses the peer's session; the server ends it once it sent everything.
+        s = self._sessions.pop(peer_id, None)
+        if s is not None and s.error is None:
+            self._ending.add(s)
         self._creds.forget(peer_id)
         return int(resp.failed_requests)
 
     async def close(self) -> None:
-        """Close the sessions and the channel."""
-        await self._core.close()
+        """Close the sessions and the channel (closing again does nothing)."""
+        for s in [*self._sessions.values(), *self._ending]:
+            await s.close()
+        self._sessions.clear()
+        self._ending.clear()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncHandshakeClient:
         return self

@@ -1,4 +1,4 @@
-"""What both client flavours share: settings, retries, credentials, request builders.
+"""The client's settings, retries (the policy and the one retry loop), credentials, request builders.
 
 The transport options (``ChannelConfig``) and the reading of a refusal into its typed
 error (``error_from_rpc``, ``error_from_command``) are ``pdproto.rpc``'s, which the server
@@ -7,16 +7,21 @@ shares.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
+
+import grpc
 
 from pdproto import errors as E
 from pdproto.errors import PdprotoError, Reason
-from pdproto.rpc import ChannelConfig
+from pdproto.rpc import ChannelConfig, error_from_rpc
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, server_info_pb2, transfer_pb2
 
 TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
@@ -119,6 +124,57 @@ def make_settings(target: str, token: str | None, root_cert: bytes | str | Path 
     return s, tls or s.root_cert is not None
 
 
+class Tries:
+    """The tries of one call within its deadline, the client's one retry loop::
+
+        async for attempt in Tries(settings, timeout):
+            with attempt:
+                return await stub.Method(request, timeout=attempt.left(), metadata=...)
+
+    A try that raises ``grpc.RpcError`` is read with ``error_from_rpc``; ``next_try`` says whether
+    and when to try again, and the loop sleeps that long if it ends before the deadline, else raises
+    the typed error (the ``RpcError`` as its ``__cause__``). The loop ends after a try that did not
+    fail: a stream that ended, or a unary try that returned from inside it.
+    """
+
+    def __init__(self, s: Settings, timeout: float | None) -> None:
+        self._end = time.monotonic() + (s.timeout if timeout is None else timeout)
+        self._backoffs = s.backoffs()
+        self._failed: grpc.RpcError | None = None
+        self._tried = False
+
+    def left(self) -> float:
+        """Seconds to the deadline: this try's gRPC timeout."""
+        return max(self._end - time.monotonic(), 0.001)
+
+    def __aiter__(self) -> Tries:
+        return self
+
+    async def __anext__(self) -> Tries:
+        failed, self._failed = self._failed, None
+        if failed is None:
+            if self._tried:
+                raise StopAsyncIteration
+            self._tried = True
+            return self
+        error = error_from_rpc(failed)
+        delay = next_try(error, self._backoffs)
+        if delay is None or time.monotonic() + delay >= self._end:
+            raise error from failed
+        await asyncio.sleep(delay)
+        return self
+
+    def __enter__(self) -> Tries:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if isinstance(exc, grpc.RpcError):
+            self._failed = exc  # read by the next __anext__: sleep and try again, or raise
+            return True
+        return False
+
+
 class Credentials:
     """The credential of each peer this client registered (or was handed), by peer id."""
 
@@ -168,6 +224,7 @@ __all__ = [
     "RetryConfig",
     "Settings",
     "TERMINAL_STATES",
+    "Tries",
     "abort_request",
     "deadline_error",
     "describe_request",

@@ -5,8 +5,8 @@
 a break (with backoff, for as long as a caller is waiting on it), reads events and
 resolves the callers: a command's result, a room's terminal status, a watcher's next
 status. A caller writes its own command (no task per request); while a write is in
-progress, later commands join the writer's next message. The sync client drives the
-same class on the shared event loop thread (``pdproto.rpc.loop.LoopThread``).
+progress, later commands join the writer's next message. The blocking client runs the
+asyncio one, so this class, on the shared event loop thread (``pdproto.rpc.loop.LoopThread``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class LoopThread:
         loops that come and go leave its callbacks behind.
         """
         with cls._lock:
-            if cls._shared is None:
+            if cls._shared is None or not cls._shared.alive:  # not alive: a forked child's copy
                 cls._shared = LoopThread("pdproto-session")
             return cls._shared
 
