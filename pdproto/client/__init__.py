@@ -16,6 +16,10 @@ unreachable prefill) raises ``UnavailableError`` naming the cause. ``session=Fal
 server without the Session RPC) uses the unary calls; ``watch_status`` then re-opens a
 broken WatchStatus stream within its deadline, dropping what it already delivered.
 
+``DecodePeer`` (``peer.py``) is the decode peer built on the async client: registered with
+every prefill rank it is pointed at, it submits requests, folds the ranks' statuses into one
+outcome per room and aborts; engine adapters and the demo's decode rank use it.
+
 The public names are here; the modules behind them are private (README.md here).
 """
 
@@ -28,11 +32,14 @@ from pdproto.v1 import SERVICE_NAME
 from ._async import AsyncHandshakeClient
 from ._rpc import TERMINAL_STATES, RetryConfig
 from ._sync import HandshakeClient
+from .peer import DecodePeer, PrefillRank
 
 __all__ = [
     "AsyncHandshakeClient",
     "ChannelConfig",
+    "DecodePeer",
     "HandshakeClient",
+    "PrefillRank",
     "RetryConfig",
     "SERVICE_NAME",
     "TERMINAL_STATES",
