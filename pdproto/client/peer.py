@@ -321,7 +321,7 @@ class DecodePeer:
         return status
 
     def submitted(self, room: int, timeout: float) -> list[transfer_pb2.TransferStatus]:
-        """Wait for ``room``'s submits: each rank's status right after it, in ``submit``'s order; a refusal is raised."""
+        """Wait for ``room``'s submits: each rank's status right after it, in ``submit``'s order (a refusal raised)."""
         futures = list(self._submits.get(room, {}).values())
         if concurrent.futures.wait(futures, timeout).not_done:
             raise DeadlineExceededError(f"the submits of room {room} did not end within {timeout:g} s",
@@ -352,7 +352,7 @@ class DecodePeer:
 
     async def _overdue(self, room: int, waited: float) -> None:
         with self._lock:
-            silent = [r for r in self._ranks.values() if room in r.rooms]
+            silent = [r for r in self.ranks if room in r.rooms]
         got = await asyncio.gather(*(r.client.wait_for(r.peer_id, [room], timeout=PROBE_S) for r in silent),
                                    return_exceptions=True)
         for rank, final in zip(silent, got, strict=True):
