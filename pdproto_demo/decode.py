@@ -25,19 +25,18 @@ One program, two ways to use it:
 
 The registration comes from ``pdproto.negotiation.registration.make_registration``; the expected bytes
 from a ``data.Reference`` (the demo's tokens, or ``SyntheticSpec`` for ``pdproto serve``) and,
-for aux and state, from ``model.ModelShape``. A rank fed by several prefill ranks learns from
-their answers which are dummies, submits to all, and folds the statuses of the others with
-``pdproto.negotiation.fanin.FanInTracker``: SUCCESS only when each succeeded, FAILED with the first
-failing rank's reason (the others are then aborted so nothing writes into reused slots).
+for aux and state, from ``model.ModelShape``. Registering, submitting, folding the prefill
+ranks' statuses and aborting are the library's decode peer (``pdproto.client.DecodePeer``): a
+request is SUCCESS only when each rank that writes succeeded, FAILED with the first failing
+rank's reason (the others are then aborted so nothing writes into reused slots).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import os
-import queue
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,11 +45,10 @@ from typing import Any
 import numpy as np
 
 from pdproto import PROTOCOL_MINOR, backends
-from pdproto.client import HandshakeClient
-from pdproto.errors import PdprotoError, Reason
-from pdproto.negotiation.fanin import FanInTracker, KindTotals
+from pdproto.client import DecodePeer, PrefillRank
+from pdproto.errors import PdprotoError, Reason, error_for
+from pdproto.negotiation.fanin import KindTotals
 from pdproto.negotiation.registration import make_registration
-from pdproto.negotiation.senders import SenderSet
 from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
@@ -141,20 +139,6 @@ class DecodeConfig:
 
 
 @dataclass
-class _Target:
-    """One prefill rank this decode rank registered with."""
-
-    address: str
-    client: HandshakeClient
-    peer_id: str
-    mode: int
-    senders: SenderSet
-    """The sender set this prefill rank computed for us."""
-    dummy: bool
-    """This prefill rank writes nothing for us (submitted to with ``is_dummy``, not waited for)."""
-
-
-@dataclass
 class _Pending:
     """One submitted request and where its tokens must land."""
 
@@ -200,7 +184,10 @@ class DecodeRank:
         self._free_slots = list(range(c.slots - 1, 0, -1))
         self.fill(c.background)
         self.shard = data.Shard(c.dcp_size, c.dcp_rank)
-        self.targets: list[_Target] = []
+        self.peer: DecodePeer | None = None
+        """Registered with the prefill ranks of the last ``connect``."""
+        self.addresses: list[str] = []
+        """host:port of those prefill ranks, in ``connect``'s order."""
         self.pending: dict[int, _Pending] = {}
         self._notices: list[Notification] = []
 
@@ -289,39 +276,28 @@ class DecodeRank:
 
     def connect(self, targets: list[str], token: str | None = None, minor: int = PROTOCOL_MINOR,
                 timeout: float = 20.0, unknown_field: bool = False, root_cert: str | None = None) -> Reply:
-        """Register with every prefill rank in ``targets`` (host:port); optionally as a newer build."""
-        for old in self.targets:
-            old.client.close()
-        self.targets = []
+        """Register with every prefill rank in ``targets`` (host:port); optionally as a newer build.
+
+        The ranks of an earlier ``connect`` are let go as after a crash (no Deregister): a
+        registration from the same identity then replaces them on the prefill.
+        """
+        if self.peer is not None:
+            self.peer.close(deregister=False)
         reg = self.registration(minor)
         if unknown_field:
             reg.MergeFromString(data.FUTURE_FIELD)
-        for address in targets:
-            client = self._reach(address, token, timeout, root_cert)
-            result = client.register(reg)
-            senders = SenderSet.from_proto(result.senders)
-            me = senders.senders[result.senders.self_index] if senders.senders else None
-            self.targets.append(_Target(address, client, result.peer_id, int(result.mode), senders,
-                                        dummy=me is not None and me.dummy))
-        return {"peers": [t.peer_id for t in self.targets], "modes": [t.mode for t in self.targets],
-                "dummies": [t.dummy for t in self.targets],
-                "required": [t.senders.required_responses for t in self.targets]}
+        self.peer = DecodePeer(reg, token=token, root_cert=root_cert, timeout=min(timeout, 5.0),
+                               server_name="localhost" if root_cert else None)
+        self.addresses = list(targets)
+        ranks = [self.peer.connect(address, timeout=timeout) for address in targets]
+        return {"peers": [r.peer_id for r in ranks], "modes": [int(r.result.mode) for r in ranks],
+                "dummies": [r.dummy for r in ranks], "required": [r.senders.required_responses for r in ranks]}
 
-    @staticmethod
-    def _reach(address: str, token: str | None, timeout: float, root_cert: str | None) -> HandshakeClient:
-        """A client whose server answered GetServerInfo; keeps trying a restarting prefill until ``timeout``."""
-        end = time.monotonic() + timeout
-        while True:
-            client = HandshakeClient(address, token=token, timeout=min(timeout, 5.0), root_cert=root_cert,
-                                     server_name="localhost" if root_cert else None)
-            try:
-                client.get_server_info()
-                return client
-            except PdprotoError as exc:
-                client.close()
-                if exc.reason is not Reason.UNAVAILABLE or time.monotonic() + 0.5 >= end:
-                    raise
-                time.sleep(0.5)
+    def _connected(self) -> DecodePeer:
+        if self.peer is None:
+            raise error_for(Reason.PEER_NOT_FOUND, "this decode rank is registered with no prefill rank: "
+                            "send connect first")
+        return self.peer
 
     def request(self, room: int, prefix: int, total: int, prefix_pages: list[int],
                 dst_pages: list[int], generation: int = 0, timeout: float = 20.0,
@@ -342,19 +318,22 @@ class DecodeRank:
         data.fill(self.pool, self.shard, cached, page_size=self.config.page_size, reference=self.reference)
         self.pending[room] = _Pending([cached, data.Placement(room, prefix, total, dst_pages)], generation,
                                       slot or 0, pooled)
-        states = []
-        for t in self.targets:
-            info = self.transfer_info(room, dst_pages, generation, prefix,
-                                      required=t.senders.decode_ranks_per_prefill_rank or 1,
-                                      slot=slot, dummy=t.dummy)
+
+        def info(_: PrefillRank) -> transfer_pb2.TransferInfo:
+            out = self.transfer_info(room, dst_pages, generation, prefix, slot=slot)
             if aux_slot is not None and self.aux:
-                info.dst_aux_index = aux_slot
-            try:
-                states.append(int(t.client.submit_transfer(t.peer_id, info, timeout=timeout).state))
-            except PdprotoError:
-                self._release(self.pending.pop(room))
-                raise
-        return {"states": states, "slot": slot}
+                out.dst_aux_index = aux_slot
+            return out
+
+        peer = self._connected()
+        try:
+            peer.submit(room, self.addresses, info, generation=generation, timeout=timeout)
+            statuses = peer.submitted(room, timeout)
+        except PdprotoError:
+            peer.forget(room)
+            self._release(self.pending.pop(room))
+            raise
+        return {"states": [int(st.state) for st in statuses], "slot": slot}
 
     def untouched(self) -> Reply:
         """Check that no request wrote anything: every KV, aux and state byte still holds the background."""
@@ -376,31 +355,37 @@ class DecodeRank:
             self._free_slots.append(p.slot)
 
     def wait(self, room: int, timeout: float = 120.0, check: bool = True) -> Reply:
-        """Wait for the terminal status of every non-dummy prefill rank of ``room``, then check every byte.
+        """Wait for the outcome of ``room`` over its prefill ranks, then check every byte.
 
-        The statuses are folded by a ``FanInTracker``: the first failure fails the request
-        with that rank's reason, and the other ranks are aborted (an abort answers once
-        their in-flight chunks drained, so the pages and slots are safe to reuse).
+        The first failure fails the request with that rank's reason, and the ranks that did
+        not succeed are aborted (an abort answers once their in-flight chunks drained, so the
+        pages and slots are safe to reuse).
         """
         p = self.pending.pop(room)
+        peer = self._connected()
         deadline = time.monotonic() + timeout
-        live = [i for i, t in enumerate(self.targets) if not t.dummy]
-        tracker = FanInTracker()
-        tracker.expect(room, p.generation, live)
-        finals = self._collect(room, p.generation, live, tracker, deadline)
-        outcome = tracker.outcome(room)
+        where = {r.index: r.address for r in peer.ranks}
+        outcome = peer.wait(room, timeout)
+        finals = peer.statuses(room)
         failures: list[str] = []
-        if outcome is not None and outcome.state == common_pb2.TRANSFER_STATE_FAILED:
-            failed = self.targets[outcome.failed_rank] if outcome.failed_rank is not None else None
-            failures.append(f"{failed.address if failed else 'decode'}: {outcome.failure_code}: "
-                            f"{outcome.failure_reason}")
+        if outcome.state == common_pb2.TRANSFER_STATE_FAILED:
+            failed = "decode" if outcome.failed_rank is None else where.get(outcome.failed_rank, "decode")
+            failures.append(f"{failed}: {outcome.failure_code}: {outcome.failure_reason}")
             # A prefill unreachable for the whole wait gets one short abort try, not another full deadline.
             abort_s = 5.0 if outcome.failure_code == Reason.UNAVAILABLE.name else 30.0
-            for i in live:
-                if i not in finals or finals[i].state != common_pb2.TRANSFER_STATE_SUCCESS:
-                    failures += self._abort_quietly(i, room, p.generation, abort_s)
-        totals = KindTotals.of(finals.values())
-        chunks = sum(st.chunks_done for st in finals.values())
+            ranks = {r.address: r for r in peer.ranks}
+            unfinished = [a for a in self.addresses if a not in ranks
+                          or not ranks[a].dummy and ranks[a].index not in outcome.reported]
+            for address, acked in zip(unfinished, peer.abort(room, p.generation, unfinished, timeout=abort_s),
+                                      strict=True):
+                try:
+                    acked.result(2 * abort_s)
+                except (PdprotoError, concurrent.futures.TimeoutError) as exc:
+                    reason = exc.reason.name if isinstance(exc, PdprotoError) else Reason.DEADLINE_EXCEEDED.name
+                    failures.append(f"{address}: abort after failure: {reason}")
+        peer.forget(room)
+        totals = KindTotals.of(finals)
+        chunks = sum(st.chunks_done for st in finals)
         done_at = time.monotonic()
         if not failures and backends.by_name(self.config.backend).notifications:
             # Every chunk must be announced through the engine, including chunks where this
@@ -419,45 +404,8 @@ class DecodeRank:
                 "bytes": totals.kv_bytes, "descriptors": totals.kv_descriptors,
                 "aux_bytes": totals.aux_bytes, "state_bytes": totals.state_bytes,
                 "aux_descriptors": totals.aux_descriptors, "state_descriptors": totals.state_descriptors,
-                "failure_code": outcome.failure_code if outcome is not None else "",
+                "failure_code": outcome.failure_code,
                 "seconds": done_at - p.submitted, "done_at": done_at}
-
-    def _collect(self, room: int, generation: int, live: list[int], tracker: FanInTracker,
-                 deadline: float) -> dict[int, transfer_pb2.TransferStatus]:
-        """Terminal statuses of ``live`` targets, watched in parallel until one fails or all finished."""
-        got: queue.Queue[tuple[int, transfer_pb2.TransferStatus | PdprotoError]] = queue.Queue()
-
-        def watch(i: int) -> None:
-            t = self.targets[i]
-            try:
-                got.put((i, t.client.wait_for(t.peer_id, [room], timeout=max(deadline - time.monotonic(), 0.1))[room]))
-            except PdprotoError as exc:
-                got.put((i, exc))
-
-        for i in live:
-            threading.Thread(target=watch, args=(i,), name=f"wait-{room}-{i}", daemon=True).start()
-        finals: dict[int, transfer_pb2.TransferStatus] = {}
-        for _ in live:
-            i, item = got.get()
-            if isinstance(item, PdprotoError):
-                # No terminal status in time: the decode gives up on the request itself.
-                tracker.fail(room, item.reason.name, f"{self.targets[i].address}: {item.message}")
-                return finals
-            finals[i] = item
-            outcome = tracker.update(item, sender=i)
-            if outcome is not None and outcome.state == common_pb2.TRANSFER_STATE_FAILED:
-                return finals
-        return finals
-
-    def _abort_quietly(self, i: int, room: int, generation: int, timeout: float) -> list[str]:
-        """Abort ``room`` on target ``i``; a failure to do so is reported, not raised."""
-        t = self.targets[i]
-        try:
-            t.client.abort(t.peer_id, room, generation, timeout=timeout)
-        except PdprotoError as exc:
-            if exc.reason is not Reason.REQUEST_NOT_FOUND:
-                return [f"{t.address}: abort after failure: {exc.reason.name}"]
-        return []
 
     def _await_notices(self, room: int, generation: int, expected: int, deadline: float) -> int:
         """Count chunk notices of this generation of ``room`` until ``expected`` arrived or time ran out.
@@ -478,13 +426,13 @@ class DecodeRank:
 
     def abort(self, room: int, generation: int = 0, timeout: float = 20.0) -> Reply:
         """Abort a request generation on every prefill rank; returns once each acknowledged."""
-        acks = [t.client.abort(t.peer_id, room, generation, timeout=timeout) for t in self.targets]
-        return {"acks": [[a.room, a.generation] for a in acks]}
+        acks = [f.result(2 * timeout) for f in self._connected().abort(room, generation, self.addresses,
+                                                                        timeout=timeout)]
+        return {"acks": [[room, generation] if a is None else [a.room, a.generation] for a in acks]}
 
     def deregister(self) -> Reply:
         """Deregister from every prefill rank."""
-        failed = sum(t.client.deregister(t.peer_id) for t in self.targets)
-        return {"failed": failed}
+        return {"failed": self._connected().deregister()}
 
     def dump(self, path: str) -> Reply:
         """Write every KV buffer, back to back, to ``path``."""
@@ -512,9 +460,9 @@ class DecodeRank:
         return {"rooms": rooms}
 
     def close(self) -> None:
-        """Close clients and the executor."""
-        for t in self.targets:
-            t.client.close()
+        """Close clients (as a crash would: no Deregister) and the executor."""
+        if self.peer is not None:
+            self.peer.close(deregister=False)
         self.executor.close()
 
 

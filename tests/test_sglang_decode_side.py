@@ -1,6 +1,6 @@
 """The SGLang decode side: registration with a prefill rank that cannot be reached, and aborts after forget.
 
-``DecodeSide.connect`` runs on SGLang's scheduler thread. A prefill rank whose registration
+``DecodeSide.peer.connect`` (``pdproto.client.DecodePeer``) runs on SGLang's scheduler thread. A prefill rank whose registration
 fails (nothing listens, a firewall, a wrong TLS root) is not tried again for
 ``RETRY_AFTER_S``: the requests routed to it meanwhile fail at once with that failure,
 where each would hold the scheduler thread for the whole Register deadline and stall every
@@ -73,11 +73,11 @@ def test_a_prefill_rank_whose_registration_failed_is_not_tried_again_for_a_while
     side = _side()
     try:
         with pytest.raises(PdprotoError) as first:
-            side.connect(address)
+            side.peer.connect(address)
         tried = taken[0]
         assert tried >= 1  # the registration really went out (and was retried within its deadline)
         with pytest.raises(PdprotoError) as again:
-            side.connect(address)
+            side.peer.connect(address)
         assert again.value.reason is first.value.reason
         assert "is retried after" in again.value.message and first.value.message in again.value.message
         assert taken[0] == tried  # failed at once, from what the first attempt learned: nothing sent
@@ -94,12 +94,12 @@ def test_an_abort_after_forget_still_waits_for_a_submit_on_its_way() -> None:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         done.set_result(None)
         on_way: concurrent.futures.Future[None] = concurrent.futures.Future()
-        side._submits[7] = {"a:1": done, "b:2": on_way}
-        side._submits[8] = {"a:1": done}
-        side.forget(7)
-        side.forget(8)
-        assert side._submits == {7: {"b:2": on_way}}
+        side.peer._submits[7] = {"a:1": done, "b:2": on_way}
+        side.peer._submits[8] = {"a:1": done}
+        side.peer.forget(7)
+        side.peer.forget(8)
+        assert side.peer._submits == {7: {"b:2": on_way}}
         on_way.set_result(None)
-        assert side._submits == {}
+        assert side.peer._submits == {}
     finally:
         side.close()

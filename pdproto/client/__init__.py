@@ -19,6 +19,10 @@ broken WatchStatus stream within its deadline, dropping what it already delivere
 ``AsyncHandshakeClient`` is the implementation; ``HandshakeClient`` runs it on one event loop
 thread the process's blocking clients share, so it may be called from several threads at once.
 
+``DecodePeer`` (``peer.py``) is the decode peer built on the async client: registered with
+every prefill rank it is pointed at, it submits requests, folds the ranks' statuses into one
+outcome per room and aborts; engine adapters and the demo's decode rank use it.
+
 The public names are here; the modules behind them are private (README.md here).
 """
 
@@ -31,11 +35,14 @@ from pdproto.v1 import SERVICE_NAME
 from ._async import AsyncHandshakeClient
 from ._rpc import TERMINAL_STATES, RetryConfig
 from ._sync import HandshakeClient
+from .peer import DecodePeer, PrefillRank
 
 __all__ = [
     "AsyncHandshakeClient",
     "ChannelConfig",
+    "DecodePeer",
     "HandshakeClient",
+    "PrefillRank",
     "RetryConfig",
     "SERVICE_NAME",
     "TERMINAL_STATES",

@@ -135,10 +135,14 @@ class FanInTracker:
         r = self._rooms.get(room)
         return r.outcome if r is not None else None
 
+    def statuses(self, room: int) -> list[transfer_pb2.TransferStatus]:
+        """The latest status of each expected rank heard from (empty when the room is not tracked)."""
+        r = self._rooms.get(room)
+        return list(r.latest.values()) if r is not None else []
+
     def totals(self, room: int) -> KindTotals:
         """Bytes and descriptors per kind over the room's latest statuses."""
-        r = self._rooms.get(room)
-        return KindTotals.of(r.latest.values()) if r is not None else KindTotals()
+        return KindTotals.of(self.statuses(room))
 
     def forget(self, room: int) -> None:
         """Stop tracking ``room``."""

@@ -57,7 +57,13 @@ class LoopThread:
         """Run ``coro`` on the loop and wait for its result (its exceptions are raised here).
 
         With a ``timeout``, a wait past it cancels ``coro`` and raises ``DeadlineExceededError``.
+        Called from the loop's own thread (a blocking client used in a callback the loop runs),
+        it raises ``RuntimeError`` at once: waiting there would hang the loop for good.
         """
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(f"{what}: a blocking call made on the pdproto event loop's own thread would "
+                               "wait on itself forever; use the asyncio client (AsyncHandshakeClient) there")
         future = self.submit(coro)
         try:
             return future.result(timeout)

@@ -555,11 +555,10 @@ def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callabl
 
     side = manager.decode_side
     receivers, gated = prepare([DROPPED])
-    for submitted in side._submits.get(DROPPED.room, {}).values():
+    for submitted in side.peer._submits.get(DROPPED.room, {}).values():
         submitted.result(args.timeout)  # the prefill holds the request
     dist.barrier(group=group)  # ... from every decode rank
-    old = [(peer.address, peer.peer_id, peer.client._creds.of(peer.peer_id, None))
-           for peer in side._peers.values()]
+    old = [(rank.address, rank.peer_id, rank.client.credential(rank.peer_id)) for rank in side.peer.ranks]
     manager._handle_node_failure(addr)
     (state,) = _poll_until(lambda: poll(receivers, gated), {SUCCESS, FAILED}, args.timeout)
     receiver = receivers[0]

@@ -13,8 +13,8 @@ docs/sglang-notes.md). What it adds is a translation, no protocol:
   With PP > 1 a thread of the manager (``StatusPump``) does that for every open room as
   well: SGLang then polls only PP rank 0, which reads every rank's status from the
   ``PPConsensusStore`` each rank fills through ``update_status``.
-* **decode**: it builds its ``DecodeSide`` (pools registered, one client and status stream
-  per prefill rank); outcomes folded over a request's prefill ranks become SGLang's room
+* **decode**: it builds its ``DecodeSide`` (pools registered; its decode peer keeps one client
+  and status stream per prefill rank); outcomes folded over a request's prefill ranks become SGLang's room
   status and failure reason (``_on_outcome``).
 """
 
@@ -256,7 +256,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
                          if key.startswith(failed_bootstrap_addr) for info in infos]
         super()._handle_node_failure(failed_bootstrap_addr)
         if self.decode_side is not None:
-            self.decode_side.drop(addresses)
+            self.decode_side.peer.drop(addresses)
 
     # -- both ---------------------------------------------------------------------------
 

@@ -7,14 +7,14 @@ replaces the three places where Mooncake or NIXL would send ZMQ frames:
 
 =============================  ===========================================================
 ``_register_kv_args``          ``Register`` with each prefill rank, once per rank per
-                               process (the manager's ``DecodeSide`` keeps the peers)
+                               process (the manager's ``DecodeSide.peer`` keeps the ranks)
 ``send_metadata``              ``SubmitTransfer`` to every prefill rank of the request,
                                dummies included (marked ``is_dummy``)
 ``_send_abort_notification``   ``Abort`` on every prefill rank; each answer (the rank's
                                in-flight chunk drained) is SGLang's ABORT_ACK
 =============================  ===========================================================
 
-Statuses arrive on the manager's per-rank streams, not here.
+Statuses arrive on the decode peer's per-rank streams, not here.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class PdprotoKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             return False
         for address in self._addresses():
             try:
-                self.kv_mgr.decode_side.connect(address)
+                self.kv_mgr.decode_side.peer.connect(address)
             except PdprotoError as exc:
                 self._fail(f"{exc.reason.name}: registration with prefill rank {address} failed: {exc.message}")
                 return False
@@ -91,4 +91,4 @@ class PdprotoKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         """SGLang's cleanup, and the room's fan-in forgotten."""
         super().clear()
         if self.bootstrap_room is not None:
-            self.kv_mgr.decode_side.forget(self.bootstrap_room)
+            self.kv_mgr.decode_side.peer.forget(self.bootstrap_room)

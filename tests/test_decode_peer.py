@@ -1,0 +1,89 @@
+"""The decode peer (``pdproto.client.DecodePeer``) against a real ``pdproto serve``, through its own API.
+
+Rooms, a per-rank ``TransferInfo`` builder, the outcome callback and the waitable, the
+peer's own generation numbering, and a wait on a prefill killed mid-request: it ends at its
+deadline with the cause (UNAVAILABLE), not a bare timeout. Every byte the serve rank wrote
+is checked in the decode rank's memory.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pdproto.client import DecodePeer, PrefillRank
+from pdproto.errors import PdprotoError, Reason
+from pdproto.negotiation.fanin import Outcome
+from pdproto.v1 import common_pb2, transfer_pb2
+from pdproto_demo.decode import DecodeRank
+from tests._server_harness import SERVE_ARGS, SPEC, running_server
+
+pytestmark = pytest.mark.process
+
+
+def test_rooms_submitted_through_a_builder_end_in_one_outcome_each_and_land_byte_exact() -> None:
+    rank = DecodeRank.for_spec(SPEC, pages=32)
+    outcomes: dict[int, Outcome] = {}
+    called = threading.Event()
+
+    def on_outcome(room: int, outcome: Outcome) -> None:
+        outcomes[room] = outcome
+        called.set()
+
+    with running_server(*SERVE_ARGS) as srv:
+        peer = DecodePeer(rank.registration(), timeout=10.0, on_outcome=on_outcome)
+        try:
+            (only,) = [peer.connect(srv.target)]
+            assert peer.connect(srv.target) is only and peer.ranks == [only] and not only.dummy
+            pages = {7: rank.pages_for(SPEC.prompt_tokens), 8: rank.pages_for(SPEC.prompt_tokens, first_page=16)}
+            built: list[PrefillRank] = []
+
+            def info_for(room: int) -> transfer_pb2.TransferInfo:
+                def build(r: PrefillRank) -> transfer_pb2.TransferInfo:
+                    built.append(r)
+                    return rank.transfer_info(room, pages[room])
+                return build
+
+            generations = [peer.submit(room, [srv.target], info_for(room)) for room in pages]
+            assert generations == [1, 2] and built == [only, only]
+            assert [s.room for room in pages for s in peer.submitted(room, 10.0)] == [7, 8]
+            for room in pages:
+                out = peer.wait(room, 30.0)
+                assert out.state == common_pb2.TRANSFER_STATE_SUCCESS and out.reported == {only.index}
+                assert sum(s.bytes_transferred for s in peer.statuses(room)) > 0
+                peer.forget(room)
+            assert called.wait(5) and set(outcomes) == {7, 8}
+            assert all(o.state == common_pb2.TRANSFER_STATE_SUCCESS for o in outcomes.values())
+            rank.verify(pages, SPEC.prompt_tokens)
+            with pytest.raises(PdprotoError) as unknown:
+                peer.wait(7, 1.0)  # forgotten
+            assert unknown.value.reason is Reason.REQUEST_NOT_FOUND
+            with pytest.raises(PdprotoError) as nowhere:
+                peer.submit(9, [], info_for(7))
+            assert nowhere.value.reason is Reason.INVALID_FIELD
+        finally:
+            peer.close()
+            rank.close()
+
+
+def test_a_wait_on_a_killed_prefill_ends_at_its_deadline_with_the_cause() -> None:
+    rank = DecodeRank.for_spec(SPEC, pages=32)
+    slow = list(SERVE_ARGS)
+    slow[slow.index("--chunk-delay-ms") + 1] = "3000"  # chunks 3 s apart: the room stays open
+    with running_server(*slow) as srv:
+        peer = DecodePeer(rank.registration(), timeout=5.0)
+        try:
+            peer.connect(srv.target)
+            pages = rank.pages_for(SPEC.prompt_tokens)
+            peer.submit(7, [srv.target], [rank.transfer_info(7, pages)], generation=4)
+            (status,) = peer.submitted(7, 10.0)
+            assert status.generation == 4
+            srv.kill()
+            out = peer.wait(7, 2.0)
+            assert out.state == common_pb2.TRANSFER_STATE_FAILED
+            assert out.failure_code == Reason.UNAVAILABLE.name, out
+            assert srv.target in out.failure_reason
+        finally:
+            peer.close()
+            rank.close()
