@@ -120,32 +120,23 @@ class ModelShape:
 
     # -- state and aux ----------------------------------------------------------------
 
-    def state_layouts(self) -> list[tuple[Layout, int]]:
-        """(layout, layer id) of every state tensor, in entry order."""
-        width = self.kda_heads * self.kda_head_dim
-        conv = SplitAxis(groups=(width, width, width), element_bytes=2, outer=self.kernel - 1)
-        temporal = SplitAxis(groups=(self.kda_heads,), element_bytes=self.kda_head_dim ** 2 * 4)
-        out: list[tuple[Layout, int]] = [(conv, layer) for layer in self.kda_layers()]
-        out += [(temporal, layer) for layer in self.kda_layers()]
-        if self.hybrid and self.replicated_bytes:
-            out.append((Whole(self.replicated_bytes), self.kda_layers()[0]))
-        return out
-
-    def window_layouts(self) -> list[tuple[Layout, int]]:
-        """(layout, layer id) of every sliding-window tensor: one per MLA layer, split by head."""
-        if not (self.hybrid and self.window_pages):
-            return []
-        page = SplitAxis(groups=(self.window_heads,), element_bytes=32, outer=self.window_rows)
-        return [(page, layer) for layer in self.kv_layers()]
-
     def entries(self) -> list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]]:
         """The state entries in order: (kind, its tensors' layouts and layer ids)."""
         if not self.hybrid:
             return []
+        width = self.kda_heads * self.kda_head_dim
+        conv = SplitAxis(groups=(width, width, width), element_bytes=2, outer=self.kernel - 1)
+        temporal = SplitAxis(groups=(self.kda_heads,), element_bytes=self.kda_head_dim ** 2 * 4)
+        recurrent: list[tuple[Layout, int]] = [(conv, layer) for layer in self.kda_layers()]
+        recurrent += [(temporal, layer) for layer in self.kda_layers()]
+        if self.replicated_bytes:
+            recurrent.append((Whole(self.replicated_bytes), self.kda_layers()[0]))
         out: list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]] = [
-            (common_pb2.STATE_KIND_RECURRENT, self.state_layouts())]
+            (common_pb2.STATE_KIND_RECURRENT, recurrent)]
         if self.window_pages:
-            out.append((common_pb2.STATE_KIND_SLIDING_WINDOW, self.window_layouts()))
+            # One sliding-window tensor per MLA layer, split by head.
+            page = SplitAxis(groups=(self.window_heads,), element_bytes=32, outer=self.window_rows)
+            out.append((common_pb2.STATE_KIND_SLIDING_WINDOW, [(page, layer) for layer in self.kv_layers()]))
         return out
 
     def items_per_slot(self, entry: int) -> int:
