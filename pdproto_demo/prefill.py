@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
         out.flush()
         serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,
-                        "poll": rank.poll, "abort_room": rank.abort_room,
-                        "stats": rank.stats, "ping": lambda: {"pong": True}}, out)
+                        "poll": rank.poll, "abort_room": rank.abort_room, "stats": rank.stats}, out)
     finally:
         rank.close()
     return 0
