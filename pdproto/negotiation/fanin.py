@@ -135,10 +135,6 @@ class FanInTracker:
         r = self._rooms.get(room)
         return list(r.latest.values()) if r is not None else []
 
-    def totals(self, room: int) -> KindTotals:
-        """Bytes and descriptors per kind over the room's latest statuses."""
-        return KindTotals.of(self.statuses(room))
-
     def forget(self, room: int) -> None:
         """Stop tracking ``room``."""
         self._rooms.pop(room, None)
