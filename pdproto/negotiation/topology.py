@@ -119,11 +119,6 @@ class Decision:
     """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices;
     None only when read from a prefill that predates protocol 1.1."""
 
-    @property
-    def requires_relayout(self) -> bool:
-        """True when rows are replanned per request instead of copied page by page."""
-        return self.mode.requires_relayout
-
     def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
         """The ``NegotiationResult`` message for this peer."""
         result = v1.NegotiationResult(
