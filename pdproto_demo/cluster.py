@@ -41,11 +41,6 @@ class Topology:
         return f"{src}->{dst}dcp{self.dst_dcp}" if self.dst_dcp > 1 else f"{src}->{dst or 'dense'}"
 
     @property
-    def src_ranks(self) -> int:
-        """Prefill processes: member i is TP rank i // src_dcp, DCP rank i % src_dcp."""
-        return self.src_tp * self.src_dcp
-
-    @property
     def dst_ranks(self) -> int:
         """Decode processes of one group: TP ranks (DCP ranks are TP rank mod DCP size)."""
         return max(self.dst_tp, self.dst_dcp)

@@ -7,7 +7,7 @@ row is viewed as little-endian uint32 words (1152 bytes, the MLA row, by default
 fixed layer, so two different tokens never produce the same row and a misplaced row is caught;
 ``pattern`` differs per word, so a shifted row is caught too.
 
-The demo's prefill writes ``token_rows`` of each global token (``TokenReference``); the
+The demo's prefill writes ``token_rows`` of each global token (``model.HeadReference``); the
 synthetic prefill of ``pdproto serve`` holds ``token_rows`` of each source row
 (``SyntheticSpec.rows``). Either is a ``Reference`` that ``verify`` checks a pool against.
 """
@@ -72,18 +72,6 @@ class Reference(Protocol):
     def rows(self, layer: int, room: int, tokens: I64) -> U8:
         """Rows (len(tokens) x row bytes) of ``tokens`` (positions in the request) of ``layer``."""
         ...
-
-
-@dataclass(frozen=True)
-class TokenReference:
-    """The demo's reference: a row is a function of (layer, global token) only, whatever the room."""
-
-    row_bytes: int = ROW_BYTES
-    """Bytes per token per layer."""
-
-    def rows(self, layer: int, room: int, tokens: I64) -> U8:
-        """``token_rows`` of the tokens; the room does not matter."""
-        return token_rows(layer, tokens, self.row_bytes)
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,10 @@ One program, two ways to use it:
   request    lay down the decode prefix and submit the destination pages
   wait       wait for every (non-dummy) prefill rank's terminal status, check every byte
   abort      abort a request generation on every prefill rank
-  deregister deregister from every prefill rank
   dump       write every KV buffer, back to back, to a file
   fill       set every byte of every KV buffer to one value
   notices    rooms of the engine notifications received since the last call
   untouched  check that every KV, aux and state byte still holds the background
-  ping       liveness
   ========== ====================================================================
 
   ``quit`` (or end of input) closes it.
@@ -430,10 +428,6 @@ class DecodeRank:
                                                                         timeout=timeout)]
         return {"acks": [[room, generation] if a is None else [a.room, a.generation] for a in acks]}
 
-    def deregister(self) -> Reply:
-        """Deregister from every prefill rank."""
-        return {"failed": self._connected().deregister()}
-
     def dump(self, path: str) -> Reply:
         """Write every KV buffer, back to back, to ``path``."""
         with open(path, "wb") as f:
@@ -520,9 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
         commands: dict[str, Any] = {
             "connect": rank.connect, "request": rank.request, "wait": rank.wait, "abort": rank.abort,
-            "deregister": rank.deregister, "dump": rank.dump, "fill": rank.fill, "notices": rank.notices,
-            "untouched": rank.untouched,
-            "ping": lambda: {"pong": True}}
+            "dump": rank.dump, "fill": rank.fill, "notices": rank.notices, "untouched": rank.untouched}
         serve_commands(commands, out)
     finally:
         rank.close()

@@ -120,32 +120,23 @@ class ModelShape:
 
     # -- state and aux ----------------------------------------------------------------
 
-    def state_layouts(self) -> list[tuple[Layout, int]]:
-        """(layout, layer id) of every state tensor, in entry order."""
-        width = self.kda_heads * self.kda_head_dim
-        conv = SplitAxis(groups=(width, width, width), element_bytes=2, outer=self.kernel - 1)
-        temporal = SplitAxis(groups=(self.kda_heads,), element_bytes=self.kda_head_dim ** 2 * 4)
-        out: list[tuple[Layout, int]] = [(conv, layer) for layer in self.kda_layers()]
-        out += [(temporal, layer) for layer in self.kda_layers()]
-        if self.hybrid and self.replicated_bytes:
-            out.append((Whole(self.replicated_bytes), self.kda_layers()[0]))
-        return out
-
-    def window_layouts(self) -> list[tuple[Layout, int]]:
-        """(layout, layer id) of every sliding-window tensor: one per MLA layer, split by head."""
-        if not (self.hybrid and self.window_pages):
-            return []
-        page = SplitAxis(groups=(self.window_heads,), element_bytes=32, outer=self.window_rows)
-        return [(page, layer) for layer in self.kv_layers()]
-
     def entries(self) -> list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]]:
         """The state entries in order: (kind, its tensors' layouts and layer ids)."""
         if not self.hybrid:
             return []
+        width = self.kda_heads * self.kda_head_dim
+        conv = SplitAxis(groups=(width, width, width), element_bytes=2, outer=self.kernel - 1)
+        temporal = SplitAxis(groups=(self.kda_heads,), element_bytes=self.kda_head_dim ** 2 * 4)
+        recurrent: list[tuple[Layout, int]] = [(conv, layer) for layer in self.kda_layers()]
+        recurrent += [(temporal, layer) for layer in self.kda_layers()]
+        if self.replicated_bytes:
+            recurrent.append((Whole(self.replicated_bytes), self.kda_layers()[0]))
         out: list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]] = [
-            (common_pb2.STATE_KIND_RECURRENT, self.state_layouts())]
+            (common_pb2.STATE_KIND_RECURRENT, recurrent)]
         if self.window_pages:
-            out.append((common_pb2.STATE_KIND_SLIDING_WINDOW, self.window_layouts()))
+            # One sliding-window tensor per MLA layer, split by head.
+            page = SplitAxis(groups=(self.window_heads,), element_bytes=32, outer=self.window_rows)
+            out.append((common_pb2.STATE_KIND_SLIDING_WINDOW, [(page, layer) for layer in self.kv_layers()]))
         return out
 
     def items_per_slot(self, entry: int) -> int:
@@ -182,18 +173,10 @@ class ModelShape:
             out.append(entry)
         return out
 
-    def aux_info(self) -> list[server_info_pb2.AuxEntryInfo]:
-        """The prefill's ``aux_entries``."""
-        return [server_info_pb2.AuxEntryInfo(item_len=n) for n in self.aux_lens] if self.hybrid else []
-
     def decode_state(self, tp: int) -> tuple[StateEntry, ...]:
         """The decode layout's state entries at TP size ``tp``."""
         return tuple(StateEntry(kind, tuple(StateTensor(*self._tensor(layout, tp), layer) for layout, layer in layouts))
                      for kind, layouts in self.entries())
-
-    def decode_aux(self) -> tuple[AuxEntry, ...]:
-        """The decode layout's aux entries."""
-        return tuple(AuxEntry(n) for n in self.aux_lens) if self.hybrid else ()
 
     def server_info(self, *, tp: int, rank: int, page_size: int, dcp_size: int = 1, dcp_rank: int = 0,
                     backend: int = common_pb2.BACKEND_UNSPECIFIED, port: int = 0) -> server_info_pb2.PrefillServerInfo:
@@ -205,7 +188,8 @@ class ModelShape:
         for layer in self.kv_layers():
             info.kv_entries.add(item_len=self.kv_row_bytes(tp) * page_size, layer_id=layer,
                                 role=common_pb2.KV_ENTRY_ROLE_TARGET)
-        info.aux_entries.extend(self.aux_info())
+        if self.hybrid:
+            info.aux_entries.extend(server_info_pb2.AuxEntryInfo(item_len=n) for n in self.aux_lens)
         info.state_entries.extend(self.state_info(tp))
         info.total_kv_heads = self.total_kv_heads()
         return info
@@ -216,8 +200,8 @@ class ModelShape:
         kv = tuple(KvEntry(self.kv_row_bytes(tp), layer if layer_ids else None) for layer in self.kv_layers())
         return DecodeLayout(
             page_size=page_size, kv=kv, kv_cache_dtype=kv_cache_dtype, attention_kind=self.attention_kind(),
-            attn_tp_size=tp, attn_tp_rank=rank,
-            dcp_size=dcp_size, dcp_rank=dcp_rank, aux=self.decode_aux(), state=self.decode_state(tp),
+            attn_tp_size=tp, attn_tp_rank=rank, dcp_size=dcp_size, dcp_rank=dcp_rank,
+            aux=tuple(AuxEntry(n) for n in self.aux_lens if self.hybrid), state=self.decode_state(tp),
             total_kv_heads=self.total_kv_heads(), **options)  # type: ignore[arg-type]
 
     def state_item(self, room: int, tensor: int, tp: int, rank: int, page: int = 0) -> U8:

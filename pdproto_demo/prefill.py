@@ -120,28 +120,25 @@ class PrefillRank:
 
     def stats(self) -> Reply:
         """What the service wrote per kind and what the executor did (the service's state: ``Describe``)."""
-        out: Reply = self.service.call(self._snapshot(), 10)
+        out: Reply = self.service.call(self._moved(), 10)
         st = self.executor.stats
         out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
                            "packed_jobs": st.packed_jobs, "pack_fallbacks": st.pack_fallbacks,
                            "failures": st.failures}
         return out
 
-    async def _snapshot(self) -> Reply:
-        """What this process's service wrote, per kind (its peers and requests: ``Describe``)."""
-        return {"moved": self._moved()}
-
-    def _moved(self) -> Reply:
-        """What the service wrote, per kind (from its metrics)."""
+    async def _moved(self) -> Reply:
+        """What this process's service wrote, per kind, from its metrics (read on the service's loop;
+        its peers and requests: ``Describe``)."""
         m = self.core.metrics
-        out: Reply = {"kv_bytes": m.bytes_moved._value.get(), "aux_bytes": m.aux_bytes._value.get(),
-                      "state_bytes": m.state_bytes._value.get()}
+        moved: Reply = {"kv_bytes": m.bytes_moved._value.get(), "aux_bytes": m.aux_bytes._value.get(),
+                        "state_bytes": m.state_bytes._value.get()}
         for metric, label in ((m.state_items, "split"), (m.extra_descriptors, "kind")):
             for family in metric.collect():
                 for sample in family.samples:
                     if sample.name.endswith("_total"):
-                        out[f"{family.name}_{sample.labels[label]}"] = sample.value
-        return out
+                        moved[f"{family.name}_{sample.labels[label]}"] = sample.value
+        return {"moved": moved}
 
     def close(self) -> None:
         """Stop the service and release the engine."""
@@ -189,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
         out.flush()
         serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,
-                        "poll": rank.poll, "abort_room": rank.abort_room,
-                        "stats": rank.stats, "ping": lambda: {"pong": True}}, out)
+                        "poll": rank.poll, "abort_room": rank.abort_room, "stats": rank.stats}, out)
     finally:
         rank.close()
     return 0

@@ -94,15 +94,6 @@ HEADER = (f"{'backend':<9}{'topology':<14}{'tokens':>7}{'prefix':>7}{'chunks':>7
           f"{'state':>12}{'d.KV':>7}{'d.aux':>6}{'d.st':>6}{'seconds':>9}{'GB/s':>8}{'verified':>14}  result")
 
 
-def run_backend(backend: str, args: argparse.Namespace, prompts: list[int], topos: list[str]) -> list[str]:
-    """Run every case of one backend, one cluster per model; returns the failures (empty means PASS)."""
-    failures: list[str] = []
-    for model in dict.fromkeys(TOPOLOGIES[t].model for t in topos):
-        names = [t for t in topos if TOPOLOGIES[t].model == model]
-        failures += _run_cluster(backend, args, prompts, names, model)
-    return failures
-
-
 def _run_cluster(backend: str, args: argparse.Namespace, prompts: list[int], topos: list[str],
                  model: str) -> list[str]:
     """Start the processes the topologies of one model need, then run every prompt over each."""
@@ -162,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
     print(HEADER, flush=True)
     failures: list[str] = []
     for backend in names:
-        failures += run_backend(backend, args, prompts, topos)
+        # One cluster per model (its ranks serve every topology of that model).
+        for model in dict.fromkeys(TOPOLOGIES[t].model for t in topos):
+            failures += _run_cluster(backend, args, prompts, [t for t in topos if TOPOLOGIES[t].model == model],
+                                     model)
     elapsed = time.monotonic() - t0
     if failures:
         for f in failures:

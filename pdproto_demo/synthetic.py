@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
+from pdproto import backends
+from pdproto.negotiation.topology import example_server_info
 from pdproto.transfer import TransferExecutor, allocate
 from pdproto.v1 import common_pb2, server_info_pb2
 
@@ -85,20 +86,12 @@ def _pages_from(start: int, n: int, pages: int) -> I64:
 
 def server_info(spec: SyntheticSpec, *, host: str = "127.0.0.1", port: int = 0) -> server_info_pb2.PrefillServerInfo:
     """The PrefillServerInfo of a dense (TP 1, DCP 1) synthetic prefill."""
-    one = common_pb2.ParallelGroup(size=1, rank=0)
-    return server_info_pb2.PrefillServerInfo(
-        version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
-        capabilities=["dcp-relayout"],
-        attn_tp=one, attn_cp=one, attn_dp=one, system_dp=one, pp=one, dcp=one,
-        rank_endpoint=common_pb2.Endpoint(host=host, port=port),
-        page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
-        attention_kind=_ATTENTION[spec.attention],
-        num_layers=spec.layers, start_layer=0, model_id=spec.model_id,
-        kv_entries=[server_info_pb2.KvEntryInfo(item_len=spec.row_bytes * spec.page_size,
-                                                role=common_pb2.KV_ENTRY_ROLE_TARGET)
-                    for _ in range(spec.layers)],
-        backends=[backends.by_name(spec.backend).enum],
-    )
+    info = example_server_info(page_size=spec.page_size, num_layers=spec.layers, token_bytes=spec.row_bytes,
+                               dtype=spec.kv_cache_dtype, attention=_ATTENTION[spec.attention],
+                               backends=[backends.by_name(spec.backend).enum], model_id=spec.model_id,
+                               host=host, port=port)
+    info.capabilities.append("dcp-relayout")
+    return info
 
 
 def build_source(spec: SyntheticSpec, executor: TransferExecutor) -> KvSource:

@@ -66,7 +66,7 @@ def test_totals_sum_the_latest_status_of_each_rank() -> None:
     t.update(status(0, MOVING, kv=10))
     t.update(status(0, OK, kv=30, state_bytes=5))
     t.update(status(1, OK, state_bytes=7))
-    assert t.totals(7) == KindTotals(kv_bytes=30, state_bytes=12)
+    assert KindTotals.of(t.statuses(7)) == KindTotals(kv_bytes=30, state_bytes=12)
 
 
 def test_the_decode_can_fail_an_open_request_itself() -> None:

@@ -49,7 +49,7 @@ def reject(info: Info, reg: Reg, reason: Reason) -> Rejection:
 
 def test_dense_same_layout() -> None:
     d = decide(example_server_info(), example_registration())
-    assert d.mode is Mode.SAME_LAYOUT and not d.requires_relayout
+    assert d.mode is Mode.SAME_LAYOUT and not d.mode.requires_relayout
     assert [(p.src_entry, p.dst_entry) for p in d.pairings] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert all(p.src_token_bytes == p.dst_token_bytes == 1152 for p in d.pairings)
     assert d.backend == v1.BACKEND_MOONCAKE and d.version == (PROTOCOL_MAJOR, PROTOCOL_MINOR)
@@ -61,7 +61,7 @@ def test_dense_to_dcp_with_draft_virtual_pages() -> None:
     # The decode's draft pages hold page_size*dcp_size rows: 4x the prefill's item_len.
     assert reg.kv_buffers[-1].item_len == 4 * info.kv_entries[-1].item_len
     d = decide(info, reg)
-    assert d.mode is Mode.DENSE_TO_DCP and d.requires_relayout
+    assert d.mode is Mode.DENSE_TO_DCP and d.mode.requires_relayout
     assert d.pairings[-1].role is EntryRole.DRAFT
     assert d.pairings[-1].src_token_bytes == d.pairings[-1].dst_token_bytes == 1152
     assert (d.src, d.dst) == (DcpLayout(16, 1, 0), DcpLayout(16, 4, 3))

@@ -28,11 +28,6 @@ class DcpLayout:
         """Global tokens per page index across the group (``page_size * dcp_size``)."""
         return self.page_size * self.dcp_size
 
-    @property
-    def dense(self) -> bool:
-        """True when every token lives on this rank (DCP size 1)."""
-        return self.dcp_size == 1
-
     @classmethod
     def from_proto(cls, page_size: int, group: v1.ParallelGroup) -> DcpLayout:
         """The layout a page size and a ``ParallelGroup`` describe (an unset group size reads as 1)."""

@@ -21,7 +21,6 @@ import numpy.typing as npt
 I64 = npt.NDArray[np.int64]
 
 SRC_START, SRC_STRIDE, DST_START, DST_STRIDE, COUNT = range(5)
-RUN_COLUMNS = ("src_start", "src_stride", "dst_start", "dst_stride", "count")
 
 
 def empty_runs() -> I64:

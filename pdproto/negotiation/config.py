@@ -42,9 +42,6 @@ class Severity(enum.StrEnum):
     WARNING = "warning"
 
 
-DCP_DECODE_BACKENDS = frozenset(backends.MULTI_HOST)
-"""Backends pdproto moves DCP relayouts with across hosts (``pdproto.backends``)."""
-
 SGLANG_ONLY_DCP_BACKENDS = frozenset({"mori", "ascend", "fake"})
 """Backends SGLang 0.5.23 also allowed for a DCP decode (pd_hook.py:82-96); not pdproto's."""
 
@@ -235,7 +232,6 @@ def require_valid(cfg: DeploymentConfig) -> list[Finding]:
 
 __all__ = [
     "ALLOCATION_POLICIES",
-    "DCP_DECODE_BACKENDS",
     "KNOWN_BACKENDS",
     "MLA_KINDS",
     "SGLANG_ONLY_DCP_BACKENDS",

@@ -325,21 +325,16 @@ def state_writes(matches: Sequence[EntryMatch], *, src_tp: int, dst_tp: int, dst
     """Per prefill TP rank in ``senders``, the state bytes it writes into decode rank ``dst_rank``.
 
     ``senders`` are the decode rank's prefill TP ranks in order (``pdproto.negotiation.senders``). With
-    equal TP sizes the one sender writes whole items; otherwise every destination byte is
-    written by exactly one sender (``pdproto.negotiation.shards.assign_writes``).
+    equal TP sizes ``match_state`` made every tensor ``Whole``, so the one sender writes whole
+    items; otherwise every destination byte is written by exactly one sender
+    (``pdproto.negotiation.shards.assign_writes``).
     """
     plans: dict[int, list[StatePairing]] = {s: [] for s in senders}
     for m in matches:
         per_sender: dict[int, list[StateTensorPairing]] = {s: [] for s in senders}
         for t in m.tensors:
-            writes: dict[int, tuple[Segment, ...]]
-            if src_tp == dst_tp:
-                # Equal sizes: rank d holds on both sides exactly what rank d holds.
-                writes = {s: (Segment(0, 0, t.src_item_len),) if i == 0 else ()
-                          for i, s in enumerate(senders)}
-            else:
-                writes = assign_writes(t.layout, src_tp=src_tp, dst_tp=dst_tp, dst_rank=dst_rank,
-                                       senders=senders, reason=Reason.TOPOLOGY_STATE_SLICE_MISMATCH)
+            writes = assign_writes(t.layout, src_tp=src_tp, dst_tp=dst_tp, dst_rank=dst_rank,
+                                   senders=senders, reason=Reason.TOPOLOGY_STATE_SLICE_MISMATCH)
             for s in senders:
                 per_sender[s].append(StateTensorPairing(t.src_tensor, t.dst_tensor, t.src_item_len,
                                                         t.dst_item_len, writes[s]))
@@ -364,7 +359,8 @@ def kv_row_writes(*, mla: bool, total_heads: int, src_row_bytes: int, dst_row_by
                                 metadata={"prefillTokenBytes": src_row_bytes,
                                           "decodeTokenBytes": dst_row_bytes})
         # Every sender holds the same rows: the first writes them, once.
-        return {s: (Segment(0, 0, src_row_bytes),) if i == 0 else () for i, s in enumerate(senders)}
+        return assign_writes(Whole(src_row_bytes), src_tp=src_tp, dst_tp=dst_tp, dst_rank=dst_rank,
+                             senders=senders)
     reason = Reason.TOPOLOGY_KV_HEADS_MISMATCH
     if total_heads < 1:
         raise TopologyError(f"MHA TP {src_tp} -> {dst_tp} needs the model's KV head count",

@@ -130,26 +130,14 @@ class FanInTracker:
             r.outcome = Outcome(common_pb2.TRANSFER_STATE_FAILED, code, reason, None, r.outcome.reported)
         return r.outcome
 
-    def outcome(self, room: int) -> Outcome | None:
-        """The room's current outcome, or None when it is not tracked."""
-        r = self._rooms.get(room)
-        return r.outcome if r is not None else None
-
     def statuses(self, room: int) -> list[transfer_pb2.TransferStatus]:
         """The latest status of each expected rank heard from (empty when the room is not tracked)."""
         r = self._rooms.get(room)
         return list(r.latest.values()) if r is not None else []
 
-    def totals(self, room: int) -> KindTotals:
-        """Bytes and descriptors per kind over the room's latest statuses."""
-        return KindTotals.of(self.statuses(room))
-
     def forget(self, room: int) -> None:
         """Stop tracking ``room``."""
         self._rooms.pop(room, None)
-
-    def __len__(self) -> int:
-        return len(self._rooms)
 
 
 __all__ = ["FanInTracker", "KindTotals", "Outcome"]

@@ -76,21 +76,6 @@ class Mode(enum.IntEnum):
 
 
 @dataclass(frozen=True)
-class Group:
-    """A parallel group as negotiation reads it: size (0 on the wire reads as 1) and rank."""
-
-    size: int
-    """Number of ranks, at least 1."""
-    rank: int
-    """This rank's index."""
-
-    @classmethod
-    def from_proto(cls, group: v1.ParallelGroup) -> Group:
-        """Read a ``ParallelGroup``; an unset size means 1."""
-        return cls(size=group.size or 1, rank=group.rank)
-
-
-@dataclass(frozen=True)
 class Pairing:
     """One prefill entry paired with one decode entry, with each side's bytes per token."""
 
@@ -133,11 +118,6 @@ class Decision:
     tp: TpPlan | None = None
     """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices;
     None only when read from a prefill that predates protocol 1.1."""
-
-    @property
-    def requires_relayout(self) -> bool:
-        """True when rows are replanned per request instead of copied page by page."""
-        return self.mode.requires_relayout
 
     def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
         """The ``NegotiationResult`` message for this peer."""
@@ -255,14 +235,15 @@ def _version(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> tuple[int, i
     return p[0], min(p[1], d[1])
 
 
-def _check_ranks(**groups: Group) -> None:
-    """Reject the first group (in keyword order) whose rank is outside its size."""
+def _check_ranks(**groups: v1.ParallelGroup) -> None:
+    """Reject the first group (in keyword order) whose rank is outside its size (an unset size reads as 1)."""
     for name, g in groups.items():
-        if g.rank >= g.size:
+        size = g.size or 1
+        if g.rank >= size:
             raise _reject(
                 Reason.TOPOLOGY_RANK_OUT_OF_RANGE,
-                f"{name} rank {g.rank} is outside 0..{g.size - 1}",
-                group=name, rank=g.rank, size=g.size,
+                f"{name} rank {g.rank} is outside 0..{size - 1}",
+                group=name, rank=g.rank, size=size,
             )
 
 
@@ -333,13 +314,11 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                       f"model {info.model_id!r} on prefill, {reg.model_id!r} on decode",
                       prefillModelId=info.model_id, decodeModelId=reg.model_id)
 
-    src_pp, dst_pp = Group.from_proto(info.pp), Group.from_proto(reg.pp)
-    src_cp = Group.from_proto(info.attn_cp)
     # The decode's attn_tp rank is not checked: SGLang sends its global TP rank there
     # (dst_tp_rank), which exceeds the attention TP size under DP attention.
-    _check_ranks(decodeDcp=Group.from_proto(reg.dcp), decodePp=dst_pp,
-                 prefillDcp=Group.from_proto(info.dcp), prefillPp=src_pp,
-                 prefillAttnTp=Group.from_proto(info.attn_tp), prefillAttnCp=src_cp)
+    _check_ranks(decodeDcp=reg.dcp, decodePp=reg.pp, prefillDcp=info.dcp, prefillPp=info.pp,
+                 prefillAttnTp=info.attn_tp, prefillAttnCp=info.attn_cp)
+    src_pp, dst_pp, src_cp = info.pp.size or 1, reg.pp.size or 1, info.attn_cp.size or 1
     # From here on each side's DCP group and page size travel together, as one layout.
     src, dst = DcpLayout.from_proto(info.page_size, info.dcp), DcpLayout.from_proto(reg.page_size, reg.dcp)
 
@@ -370,15 +349,15 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
         raise _reject(Reason.TOPOLOGY_KV_SHARDING_WITH_DCP,
                       "prefill KV cache sharding cannot be combined with DCP",
                       prefillDcpSize=src.dcp_size, decodeDcpSize=dst.dcp_size)
-    if dcp_used and src_cp.size > 1:
+    if dcp_used and src_cp > 1:
         raise _reject(Reason.TOPOLOGY_PREFILL_CP_UNSUPPORTED,
-                      f"prefill attention CP {src_cp.size} cannot feed a DCP layout",
-                      prefillAttnCpSize=src_cp.size, prefillDcpSize=src.dcp_size,
+                      f"prefill attention CP {src_cp} cannot feed a DCP layout",
+                      prefillAttnCpSize=src_cp, prefillDcpSize=src.dcp_size,
                       decodeDcpSize=dst.dcp_size)
-    if dst_pp.size not in (src_pp.size, 1):
+    if dst_pp not in (src_pp, 1):
         raise _reject(Reason.TOPOLOGY_PP_MISMATCH,
-                      f"decode PP {dst_pp.size} must equal prefill PP {src_pp.size} or be 1",
-                      prefillPpSize=src_pp.size, decodePpSize=dst_pp.size)
+                      f"decode PP {dst_pp} must equal prefill PP {src_pp} or be 1",
+                      prefillPpSize=src_pp, decodePpSize=dst_pp)
 
     mode = _mode(src, dst)
     if mode is Mode.SAME_LAYOUT and src.page_size != dst.page_size:
@@ -391,8 +370,8 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                          EntryRole.from_proto(e.role)) for e in info.kv_entries]
     dst_refs = [EntryRef(b.layer_id if b.HasField("layer_id") else None,
                          EntryRole.from_proto(b.role)) for b in reg.kv_buffers]
-    mapping = resolve_entries(src_refs, dst_refs, src_pp_size=src_pp.size,
-                              dst_pp_size=dst_pp.size, src_start_layer=info.start_layer)
+    mapping = resolve_entries(src_refs, dst_refs, src_pp_size=src_pp,
+                              dst_pp_size=dst_pp, src_start_layer=info.start_layer)
 
     # MHA rows of different attention TP sizes hold different numbers of heads; rule 16
     # compares their bytes per head instead.
@@ -529,7 +508,6 @@ def check_pair(registration: v1.KvRegistration, info: v1.PrefillServerInfo, *,
 
 __all__ = [
     "Decision",
-    "Group",
     "Mode",
     "Pairing",
     "Rejection",
