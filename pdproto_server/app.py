@@ -178,6 +178,8 @@ class ServiceThread:
             log.exception("the handshake service did not shut down cleanly")
         finally:
             thread.stop()
+            if not thread.alive:
+                thread.loop.close()  # its selector and self-pipe, as a loop run to completion closes them
 
 
 __all__ = ["RunningServer", "ServerConfig", "ServiceThread", "serve", "start_server"]
