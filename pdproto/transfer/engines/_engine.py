@@ -202,7 +202,7 @@ class EngineExecutor(JobPaths, Settling):
 
     def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
         """Load the peer's transport from its registration (on its worker); replaces an earlier connection."""
-        self._on_worker(self.worker(peer_id), "connect", self._connect_now, peer_id, registration)
+        self.worker(peer_id).submit(self._connect_now, peer_id, registration, what="the connect").result()
 
     def _connect_now(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
         state = self._connect(peer_id, registration)
@@ -311,23 +311,18 @@ class EngineExecutor(JobPaths, Settling):
                              encode_notification(room, payload))
 
     def _on_peer(self, peer: PeerState, what: str, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the peer's worker, unless a transfer the engine has not let go of holds it."""
+        """Run ``fn(*args)`` on the peer's worker (in place when already there) and wait for it or its deadline;
+        refused while a transfer the engine has not let go of holds the peer."""
         if self._unsettled(peer) is not None:
             raise DeadlineExceededError(
                 f"an earlier transfer to this peer ran past its deadline and the engine has not let go of it yet "
                 f"(its cancel is under way; the peer is frozen or not answering); its {what}s fail until it does",
                 reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
-        assert peer.worker is not None
-        return self._on_worker(peer.worker, what, fn, *args, peer=peer)
-
-    @staticmethod
-    def _on_worker(worker: PeerWorker, what: str, fn: Callable[..., _T], *args: Any,
-                   peer: PeerState | None = None) -> _T:
-        """Run ``fn(*args)`` on ``worker`` (in place when already there) and wait for it or its deadline."""
+        worker = peer.worker
+        assert worker is not None
 
         def run() -> _T:
-            if peer is not None:
-                peer.deadline = worker.deadline
+            peer.deadline = worker.deadline  # what the engine's own waits inside the call read
             return fn(*args)
 
         return worker.submit(run, what=f"the {what}").result()
