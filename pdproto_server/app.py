@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -17,7 +16,8 @@ from grpc_health.v1.health import aio as _health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pdproto.rpc import ChannelConfig
-from pdproto.errors import ConfigError, DeadlineExceededError, Reason
+from pdproto.errors import ConfigError, ShuttingDownError
+from pdproto.rpc.loop import LoopThread
 from pdproto.v1 import SERVICE_NAME
 
 from .auth import BearerTokenInterceptor, OperatorToken, require_token_policy
@@ -133,7 +133,7 @@ _T = TypeVar("_T")
 
 
 class ServiceThread:
-    """The service on its own event loop in a daemon thread, for a host that is not asyncio.
+    """The service on an event loop of its own (``pdproto.rpc.loop.LoopThread``), for a host that is not asyncio.
 
     A prefill scheduler (SGLang's, a demo rank) builds the ``HandshakeCore`` over its
     ``PrefillEngine``, calls ``start`` for the bound port and keeps reporting chunks from
@@ -143,54 +143,43 @@ class ServiceThread:
     def __init__(self, core: HandshakeCore, config: ServerConfig, *, name: str = "pdproto-service") -> None:
         self.core = core
         self.config = config
-        self.loop = asyncio.new_event_loop()
-        """The service's loop; ``call`` runs a coroutine on it."""
         self.port = 0
         """The bound port, once ``start`` returned."""
-        self._started = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self._thread: LoopThread | None = None
+        self._running: RunningServer | None = None
 
     def start(self, timeout: float = 60.0) -> int:
         """Start serving; returns the bound port, or raises what stopped the server from starting."""
-        self._thread.start()
-        if not self._started.wait(timeout):
-            raise DeadlineExceededError(f"the handshake service did not start within {timeout:g} s",
-                                        reason=Reason.DEADLINE_EXCEEDED, metadata={"listen": self.config.listen})
-        if self._error is not None:
-            raise self._error
-        return self.port
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
+        thread = self._thread = LoopThread(self._name)
         try:
-            self.loop.run_until_complete(self._serve())
-        except BaseException as exc:  # handed to start(), or logged once the service was up
-            if self._started.is_set():
-                log.exception("the handshake service stopped")
-            self._error = exc
-            self._started.set()
-        finally:
-            self.loop.close()
-
-    async def _serve(self) -> None:
-        self._stop = asyncio.Event()
-        running = await start_server(self.core, self.config)
-        self.port = running.port
-        self._started.set()
-        await self._stop.wait()
-        await running.shutdown()
+            self._running = thread.run(start_server(self.core, self.config), timeout,
+                                       what=f"starting the handshake service on {self.config.listen}")
+        except BaseException:
+            thread.stop()
+            raise
+        self.port = self._running.port
+        return self.port
 
     def call(self, coro: Coroutine[Any, Any, _T], timeout: float = 10.0) -> _T:
         """Run ``coro`` on the service's loop (where its state may be read without locks)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        if self._thread is None:
+            raise ShuttingDownError("the handshake service was not started")
+        return self._thread.run(coro, timeout)
 
     def stop(self, timeout: float = 15.0) -> None:
         """Drain and shut the service down (``ServerConfig.grace``); safe to call twice or before start."""
-        if self._stop is not None and self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(timeout)
+        thread, running, self._running = self._thread, self._running, None
+        if thread is None or running is None:
+            return
+        try:
+            thread.run(running.shutdown(), timeout, what="draining the handshake service")
+        except Exception:  # noqa: BLE001 - a host stopping the service has no use for the error
+            log.exception("the handshake service did not shut down cleanly")
+        finally:
+            thread.stop()
+            if not thread.alive:
+                thread.loop.close()  # its selector and self-pipe, as a loop run to completion closes them
 
 
 __all__ = ["RunningServer", "ServerConfig", "ServiceThread", "serve", "start_server"]

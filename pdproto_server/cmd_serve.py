@@ -184,8 +184,8 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
     spec = _spec(args)
     inline_bytes = _inline_bytes(args.inline_bytes)
     # The local backend's arena holds only what this process advertises as a destination (nothing).
-    # The executor bounds each engine call by the same deadline as the server's lanes, and a
-    # new Mooncake session's probe by half of it, so its own error (naming the handshake) comes first.
+    # The executor's workers bound each engine call (a chunk's transfer, a connect) by --engine-timeout,
+    # and a new Mooncake session's probe by half of it, so its own error (naming the handshake) comes first.
     executor = create_executor(args.backend, arena_bytes=1 << 20, staging_bytes=args.staging_bytes,
                                inline_bytes=inline_bytes,
                                transfer_timeout_s=args.engine_timeout, host=args.advertise_host,
@@ -197,7 +197,7 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
         core = HandshakeCore(engine, metrics=metrics, limits=Limits(
             max_peers=args.max_peers, max_inflight_per_peer=args.max_inflight,
             max_finished_per_peer=args.max_finished, max_streams_per_peer=args.max_streams,
-            match_timeout=args.match_timeout, engine_timeout=args.engine_timeout,
+            match_timeout=args.match_timeout,
             keep_finished=args.keep_finished, drain_timeout=args.grace, snapshot_rate=args.snapshot_rate))
         producer = SyntheticProducer(engine, spec)
 

@@ -113,8 +113,8 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
         open_requests=sum(len(p.open) for p in peers),
         outcomes=core.metrics.outcomes,
         rooms=len(core.engine.rooms),
-        engine_calls=sum(1 for p in held if p.lane.busy),
-        engine_calls_stuck=sum(1 for p in held if p.lane.stuck),
+        engine_calls=sum(1 for p in held if p.worker.busy),
+        engine_calls_stuck=sum(1 for p in held if p.worker.stuck),
         registrations_judged=core.judged,
     )
 

@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import secrets
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from pdproto import backends
-from pdproto.errors import Reason, ResourceLimitError
+from pdproto.errors import NotFoundError, Reason, ResourceLimitError
 from pdproto.negotiation.topology import Decision
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
 
+from pdproto.transfer.worker import Call, PeerWorker
+
 from .engine import RoomLog
-from .lanes import Lane
 
 TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
@@ -58,6 +60,12 @@ class Allowance:
         return (need - level) / rate
 
 
+def retry_after_ms(wait: float) -> int:
+    """A refusal's ``retryAfterMs`` for ``wait`` seconds, rounded up: a client back after exactly that
+    long finds the room there, not a second refusal."""
+    return max(1, math.ceil(wait * 1000))
+
+
 @dataclass(frozen=True)
 class Limits:
     """Admission limits; exceeding one answers RESOURCE_EXHAUSTED with an ErrorInfo."""
@@ -72,8 +80,6 @@ class Limits:
     """Open WatchStatus streams per peer."""
     match_timeout: float = 30.0
     """Seconds a request waits for the prefill's next chunk (and a chunk for a decode)."""
-    engine_timeout: float = 30.0
-    """Seconds one engine call (a chunk's transfer, a connect) may take before the peer is written off."""
     keep_finished: float = 60.0
     """Seconds finished statuses, gone peers and rooms stay queryable."""
     drain_timeout: float = 10.0
@@ -203,8 +209,9 @@ class Peer:
     decision: Decision
     result: server_info_pb2.NegotiationResult
     identity: tuple[str, ...]
-    lane: Lane
-    """Where the peer's engine calls run, one at a time (``pdproto_server/lanes.py``)."""
+    worker: PeerWorker
+    """The executor's worker for the peer: its engine calls run there, one at a time, each with the
+    executor's deadline (``pdproto/transfer/worker.py``)."""
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
     open: dict[int, Request] = field(default_factory=dict)
@@ -227,6 +234,8 @@ class Peer:
     (``Limits.snapshot_rate``)."""
     snapshots_refused: int = 0
     """Its calls ``snapshots`` refused (``PeerView.snapshots_refused``: which peer keeps asking)."""
+    moving: tuple[int, int, Call[Any]] | None = None
+    """(room, generation, call) of the chunk last handed to the worker, until that call returned."""
 
     def __hash__(self) -> int:
         return id(self)
@@ -367,7 +376,7 @@ class PeerRegistry:
     """Peers by id and by identity; enforces ``Limits.max_peers``; checks peer credentials.
 
     ``peers`` holds registered peers, gone ones included until released. ``retired`` holds
-    peers already removed whose lane still has an engine call out: they count toward
+    peers already removed whose worker still has an engine call out: they count toward
     ``max_peers`` until it returns, so stuck engine calls cannot pile up threads.
     """
 
@@ -402,6 +411,19 @@ class PeerRegistry:
         expected = peer.credential if peer is not None else self._decoy
         match = hmac.compare_digest(credential, expected)
         return peer if match and peer is not None else None
+
+    def peer(self, peer_id: str, credential: bytes) -> Peer:
+        """The registered peer whose credential this is; NOT_FOUND otherwise.
+
+        An unknown id, a missing credential and another peer's credential get one answer, so a
+        caller learns nothing about peers it did not register.
+        """
+        peer = self.authorized(peer_id, credential)
+        if peer is None:
+            raise NotFoundError(f"peer {peer_id!r} is not registered, or the call does not carry its "
+                                "credential (RegisterResponse.peer_credential)",
+                                reason=Reason.PEER_NOT_FOUND, metadata={"peerId": peer_id})
+        return peer
 
     def serialized(self, identity: tuple[str, ...]) -> _Holding:
         """Hold while registering ``identity``: registrations of one decode rank run one at a time."""
@@ -455,4 +477,4 @@ class PeerRegistry:
 
 
 __all__ = ["Allowance", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "SNAPSHOT_BURST",
-           "StatusSink", "TERMINAL", "identity_of"]
+           "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]

@@ -5,8 +5,8 @@ arrives, and a timer (``loop.call_at``) fails it with MATCH_TIMEOUT when the nex
 does not come within ``match_timeout``. A dummy request (no KV for this rank) takes each
 chunk as it comes and ends on the last one, without leaving the callback. A chunk with
 bytes to move goes to its peer's queue; one task per peer with work (``_work``) takes the
-queue in order and runs each chunk's jobs on the peer's lane (``pdproto_server/lanes.py``), which
-runs that peer's engine calls one at a time anyway. Every request ends exactly once, in
+queue in order and hands each chunk's jobs to the peer's worker (``pdproto/transfer/worker.py``),
+which runs that peer's engine calls one at a time anyway, each with the executor's deadline. Every request ends exactly once, in
 SUCCESS or FAILED with a reason (``finish``), and FAILED is published only once no chunk
 of the request is inside the engine (or the drain timed out): the decode may reuse its
 pages when it sees it.
@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
+from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, RequestFailedError
 from pdproto.negotiation.slots import SlotCopy
 from pdproto.transfer import TransferResult
 from pdproto.v1 import common_pb2
@@ -40,12 +40,13 @@ TRANSFERRING = common_pb2.TRANSFER_STATE_TRANSFERRING
 
 async def drained(peer: Peer, room: int, generation: int, timeout: float) -> bool:
     """True once no engine call for this request generation is out (waits up to ``timeout``, not when stuck)."""
-    lane = peer.lane
-    if not lane.busy or lane.tag != (room, generation):
+    moving = peer.moving
+    if moving is None or moving[:2] != (room, generation) or moving[2].returned.done():
         return True
-    if lane.stuck:
+    if peer.worker.stuck:
         return False
-    return await lane.wait_idle(timeout) or lane.tag != (room, generation)
+    done, _ = await asyncio.wait([asyncio.wrap_future(moving[2].returned)], timeout=timeout)
+    return bool(done)
 
 
 class TransferRunner:
@@ -241,11 +242,23 @@ class TransferRunner:
         if request.state != TRANSFERRING:
             request.state = TRANSFERRING
             peer.publish(request.status())
-        results = await peer.lane.run(run_jobs, self.engine.executor, peer.peer_id, jobs,
-                                      timeout=self.limits.engine_timeout,
-                                      what=f"room {request.room} chunk {chunk.index}",
-                                      drain=self.limits.drain_timeout, tag=(request.room, request.generation),
-                                      wanted=lambda: request.cancel_reason is None and not request.terminal)
+        what = f"room {request.room} chunk {chunk.index}"
+        call = peer.worker.submit(run_jobs, self.engine.executor, peer.peer_id, jobs, what=what)
+        peer.moving = (request.room, request.generation, call)
+        try:
+            results = await asyncio.wrap_future(call)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and task is not None and not task.cancelling():
+                # ``stop`` cancelled it while it waited behind the peer's earlier calls: it never ran.
+                raise RequestFailedError(f"{what}: not run, its request ended while it waited for the peer's worker",
+                                         reason=Reason.ABORTED, metadata={"peer": peer.peer_id}) from None
+            # This task is stopped (close): a copy in progress is waited for, as an Abort promises.
+            await asyncio.wait([asyncio.wrap_future(call.returned)], timeout=self.limits.drain_timeout)
+            raise
+        finally:
+            if call.returned.done() and peer.moving is not None and peer.moving[2] is call:
+                peer.moving = None
         result = results[0]
         request.bytes += result.bytes
         request.descriptors += result.descriptors
@@ -282,14 +295,17 @@ class TransferRunner:
         """End an open request FAILED with ``reason``; True once no chunk of it is inside the engine.
 
         A chunk in the engine is waited for up to ``drain_timeout`` (not at all when the peer's
-        lane is stuck) before FAILED is published, exactly once, before any stream of the peer
+        worker is stuck; one still queued there is cancelled) before FAILED is published, exactly once, before any stream of the peer
         is ended. A request that already failed while its chunk was still in the engine
         (DEADLINE_EXCEEDED) drains too.
         """
         if not request.terminal:
             if request.cancel_reason is None:
                 request.cancel_reason = (reason, message)
-            if request.moving and not peer.lane.stuck:
+            moving = peer.moving
+            if moving is not None and moving[:2] == (request.room, request.generation):
+                moving[2].cancel()  # still queued behind the peer's earlier calls: it never runs
+            if request.moving and not peer.worker.stuck:
                 await drained(peer, request.room, request.generation, self.limits.drain_timeout + 1.0)
             self.finish(peer, request, FAILED, *request.cancel_reason)
         return await drained(peer, request.room, request.generation, self.limits.drain_timeout)

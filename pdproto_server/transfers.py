@@ -4,7 +4,7 @@ A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when 
 sizes differ). After the request's last KV chunk come the state and the aux slot, each as
 its own job (so their bytes and descriptors are counted per kind), and the request is
 SUCCESS only when they landed. The chunk notice rides on the last job of the chunk.
-``pdproto_server/runner.py`` runs the jobs on the peer's lane (``pdproto_server/lanes.py``).
+``pdproto_server/runner.py`` runs the jobs on the peer's worker (``pdproto/transfer/worker.py``).
 """
 
 from __future__ import annotations

@@ -402,9 +402,9 @@ def unreleased(rig: Rig, report: dict[str, Any]) -> None:
     rig.ex._agent = agent  # type: ignore[attr-defined]
     _freeze(a)
     report["stuck"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
-    stuck = rig.ex._peers["A"].stuck
-    # The lane's own call has returned (it retried the release for a while, then left it).
-    report["lane_returned"] = stuck is not None and bool(futures.wait([stuck], timeout=60).done)
+    worker = rig.ex._peers["A"].worker
+    # The worker's own call has returned (it retried the release for a while, then left it).
+    report["worker_returned"] = worker is not None and bool(futures.wait([worker.idle()], timeout=60).done)
     report["refused_releases"] = agent.refused
     report["held_while_cancelling"] = list(rig.ex.held())
     report["quiet_while_cancelling"] = rig.ex.quiesce("A", 0.5)

@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 def test_close_keeps_the_engine_under_a_disconnected_peers_stuck_call_and_the_process_still_exits() -> None:
     """``pdproto serve`` disconnects every peer before ``executor.close()``: close must still wait for
-    their lanes, and a lane stuck in native code must not keep the process from exiting."""
+    their workers, and a worker stuck in native code must not keep the process from exiting."""
     pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")
     # The run returns only if the process exits while the frozen peer's batch is still inside
-    # Mooncake (its transport gives it up after 600 s); a lane the interpreter joins would hang it.
+    # Mooncake (its transport gives it up after 600 s); a worker the interpreter joins would hang it.
     r = run_scenario("stuck_close", "mooncake", timeout=200)
     try:
         assert r["warm"]["ok"], r
@@ -42,7 +42,7 @@ def test_a_transfer_nixl_will_not_release_yet_keeps_its_extent_and_its_peer_unqu
     pytest.importorskip("nixl_cu12", reason="nixl-cu12 not installed")
     r = run_scenario("unreleased", "nixl")
     assert r["warm"]["ok"], r
-    assert r["stuck"]["reason"] == "DEADLINE_EXCEEDED" and r["lane_returned"], r
+    assert r["stuck"]["reason"] == "DEADLINE_EXCEEDED" and r["worker_returned"], r
     assert r["refused_releases"] > 0, r
     # UCX may still read the job's staging bytes: they stay reserved, and the handle counts.
     handles, staging = r["held_while_cancelling"]

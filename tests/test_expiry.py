@@ -70,7 +70,7 @@ def test_a_tick_with_100k_kept_requests_takes_only_the_expired() -> None:
         assert len(me.finished) == OLD + KEPT and len(engine.rooms) == OLD + KEPT
 
         before = (core.deadlines.work, engine.deadlines.work)
-        await core._expire(now=midway + keep)  # what the janitor runs once a second
+        await core.expire(now=midway + keep)  # what the janitor runs once a second
         work = core.deadlines.work - before[0] + engine.deadlines.work - before[1]
 
         assert len(me.finished) == KEPT and len(engine.rooms) == KEPT, "exactly the old ones expired"
@@ -79,7 +79,7 @@ def test_a_tick_with_100k_kept_requests_takes_only_the_expired() -> None:
         assert work <= 2 * OLD + 1, work
         # The next tick finds nothing due: its work is zero, whatever is kept.
         before = (core.deadlines.work, engine.deadlines.work)
-        await core._expire(now=midway + keep)
+        await core.expire(now=midway + keep)
         assert (core.deadlines.work, engine.deadlines.work) == before
         await core.close()
 

@@ -319,7 +319,7 @@ sys.exit(0)
 def test_an_abort_reaching_a_host_that_exits_is_answered_typed(backend: str, answer: str) -> None:
     """A scheduler's ``SystemExit`` with the service on its daemon thread, then an abort: no thread is
     needed to wait for the engine, so the local backend (whose copies end with their call) acknowledges
-    it; an engine's lane takes no marker once the interpreter exits, so Mooncake answers SHUTTING_DOWN,
+    it; an engine's peer worker takes no marker once the interpreter exits, so Mooncake answers SHUTTING_DOWN,
     typed and never acknowledged. Before, both were INTERNAL and a traceback in the log."""
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine not installed")

@@ -1,8 +1,8 @@
-"""Engine lanes and status feeds on their own: real threads and a real event loop, no server.
+"""Peer workers and status feeds on their own: real threads and a real event loop, no server.
 
-A lane runs a peer's blocking calls one at a time and never lets a stuck call hold more
-than its own thread; a feed sends every request's terminal status exactly once however
-far its reader falls behind.
+A peer's worker (``pdproto.transfer.worker``, awaited by the server) runs a peer's blocking calls
+one at a time and never lets a stuck call hold more than its own thread; a feed sends every
+request's terminal status exactly once however far its reader falls behind.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 
 from pdproto import errors as E
 from pdproto.errors import Reason
+from pdproto.transfer.worker import PeerWorker
 from pdproto.v1 import common_pb2, transfer_pb2
 from pdproto_server.feed import StatusFeed
-from pdproto_server.lanes import Lane, LanePool
 
 FAILED, SUCCESS, MOVING = (common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_SUCCESS,
                            common_pb2.TRANSFER_STATE_TRANSFERRING)
@@ -26,40 +26,40 @@ def _status(room: int, state: int, generation: int = 0) -> transfer_pb2.Transfer
     return transfer_pb2.TransferStatus(room=room, generation=generation, state=state)  # type: ignore[arg-type]
 
 
-def test_stuck_call_fails_its_queue_and_frees_the_lane_when_it_returns() -> None:
-    pool = LanePool(4)
+def test_stuck_call_fails_its_queue_and_frees_the_worker_when_it_returns() -> None:
     release = threading.Event()
+    stuck, other = PeerWorker("stuck", 0.2), PeerWorker("other", 5)
 
     async def main() -> None:
-        stuck, other = Lane(pool, "stuck"), Lane(pool, "other")
-        blocked = asyncio.ensure_future(stuck.run(release.wait, timeout=0.2, what="chunk 0"))
+        blocked = asyncio.wrap_future(stuck.submit(release.wait, what="chunk 0"))
         await asyncio.sleep(0)
-        queued = [asyncio.ensure_future(stuck.run(lambda: 1, timeout=5, what=f"chunk {i}")) for i in (1, 2)]
+        queued = [asyncio.wrap_future(stuck.submit(lambda: 1, what=f"chunk {i}")) for i in (1, 2)]
         with pytest.raises(E.DeadlineExceededError) as first:
             await blocked
         assert first.value.reason is Reason.DEADLINE_EXCEEDED and stuck.stuck and stuck.busy
         for q in queued:  # queued behind the stuck call: refused at once, not after their own deadline
             with pytest.raises(E.DeadlineExceededError, match="not started"):
                 await q
-        # Another peer's lane is untouched; a cleanup call waits behind the stuck one.
-        assert await other.run(lambda: "ok", timeout=5, what="x") == "ok"
-        cleanup = asyncio.ensure_future(stuck.run(lambda: "gone", timeout=5, what="disconnect", cleanup=True))
+        # Another peer's worker is untouched; a cleanup call waits behind the stuck one.
+        assert await asyncio.wrap_future(other.submit(lambda: "ok", what="x")) == "ok"
+        cleanup = asyncio.wrap_future(stuck.submit(lambda: "gone", what="disconnect", cleanup=True))
         await asyncio.sleep(0.05)
         assert not cleanup.done()
         release.set()
         assert await cleanup == "gone"
         assert not stuck.stuck and not stuck.busy
-        assert await stuck.run(lambda: 2, timeout=5, what="later") == 2  # served again
+        assert await asyncio.wrap_future(stuck.submit(lambda: 2, what="later")) == 2  # served again
 
     try:
         asyncio.run(main())
     finally:
         release.set()
-        pool.shutdown()
+        stuck.shutdown()
+        other.shutdown()
 
 
-def test_lane_runs_calls_one_at_a_time_in_arrival_order() -> None:
-    pool = LanePool(8)
+def test_worker_runs_calls_one_at_a_time_in_arrival_order() -> None:
+    worker = PeerWorker("p", 5)
     order: list[int] = []
     inside = 0
     most = 0
@@ -77,14 +77,32 @@ def test_lane_runs_calls_one_at_a_time_in_arrival_order() -> None:
         return i
 
     async def main() -> list[int]:
-        lane = Lane(pool, "p")
-        return list(await asyncio.gather(*(lane.run(call, i, timeout=5, what="c") for i in range(20))))
+        return list(await asyncio.gather(*(asyncio.wrap_future(worker.submit(call, i, what="c")) for i in range(20))))
 
     try:
         assert asyncio.run(main()) == list(range(20))
     finally:
-        pool.shutdown()
+        worker.shutdown()
     assert order == list(range(20)) and most == 1
+
+
+def test_a_call_cancelled_while_queued_never_runs_and_a_call_from_the_worker_runs_in_place() -> None:
+    """What the runner relies on when a request stops while its chunk waits behind another call, and
+    what an executor relies on when a call running on the worker calls the executor again."""
+    worker = PeerWorker("p", 5)
+    release = threading.Event()
+    ran: list[str] = []
+    try:
+        first = worker.submit(release.wait, what="first")
+        queued = worker.submit(ran.append, "queued", what="queued")
+        assert queued.cancel() and queued.returned.done()  # it will never run: nothing to wait for
+        outer = worker.submit(lambda: worker.submit(ran.append, "inner", what="inner").result(), what="outer")
+        release.set()
+        outer.result(timeout=5)
+        assert first.result(timeout=5) is True and ran == ["inner"] and not worker.busy
+    finally:
+        release.set()
+        worker.shutdown()
 
 
 def test_feed_coalesces_progress_but_never_a_terminal_status() -> None:

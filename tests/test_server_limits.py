@@ -28,7 +28,7 @@ from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_servic
 from pdproto.v1 import transfer_pb2
 from pdproto_demo.decode import DecodeConfig, DecodeProcess, DecodeRank
 from pdproto_server.cmd_status import render
-from pdproto_server.core import JUDGE_BURST, JUDGE_RATE, MAX_JUDGED
+from pdproto_server.admission import JUDGE_BURST, JUDGE_RATE, MAX_JUDGED
 
 from ._server_harness import SERVE_ARGS, SPEC, running_server
 
@@ -173,7 +173,7 @@ def test_a_registration_listing_thousands_of_buffers_is_judged_off_the_loop() ->
     here). One with 16,000 took the event loop for 150 ms (one with 640,000 state tensors for 0.9 s),
     so every other peer's calls waited that long, again at each such registration. The server now
     judges registrations of more than 1,024 buffers and tensors on a thread of their own, one at a
-    time, and connects them on their lane: another peer's calls complete while one is judged.
+    time, and connects them on their worker: another peer's calls complete while one is judged.
 
     Describe counts the registrations being judged, and it answers on the event loop: an answer
     that counts one is a call the loop served while the judge ran. Counting all calls made while

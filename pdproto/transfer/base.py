@@ -28,6 +28,8 @@ from pdproto.dcp import runs as run_arith
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
 from pdproto.v1 import common_pb2, registration_pb2
 
+from .worker import PeerWorker
+
 Runs = npt.NDArray[np.int64]
 """(R, 5) int64 row runs: src_start, src_stride, dst_start, dst_stride, count (``pdproto.dcp.runs``)."""
 
@@ -224,6 +226,12 @@ class TransferExecutor(Protocol):
 
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
         """Run a job to completion; raises a ``PdprotoError`` (class and ``Reason`` say why) on failure."""
+        ...
+
+    def worker(self, peer_id: str) -> PeerWorker:
+        """The peer's own worker (``pdproto/transfer/worker.py``), started on first use: a caller that must
+        not block (the prefill service) submits its calls for the peer there and awaits the ``Call``, which
+        fails with DEADLINE_EXCEEDED at the executor's ``transfer_timeout_s``; ``disconnect`` retires it."""
         ...
 
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:

@@ -15,7 +15,9 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +50,7 @@ from .base import (
 )
 from .memory import host_view
 from .packing import copy_runs
+from .worker import PeerWorker, PeerWorkers, quiesce
 
 
 @dataclass
@@ -66,12 +69,15 @@ class LocalExecutor:
     backend = "local"
 
     def __init__(self, *, arena_bytes: int = 1 << 30, name: str | None = None,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0) -> None:
         """Create an executor; the arena (sparse, so only touched pages cost memory) is made lazily.
 
-        ``connect_timeout_s`` bounds how long ``connect`` waits for a decode to hand its arena over.
+        ``connect_timeout_s`` bounds how long ``connect`` waits for a decode to hand its arena over;
+        ``transfer_timeout_s`` bounds each call submitted to a peer's worker.
         """
         self.stats = TransferStats()
+        self.transfer_timeout_s = transfer_timeout_s
+        self._workers = PeerWorkers(transfer_timeout_s)
         self._arena_bytes = arena_bytes
         self._name = name or f"pdproto-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._connect_timeout = connect_timeout_s
@@ -215,13 +221,23 @@ class LocalExecutor:
         return TransferResult(bytes=nbytes, descriptors=ndesc,
                               seconds=time.perf_counter() - t0, packed=False, fallback=False)
 
-    def quiesce(self, peer_id: str, timeout: float) -> bool:
-        """True: a copy never outlives its ``execute`` call here."""
-        return True
+    def worker(self, peer_id: str) -> PeerWorker:
+        """The peer's own worker (started on first use), for calls that must not hold a caller's thread."""
+        return self._workers.worker(peer_id)
 
-    def drained(self, peer_id: str) -> None:
-        """None: a copy never outlives its ``execute`` call here."""
-        return None
+    def quiesce(self, peer_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` until no call on the peer's worker runs (a copy ends with its call)."""
+        return quiesce(lambda: self.drained(peer_id), timeout)
+
+    def drained(self, peer_id: str) -> Future[Any] | None:
+        """A marker done once the calls on the peer's worker so far returned; None when none is there.
+
+        A disconnected peer's copies are over (``disconnect`` waits for the one in progress).
+        """
+        worker = self._workers.get(peer_id)
+        if worker is None or not worker.busy:
+            return None
+        return worker.idle()
 
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
         """The local backend has no notification channel; always False."""
@@ -234,6 +250,7 @@ class LocalExecutor:
 
     def disconnect(self, peer_id: str) -> None:
         """Unmap the peer's arena and close its socket; the memory stays the decode's."""
+        self._workers.retire(peer_id)
         with self._lock:
             peer = self._peers.pop(peer_id, None)
         if peer is None:
@@ -248,6 +265,7 @@ class LocalExecutor:
         self._closed = True
         for peer_id in list(self._peers):
             self.disconnect(peer_id)
+        self._workers.retire()
         if self._server is not None:
             self._server.close()
         if self._arena is not None:

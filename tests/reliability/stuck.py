@@ -6,7 +6,7 @@ transfer), with real decode processes:
 
 * **frozen**: a decode with five requests open is SIGSTOPped mid-transfer. A bystander
   decode registers and moves a request byte-exact meanwhile; the frozen peer's requests all
-  end FAILED with a reason (``DEADLINE_EXCEEDED``: its lane is fenced, what queues behind
+  end FAILED with a reason (``DEADLINE_EXCEEDED``: its worker is fenced, what queues behind
   the stuck call fails at once), delivered to a Session opened for it afterwards.
 * **black-holed**: an endpoint that accepts connections and never answers. A decode process
   SIGSTOPped before it registers (the kernel accepts its TCP connections; nothing answers)

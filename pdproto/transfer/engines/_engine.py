@@ -4,12 +4,12 @@ Subclasses supply the engine calls (``_submit``, ``_wait``, ``_send_notification
 and the registration hooks); this class turns a ``TransferJob``'s runs into
 per-layer descriptor batches, packing through staging where it can.
 
-Every engine call for a peer runs on that peer's own thread (its *lane*), and the
-caller waits at most ``transfer_timeout_s``. An engine call cannot be interrupted
-(Mooncake blocks in native code while a frozen or silent peer does not answer), so a
-call that overruns raises ``DEADLINE_EXCEEDED`` to its caller and leaves only the
-peer's own lane busy: that peer's next calls fail at once until the engine gives
-the stuck call up, and no other peer waits for anything it holds. The stuck call
+Every engine call for a peer runs on that peer's own worker (``pdproto/transfer/worker.py``),
+which fails it with ``DEADLINE_EXCEEDED`` at ``transfer_timeout_s``. An engine call cannot be
+interrupted (Mooncake blocks in native code while a frozen or silent peer does not answer), so
+a call that overruns leaves only the peer's own worker busy: that peer's next calls fail at
+once until the engine gives the stuck call up, and no other peer waits for anything it holds.
+The stuck call
 keeps its staging extent and engine handles until the engine returns, then frees
 them like any finished call. An engine that returns before it let go of a transfer
 (NIXL, whose cancel may still be under way) leaves the peer *unsettled*: the job's
@@ -45,11 +45,11 @@ from ..base import (
     remote_regions,
     validate_job,
 )
-from ._lane import Lane
 from ._paths import INLINE_BYTES, JobPaths
 from ._settle import Settling, all_done
 from ..memory import allocate, host_view
 from ..packing import Gatherer, StagingExtents
+from ..worker import PeerWorker, PeerWorkers, quiesce
 
 _T = TypeVar("_T")
 
@@ -60,10 +60,6 @@ def rdma_present() -> bool:
         return bool(os.listdir("/sys/class/infiniband"))
     except OSError:
         return False
-
-
-def _nothing() -> None:
-    """A lane marker's call."""
 
 
 @dataclass
@@ -77,15 +73,12 @@ class PeerState:
     """The peer's registered destination regions (``remote_regions``), bounds for every job."""
     device: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-    lane: Lane | None = None
-    """The peer's own (daemon) thread: every engine call for this peer runs there, one at a time."""
+    worker: PeerWorker | None = None
+    """The peer's own worker: every engine call for this peer runs there, one at a time."""
     deadline: float = 0.0
-    """``time.monotonic()`` by which the call running on the lane must finish (engine waits read it)."""
-    stuck: Future[Any] | None = None
-    """A call that overran its deadline and is still inside the engine."""
-    stuck_at: float = 0.0
-    retired: Future[Any] | None = None
-    """The disconnect queued on the lane; done once every earlier call on the lane ended."""
+    """``time.monotonic()`` by which the call running on the worker must finish (engine waits read it)."""
+    retired: Future[None] | None = None
+    """Done once the disconnect queued on the worker (so every earlier call there) has returned."""
     unsettled: Future[None] | None = None
     """Done once the engine let go of every transfer of this peer that outlived its call (NIXL:
     a handle it would not release yet); None while there is none."""
@@ -107,7 +100,7 @@ class EngineExecutor(JobPaths, Settling):
                  inline_bytes: int = INLINE_BYTES) -> None:
         """Set up bookkeeping; subclasses start their engine, then call ``_init_staging``."""
         self.inline_bytes = inline_bytes
-        """Packed jobs of at most this many bytes are packed on the lane and sent as one engine call."""
+        """Packed jobs of at most this many bytes are packed on the worker and sent as one engine call."""
         self.transfer_timeout_s = transfer_timeout_s
         """Longest one ``execute`` or ``notify`` may take, waiting behind the peer's earlier calls included."""
         self.stats = TransferStats()
@@ -123,8 +116,9 @@ class EngineExecutor(JobPaths, Settling):
         self._gatherer = Gatherer()
         self._pool: ThreadPoolExecutor | None = None
         self._handles = 0
+        self._workers = PeerWorkers(transfer_timeout_s, self._count)
         self._retiring: dict[str, PeerState] = {}
-        """Disconnected peers whose lane still runs (a stuck call, then the disconnect) or that are unsettled."""
+        """Disconnected peers whose worker still runs (a stuck call, then the disconnect) or that are unsettled."""
         self._winding: dict[int, PeerState] = {}
         """Every retiring peer by identity: ``_retiring`` keeps the latest per peer id, and a peer id
         that connected again may have an older state still stuck (``close`` waits for all)."""
@@ -194,16 +188,31 @@ class EngineExecutor(JobPaths, Settling):
         return DRAM, 0
 
     # ---- peers ------------------------------------------------------------------------
+    def worker(self, peer_id: str) -> PeerWorker:
+        """The peer's own worker (started on first use): its engine calls run there, one at a time."""
+        return self._workers.worker(peer_id)
+
+    def _count(self, error: BaseException | None) -> None:
+        """A call on a worker completed: count a failure, and a timeout, once per call (the worker's
+        deadline or the engine's own wait at the same deadline: NIXL releases the transfer there)."""
+        if isinstance(error, PdprotoError):
+            with self._lock:
+                self.stats.failures += 1
+                self.stats.timeouts += isinstance(error, DeadlineExceededError)
+
     def connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
-        """Load the peer's transport from its registration; replaces an earlier connection."""
+        """Load the peer's transport from its registration (on its worker); replaces an earlier connection."""
+        self.worker(peer_id).submit(self._connect_now, peer_id, registration, what="the connect").result()
+
+    def _connect_now(self, peer_id: str, registration: registration_pb2.KvRegistration) -> None:
         state = self._connect(peer_id, registration)
         state.regions = remote_regions(registration)
-        state.lane = Lane(f"pdproto-peer-{peer_id}"[:64])
+        state.worker = self.worker(peer_id)
         with self._lock:
             old = self._peers.pop(peer_id, None)
             self._peers[peer_id] = state
         if old is not None:
-            self._retire(old)
+            self._retire(old, last=False)
 
     def _peer(self, peer_id: str) -> PeerState:
         with self._lock:
@@ -216,71 +225,64 @@ class EngineExecutor(JobPaths, Settling):
     def disconnect(self, peer_id: str) -> None:
         """Forget the peer and drop its engine connection; unknown peers are ignored.
 
-        Never waits for a stuck call: the connection is dropped on the peer's lane, after
+        Never waits for a stuck call: the connection is dropped on the peer's worker, after
         whatever it is running (NIXL waits for that up to ``transfer_timeout_s``, so a
         restarted decode's agent is unloaded before its new metadata arrives).
         """
         with self._lock:
             peer = self._peers.pop(peer_id, None)
         if peer is not None:
-            self._retire(peer)
+            self._retire(peer, last=True)
+        else:
+            self._workers.retire(peer_id)
 
     def quiesce(self, peer_id: str, timeout: float) -> bool:
         """Wait up to ``timeout`` until no call for the peer is inside the engine; True once none is.
 
         A call that overran its deadline may still be writing into the peer's pages; a
         caller that lets the decode reuse them (an Abort acknowledgement) waits here first.
-        A disconnected peer counts until its lane finished; an unknown one is quiet. False
-        when the process is exiting and a live peer's lane can no longer say.
+        A disconnected peer counts until its worker finished; an unknown one is quiet. False
+        when the process is exiting and a live peer's worker can no longer say.
         """
-        try:
-            marker = self.drained(peer_id)
-        except ShuttingDownError:
-            return False
-        if marker is None:
-            return True
-        try:
-            marker.result(timeout=max(0.0, timeout))
-        except FutureTimeout:
-            return False
-        except PdprotoError:
-            pass
-        return True
+        return quiesce(lambda: self.drained(peer_id), timeout)
 
     def drained(self, peer_id: str) -> Future[Any] | None:
-        """A future done once every call queued on the peer's lane so far has returned (None: no lane).
+        """A future done once every call queued on the peer's worker so far has returned (None: no worker).
 
-        The lane runs one call at a time, in order, so a no-op queued now finishes after all
+        The worker runs one call at a time, in order, so a marker queued now finishes after all
         of them; a call the engine still holds past its deadline holds it too.
         A transfer the engine has not let go of yet (``PeerState.unsettled``) holds it too.
         """
         with self._lock:
             peer = self._peers.get(peer_id) or self._retiring.get(peer_id)
-        if peer is None or peer.lane is None:
+        if peer is None or peer.worker is None:
             return None
+        marker: Future[Any]
         try:
-            marker = peer.lane.submit(_nothing)
-        except RuntimeError:
+            marker = peer.worker.idle()
+        except PdprotoError:
             if peer.retired is None:
-                # A lane takes no work once the interpreter exits, and says nothing of what runs.
+                # A worker takes no work once the interpreter exits, and says nothing of what runs.
                 raise ShuttingDownError(f"peer {peer_id}: the process is exiting; whether an engine call for this "
                                         "peer is still running cannot be known; keep its pages until the process "
                                         "is gone", reason=Reason.SHUTTING_DOWN, metadata={"peer": peer_id}) from None
-            marker = peer.retired  # shut down by _retire: the queued disconnect is its last task
+            marker = peer.retired  # retired: the queued disconnect is its worker's last call
         unsettled = self._unsettled(peer)
         return marker if unsettled is None else all_done([marker, unsettled])
 
-    def _retire(self, peer: PeerState) -> None:
-        """Drop ``peer``'s engine connection on its lane, then let the lane's thread end."""
-        lane = peer.lane
-        if lane is None:
+    def _retire(self, peer: PeerState, *, last: bool) -> None:
+        """Drop ``peer``'s engine connection on its worker; ``last``: then let the worker's thread end."""
+        worker = peer.worker
+        if worker is None:
             self._disconnect(peer)
             return
         try:
-            done = peer.retired = lane.submit(self._disconnect, peer)
-        except RuntimeError:
+            call = worker.submit(self._disconnect, peer, what="the disconnect", cleanup=True)
+        except PdprotoError:
             return  # already retired
-        lane.shutdown(wait=False)
+        done = peer.retired = call.returned
+        if last:
+            self._workers.retire(peer.peer_id)
         with self._lock:
             self._retiring[peer.peer_id] = peer
             self._winding[id(peer)] = peer
@@ -299,62 +301,31 @@ class EngineExecutor(JobPaths, Settling):
         if self.disconnect_waits:
             try:
                 done.result(timeout=self.transfer_timeout_s + 1.0)
-            except (FutureTimeout, PdprotoError):
+            except FutureTimeout:
                 pass
 
     def notify(self, peer_id: str, room: int, payload: bytes) -> bool:
         """Send a standalone notification (NIXL); False where the backend has none."""
         peer = self._peer(peer_id)
-        return self._on_lane(peer, "notification", self._send_notification, peer,
+        return self._on_peer(peer, "notification", self._send_notification, peer,
                              encode_notification(room, payload))
 
-    def _on_lane(self, peer: PeerState, what: str, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the peer's lane and wait for it at most ``transfer_timeout_s``."""
-        stuck = peer.stuck
-        if stuck is not None and not stuck.done():
-            raise DeadlineExceededError(
-                f"an earlier call to this peer has been stuck in the engine for "
-                f"{time.monotonic() - peer.stuck_at + self.transfer_timeout_s:.0f} s (the peer is frozen or "
-                f"not answering); its {what}s fail until the engine gives that call up",
-                reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
+    def _on_peer(self, peer: PeerState, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` on the peer's worker (in place when already there) and wait for it or its deadline;
+        refused while a transfer the engine has not let go of holds the peer."""
         if self._unsettled(peer) is not None:
             raise DeadlineExceededError(
                 f"an earlier transfer to this peer ran past its deadline and the engine has not let go of it yet "
                 f"(its cancel is under way; the peer is frozen or not answering); its {what}s fail until it does",
                 reason=Reason.DEADLINE_EXCEEDED, metadata={"peer": peer.peer_id, "timeout_s": self.transfer_timeout_s})
-        timeout = self.transfer_timeout_s
-        deadline = time.monotonic() + timeout
+        worker = peer.worker
+        assert worker is not None
 
         def run() -> _T:
-            peer.deadline = deadline
+            peer.deadline = worker.deadline  # what the engine's own waits inside the call read
             return fn(*args)
 
-        lane = peer.lane
-        try:
-            if lane is None:
-                return run()
-            try:
-                fut = lane.submit(run)
-            except RuntimeError:
-                raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
-                                    metadata={"peer": peer.peer_id}) from None
-            try:
-                return fut.result(timeout=timeout)
-            except FutureTimeout:
-                if fut.cancel():
-                    message = f"the {what} waited {timeout:g} s behind earlier calls to this peer and never started"
-                else:
-                    peer.stuck, peer.stuck_at = fut, time.monotonic()
-                    message = (f"the {what} did not complete within {timeout:g} s: the peer is frozen, "
-                               f"overloaded or not answering")
-                raise DeadlineExceededError(message, reason=Reason.DEADLINE_EXCEEDED,
-                                            metadata={"peer": peer.peer_id, "timeout_s": timeout}) from None
-        except DeadlineExceededError:
-            # Counted here whether the lane's timer fired or the engine's own wait gave up at
-            # the same deadline first (NIXL releases the transfer there): a timeout either way.
-            with self._lock:
-                self.stats.timeouts += 1
-            raise
+        return worker.submit(run, what=f"the {what}").result()
 
     def notifications(self) -> list[Notification]:
         """Notifications received since the last call; empty unless the engine has them."""
@@ -364,21 +335,16 @@ class EngineExecutor(JobPaths, Settling):
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
         """Run the job layer by layer (pack the next while one is in flight); raises a ``PdprotoError``.
 
-        The job runs on the peer's lane; a job that has not finished within
+        The job runs on the peer's worker; a job that has not finished within
         ``transfer_timeout_s`` raises ``DeadlineExceededError`` (see the module doc).
         """
         t0 = time.perf_counter()
         validate_job(job)
         peer = self._peer(peer_id)
-        try:
-            return self._on_lane(peer, "transfer", self._execute, peer, job, t0)
-        except PdprotoError:
-            with self._lock:
-                self.stats.failures += 1
-            raise
+        return self._on_peer(peer, "transfer", self._execute, peer, job, t0)
 
     def _execute(self, peer: PeerState, job: TransferJob, t0: float) -> TransferResult:
-        """The job itself, on the peer's lane."""
+        """The job itself, on the peer's worker."""
         units = job.units()
         check_bounds(job, local=self._local_regions(), remote=peer.regions)
         staging = self._staging
@@ -404,7 +370,7 @@ class EngineExecutor(JobPaths, Settling):
                 ndesc, pack_s = self._run_rows(peer, units), 0.0
         finally:
             # A transfer the engine would not let go of yet may still read the extent and
-            # write the peer's pages: the lane waits a little for it, then leaves it held.
+            # write the peer's pages: the worker waits a little for it, then leaves it held.
             settled = self._settle(peer, time.monotonic() + self.settle_wait_s)
             if extent is not None:
                 self._give_back(peer, extent, settled)
@@ -439,7 +405,7 @@ class EngineExecutor(JobPaths, Settling):
     def close(self) -> None:
         """Disconnect peers, deregister memory and stop the engine; safe to call twice.
 
-        Waits (at most ``transfer_timeout_s`` + 5 s) for every peer's lane, those disconnected
+        Waits (at most ``transfer_timeout_s`` + 5 s) for every peer's worker, those disconnected
         earlier included; while one is still inside the engine, memory and engine stay.
         """
         if self._closed:
@@ -452,11 +418,12 @@ class EngineExecutor(JobPaths, Settling):
                 self.disconnect(peer.peer_id)
             except PdprotoError:
                 pass
+        self._workers.retire()  # workers of peers whose connect never completed
         # Every peer is retiring now; those a disconnect() retired earlier (all of them under
         # `pdproto serve`, whose core disconnects every peer first) may still be stuck.
         with self._lock:
             retiring = list(self._winding.values())
-        if not self._lanes_idle(retiring, self.transfer_timeout_s + 5.0):
+        if not self._workers_idle(retiring, self.transfer_timeout_s + 5.0):
             # A call is still inside the engine and may read our buffers: deregistering
             # or stopping the engine under it could crash the process. Leave both to exit.
             return
@@ -471,8 +438,8 @@ class EngineExecutor(JobPaths, Settling):
             self._pool.shutdown(wait=True)
         self._close_engine()
 
-    def _lanes_idle(self, peers: list[PeerState], timeout: float) -> bool:
-        """Wait up to ``timeout`` for every retired peer's lane to finish and the engine to let go of
+    def _workers_idle(self, peers: list[PeerState], timeout: float) -> bool:
+        """Wait up to ``timeout`` for every retired peer's worker to finish and the engine to let go of
         its transfers; False if one is still busy."""
         end = time.monotonic() + timeout
         for peer in peers:

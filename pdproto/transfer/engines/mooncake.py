@@ -11,7 +11,7 @@ Mooncake's calls block in native code for as long as a peer does not answer: a
 frozen decode holds a batch until the TCP transport's progress timeout (30 s by
 default) and then a probe for up to 60 s more; a session that accepts connections
 and never answers holds the first submit, under a lock every other peer's submit
-needs, for 60 s. So the executor (1) runs every call on the peer's own lane with a
+needs, for 60 s. So the executor (1) runs every call on the peer's own worker with a
 deadline (``_engine.py``), (2) starts the engine with its progress and transfer
 timeouts set to ``transfer_timeout_s`` (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
 ``MC_TRANSFER_TIMEOUT``, and the TCP lanes' admission wait ``MC_TCP_ADMISSION_TIMEOUT_MS``;
@@ -20,7 +20,7 @@ one, on a loaded host, is not failed before it, and (3) probes a session and fet
 accepting it (``connect``), on a helper thread it waits for at most
 ``connect_timeout_s`` and off the engine's shared lock: a black-holed session is
 refused at registration, and a peer that stops answering later stalls only its own
-lane (measured: with the descriptor fetched at connect, a second peer's transfer took
+worker (measured: with the descriptor fetched at connect, a second peer's transfer took
 4 ms while the first, frozen, held its own; without it, the second peer timed out too).
 """
 

@@ -1,0 +1,290 @@
+"""Admission: registrations (checked, negotiated, judged off the loop when large), identities, removal.
+
+A registration is checked and negotiated (``verdicts.py`` remembers verdicts by layout),
+replaces the stale state of a restarted decode (never a live one: ``IDENTITY_IN_USE``),
+connects the executor on the peer's worker and admits the peer. Deregister, the operator's
+Evict, a restart and a dead peer (PEER_GONE from the executor) all remove a peer here: its
+open requests fail, its streams end, and its engine connection is dropped on its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from pdproto.errors import IdentityInUseError, NotFoundError, PdprotoError, Reason, ResourceLimitError
+from pdproto.negotiation.topology import Decision, Rejection
+from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2, server_info_pb2
+
+from .engine import PrefillEngine
+from .expiry import Deadlines
+from .metrics import ServiceMetrics
+from .registry import Allowance, Limits, Peer, PeerRegistry, identity_of, retry_after_ms
+from .runner import TransferRunner
+from .validate import Bounds, check_registration, page_limit, registration_entries
+from .verdicts import Verdicts, result_for
+
+if TYPE_CHECKING:
+    from .housekeeping import Lifecycle
+
+log = logging.getLogger("pdproto_server.admission")
+Verdict = tuple[Decision, server_info_pb2.NegotiationResult]
+"""An accepted registration's decision and its ``NegotiationResult`` without a peer id (shared: copy it)."""
+HEAVY_ENTRIES = 1024
+"""A registration listing more buffers and tensors than this is checked and negotiated off the loop;
+real ones list a few hundred at most (two per layer for MHA, plus state tensors)."""
+
+JUDGE_BURST, JUDGE_RATE = 4 * Bounds.REGIONS, Bounds.REGIONS // 4
+"""Buffers and tensors of large registrations the judge takes at once, and per second after that (about
+9 µs of its time each): a fleet's decodes registering together fit, and a token holder registering large
+ones in a loop keeps the judge busy about 15 % of the time, not all of it."""
+MAX_JUDGED = 4
+"""Registrations on or waiting for the judge thread at once; more are refused TOO_MANY_REGISTRATIONS. Each
+holds its parsed message while it waits, and costs the judge up to a few hundred ms for a few hundred KB
+sent: unbounded, a token holder sending them concurrently grew the queue (and memory) without limit."""
+
+IDENTITY_GRACE_S = 1.0
+"""How long a registration naming a live peer waits for that peer's streams to end (a client closing them)."""
+IDENTITY_POLLS = 20
+
+
+class Admission:
+    """Register, Deregister, Evict, and the removal of restarted and dead peers."""
+
+    def __init__(self, engine: PrefillEngine, limits: Limits, metrics: ServiceMetrics, registry: PeerRegistry,
+                 runner: TransferRunner, deadlines: Deadlines[Peer], life: Lifecycle) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.metrics = metrics
+        self.registry = registry
+        self.runner = runner
+        self.deadlines = deadlines
+        self.life = life
+        runner.on_peer_gone = self._peer_gone
+        self._registering = 0
+        self.verdicts = Verdicts()
+        """Negotiation verdicts by registration layout: a decode rank shape is negotiated once."""
+        self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
+        """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
+        a time: on the loop, one would stall every other peer's calls for its whole length."""
+        self.judged = 0
+        """Registrations on or waiting for the judge thread (``DescribeResponse.registrations_judged``)."""
+        self._judge_s = 0.1
+        """Seconds the judge took per registration lately (a refused one is told to wait for the queue)."""
+        self._judging = Allowance()
+        """What the judge may still take (``JUDGE_BURST``, ``JUDGE_RATE``): all registrants share it, since
+        Register names no peer yet."""
+
+    async def register(self, request: hs.RegisterRequest, origin: str = "") -> hs.RegisterResponse:
+        """Negotiate, replace a restarted peer's stale state, connect the executor, admit.
+
+        The response carries the new peer's credential, which every later call for it must present.
+        ``origin`` is the gRPC peer string of the call (validation reads where it came from).
+        """
+        try:
+            result = await self._register(request, origin)
+        except PdprotoError as exc:
+            self.metrics.registered(exc.reason.code)
+            raise
+        self.metrics.registered("ACCEPTED")
+        return result
+
+    async def _register(self, request: hs.RegisterRequest, origin: str) -> hs.RegisterResponse:
+        self.life.accepting()
+        verdict = None
+        entries = registration_entries(request.registration)
+        if entries > HEAVY_ENTRIES:
+            self._judge_room(entries)
+            self.judged += 1
+            try:
+                reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
+            finally:
+                self.judged -= 1
+            self.life.accepting()
+        else:
+            reg = check_registration(request, origin)
+        return await self._admit(reg, verdict or self._negotiate(reg))
+
+    def _judge_room(self, entries: int) -> None:
+        """Raise TOO_MANY_REGISTRATIONS, with the seconds to wait, unless the judge takes ``entries`` more."""
+        wait = self.judged * self._judge_s if self.judged >= MAX_JUDGED else \
+            self._judging.take(entries, JUDGE_BURST, JUDGE_RATE, time.monotonic())
+        if wait:
+            why = (f"{self.judged} are being checked or wait for it (limit {MAX_JUDGED})" if self.judged >= MAX_JUDGED
+                   else f"their checks may take {JUDGE_RATE} buffers and tensors per second, and this one lists "
+                        f"{entries}")
+            raise ResourceLimitError(
+                f"registrations of more than {HEAVY_ENTRIES} buffers and tensors arrive faster than the server "
+                f"checks them: {why}; retry in {wait:.2f} s",
+                reason=Reason.TOO_MANY_REGISTRATIONS,
+                metadata={"entries": entries, "judged": self.judged, "retryAfterMs": retry_after_ms(wait)})
+
+    def _negotiate(self, reg: registration_pb2.KvRegistration) -> Verdict:
+        """The verdict on ``reg`` with its shared ``NegotiationResult``; a rejection raises its typed error."""
+        started = time.perf_counter()
+        verdict, result, remembered = self.verdicts.of(self.engine.source.info, reg)
+        self.metrics.negotiated(time.perf_counter() - started, remembered=remembered)
+        if isinstance(verdict, Rejection):
+            raise verdict.to_error()
+        return verdict, result
+
+    def _check_and_negotiate(self, request: hs.RegisterRequest,
+                             origin: str) -> tuple[registration_pb2.KvRegistration, Verdict]:
+        """``check_registration`` and ``_negotiate`` together (on the judge's thread)."""
+        started = time.perf_counter()
+        try:
+            reg = check_registration(request, origin)
+            return reg, self._negotiate(reg)
+        finally:
+            self._judge_s = 0.5 * self._judge_s + 0.5 * (time.perf_counter() - started)
+
+    async def _admit(self, reg: registration_pb2.KvRegistration, verdict: Verdict) -> hs.RegisterResponse:
+        """Connect the executor (on the peer's worker) and add the peer, as ``verdict`` says."""
+        identity = identity_of(reg)
+        # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
+        async with self.registry.serialized(identity):
+            self.life.accepting()
+            stale = self.registry.stale_for(identity)
+            await self._refuse_live(stale, identity)
+            self.life.accepting()  # a drain may have begun while it waited for a closing client's streams
+            self.registry.check_capacity(self._registering - len(stale))
+            for old in stale:
+                # Same notify endpoint or engine identity: the decode restarted. Its old
+                # requests can never complete; fail them and drop its engine connection.
+                log.info("peer %s re-registered as a new peer; dropping stale state", old.peer_id)
+                await self.drop(old, Reason.PEER_GONE, "the decode re-registered (restart)")
+            self.registry.check_capacity(self._registering)
+            self._registering += 1
+            try:
+                peer_id = self.registry.new_id()
+                decision, shared = verdict
+                peer = Peer(peer_id=peer_id, registration=reg, decision=decision, result=result_for(shared, peer_id),
+                            identity=identity, worker=self.engine.executor.worker(peer_id),
+                            credential=self.registry.new_credential())
+                peer.page_limit = page_limit(peer)
+                try:
+                    await asyncio.wrap_future(peer.worker.submit(self.engine.executor.connect, peer_id, reg,
+                                                                 what=f"connect {peer_id}"))
+                except BaseException:
+                    # Never admitted; its connect (maybe still running) is undone in the background.
+                    self.registry.remove(peer)
+                    self._disconnect_later(peer)
+                    raise
+                self.registry.add(peer)
+            finally:
+                self._registering -= 1
+        return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
+
+    @staticmethod
+    async def _refuse_live(stale: list[Peer], identity: tuple[str, ...]) -> None:
+        """Refuse to replace a peer whose decode still reads a stream: that is a live decode, not a restart.
+
+        A decode's exit closes its streams, so a restarted one finds them closed; one that
+        is still reading them is alive, and whoever names its endpoint or engine is not it
+        (docs/security.md). Streams a client has just closed may take a moment to end
+        here, so the check waits up to ``IDENTITY_GRACE_S`` for them.
+        """
+        for poll in range(IDENTITY_POLLS + 1):
+            live = [p for p in stale if not p.closed and p.gone_at is None and p.attached()]
+            if not live:
+                return
+            if poll < IDENTITY_POLLS:
+                await asyncio.sleep(IDENTITY_GRACE_S / IDENTITY_POLLS)
+        old = live[0]
+        keys = sorted(set(identity) & set(old.identity))
+        log.warning("refused a registration naming %s of live peer %s", ", ".join(keys), old.peer_id)
+        raise IdentityInUseError(
+            f"a registered decode with {', '.join(keys)} still reads its status stream: it is alive, so this "
+            "is not its restart. A restarted decode can register once its old process is gone (its streams "
+            "close with it); otherwise give this decode its own notify endpoint and engine",
+            reason=Reason.IDENTITY_IN_USE, metadata={"identity": ",".join(keys)})
+
+    async def deregister(self, request: hs.DeregisterRequest) -> int:
+        """Fail the peer's open requests with PEER_GONE, cancel them, disconnect, forget it."""
+        peer = self.registry.peer(request.peer_id, request.peer_credential)
+        return await self.drop(peer, Reason.PEER_GONE, "the decode deregistered")
+
+    async def evict(self, request: hs.EvictRequest) -> int:
+        """Drop a peer for the operator (the caller checked the operator token); like ``deregister``."""
+        peer = self.registry.peers.get(request.peer_id)
+        if peer is None or peer.closed:
+            raise NotFoundError(f"peer {request.peer_id!r} is not registered", reason=Reason.PEER_NOT_FOUND,
+                                metadata={"peerId": request.peer_id})
+        log.warning("the operator evicted peer %s", peer.peer_id)
+        return await self.drop(peer, Reason.PEER_GONE, "the operator evicted the peer")
+
+    async def drop(self, peer: Peer, reason: Reason, message: str) -> int:
+        """Remove a peer and free everything it held; returns how many requests were failed.
+
+        Its open requests end FAILED with ``reason`` (after their in-flight chunk drained,
+        unless the peer's engine is stuck), its streams end after sending that, and its
+        engine connection is dropped through its worker. The peer counts toward ``max_peers``
+        until that disconnect has returned.
+        """
+        if peer.closed:
+            return 0
+        peer.closed = True
+        self.registry.remove(peer)
+        failed, done = await self._release(peer, reason, message)
+        if not peer.worker.stuck:
+            await asyncio.wait([done], timeout=self.limits.drain_timeout)
+        return failed
+
+    def _disconnect_later(self, peer: Peer) -> asyncio.Task[object]:
+        """Drop the peer's engine connection on its worker, behind what runs there; once that returned (and
+        so every earlier call), the peer stops counting toward ``max_peers``."""
+
+        async def disconnect() -> None:
+            loop = asyncio.get_running_loop()
+
+            def release(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed while the engine held the call
+                    loop.call_soon_threadsafe(self.registry.release, peer)
+
+            try:
+                call = peer.worker.submit(self.engine.executor.disconnect, peer.peer_id, cleanup=True,
+                                          what=f"disconnect {peer.peer_id}")
+                call.returned.add_done_callback(release)
+                # Shielded: a cancelled wait must not cancel the disconnect queued behind a stuck call.
+                await asyncio.shield(asyncio.wrap_future(call))
+            except PdprotoError as exc:  # not queued (retired already, the process exits), or it failed
+                log.warning("disconnect of %s failed: %s", peer.peer_id, exc)
+                if not peer.worker.busy:
+                    self.registry.release(peer)
+
+        return self.life.spawn(disconnect(), f"disconnect-{peer.peer_id}")
+
+    def _peer_gone(self, peer: Peer) -> None:
+        """The executor found the peer dead: free it in the background (once)."""
+        if peer.closed or peer.gone_at is not None:
+            return
+        peer.gone_at = time.monotonic()
+        self.deadlines.add(peer.gone_at + self.limits.keep_finished, peer)
+        log.warning("peer %s is gone (engine reported PEER_GONE); freeing its state", peer.peer_id)
+        self.life.spawn(self._release(peer, Reason.PEER_GONE, "the decode process is gone"), f"gone-{peer.peer_id}")
+
+    async def _release(self, peer: Peer, reason: Reason, message: str) -> tuple[int, asyncio.Task[object]]:
+        """Fail the peer's open requests, end its streams, drop its engine connection in the background;
+        (requests failed, the disconnect's task).
+
+        A dead peer (PEER_GONE) keeps its record: its final statuses stay visible, and it counts toward
+        ``max_peers``, until the decode re-registers (which replaces it) or ``keep_finished`` passes.
+        """
+        open_requests = peer.open_requests()
+        await asyncio.gather(*(self.runner.stop(peer, r, reason, message) for r in open_requests))
+        peer.end_streams()
+        return len(open_requests), self._disconnect_later(peer)
+
+    def close(self) -> None:
+        """Stop the judge (a peer's worker stuck in an engine is left behind: a daemon thread)."""
+        stuck = [p.peer_id for p in self.registry.retired.values() if p.worker.busy]
+        if stuck:
+            log.warning("closing with engine calls still out for %d peers: %s", len(stuck), stuck[:8])
+        self._judge.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["Admission", "HEAVY_ENTRIES", "JUDGE_BURST", "JUDGE_RATE", "MAX_JUDGED"]
