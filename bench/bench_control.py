@@ -20,10 +20,9 @@ completed: the server from ``/proc/<pid>/stat``, the clients (this process) from
 ``getrusage``.
 
 Register: 300 calls, each a new peer (deregistered after), against unary echoes of the same
-request bytes. Their registrations cycle through four DCP ranks, four layouts, so all but
-the first four find their verdict remembered (``pdproto_server.verdicts``), as a fleet's
-decode ranks of one shape do; ``negotiate() in process`` is what a new layout adds. Each
-call includes the prefill fetching the decode's arena (the local backend's handover).
+request bytes. Their registrations cycle through four DCP ranks; ``negotiate() in process`` is
+the negotiation's share of a Register. Each call includes the prefill fetching the decode's
+arena (the local backend's handover).
 
 Run: ``python -m bench bench_control`` (about two minutes on two cores).
 """

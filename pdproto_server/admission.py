@@ -1,7 +1,6 @@
 """Admission: registrations (checked, negotiated, judged off the loop when large), identities, removal.
 
-A registration is checked and negotiated (``verdicts.py`` remembers verdicts by layout),
-replaces the stale state of a restarted decode (never a live one: ``IDENTITY_IN_USE``),
+A registration is checked and negotiated, replaces the stale state of a restarted decode (never a live one: ``IDENTITY_IN_USE``),
 connects the executor on the peer's worker and admits the peer. Deregister, the operator's
 Evict, a restart and a dead peer (PEER_GONE from the executor) all remove a peer here: its
 open requests fail, its streams end, and its engine connection is dropped on its worker.
@@ -17,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from pdproto.errors import IdentityInUseError, NotFoundError, PdprotoError, Reason, ResourceLimitError
-from pdproto.negotiation.topology import Decision, Rejection
-from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2, server_info_pb2
+from pdproto.negotiation.topology import Decision, Rejection, negotiate
+from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2
 
 from .engine import PrefillEngine
 from .expiry import Deadlines
@@ -26,13 +25,11 @@ from .metrics import ServiceMetrics
 from .registry import Allowance, Limits, Peer, PeerRegistry, identity_of, retry_after_ms
 from .runner import TransferRunner
 from .validate import Bounds, check_registration, page_limit, registration_entries
-from .verdicts import Verdicts, result_for
 
 if TYPE_CHECKING:
     from .housekeeping import Lifecycle
 
 log = logging.getLogger("pdproto_server.admission")
-Verdict = tuple[Decision, server_info_pb2.NegotiationResult]
 """An accepted registration's decision and its ``NegotiationResult`` without a peer id (shared: copy it)."""
 HEAVY_ENTRIES = 1024
 """A registration listing more buffers and tensors than this is checked and negotiated off the loop;
@@ -66,8 +63,6 @@ class Admission:
         self.life = life
         runner.on_peer_gone = self._peer_gone
         self._registering = 0
-        self.verdicts = Verdicts()
-        """Negotiation verdicts by registration layout: a decode rank shape is negotiated once."""
         self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
         a time: on the loop, one would stall every other peer's calls for its whole length."""
@@ -123,17 +118,17 @@ class Admission:
                 reason=Reason.TOO_MANY_REGISTRATIONS,
                 metadata={"entries": entries, "judged": self.judged, "retryAfterMs": retry_after_ms(wait)})
 
-    def _negotiate(self, reg: registration_pb2.KvRegistration) -> Verdict:
-        """The verdict on ``reg`` with its shared ``NegotiationResult``; a rejection raises its typed error."""
+    def _negotiate(self, reg: registration_pb2.KvRegistration) -> Decision:
+        """The verdict on ``reg``; a rejection raises its typed error."""
         started = time.perf_counter()
-        verdict, result, remembered = self.verdicts.of(self.engine.source.info, reg)
-        self.metrics.negotiated(time.perf_counter() - started, remembered=remembered)
+        verdict = negotiate(self.engine.source.info, reg)
+        self.metrics.negotiation_seconds.observe(time.perf_counter() - started)
         if isinstance(verdict, Rejection):
             raise verdict.to_error()
-        return verdict, result
+        return verdict
 
     def _check_and_negotiate(self, request: hs.RegisterRequest,
-                             origin: str) -> tuple[registration_pb2.KvRegistration, Verdict]:
+                             origin: str) -> tuple[registration_pb2.KvRegistration, Decision]:
         """``check_registration`` and ``_negotiate`` together (on the judge's thread)."""
         started = time.perf_counter()
         try:
@@ -142,7 +137,7 @@ class Admission:
         finally:
             self._judge_s = 0.5 * self._judge_s + 0.5 * (time.perf_counter() - started)
 
-    async def _admit(self, reg: registration_pb2.KvRegistration, verdict: Verdict) -> hs.RegisterResponse:
+    async def _admit(self, reg: registration_pb2.KvRegistration, verdict: Decision) -> hs.RegisterResponse:
         """Connect the executor (on the peer's worker) and add the peer, as ``verdict`` says."""
         identity = identity_of(reg)
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
@@ -161,8 +156,9 @@ class Admission:
             self._registering += 1
             try:
                 peer_id = self.registry.new_id()
-                decision, shared = verdict
-                peer = Peer(peer_id=peer_id, registration=reg, decision=decision, result=result_for(shared, peer_id),
+                result = verdict.to_proto()
+                result.peer_id = peer_id
+                peer = Peer(peer_id=peer_id, registration=reg, decision=verdict, result=result,
                             identity=identity, worker=self.engine.executor.worker(peer_id),
                             credential=self.registry.new_credential())
                 peer.page_limit = page_limit(peer)

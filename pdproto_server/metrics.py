@@ -33,13 +33,8 @@ class ServiceMetrics:
         r.register(_PerRequest(self))
         self.negotiation_seconds = Histogram(
             "pdproto_negotiation_seconds",
-            "Time spent in topology negotiation per Register whose verdict was not remembered (those count in "
-            "pdproto_negotiations_remembered).",
+            "Time spent in topology negotiation per Register.",
             buckets=_NEGOTIATION_BUCKETS, registry=r)
-        self.negotiations_remembered = Counter(
-            "pdproto_negotiations_remembered",
-            "Registers answered with the verdict on an earlier registration of the same layout (its pointers and"
-            " endpoints aside), without negotiating again.", registry=r)
         self.bytes_moved = Counter("pdproto_kv_bytes", "KV bytes written into decode memory.", registry=r)
         self.descriptors = Counter(
             "pdproto_transfer_descriptors", "Transfer descriptors issued to the executor.", registry=r)
@@ -77,16 +72,6 @@ class ServiceMetrics:
     def finished(self, outcome: str) -> None:
         """Count one finished request ("SUCCESS" or its failure reason)."""
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-
-    def negotiated(self, seconds: float, *, remembered: bool) -> None:
-        """Observe one Register's verdict: how long negotiating took, or that it was remembered.
-
-        A remembered verdict is a lookup, not a negotiation; a histogram observation costs a
-        Register more than that lookup, so it is only counted."""
-        if remembered:
-            self.negotiations_remembered.inc()
-        else:
-            self.negotiation_seconds.observe(seconds)
 
     def registered(self, outcome: str) -> None:
         """Count one Register call ("ACCEPTED" or the rejection reason); the labelled child is looked up once."""

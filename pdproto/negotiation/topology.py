@@ -437,34 +437,6 @@ def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
         return Rejection(exc.reason, exc.message, exc.metadata)
 
 
-def layout_of(registration: v1.KvRegistration) -> v1.KvRegistration:
-    """``registration`` without where its memory and endpoints are: a copy that ``negotiate`` answers alike.
-
-    Cleared: buffer and state pointers (kept as zeros, so counts stay), the staging base, the
-    notify endpoint, the transport endpoint's contents (its kind stays) and ``gpu_id``. Every
-    other field stays, a future one too, so two registrations with equal layouts describe the
-    same decode rank shape and ``negotiate`` gives them the same verdict; the server keys its
-    verdicts by it (``pdproto_server.verdicts``).
-    """
-    layout = v1.KvRegistration()
-    layout.CopyFrom(registration)
-    layout.ClearField("notify_endpoint")
-    layout.ClearField("gpu_id")
-    transport = layout.WhichOneof("transport")
-    if transport is not None:
-        layout.ClearField(transport)
-        getattr(layout, transport).SetInParent()
-    for buf in layout.kv_buffers:
-        buf.ptr = 0
-    if layout.aux_ptrs:
-        layout.aux_ptrs[:] = [0] * len(layout.aux_ptrs)
-    for state in layout.state_buffers:
-        state.data_ptrs[:] = [0] * len(state.data_ptrs)
-    if layout.HasField("staging"):
-        layout.staging.base_ptr = 0
-    return layout
-
-
 def from_result(result: v1.NegotiationResult) -> Decision | Rejection:
     """Read a ``NegotiationResult`` back into a ``Decision`` or ``Rejection`` (decode side).
 
@@ -516,6 +488,5 @@ __all__ = [
     "example_registration",
     "example_server_info",
     "from_result",
-    "layout_of",
     "negotiate",
 ]
