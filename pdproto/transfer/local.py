@@ -141,11 +141,6 @@ class LocalExecutor:
         """
         declared, need = _declared(registration)
         lease = arena.fetch(registration.local, need, timeout=self._connect_timeout)
-        self._install(peer_id, lease, declared, registration)
-
-    def _install(self, peer_id: str, lease: arena.Lease, declared: Regions,
-                 registration: registration_pb2.KvRegistration) -> None:
-        """Check the buffers against the mapped arena and make the lease the peer's."""
         outside = [ptr for ptr in declared if ptr >= lease.size]
         if outside:
             lease.close()
