@@ -353,15 +353,12 @@ class FrameReader:
         except CodecProblem as p:
             raise self.error(slot, name, p) from None
 
-    def framing(self) -> LegacyFraming | None:
-        """The LegacyFraming to store in the message, or None when nothing is unusual."""
+    def keep_framing(self, legacy: LegacyFraming) -> None:
+        """Store what is unusual about the frames in ``legacy`` (a message's field); nothing when nothing is."""
         count = len(self.frames) if len(self.frames) < self.full else 0
-        if not count and not self.empty and not self.list_lengths:
-            return None
-        out = LegacyFraming(frame_count=count, empty_slots=sorted(self.empty))
-        for slot, length in self.list_lengths.items():
-            out.list_lengths[slot] = length
-        return out
+        if count or self.empty or self.list_lengths:
+            legacy.CopyFrom(LegacyFraming(frame_count=count, empty_slots=sorted(self.empty),
+                                          list_lengths=self.list_lengths))
 
     def result(self, message: M) -> ParseResult[M]:
         """Wrap the message with the assumptions made while reading."""
@@ -373,16 +370,15 @@ class FrameWriter:
 
     def __init__(self, what: str, *, full: int, minimum: int,
                  framing: LegacyFraming | None, recordable: Iterable[int] = (),
-                 prefix: Sequence[bytes] = (), counts: Iterable[int] | None = None) -> None:
+                 prefix: Sequence[bytes] = ()) -> None:
         self.what = what
         self.offset = len(prefix)
         self.prefix = list(prefix)
         count = framing.frame_count if framing is not None and framing.frame_count else full
-        allowed = set(counts) if counts is not None else set(range(minimum, full + 1))
-        if count not in allowed:
+        if not minimum <= count <= full:
             raise fail(what, None, "legacy.frame_count", Reason.LEGACY_UNREPRESENTABLE,
                        f"frame_count {count} is not a layout SGLang 0.5.23 parses "
-                       f"({min(allowed)}..{max(allowed)})")
+                       f"({minimum}..{full})")
         self.count = count
         self.empties = set(framing.empty_slots) if framing is not None else set()
         self.list_lengths: dict[int, int] = (

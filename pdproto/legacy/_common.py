@@ -253,9 +253,7 @@ def parse_watermark(frames: object, backend: str) -> ParseResult[StagingWatermar
         msg.session_id = r.text(3, "session_id")
     else:
         r.assume("session_id absent: assumed \"\"")
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
+    r.keep_framing(msg.legacy)
     return r.result(msg)
 
 
