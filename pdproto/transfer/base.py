@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from pdproto.backends import Endpoint, set_endpoint
 from pdproto.dcp import runs as run_arith
-from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
+from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason, TopologyError
 from pdproto.v1 import common_pb2, registration_pb2
 
 Runs = npt.NDArray[np.int64]
@@ -347,6 +347,14 @@ def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]], remote: 
                 metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
 
 
+def require_transport(registration: registration_pb2.KvRegistration, transport: str, engine: str) -> None:
+    """TOPOLOGY_BACKEND_UNSUPPORTED unless the registration's transport is ``transport`` (``engine``'s)."""
+    found = registration.WhichOneof("transport")
+    if found != transport:
+        raise TopologyError(f"registration carries no {engine} endpoint", reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
+                            metadata={"transport": found})
+
+
 def remote_regions(registration: registration_pb2.KvRegistration) -> Regions:
     """Every base a peer registered for KV, aux and state, with the length that bounds writes from it.
 
@@ -394,6 +402,7 @@ __all__ = [
     "decode_notification",
     "encode_notification",
     "remote_regions",
+    "require_transport",
     "set_endpoint",
     "validate_job",
 ]

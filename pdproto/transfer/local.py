@@ -26,7 +26,6 @@ from pdproto.errors import (
     PdprotoError,
     Reason,
     RequestFailedError,
-    TopologyError,
 )
 from pdproto.v1 import registration_pb2
 
@@ -44,6 +43,7 @@ from .base import (
     check_bounds,
     Regions,
     remote_regions,
+    require_transport,
     validate_job,
 )
 from .memory import host_view
@@ -259,10 +259,7 @@ class LocalExecutor:
 
 def _declared(registration: registration_pb2.KvRegistration) -> tuple[Regions, int]:
     """The registration's buffers (offset: length) and how much of the arena they need mapped."""
-    if registration.WhichOneof("transport") != "local":
-        raise TopologyError("registration carries no local endpoint",
-                            reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
-                            metadata={"transport": registration.WhichOneof("transport")})
+    require_transport(registration, "local", "local")
     declared = remote_regions(registration)
     # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
     need = 0
