@@ -258,17 +258,14 @@ class NixlExecutor(EngineExecutor):
             pass
 
     def _disconnect(self, peer: PeerState) -> None:
-        if not self._settle(peer, time.monotonic() + self.settle_wait_s):
-            # Unloading the agent under a transfer NIXL still holds frees it inside NIXL: leave it
-            # loaded (the handle is still retried); it costs a metadata entry, not a crash.
-            with self._agent_lock:
-                self._agents.get(peer.remote, set()).discard(peer.extra["conn"])
-            return
+        settled = self._settle(peer, time.monotonic() + self.settle_wait_s)
         with self._agent_lock:
             holders = self._agents.get(peer.remote, set())
             holders.discard(peer.extra["conn"])
-            if holders:
-                return  # another peer still reaches this agent
+            # Unloading the agent under a transfer NIXL still holds frees it inside NIXL: leave it
+            # loaded (the handle is still retried); it costs a metadata entry, not a crash.
+            if holders or not settled:
+                return  # another peer still reaches this agent, or NIXL still holds a transfer to it
             self._agents.pop(peer.remote, None)
             try:
                 self._agent.remove_remote_agent(peer.remote)
