@@ -21,7 +21,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[i
 from grpc_status import rpc_status
 
 from pdproto import errors as E
-from pdproto.errors import GRPC_CODE_NAMES, PdprotoError, Reason, error_class, error_for
+from pdproto.errors import GRPC_CODE_NAMES, PdprotoError, Reason, error_for
 from pdproto.v1 import session_pb2
 
 DOMAIN = "pdproto"
@@ -104,11 +104,7 @@ def error_from_parts(code_name: str, reason_name: str, domain: str, message: str
         reason = _BARE_CODES.get(getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN), Reason.INTERNAL)
         if reason_name:
             meta.update(metadata, foreignReason=reason_name, foreignDomain=domain)
-    if issubclass(error_class(reason), E.InvalidFieldError):
-        field_name = violations[0][0] if violations else meta.get("field", "")
-        return E.InvalidFieldError(field_name, message, reason=reason, metadata=meta,
-                                   violations=list(violations) or None)
-    return error_for(reason, message, meta)
+    return error_for(reason, message, meta, violations)
 
 
 def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
