@@ -35,6 +35,7 @@ _CANONICAL_INT = re.compile(rb"0|-?[1-9][0-9]*")
 _MAX_INT_DIGITS = 20  # every slot fits in 64 bits; longer strings are rejected early
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -306,12 +307,16 @@ class FrameReader:
             raise fail(self.what, slot, name, Reason.LEGACY_BAD_VALUE,
                        f"expected {value!r}, found {show(self.frames[slot])}", self.offset)
 
-    def num(self, slot: int, name: str, lo: int = 0, hi: int = U64_MAX) -> int:
-        """A required ``A`` slot."""
+    def decode(self, slot: int, name: str, fn: Callable[..., T], *args: object) -> T:
+        """Run a decoder, attaching this slot to any failure."""
         try:
-            return decode_int(self.frames[slot], lo, hi)
+            return fn(*args)
         except CodecProblem as p:
             raise self.error(slot, name, p) from None
+
+    def num(self, slot: int, name: str, lo: int = 0, hi: int = U64_MAX) -> int:
+        """A required ``A`` slot."""
+        return self.decode(slot, name, decode_int, self.frames[slot], lo, hi)
 
     def opt_num(self, slot: int, name: str, lo: int = 0, hi: int = U64_MAX, *,
                 record: bool = False) -> int | None:
@@ -327,31 +332,19 @@ class FrameReader:
 
     def text(self, slot: int, name: str, encoding: str = "ascii") -> str:
         """An ``S`` or ``U8`` slot."""
-        try:
-            return decode_text(self.frames[slot], encoding)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, decode_text, self.frames[slot], encoding)
 
     def array(self, slot: int, name: str, fmt: str) -> list[int]:
         """A native packed array slot; absent means empty."""
-        try:
-            return unpack_array(self.raw(slot) or b"", fmt)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, unpack_array, self.raw(slot) or b"", fmt)
 
     def lists(self, slot: int, name: str, fmt: str) -> list[list[int]]:
         """A ``pack_int_lists`` slot; absent means empty."""
-        try:
-            return unpack_int_lists(self.raw(slot) or b"", fmt)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, unpack_int_lists, self.raw(slot) or b"", fmt)
 
     def scalar(self, slot: int, name: str, fmt: str) -> int:
         """A single packed scalar slot."""
-        try:
-            return unpack_scalar(self.frames[slot], fmt)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, unpack_scalar, self.frames[slot], fmt)
 
     def keep_framing(self, legacy: LegacyFraming) -> None:
         """Store what is unusual about the frames in ``legacy`` (a message's field); nothing when nothing is."""
