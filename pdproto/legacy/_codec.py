@@ -82,10 +82,6 @@ def decode_int(data: bytes, lo: int, hi: int) -> int:
     return value
 
 
-def _item(fmt: str) -> int:
-    return struct.calcsize(fmt)
-
-
 def pack_array(values: Sequence[int], fmt: str) -> bytes:
     """Native-order packed array (SGLang ``Q*``, ``I*``, ``i32``): ``struct.pack(f"{n}{fmt}")``."""
     try:
@@ -98,7 +94,7 @@ def pack_array(values: Sequence[int], fmt: str) -> bytes:
 
 def unpack_array(data: bytes, fmt: str) -> list[int]:
     """Inverse of :func:`pack_array`; the frame length must be a multiple of the element size."""
-    size = _item(fmt)
+    size = struct.calcsize(fmt)
     if len(data) % size:
         raise CodecProblem(
             Reason.LEGACY_BAD_LENGTH,
@@ -111,7 +107,7 @@ def pack_int_lists(lists: Sequence[Sequence[int]], fmt: str) -> bytes:
     """SGLang ``pack_int_lists``: little-endian ``<(n+1)I`` header of byte lengths, then each list."""
     if not lists:
         return b""  # SGLang encodes [] as an empty frame, keeping [] and [[]] distinct
-    size = _item("<" + fmt)
+    size = struct.calcsize("<" + fmt)
     try:
         header = struct.pack(f"<{len(lists) + 1}I", len(lists), *(len(x) * size for x in lists))
         return header + b"".join(struct.pack(f"<{len(x)}{fmt}", *x) for x in lists)
@@ -125,7 +121,7 @@ def unpack_int_lists(data: bytes, fmt: str) -> list[list[int]]:
     """Inverse of :func:`pack_int_lists`; header, element sizes and total length must agree."""
     if not data:
         return []
-    size = _item("<" + fmt)
+    size = struct.calcsize("<" + fmt)
     if len(data) < 4:
         raise CodecProblem(Reason.LEGACY_BAD_LENGTH, f"{len(data)} bytes is too short for a header")
     (count,) = struct.unpack_from("<I", data)
@@ -179,11 +175,6 @@ def decode_text(data: bytes, encoding: str = "ascii") -> str:
             Reason.LEGACY_BAD_TEXT,
             f"not {encoding} text at byte {exc.start}: {show(data)}",
         ) from None
-
-
-def pack_be32(value: int) -> bytes:
-    """SGLang ``BE32``: ``struct.pack(">I", n)`` (AUX_DATA length)."""
-    return pack_scalar(value, ">I")
 
 
 def pack_scalar(value: int, fmt: str) -> bytes:

@@ -19,7 +19,6 @@ from pdproto.legacy._codec import (
     FrameWriter,
     ParseResult,
     CodecProblem,
-    pack_be32,
 )
 from pdproto.v1 import (
     STAGING_ALLOCATION_GRANTED,
@@ -314,7 +313,7 @@ def build_aux_data(msg: AuxData, backend: str) -> list[bytes]:
     w.num(1, "room", msg.room)
     w.num(2, "buffer_index", msg.buffer_index)
     w.num(3, "aux_index", msg.aux_index)
-    w.raw(4, "length", w.encode(4, "length", pack_be32, len(msg.data)))
+    w.scalar(4, "length", len(msg.data), ">I", default=False)  # SGLang's BE32
     w.raw(5, "data", msg.data)
     return w.done()
 
