@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,7 +57,14 @@ class _Peer:
     lease: arena.Lease
     view: np.ndarray
     regions: Regions
-    lock: threading.Lock
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by a copy into the arena; unmapping waits for it."""
+
+    def unmap(self) -> None:
+        """Drop the mapping and the connection once no copy into it runs (the memory stays the decode's)."""
+        with self.lock:
+            self.view = np.zeros(0, dtype=np.uint8)
+            self.lease.close()
 
 
 class LocalExecutor:
@@ -148,14 +155,12 @@ class LocalExecutor:
             raise InvalidFieldError(_field_at(registration, ptr), f"offset {ptr} is outside the {lease.size}-byte arena",
                                     metadata={"ptr": ptr, "arena": lease.size})
         regions = {ptr: length or lease.size - ptr for ptr, length in declared.items()}
-        peer = _Peer(lease=lease, view=np.frombuffer(lease.mapping, dtype=np.uint8), regions=regions,
-                     lock=threading.Lock())
+        peer = _Peer(lease=lease, view=np.frombuffer(lease.mapping, dtype=np.uint8), regions=regions)
         with self._lock:
             old = self._peers.pop(peer_id, None)
             self._peers[peer_id] = peer
         if old is not None:
-            with old.lock:  # a copy into the old arena may still run
-                _unmap(old)
+            old.unmap()  # after a copy into the old arena that may still run
 
     def _peer(self, peer_id: str) -> _Peer:
         with self._lock:
@@ -231,10 +236,8 @@ class LocalExecutor:
         """Unmap the peer's arena and close its socket; the memory stays the decode's."""
         with self._lock:
             peer = self._peers.pop(peer_id, None)
-        if peer is None:
-            return
-        with peer.lock:
-            _unmap(peer)
+        if peer is not None:
+            peer.unmap()
 
     def close(self) -> None:
         """Disconnect every peer, stop handing this arena out, and drop it (prefills see the hang-up)."""
@@ -287,11 +290,6 @@ def _check_alive(peer_id: str, peer: _Peer, message: str) -> None:
     if not peer.lease.alive():
         raise RequestFailedError(message, reason=Reason.PEER_GONE,
                                  metadata={"peer": peer_id, "pid": peer.lease.pid})
-
-
-def _unmap(peer: _Peer) -> None:
-    peer.view = np.zeros(0, dtype=np.uint8)
-    peer.lease.close()
 
 
 __all__ = ["LocalExecutor"]
