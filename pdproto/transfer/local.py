@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class LocalExecutor:
     backend = "local"
 
     def __init__(self, *, arena_bytes: int = 1 << 30, name: str | None = None,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, **_: Any) -> None:
         """Create an executor; the arena (sparse, so only touched pages cost memory) is made lazily.
 
         ``connect_timeout_s`` bounds how long ``connect`` waits for a decode to hand its arena over.
