@@ -27,7 +27,6 @@ from .base import (
     TransferStats,
     decode_notification,
     encode_notification,
-    set_endpoint,
 )
 from .engines._paths import INLINE_BYTES
 from .memory import aligned_dram, allocate, at_address, external
@@ -79,5 +78,4 @@ __all__ = [
     "decode_notification",
     "encode_notification",
     "external",
-    "set_endpoint",
 ]

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.backends import Endpoint, set_endpoint
+from pdproto.backends import Endpoint
 from pdproto.dcp import runs as run_arith
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason, TopologyError
 from pdproto.v1 import common_pb2, registration_pb2
@@ -403,6 +403,5 @@ __all__ = [
     "encode_notification",
     "remote_regions",
     "require_transport",
-    "set_endpoint",
     "validate_job",
 ]
