@@ -71,7 +71,6 @@ class ArenaServer:
 
     def __init__(self, fd: int, size: int) -> None:
         """Listen on a fresh abstract socket; a daemon thread answers clients one at a time."""
-        self.fd = fd
         self.size = size
         self.secret = secrets.token_bytes(SECRET_BYTES)
         # What every answer sends: built once, as the descriptor never changes.
