@@ -337,15 +337,13 @@ class FrameReader:
         """A single packed scalar slot."""
         return self.decode(slot, name, unpack_scalar, self.frames[slot], fmt)
 
-    def keep_framing(self, legacy: LegacyFraming) -> None:
-        """Store what is unusual about the frames in ``legacy`` (a message's field); nothing when nothing is."""
+    def result(self, message: M, legacy: LegacyFraming | None = None) -> ParseResult[M]:
+        """Wrap the message with the assumptions made while reading; ``legacy`` (the message's field)
+        gets what is unusual about the frames, and stays unset when nothing is."""
         count = len(self.frames) if len(self.frames) < self.full else 0
-        if count or self.empty or self.list_lengths:
+        if legacy is not None and (count or self.empty or self.list_lengths):
             legacy.CopyFrom(LegacyFraming(frame_count=count, empty_slots=sorted(self.empty),
                                           list_lengths=self.list_lengths))
-
-    def result(self, message: M) -> ParseResult[M]:
-        """Wrap the message with the assumptions made while reading."""
         return ParseResult(message, tuple(self.assumed))
 
 

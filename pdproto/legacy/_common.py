@@ -252,8 +252,7 @@ def parse_watermark(frames: object, backend: str) -> ParseResult[StagingWatermar
         msg.session_id = r.text(3, "session_id")
     else:
         r.assume("session_id absent: assumed \"\"")
-    r.keep_framing(msg.legacy)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_watermark(msg: StagingWatermark, backend: str) -> list[bytes]:
