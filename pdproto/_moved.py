@@ -56,8 +56,12 @@ class _Moved(types.ModuleType):
         return sorted({n for t in self._targets for n in dir(t)})
 
 
-class _Loader(Loader):
-    """Makes the module of an old name (``MOVED``)."""
+class _Finder(Loader):
+    """Finds and makes the module of an old name (``MOVED``); last in ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> ModuleSpec | None:
+        """A spec for an old name; None for every other (the import fails as it would have)."""
+        return ModuleSpec(fullname, self) if fullname in MOVED else None
 
     def create_module(self, spec: ModuleSpec) -> types.ModuleType:
         """A ``_Moved`` module for ``spec.name``."""
@@ -72,14 +76,6 @@ class _Loader(Loader):
         warnings.warn(f"{module.__name__} moved to {' and '.join(new)}; import it from there "
                       "(the old path goes after the next minor release)", DeprecationWarning,
                       stacklevel=2)  # warnings skips importlib's frames: this names the import statement
-
-
-class _Finder:
-    """The meta-path finder of ``MOVED`` names (last in ``sys.meta_path``)."""
-
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> ModuleSpec | None:
-        """A spec for an old name; None for every other (the import fails as it would have)."""
-        return ModuleSpec(fullname, _Loader()) if fullname in MOVED else None
 
 
 def install() -> None:

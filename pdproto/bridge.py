@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from google.protobuf.message import Message
 
@@ -88,7 +87,6 @@ class ZmqBridge:
                  legacy_backend: legacy.LegacyBackend | None = None, max_message_bytes: int = 4 << 20) -> None:
         import zmq  # lazily: the pure core must import without pyzmq
 
-        self._zmq: Any = zmq
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)

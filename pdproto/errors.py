@@ -304,11 +304,16 @@ def error_class(reason: Reason) -> type[PdprotoError]:
     return _OWNER[reason]
 
 
-def error_for(reason: Reason, message: str, metadata: Mapping[str, object] | None = None) -> PdprotoError:
-    """An error of ``reason``'s class, for code whose reason is a value rather than a literal."""
+def error_for(reason: Reason, message: str, metadata: Mapping[str, object] | None = None,
+              violations: Sequence[tuple[str, str]] = ()) -> PdprotoError:
+    """An error of ``reason``'s class, for code whose reason is a value rather than a literal.
+
+    An ``InvalidFieldError`` names the first of ``violations``, else ``metadata["field"]``.
+    """
     cls = error_class(reason)
     if issubclass(cls, InvalidFieldError):
-        return cls(str((metadata or {}).get("field", "")), message, reason=reason, metadata=metadata)
+        field = violations[0][0] if violations else str((metadata or {}).get("field", ""))
+        return cls(field, message, reason=reason, metadata=metadata, violations=list(violations) or None)
     return cls(message, reason=reason, metadata=metadata)
 
 

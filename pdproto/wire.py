@@ -131,11 +131,7 @@ def encode_envelope(
     payload = envelope.SerializeToString(deterministic=True)
     size = HEADER_SIZE + len(payload)
     if size > max_frame_bytes:
-        raise MessageTooLargeError(
-            f"frame of {size} bytes exceeds the limit of {max_frame_bytes} bytes",
-            reason=Reason.MESSAGE_TOO_LARGE,
-            metadata={"size": size, "limit": max_frame_bytes},
-        )
+        raise _too_large(size, max_frame_bytes)
     return HEADER.pack(MAGIC, major, minor, len(payload)) + payload
 
 
@@ -240,11 +236,7 @@ def _as_bytes(data: object) -> bytes:
 def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
     """Check the header and return (major, minor, payload)."""
     if len(data) > max_frame_bytes:
-        raise MessageTooLargeError(
-            f"frame of {len(data)} bytes exceeds the limit of {max_frame_bytes} bytes",
-            reason=Reason.MESSAGE_TOO_LARGE,
-            metadata={"size": len(data), "limit": max_frame_bytes},
-        )
+        raise _too_large(len(data), max_frame_bytes)
     if len(data) < HEADER_SIZE:
         if data == MAGIC[: len(data)] or data.startswith(MAGIC):
             raise WireError(
@@ -267,12 +259,8 @@ def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
     available = len(data) - HEADER_SIZE
     if length > available:
         if HEADER_SIZE + length > max_frame_bytes:
-            raise MessageTooLargeError(
-                f"header declares a {HEADER_SIZE + length}-byte frame, over the limit of "
-                f"{max_frame_bytes} bytes",
-                reason=Reason.MESSAGE_TOO_LARGE,
-                metadata={"size": HEADER_SIZE + length, "limit": max_frame_bytes},
-            )
+            raise _too_large(HEADER_SIZE + length, max_frame_bytes, "header declares a {size}-byte frame, "
+                             "over the limit of {limit} bytes")
         raise WireError(
             f"header declares {length} payload bytes but only {available} follow",
             reason=Reason.WIRE_TRUNCATED,
@@ -285,6 +273,12 @@ def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
             metadata={"declared": length, "available": available},
         )
     return major, minor, data[HEADER_SIZE:]
+
+
+def _too_large(size: int, limit: int,
+               message: str = "frame of {size} bytes exceeds the limit of {limit} bytes") -> MessageTooLargeError:
+    """MESSAGE_TOO_LARGE for a frame of ``size`` bytes over ``limit`` (``message`` names them as fields)."""
+    return MessageTooLargeError(message.format(size=size, limit=limit), metadata={"size": size, "limit": limit})
 
 
 def _bad_magic(data: bytes) -> WireError:

@@ -35,6 +35,7 @@ _CANONICAL_INT = re.compile(rb"0|-?[1-9][0-9]*")
 _MAX_INT_DIGITS = 20  # every slot fits in 64 bits; longer strings are rejected early
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,6 @@ def decode_int(data: bytes, lo: int, hi: int) -> int:
     return value
 
 
-def _item(fmt: str) -> int:
-    return struct.calcsize(fmt)
-
-
 def pack_array(values: Sequence[int], fmt: str) -> bytes:
     """Native-order packed array (SGLang ``Q*``, ``I*``, ``i32``): ``struct.pack(f"{n}{fmt}")``."""
     try:
@@ -97,7 +94,7 @@ def pack_array(values: Sequence[int], fmt: str) -> bytes:
 
 def unpack_array(data: bytes, fmt: str) -> list[int]:
     """Inverse of :func:`pack_array`; the frame length must be a multiple of the element size."""
-    size = _item(fmt)
+    size = struct.calcsize(fmt)
     if len(data) % size:
         raise CodecProblem(
             Reason.LEGACY_BAD_LENGTH,
@@ -110,7 +107,7 @@ def pack_int_lists(lists: Sequence[Sequence[int]], fmt: str) -> bytes:
     """SGLang ``pack_int_lists``: little-endian ``<(n+1)I`` header of byte lengths, then each list."""
     if not lists:
         return b""  # SGLang encodes [] as an empty frame, keeping [] and [[]] distinct
-    size = _item("<" + fmt)
+    size = struct.calcsize("<" + fmt)
     try:
         header = struct.pack(f"<{len(lists) + 1}I", len(lists), *(len(x) * size for x in lists))
         return header + b"".join(struct.pack(f"<{len(x)}{fmt}", *x) for x in lists)
@@ -124,7 +121,7 @@ def unpack_int_lists(data: bytes, fmt: str) -> list[list[int]]:
     """Inverse of :func:`pack_int_lists`; header, element sizes and total length must agree."""
     if not data:
         return []
-    size = _item("<" + fmt)
+    size = struct.calcsize("<" + fmt)
     if len(data) < 4:
         raise CodecProblem(Reason.LEGACY_BAD_LENGTH, f"{len(data)} bytes is too short for a header")
     (count,) = struct.unpack_from("<I", data)
@@ -178,11 +175,6 @@ def decode_text(data: bytes, encoding: str = "ascii") -> str:
             Reason.LEGACY_BAD_TEXT,
             f"not {encoding} text at byte {exc.start}: {show(data)}",
         ) from None
-
-
-def pack_be32(value: int) -> bytes:
-    """SGLang ``BE32``: ``struct.pack(">I", n)`` (AUX_DATA length)."""
-    return pack_scalar(value, ">I")
 
 
 def pack_scalar(value: int, fmt: str) -> bytes:
@@ -306,12 +298,16 @@ class FrameReader:
             raise fail(self.what, slot, name, Reason.LEGACY_BAD_VALUE,
                        f"expected {value!r}, found {show(self.frames[slot])}", self.offset)
 
-    def num(self, slot: int, name: str, lo: int = 0, hi: int = U64_MAX) -> int:
-        """A required ``A`` slot."""
+    def decode(self, slot: int, name: str, fn: Callable[..., T], *args: object) -> T:
+        """Run a decoder, attaching this slot to any failure."""
         try:
-            return decode_int(self.frames[slot], lo, hi)
+            return fn(*args)
         except CodecProblem as p:
             raise self.error(slot, name, p) from None
+
+    def num(self, slot: int, name: str, lo: int = 0, hi: int = U64_MAX) -> int:
+        """A required ``A`` slot."""
+        return self.decode(slot, name, decode_int, self.frames[slot], lo, hi)
 
     def opt_num(self, slot: int, name: str, lo: int = 0, hi: int = U64_MAX, *,
                 record: bool = False) -> int | None:
@@ -327,44 +323,27 @@ class FrameReader:
 
     def text(self, slot: int, name: str, encoding: str = "ascii") -> str:
         """An ``S`` or ``U8`` slot."""
-        try:
-            return decode_text(self.frames[slot], encoding)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, decode_text, self.frames[slot], encoding)
 
     def array(self, slot: int, name: str, fmt: str) -> list[int]:
         """A native packed array slot; absent means empty."""
-        try:
-            return unpack_array(self.raw(slot) or b"", fmt)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, unpack_array, self.raw(slot) or b"", fmt)
 
     def lists(self, slot: int, name: str, fmt: str) -> list[list[int]]:
         """A ``pack_int_lists`` slot; absent means empty."""
-        try:
-            return unpack_int_lists(self.raw(slot) or b"", fmt)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, unpack_int_lists, self.raw(slot) or b"", fmt)
 
     def scalar(self, slot: int, name: str, fmt: str) -> int:
         """A single packed scalar slot."""
-        try:
-            return unpack_scalar(self.frames[slot], fmt)
-        except CodecProblem as p:
-            raise self.error(slot, name, p) from None
+        return self.decode(slot, name, unpack_scalar, self.frames[slot], fmt)
 
-    def framing(self) -> LegacyFraming | None:
-        """The LegacyFraming to store in the message, or None when nothing is unusual."""
+    def result(self, message: M, legacy: LegacyFraming | None = None) -> ParseResult[M]:
+        """Wrap the message with the assumptions made while reading; ``legacy`` (the message's field)
+        gets what is unusual about the frames, and stays unset when nothing is."""
         count = len(self.frames) if len(self.frames) < self.full else 0
-        if not count and not self.empty and not self.list_lengths:
-            return None
-        out = LegacyFraming(frame_count=count, empty_slots=sorted(self.empty))
-        for slot, length in self.list_lengths.items():
-            out.list_lengths[slot] = length
-        return out
-
-    def result(self, message: M) -> ParseResult[M]:
-        """Wrap the message with the assumptions made while reading."""
+        if legacy is not None and (count or self.empty or self.list_lengths):
+            legacy.CopyFrom(LegacyFraming(frame_count=count, empty_slots=sorted(self.empty),
+                                          list_lengths=self.list_lengths))
         return ParseResult(message, tuple(self.assumed))
 
 
@@ -373,16 +352,15 @@ class FrameWriter:
 
     def __init__(self, what: str, *, full: int, minimum: int,
                  framing: LegacyFraming | None, recordable: Iterable[int] = (),
-                 prefix: Sequence[bytes] = (), counts: Iterable[int] | None = None) -> None:
+                 prefix: Sequence[bytes] = ()) -> None:
         self.what = what
         self.offset = len(prefix)
         self.prefix = list(prefix)
         count = framing.frame_count if framing is not None and framing.frame_count else full
-        allowed = set(counts) if counts is not None else set(range(minimum, full + 1))
-        if count not in allowed:
+        if not minimum <= count <= full:
             raise fail(what, None, "legacy.frame_count", Reason.LEGACY_UNREPRESENTABLE,
                        f"frame_count {count} is not a layout SGLang 0.5.23 parses "
-                       f"({min(allowed)}..{max(allowed)})")
+                       f"({minimum}..{full})")
         self.count = count
         self.empties = set(framing.empty_slots) if framing is not None else set()
         self.list_lengths: dict[int, int] = (

@@ -19,7 +19,6 @@ from pdproto.legacy._codec import (
     FrameWriter,
     ParseResult,
     CodecProblem,
-    pack_be32,
 )
 from pdproto.v1 import (
     STAGING_ALLOCATION_GRANTED,
@@ -253,10 +252,7 @@ def parse_watermark(frames: object, backend: str) -> ParseResult[StagingWatermar
         msg.session_id = r.text(3, "session_id")
     else:
         r.assume("session_id absent: assumed \"\"")
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_watermark(msg: StagingWatermark, backend: str) -> list[bytes]:
@@ -316,7 +312,7 @@ def build_aux_data(msg: AuxData, backend: str) -> list[bytes]:
     w.num(1, "room", msg.room)
     w.num(2, "buffer_index", msg.buffer_index)
     w.num(3, "aux_index", msg.aux_index)
-    w.raw(4, "length", w.encode(4, "length", pack_be32, len(msg.data)))
+    w.scalar(4, "length", len(msg.data), ">I", default=False)  # SGLang's BE32
     w.raw(5, "data", msg.data)
     return w.done()
 

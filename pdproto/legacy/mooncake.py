@@ -81,10 +81,7 @@ def parse_registration(frames: list[bytes]) -> ParseResult[KvRegistration]:
     msg.state_buffers.extend(read_state_buffers(r, _STATE))
     read_staging(r, msg, _STAGING_BASE, _SLOT_IDS)
     read_dcp(r, msg, _DCP_SIZE, _DCP_RANK)
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_registration(message: KvRegistration) -> list[bytes]:
@@ -135,10 +132,7 @@ def parse_transfer_info(frames: list[bytes]) -> ParseResult[TransferInfo]:
         msg.decode_prefix_len = prefix
     if not r.blank(9):
         msg.dst_device_kv_pages.pages.extend(r.array(9, "dst_device_kv_indices", "i"))
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_transfer_info(message: TransferInfo) -> list[bytes]:

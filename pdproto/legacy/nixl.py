@@ -91,10 +91,7 @@ def parse_registration(frames: list[bytes]) -> ParseResult[KvRegistration]:
     if num_slots is not None:
         msg.num_slots = num_slots
     read_dcp(r, msg, _DCP_SIZE, _DCP_RANK)
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_registration(message: KvRegistration) -> list[bytes]:
@@ -157,10 +154,7 @@ def parse_transfer_info(frames: list[bytes]) -> ParseResult[TransferInfo]:
         msg.is_dummy = _inferred_dummy(msg)
         r.assume(f"is_dummy flag absent: inferred {msg.is_dummy} from empty kv indices and "
                  "decode_prefix_len")
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_transfer_info(message: TransferInfo) -> list[bytes]:
@@ -204,10 +198,7 @@ def parse_status(frames: list[bytes]) -> ParseResult[TransferStatus]:
                          prefill_rank=r.num(3, "prefill_rank", hi=U32_MAX))
     if r.has(4):
         msg.failure_reason = r.text(4, "reason", "utf-8")
-    framing = r.framing()
-    if framing is not None:
-        msg.legacy.CopyFrom(framing)
-    return r.result(msg)
+    return r.result(msg, msg.legacy)
 
 
 def build_status(message: TransferStatus) -> list[bytes]:

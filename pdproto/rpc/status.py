@@ -16,11 +16,12 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 
 from pdproto import errors as E
-from pdproto.errors import GRPC_CODE_NAMES, PdprotoError, Reason, error_class, error_for
+from pdproto.errors import GRPC_CODE_NAMES, PdprotoError, Reason, error_for
 from pdproto.v1 import session_pb2
 
 DOMAIN = "pdproto"
@@ -38,9 +39,9 @@ def grpc_code(reason: Reason) -> grpc.StatusCode:
 _CAMEL = re.compile(r"_([a-z0-9])")
 
 
-def _camel(key: str) -> str:
-    """lowerCamelCase a metadata key (AIP-193); keys already camel stay as they are."""
-    return _CAMEL.sub(lambda m: m.group(1).upper(), key)
+def _camel(metadata: Mapping[str, object]) -> dict[str, str]:
+    """The metadata with lowerCamelCase keys (AIP-193; keys already camel stay as they are)."""
+    return {_CAMEL.sub(lambda m: m.group(1).upper(), k): str(v) for k, v in metadata.items()}
 
 
 def build_status(
@@ -49,34 +50,17 @@ def build_status(
     metadata: Mapping[str, object] | None = None,
     *,
     field_violations: Sequence[tuple[str, str]] = (),
-    code: grpc.StatusCode | None = None,
 ) -> grpc.Status:
     """A grpc.Status with one ErrorInfo and, when fields are named, one BadRequest."""
-    info = error_details_pb2.ErrorInfo(
-        reason=reason.code,
-        domain=DOMAIN,
-        metadata={_camel(k): str(v) for k, v in (metadata or {}).items()},
-    )
-    details: list[any_pb2.Any] = []
-    packed = any_pb2.Any()
-    packed.Pack(info)
-    details.append(packed)
+    details: list[Message] = [
+        error_details_pb2.ErrorInfo(reason=reason.code, domain=DOMAIN, metadata=_camel(metadata or {}))]
     if field_violations:
-        bad = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
-                for f, d in field_violations
-            ]
-        )
-        packed_bad = any_pb2.Any()
-        packed_bad.Pack(bad)
-        details.append(packed_bad)
-    status_code = code if code is not None else grpc_code(reason)
-    proto = status_pb2.Status(
-        code=getattr(code_pb2, status_code.name),
-        message=message,
-        details=details,
-    )
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in field_violations]))
+    packed = [any_pb2.Any() for _ in details]
+    for any_msg, detail in zip(packed, details):
+        any_msg.Pack(detail)
+    proto = status_pb2.Status(code=getattr(code_pb2, grpc_code(reason).name), message=message, details=packed)
     result: grpc.Status = rpc_status.to_status(proto)
     return result
 
@@ -92,7 +76,7 @@ def command_error(error: PdprotoError) -> session_pb2.CommandError:
     violations = error.violations if isinstance(error, E.InvalidFieldError) else ()
     return session_pb2.CommandError(
         code=grpc_code(error.reason).value[0], reason=error.reason.code, message=error.message,
-        metadata={_camel(k): str(v) for k, v in error.metadata.items()},
+        metadata=_camel(error.metadata),
         field_violations=[session_pb2.FieldViolation(field=f, description=d) for f, d in violations])
 
 
@@ -120,11 +104,7 @@ def error_from_parts(code_name: str, reason_name: str, domain: str, message: str
         reason = _BARE_CODES.get(getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN), Reason.INTERNAL)
         if reason_name:
             meta.update(metadata, foreignReason=reason_name, foreignDomain=domain)
-    if issubclass(error_class(reason), E.InvalidFieldError):
-        field_name = violations[0][0] if violations else meta.get("field", "")
-        return E.InvalidFieldError(field_name, message, reason=reason, metadata=meta,
-                                   violations=list(violations) or None)
-    return error_for(reason, message, meta)
+    return error_for(reason, message, meta, violations)
 
 
 def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
@@ -141,8 +121,8 @@ def error_from_rpc(exc: grpc.RpcError) -> PdprotoError:
             bad = error_details_pb2.BadRequest()
             any_msg.Unpack(bad)
             violations.extend((v.field, v.description) for v in bad.field_violations)
-    if info is None:
-        return error_from_parts(code.name, "", "", exc.details() or "", {}, violations)
+    if info is None:  # a status from gRPC or the transport: no reason, domain or metadata
+        info = error_details_pb2.ErrorInfo()
     return error_from_parts(code.name, info.reason, info.domain, exc.details() or "", dict(info.metadata),
                             violations)
 

@@ -8,7 +8,6 @@ imported only when their backend is created, and a missing one raises
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any
 
 from pdproto import backends
@@ -28,7 +27,6 @@ from .base import (
     TransferStats,
     decode_notification,
     encode_notification,
-    set_endpoint,
 )
 from .engines._paths import INLINE_BYTES
 from .memory import aligned_dram, allocate, at_address, external
@@ -54,13 +52,8 @@ def create_executor(backend: str, *, name: str | None = None, **options: Any) ->
     package is imported only here, and a missing one raises ``EngineUnavailableError``.
     """
     module, _, cls_name = backends.by_name(backend).executor.partition(":")
-    cls = getattr(importlib.import_module(module), cls_name)
-    given = {"name": name, **options}
-    params = inspect.signature(cls).parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        accepted = {p.name for p in params}
-        given = {k: v for k, v in given.items() if k in accepted}
-    executor: TransferExecutor = cls(**given)
+    # Every executor takes ``**_`` and so ignores the options of other backends.
+    executor: TransferExecutor = getattr(importlib.import_module(module), cls_name)(name=name, **options)
     return executor
 
 
@@ -85,5 +78,4 @@ __all__ = [
     "decode_notification",
     "encode_notification",
     "external",
-    "set_endpoint",
 ]

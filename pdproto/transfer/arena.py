@@ -69,11 +69,10 @@ def create(name: str, size: int) -> int:
 class ArenaServer:
     """The decode side: hands ``fd`` to every client that presents ``secret``, and holds the connections."""
 
-    def __init__(self, fd: int, size: int, *, secret: bytes | None = None) -> None:
+    def __init__(self, fd: int, size: int) -> None:
         """Listen on a fresh abstract socket; a daemon thread answers clients one at a time."""
-        self.fd = fd
         self.size = size
-        self.secret = secret if secret is not None else secrets.token_bytes(SECRET_BYTES)
+        self.secret = secrets.token_bytes(SECRET_BYTES)
         # What every answer sends: built once, as the descriptor never changes.
         self._rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
         self.name = f"pdproto-arena-{os.getpid()}-{secrets.token_hex(16)}"
@@ -84,8 +83,6 @@ class ArenaServer:
         self._prune_at = _PRUNE_AT
         self._lock = threading.Lock()
         self._closed = False
-        self.asked = 0
-        """Prefills that asked for the arena (with the secret) and were handed it."""
         self._thread = threading.Thread(target=self._serve, name="pdproto-arena", daemon=True)
         self._thread.start()
 
@@ -109,13 +106,7 @@ class ArenaServer:
             conn.close()
             return
         _time_left(conn, deadline)
-        # Counted before the answer goes, so a prefill that holds the arena finds it counted already.
-        self.asked += 1
-        try:
-            conn.sendmsg([_ANSWER.pack(HELLO, self.size)], self._rights)
-        except OSError:
-            self.asked -= 1
-            raise
+        conn.sendmsg([_ANSWER.pack(HELLO, self.size)], self._rights)
         conn.settimeout(None)
         self._hold(conn)
 
@@ -234,47 +225,31 @@ def _handover(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint, tim
     try:
         sock.connect("\0" + endpoint.socket)
     except (FileNotFoundError, ConnectionRefusedError) as exc:
-        raise _nobody_listens(endpoint) from exc
+        raise RequestFailedError("nothing listens on the decode's arena socket: the decode is gone or "
+                                 "closed its executor", reason=Reason.PEER_GONE,
+                                 metadata={"socket": endpoint.socket}) from exc
     except TimeoutError as exc:
         raise DeadlineExceededError("the decode's arena socket did not accept in time",
                                     reason=Reason.DEADLINE_EXCEEDED,
                                     metadata={"socket": endpoint.socket, "timeout_s": timeout}) from exc
-    pid = _peer_pid(sock, endpoint)
+    # The process at the other end of the connected socket; it must be the endpoint's.
+    pid = int(_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0])
+    if endpoint.pid and endpoint.pid != pid:
+        raise InvalidFieldError(f"{_FIELD}.pid", f"the arena socket belongs to process {pid}, not {endpoint.pid}",
+                                metadata={"pid": endpoint.pid, "socket_pid": pid})
     try:
         sock.sendall(HELLO + endpoint.secret)
         # The answer's header and up to four descriptors (one is expected; more are refused).
         msg, ancdata, flags, _ = sock.recvmsg(_ANSWER.size, socket.CMSG_SPACE(4 * 4), socket.MSG_CMSG_CLOEXEC)
     except TimeoutError as exc:
-        raise _too_slow(endpoint, timeout) from exc
+        raise DeadlineExceededError("the decode did not hand its arena over in time", reason=Reason.DEADLINE_EXCEEDED,
+                                    metadata={"socket": endpoint.socket, "timeout_s": timeout}) from exc
     except OSError as exc:
-        raise _socket_failed(endpoint, exc) from exc
+        raise RequestFailedError("the decode's arena socket failed", reason=Reason.PEER_GONE,
+                                 metadata={"socket": endpoint.socket, "error": exc}) from exc
     fd = _received(msg, ancdata, flags, endpoint)
     sock.settimeout(None)
     return fd, pid
-
-
-def _nobody_listens(endpoint: registration_pb2.LocalEndpoint) -> RequestFailedError:
-    return RequestFailedError("nothing listens on the decode's arena socket: the decode is gone or "
-                              "closed its executor", reason=Reason.PEER_GONE, metadata={"socket": endpoint.socket})
-
-
-def _too_slow(endpoint: registration_pb2.LocalEndpoint, timeout: float) -> DeadlineExceededError:
-    return DeadlineExceededError("the decode did not hand its arena over in time", reason=Reason.DEADLINE_EXCEEDED,
-                                 metadata={"socket": endpoint.socket, "timeout_s": timeout})
-
-
-def _socket_failed(endpoint: registration_pb2.LocalEndpoint, exc: OSError) -> RequestFailedError:
-    return RequestFailedError("the decode's arena socket failed", reason=Reason.PEER_GONE,
-                              metadata={"socket": endpoint.socket, "error": exc})
-
-
-def _peer_pid(sock: socket.socket, endpoint: registration_pb2.LocalEndpoint) -> int:
-    """The process at the other end of the connected socket; it must be the endpoint's."""
-    pid = int(_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0])
-    if endpoint.pid and endpoint.pid != pid:
-        raise InvalidFieldError(f"{_FIELD}.pid", f"the arena socket belongs to process {pid}, not {endpoint.pid}",
-                                metadata={"pid": endpoint.pid, "socket_pid": pid})
-    return pid
 
 
 def _received(msg: bytes, ancdata: list[tuple[int, int, bytes]], flags: int,

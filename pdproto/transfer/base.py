@@ -23,9 +23,9 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.backends import Endpoint, set_endpoint
+from pdproto.backends import Endpoint
 from pdproto.dcp import runs as run_arith
-from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError
+from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, Reason, TopologyError
 from pdproto.v1 import common_pb2, registration_pb2
 
 from .worker import PeerWorker
@@ -355,6 +355,14 @@ def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]], remote: 
                 metadata={"layer": i, "dst_ptr": hex(layer.dst_ptr), "max_row": dmax})
 
 
+def require_transport(registration: registration_pb2.KvRegistration, transport: str, engine: str) -> None:
+    """TOPOLOGY_BACKEND_UNSUPPORTED unless the registration's transport is ``transport`` (``engine``'s)."""
+    found = registration.WhichOneof("transport")
+    if found != transport:
+        raise TopologyError(f"registration carries no {engine} endpoint", reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
+                            metadata={"transport": found})
+
+
 def remote_regions(registration: registration_pb2.KvRegistration) -> Regions:
     """Every base a peer registered for KV, aux and state, with the length that bounds writes from it.
 
@@ -402,6 +410,6 @@ __all__ = [
     "decode_notification",
     "encode_notification",
     "remote_regions",
-    "set_endpoint",
+    "require_transport",
     "validate_job",
 ]

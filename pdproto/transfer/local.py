@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,6 @@ from pdproto.errors import (
     PdprotoError,
     Reason,
     RequestFailedError,
-    TopologyError,
 )
 from pdproto.v1 import registration_pb2
 
@@ -46,6 +45,7 @@ from .base import (
     check_bounds,
     Regions,
     remote_regions,
+    require_transport,
     validate_job,
 )
 from .memory import host_view
@@ -60,7 +60,14 @@ class _Peer:
     lease: arena.Lease
     view: np.ndarray
     regions: Regions
-    lock: threading.Lock
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by a copy into the arena; unmapping waits for it."""
+
+    def unmap(self) -> None:
+        """Drop the mapping and the connection once no copy into it runs (the memory stays the decode's)."""
+        with self.lock:
+            self.view = np.zeros(0, dtype=np.uint8)
+            self.lease.close()
 
 
 class LocalExecutor:
@@ -69,7 +76,7 @@ class LocalExecutor:
     backend = "local"
 
     def __init__(self, *, arena_bytes: int = 1 << 30, name: str | None = None,
-                 connect_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0) -> None:
+                 connect_timeout_s: float = 5.0, transfer_timeout_s: float = 30.0, **_: Any) -> None:
         """Create an executor; the arena (sparse, so only touched pages cost memory) is made lazily.
 
         ``connect_timeout_s`` bounds how long ``connect`` waits for a decode to hand its arena over;
@@ -147,11 +154,6 @@ class LocalExecutor:
         """
         declared, need = _declared(registration)
         lease = arena.fetch(registration.local, need, timeout=self._connect_timeout)
-        self._install(peer_id, lease, declared, registration)
-
-    def _install(self, peer_id: str, lease: arena.Lease, declared: Regions,
-                 registration: registration_pb2.KvRegistration) -> None:
-        """Check the buffers against the mapped arena and make the lease the peer's."""
         outside = [ptr for ptr in declared if ptr >= lease.size]
         if outside:
             lease.close()
@@ -159,14 +161,12 @@ class LocalExecutor:
             raise InvalidFieldError(_field_at(registration, ptr), f"offset {ptr} is outside the {lease.size}-byte arena",
                                     metadata={"ptr": ptr, "arena": lease.size})
         regions = {ptr: length or lease.size - ptr for ptr, length in declared.items()}
-        peer = _Peer(lease=lease, view=np.frombuffer(lease.mapping, dtype=np.uint8), regions=regions,
-                     lock=threading.Lock())
+        peer = _Peer(lease=lease, view=np.frombuffer(lease.mapping, dtype=np.uint8), regions=regions)
         with self._lock:
             old = self._peers.pop(peer_id, None)
             self._peers[peer_id] = peer
         if old is not None:
-            with old.lock:  # a copy into the old arena may still run
-                _unmap(old)
+            old.unmap()  # after a copy into the old arena that may still run
 
     def _peer(self, peer_id: str) -> _Peer:
         with self._lock:
@@ -253,10 +253,8 @@ class LocalExecutor:
         self._workers.retire(peer_id)
         with self._lock:
             peer = self._peers.pop(peer_id, None)
-        if peer is None:
-            return
-        with peer.lock:
-            _unmap(peer)
+        if peer is not None:
+            peer.unmap()
 
     def close(self) -> None:
         """Disconnect every peer, stop handing this arena out, and drop it (prefills see the hang-up)."""
@@ -282,10 +280,7 @@ class LocalExecutor:
 
 def _declared(registration: registration_pb2.KvRegistration) -> tuple[Regions, int]:
     """The registration's buffers (offset: length) and how much of the arena they need mapped."""
-    if registration.WhichOneof("transport") != "local":
-        raise TopologyError("registration carries no local endpoint",
-                            reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
-                            metadata={"transport": registration.WhichOneof("transport")})
+    require_transport(registration, "local", "local")
     declared = remote_regions(registration)
     # Map what the buffers cover; a buffer of unknown length (0) reaches the arena's end.
     need = 0
@@ -313,11 +308,6 @@ def _check_alive(peer_id: str, peer: _Peer, message: str) -> None:
     if not peer.lease.alive():
         raise RequestFailedError(message, reason=Reason.PEER_GONE,
                                  metadata={"peer": peer_id, "pid": peer.lease.pid})
-
-
-def _unmap(peer: _Peer) -> None:
-    peer.view = np.zeros(0, dtype=np.uint8)
-    peer.lease.close()
 
 
 __all__ = ["LocalExecutor"]

@@ -15,8 +15,10 @@ it returns or raises, so no engine read outlives the call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -100,19 +102,30 @@ class JobPaths:
                 self._handles += 1
             inflight.append((handle, lo, hi, len(chunk)))
 
+    @contextlib.contextmanager
+    def _inflight(self, peer: PeerState) -> Iterator[Inflight]:
+        """The queue a path submits batches to: waited out when the block ends; when it raises, still
+        waited out (errors ignored), so no engine read outlives its buffer."""
+        inflight: Inflight = collections.deque()
+        try:
+            yield inflight
+            while inflight:
+                self._finish(peer, inflight.popleft()[0])
+        finally:
+            for handle, *_ in list(inflight):
+                try:
+                    self._finish(peer, handle)
+                except PdprotoError:
+                    pass
+
     def _run_rows(self, peer: PeerState, units: Units) -> int:
         """Per-row (run-merged) descriptors straight from the source buffers."""
         total = 0
-        inflight: Inflight = collections.deque()
-        try:
+        with self._inflight(peer) as inflight:
             for seg, layer in units:
                 descs = row_descriptors(layer, seg.runs)
                 self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
                 total += len(descs)
-            while inflight:
-                self._finish(peer, inflight.popleft()[0])
-        finally:
-            self._drain(peer, [e[0] for e in inflight])
         return total
 
     def _run_packed(self, peer: PeerState, units: Units,
@@ -151,38 +164,35 @@ class JobPaths:
         total = 0
         pack_s = 0.0
         mem = (staging.kind, staging.device)
-        inflight: Inflight = collections.deque()
         pending: Future[float] | None = None
-        try:
-            pending = self._pack_pool().submit(pack, 0)
-            # Cut while unit 0 is packed: once per segment, not once per unit.
-            unit_descs = packed_units(units, [staging.addr + base + lo for lo, _ in places])
-            for i in range(len(units)):
-                current, pending = pending, None
-                assert current is not None  # every iteration starts with unit i being packed
-                pack_s += current.result()
-                lo, hi = places[i]
-                descs = unit_descs[i]
-                total += len(descs)
-                nxt = i + 1
-                # Engines that copy inside the submit call overlap it with packing unit i+1,
-                # unless i+1 reuses i's bytes; async engines get unit i moving first.
-                late = self.submit_blocks and nxt < len(units) and not (
-                    places[nxt][0] < hi and lo < places[nxt][1])
-                if not late:
-                    self._push(peer, inflight, descs, mem, lo, hi)
-                if nxt < len(units):
-                    while any(overlaps(nxt, e) for e in inflight):
-                        self._finish(peer, inflight.popleft()[0])
-                    pending = self._pack_pool().submit(pack, nxt)
-                if late:
-                    self._push(peer, inflight, descs, mem, lo, hi)
-            while inflight:
-                self._finish(peer, inflight.popleft()[0])
-        finally:
-            if pending is not None:
-                pending.exception()  # never leave the pack thread writing staging behind us
-            self._drain(peer, [e[0] for e in inflight])
+        with self._inflight(peer) as inflight:
+            try:
+                pending = self._pack_pool().submit(pack, 0)
+                # Cut while unit 0 is packed: once per segment, not once per unit.
+                unit_descs = packed_units(units, [staging.addr + base + lo for lo, _ in places])
+                for i in range(len(units)):
+                    current, pending = pending, None
+                    assert current is not None  # every iteration starts with unit i being packed
+                    pack_s += current.result()
+                    lo, hi = places[i]
+                    descs = unit_descs[i]
+                    total += len(descs)
+                    nxt = i + 1
+                    # Engines that copy inside the submit call overlap it with packing unit i+1,
+                    # unless i+1 reuses i's bytes; async engines get unit i moving first.
+                    late = self.submit_blocks and nxt < len(units) and not (
+                        places[nxt][0] < hi and lo < places[nxt][1])
+                    if not late:
+                        self._push(peer, inflight, descs, mem, lo, hi)
+                    if nxt < len(units):
+                        while any(overlaps(nxt, e) for e in inflight):
+                            self._finish(peer, inflight.popleft()[0])
+                        pending = self._pack_pool().submit(pack, nxt)
+                    if late:
+                        self._push(peer, inflight, descs, mem, lo, hi)
+            finally:
+                if pending is not None:
+                    pending.exception()  # never leave the pack thread writing staging behind us
         return total, pack_s
 
     def _gather(self, seg: Segment, layer: LayerSpan, lo: int, hi: int, index: Runs, *, sync: bool = True) -> None:
@@ -217,13 +227,8 @@ class JobPaths:
         pack_s = time.perf_counter() - tp
         parts = packed_units(units, starts)
         descs = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        inflight: Inflight = collections.deque()
-        try:
+        with self._inflight(peer) as inflight:
             self._push(peer, inflight, descs, (staging.kind, staging.device))
-            while inflight:
-                self._finish(peer, inflight.popleft()[0])
-        finally:
-            self._drain(peer, [e[0] for e in inflight])
         return len(descs), pack_s
 
     def _pack_pool(self) -> ThreadPoolExecutor:
@@ -239,14 +244,6 @@ class JobPaths:
         finally:
             with self._lock:
                 self._handles -= 1
-
-    def _drain(self, peer: PeerState, handles: Any) -> None:
-        """After a failure, still wait out submitted work so no engine read outlives its buffer."""
-        for h in list(handles):
-            try:
-                self._finish(peer, h)
-            except PdprotoError:
-                pass
 
 
 __all__ = ["INLINE_BYTES", "Inflight", "JobPaths", "Units", "gather_indexes"]

@@ -40,7 +40,6 @@ from pdproto.errors import (
     PdprotoError,
     Reason,
     RequestFailedError,
-    TopologyError,
     TransferError,
     UnavailableError,
     error_for,
@@ -50,7 +49,7 @@ from pdproto.v1 import registration_pb2
 from ._engine import EngineExecutor, PeerState, rdma_present
 from ._paths import INLINE_BYTES
 from ..address import advertise_host
-from ..base import VRAM, Buffer, Endpoint, MemoryKind
+from ..base import VRAM, Buffer, Endpoint, MemoryKind, require_transport
 from ..packing import Descs
 
 _INIT_LOCK = threading.Lock()
@@ -161,10 +160,7 @@ class MooncakeExecutor(EngineExecutor):
         return registration_pb2.MooncakeEndpoint(session_id=self._session)
 
     def _connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> PeerState:
-        if registration.WhichOneof("transport") != "mooncake":
-            raise TopologyError("registration carries no Mooncake endpoint",
-                                reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
-                                metadata={"transport": registration.WhichOneof("transport")})
+        require_transport(registration, "mooncake", "Mooncake")
         session = registration.mooncake.session_id
         if not session or ":" not in session:
             raise InvalidFieldError("registration.mooncake.session_id", "bad Mooncake session id",

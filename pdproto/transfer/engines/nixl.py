@@ -35,7 +35,6 @@ from pdproto.errors import (
     PdprotoError,
     Reason,
     RequestFailedError,
-    TopologyError,
     TransferError,
 )
 from pdproto.negotiation.reach import ADVERTISE_ENV
@@ -44,7 +43,7 @@ from pdproto.v1 import common_pb2, registration_pb2
 from ._engine import EngineExecutor, PeerState, rdma_present
 from ._paths import INLINE_BYTES
 from ..address import interface_of
-from ..base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification
+from ..base import VRAM, Buffer, Endpoint, MemoryKind, Notification, decode_notification, require_transport
 from ..packing import Descs
 
 _AGENT_LOCK = threading.Lock()
@@ -208,10 +207,7 @@ class NixlExecutor(EngineExecutor):
                                              agent_metadata=self._agent.get_agent_metadata())
 
     def _connect(self, peer_id: str, registration: registration_pb2.KvRegistration) -> PeerState:
-        if registration.WhichOneof("transport") != "nixl":
-            raise TopologyError("registration carries no NIXL endpoint",
-                                reason=Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
-                                metadata={"transport": registration.WhichOneof("transport")})
+        require_transport(registration, "nixl", "NIXL")
         with self._agent_lock:  # loading, checking and counting one agent is one step
             name = self._load_agent(peer_id, registration.nixl)
             self._connections += 1
@@ -262,17 +258,14 @@ class NixlExecutor(EngineExecutor):
             pass
 
     def _disconnect(self, peer: PeerState) -> None:
-        if not self._settle(peer, time.monotonic() + self.settle_wait_s):
-            # Unloading the agent under a transfer NIXL still holds frees it inside NIXL: leave it
-            # loaded (the handle is still retried); it costs a metadata entry, not a crash.
-            with self._agent_lock:
-                self._agents.get(peer.remote, set()).discard(peer.extra["conn"])
-            return
+        settled = self._settle(peer, time.monotonic() + self.settle_wait_s)
         with self._agent_lock:
             holders = self._agents.get(peer.remote, set())
             holders.discard(peer.extra["conn"])
-            if holders:
-                return  # another peer still reaches this agent
+            # Unloading the agent under a transfer NIXL still holds frees it inside NIXL: leave it
+            # loaded (the handle is still retried); it costs a metadata entry, not a crash.
+            if holders or not settled:
+                return  # another peer still reaches this agent, or NIXL still holds a transfer to it
             self._agents.pop(peer.remote, None)
             try:
                 self._agent.remove_remote_agent(peer.remote)
