@@ -138,6 +138,10 @@ def test_a_paged_entry_pairs_only_with_its_own_kind_and_type() -> None:
             match_state(i, r, src_tp=1, dst_tp=1)
         assert caught.value.reason is Reason.TOPOLOGY_STATE_KIND_MISMATCH
         assert "'dsa'" in caught.value.message and caught.value.metadata["typeName"] == "dsa"
+    # A name only one side sends (a decode or prefill not built from SGLang) reads as agreeing.
+    for prefill_name, decode_name in (("", "dsa"), ("dsa", "")):
+        i, r = _paged(prefill_name, common_pb2.STATE_TP_POLICY_REPLICATED, decode_name=decode_name)
+        assert len(match_state(i, r, src_tp=1, dst_tp=1)) == 1
 
 
 def test_an_entry_that_needs_equal_tp_is_refused_on_a_mismatch_naming_its_type() -> None:

@@ -315,7 +315,7 @@ def _check_kinds(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.Stat
         raise TopologyError(f"state entry {e}{named} has kind {src.kind}, which this negotiation cannot move",
                             reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={**meta, "kind": src.kind})
     (pk, dk), dn = (_kind_name(src.kind), _kind_name(dst.kind or src.kind)), dst.type_name or src.type_name
-    if pk != dk or src.type_name != dn:
+    if pk != dk or (src.type_name and src.type_name != dn):  # a name only one side sends reads as agreeing
         raise TopologyError(f"state entry {e} is {pk} {src.type_name!r} on the prefill and {dk} {dn!r} on the decode",
                             reason=Reason.TOPOLOGY_STATE_KIND_MISMATCH,
                             metadata={**meta, "prefillKind": pk, "decodeKind": dk, "decodeTypeName": dn})

@@ -198,8 +198,8 @@ class StateBuffer(_message.Message):
     kind: _common_pb2.StateKind.ValueType
     """How a request addresses the entry; unset reads as the prefill's kind."""
     type_name: _builtins.str
-    """SGLang StateType value ("dsa", ...); empty reads as the prefill's. A paged entry pairs only
-    with a prefill entry of the same name.
+    """SGLang StateType value ("dsa", ...); empty reads as the prefill's. When both sides name the
+    entry, the names must agree (two paged kinds share STATE_KIND_PAGED, not a layout).
     """
     @_builtins.property
     def data_ptrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -171,7 +171,7 @@ class StateEntryInfo(_message.Message):
     """How a request addresses the entry."""
     type_name: _builtins.str
     """SGLang StateType value ("mamba", "swa", "dsa", ...) when the entry comes from SGLang: errors name
-    it, and a paged entry pairs only with a decode entry of the same name.
+    it, and it must equal the decode's StateBuffer.type_name when that is sent.
     """
     tp_policy: _common_pb2.StateTpPolicy.ValueType
     """How a TP size mismatch is handled; unset reads it from the tensors' dim."""
