@@ -104,6 +104,66 @@ def test_state_kind_mismatch() -> None:
     assert reason_of(match_state, info(), r, src_tp=1, dst_tp=1) is Reason.TOPOLOGY_STATE_KIND_MISMATCH
 
 
+def _paged(name: str, policy: int, *, tp: int = 1, decode_name: str = "",
+           decode_kind: int = common_pb2.STATE_KIND_PAGED) -> tuple[server_info_pb2.PrefillServerInfo,
+                                                                     registration_pb2.KvRegistration]:
+    """A prefill and a decode with one per-KV-page entry of two 8,448-byte tensors (SGLang's DSA index)."""
+    i = server_info_pb2.PrefillServerInfo(page_size=64)
+    i.attn_tp.size = tp
+    entry = i.state_entries.add(kind=common_pb2.STATE_KIND_PAGED, type_name=name,
+                                tp_policy=policy)  # type: ignore[arg-type]
+    entry.tensors.add(item_len=8448)
+    entry.tensors.add(item_len=8448)
+    r = registration_pb2.KvRegistration()
+    r.state_buffers.add(kind=decode_kind, type_name=decode_name,  # type: ignore[arg-type]
+                        data_ptrs=[0x1000, 0x9000], item_lens=[8448, 8448])
+    return i, r
+
+
+def test_a_replicated_paged_entry_is_written_whole_by_one_sender() -> None:
+    i, r = _paged("dsa", common_pb2.STATE_TP_POLICY_REPLICATED, tp=4, decode_name="dsa")
+    (m,) = match_state(i, r, src_tp=4, dst_tp=2)
+    assert m.kind == common_pb2.STATE_KIND_PAGED
+    plans = state_writes((m,), src_tp=4, dst_tp=2, dst_rank=1, senders=(2, 3))
+    assert [[sum(s.length for s in t.segments) for t in p.tensors] for _, (p,) in sorted(plans.items())] \
+        == [[8448, 8448], [0, 0]]
+
+
+def test_a_paged_entry_pairs_only_with_its_own_kind_and_type() -> None:
+    for decode_name, decode_kind in (("qsa_compressed", common_pb2.STATE_KIND_PAGED),
+                                     ("dsa", common_pb2.STATE_KIND_SLIDING_WINDOW)):
+        i, r = _paged("dsa", common_pb2.STATE_TP_POLICY_REPLICATED, decode_name=decode_name,
+                      decode_kind=decode_kind)
+        with pytest.raises(TopologyError) as caught:
+            match_state(i, r, src_tp=1, dst_tp=1)
+        assert caught.value.reason is Reason.TOPOLOGY_STATE_KIND_MISMATCH
+        assert "'dsa'" in caught.value.message and caught.value.metadata["typeName"] == "dsa"
+    # A name only one side sends (a decode or prefill not built from SGLang) reads as agreeing.
+    for prefill_name, decode_name in (("", "dsa"), ("dsa", "")):
+        i, r = _paged(prefill_name, common_pb2.STATE_TP_POLICY_REPLICATED, decode_name=decode_name)
+        assert len(match_state(i, r, src_tp=1, dst_tp=1)) == 1
+
+
+def test_an_entry_that_needs_equal_tp_is_refused_on_a_mismatch_naming_its_type() -> None:
+    i, r = _paged("block_scale", common_pb2.STATE_TP_POLICY_REFUSED, tp=2)
+    assert len(match_state(i, r, src_tp=2, dst_tp=2)) == 1
+    with pytest.raises(TopologyError) as caught:
+        match_state(i, r, src_tp=2, dst_tp=4)
+    assert caught.value.reason is Reason.TOPOLOGY_STATE_TP_REFUSED
+    assert "(block_scale)" in caught.value.message
+    assert caught.value.metadata == {"stateEntry": "0", "typeName": "block_scale", "prefillTpSize": "2",
+                                     "decodeTpSize": "4"}
+
+
+def test_a_kind_this_negotiation_does_not_know_is_refused_naming_its_type() -> None:
+    i, r = _paged("swa_ring", common_pb2.STATE_TP_POLICY_UNSPECIFIED)
+    i.state_entries[0].kind = 9  # type: ignore[assignment]  # from a newer minor
+    with pytest.raises(TopologyError) as caught:
+        match_state(i, r, src_tp=1, dst_tp=1)
+    assert caught.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
+    assert "(swa_ring)" in caught.value.message
+
+
 def test_state_kind_unset_on_the_decode_takes_the_prefills() -> None:
     (m,) = match_state(info(), reg(), src_tp=1, dst_tp=1)
     assert m.kind == common_pb2.STATE_KIND_RECURRENT

@@ -120,13 +120,81 @@ def test_kimi_linear_prefill_tp1_and_decode_tp2_dcp2_agree_on_kv_state_and_aux()
         assert [sum(s.length for s in t.segments) for t in state.tensors] == [576] * 6 + [2048] * 6
 
 
+def dsa_state(*, pages: int = 9, name: str = "dsa") -> dict[str, Any]:
+    """DSATokenToKVPool's one DSA component as setup_state_kv_args appends it (utils.py:1702-1736):
+    per layer the index-K buffer's pointer, length and bytes per page (index_key_cache.py:189-194),
+    64 tokens * (128 fp8 + 4 scale bytes) = 8,448; no dims, outer counts, groups or layer ids."""
+    return {"type": SimpleNamespace(value=name), "ptrs": [0xA000_0000 + i * 0x10_0000 for i in range(4)],
+            "items": [8448] * 4, "dims": [], "outer": [], "groups": [], "layers": []}
+
+
+def test_dsa_index_pages_are_paged_and_replicated_so_one_mla_prefill_rank_writes_each_dcp_rank() -> None:
+    info = layout.server_info(kv_args(state=[dsa_state()]), layout.Ranks(attn_tp=(2, 1)), is_mla_backend=True,
+                              host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    (entry,) = info.state_entries
+    assert (entry.kind, entry.type_name, entry.tp_policy) == (v1.STATE_KIND_PAGED, "dsa",
+                                                              v1.STATE_TP_POLICY_REPLICATED)
+    assert [(t.item_len, t.dim) for t in entry.tensors] == [(8448, 0)] * 4
+    # Dense prefill -> decode TP 4 = DCP 4: each rank gets the whole page (a DCP decode's index buffer
+    # covers every token: it is never sharded).
+    for rank in range(4):
+        decision = _pair(kv_args(state=[dsa_state()]), layout.Ranks(attn_tp=(1, 0)),
+                         kv_args(state=[dsa_state(pages=36)]), layout.Ranks(attn_tp=(4, rank), dcp=(4, rank)))
+        assert isinstance(decision, Decision) and decision.tp, decision
+        (state,) = decision.tp.state
+        assert state.kind == v1.STATE_KIND_PAGED
+        assert [sum(s.length for s in t.segments) for t in state.tensors] == [8448] * 4
+    # Prefill TP 4 -> decode TP 2 (MLA fan-in): of the two prefill ranks feeding a decode rank, one
+    # writes every index page, the other none.
+    for rank in range(2):
+        written = {}
+        for p_rank in range(4):
+            decision = _pair(kv_args(state=[dsa_state()]), layout.Ranks(attn_tp=(4, p_rank)),
+                             kv_args(state=[dsa_state()]), layout.Ranks(attn_tp=(2, rank)))
+            if isinstance(decision, Rejection):
+                assert decision.reason is Reason.TOPOLOGY_NOT_A_SENDER, decision
+                continue
+            assert decision.tp, decision
+            (state,) = decision.tp.state
+            written[p_rank] = [sum(s.length for s in t.segments) for t in state.tensors]
+        assert sorted(written.values()) == [[0] * 4, [8448] * 4], written
+
+
+def test_a_dsa_layer_that_shares_top_k_has_no_index_and_is_left_out_on_both_sides() -> None:
+    shared = {**dsa_state(), "items": [8448, 8448, 0, 8448]}  # layer 2: a 0-row buffer
+    args = kv_args(state=[shared])
+    (entry,) = layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                                  backend=v1.BACKEND_MOONCAKE).state_entries
+    assert [t.item_len for t in entry.tensors] == [8448] * 3
+    (regions,) = layout.regions(args, on_device=True).state
+    assert [r.ptr for r in regions] == [shared["ptrs"][i] for i in (0, 1, 3)]
+    decision = _pair(args, layout.Ranks(attn_tp=(1, 0)), args, layout.Ranks(attn_tp=(1, 0)))
+    assert isinstance(decision, Decision) and decision.tp, decision
+    assert [t.dst_tensor for t in decision.tp.state[0].tensors] == [0, 1, 2]
+
+
+def test_a_dsa_entry_pairs_only_with_dsa() -> None:
+    # qsa_compressed is paged too, but another layout: component i must be the same StateType.
+    prefill = kv_args(state=[dsa_state()])
+    decode = kv_args(state=[dsa_state(name="qsa_compressed")])
+    layout.STATE_KINDS["qsa_compressed"] = layout.STATE_KINDS["dsa"]  # as a later table row would
+    try:
+        rejection = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(1, 0)))
+    finally:
+        del layout.STATE_KINDS["qsa_compressed"]
+    assert isinstance(rejection, Rejection), rejection
+    assert rejection.reason is Reason.TOPOLOGY_STATE_KIND_MISMATCH
+    assert "'dsa'" in rejection.message and "'qsa_compressed'" in rejection.message
+    assert rejection.metadata["typeName"] == "dsa" and rejection.metadata["decodeTypeName"] == "qsa_compressed"
+
+
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:
-    dsa = {**kimi_state(1), "type": SimpleNamespace(value="dsa")}
+    tail = {**kimi_state(1), "type": SimpleNamespace(value="dsa_tail")}
     with pytest.raises(TopologyError) as info:
-        layout.server_info(kv_args(state=[dsa]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
+        layout.server_info(kv_args(state=[tail]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
                            port=1, backend=v1.BACKEND_MOONCAKE)
     assert info.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
-    assert "'dsa'" in info.value.message and "mooncake" in info.value.message
+    assert "'dsa_tail'" in info.value.message and "mooncake" in info.value.message
 
 
 def test_layer_ids_that_do_not_cover_every_entry_are_refused() -> None:

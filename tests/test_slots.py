@@ -87,11 +87,13 @@ def test_recurrent_copies_pair_the_two_slots() -> None:
     assert second.segments == (Segment(16, 0, 16),) and second.nbytes == 16
 
 
-def test_sliding_window_pages_pair_in_order_and_lists_must_match() -> None:
-    (first, _) = state_copies([pairing(SW)], src_slots=[[2, 3]], dst_slots=[[6, 7]])
+@pytest.mark.parametrize("kind", [SW, common_pb2.STATE_KIND_PAGED])
+def test_sliding_window_and_paged_pages_pair_in_order_and_lists_must_match(kind: int) -> None:
+    (first, _) = state_copies([pairing(kind)], src_slots=[[2, 3]], dst_slots=[[6, 7]])
     assert first.items == ((2, 6), (3, 7)) and first.nbytes == 128
-    with pytest.raises(InvalidFieldError):
-        state_copies([pairing(SW)], src_slots=[[2, 3]], dst_slots=[[6]])
+    with pytest.raises(InvalidFieldError) as caught:
+        state_copies([pairing(kind)], src_slots=[[2, 3]], dst_slots=[[6]])
+    assert "2 prefill pages for 1 decode pages" in caught.value.message
     with pytest.raises(InvalidFieldError):
         state_copies([pairing(REC)], src_slots=[], dst_slots=[[1]])
 

@@ -8,13 +8,17 @@ purely from ``PrefillServerInfo`` and ``KvRegistration``:
 * **aux**: buffers pair by position; the counts must be equal (SGLang transferred the
   shorter list and misaligned the rest) and, when the decode sends its sizes, so must the
   bytes per slot.
-* **state entries** pair by position with the same count and the same kind. Inside an
-  entry, tensors pair like KV entries (``pdproto.dcp.layers``): by layer id when both sides
-  send ids, by position when neither does and both hold the same stage.
-* **per tensor**, how the two sides' items relate: equal state TP sizes copy the item whole;
-  different sizes split it by ``pdproto.negotiation.shards`` (heads of a temporal state, the q/k/v
-  channels of a conv state per window row, heads per token of a sliding-window page), which
-  needs the split widths of both sides; a tensor whole on every rank moves once.
+* **state entries** pair by position with the same count, the same kind and, when both sides
+  name it, the same type name (SGLang's ``dsa`` and ``qsa_compressed`` are both paged, with
+  other layouts). Inside an entry, tensors pair like KV entries (``pdproto.dcp.layers``): by
+  layer id when both sides send ids, by position when neither does and both hold the same stage.
+* **per tensor**, how the two sides' items relate (the entry's ``StateTpPolicy``; unset reads
+  it from ``dim``): equal state TP sizes copy the item whole; a replicated tensor (``dim`` 0,
+  or ``REPLICATED``: the DSA index of an MLA pool) is whole on every rank and moves once; a
+  ``REFUSED`` entry moves only between equal TP sizes; otherwise different sizes split it by
+  ``pdproto.negotiation.shards`` (heads of a temporal state, the q/k/v channels of a conv state
+  per window row, heads per token of a sliding-window page), which needs the split widths of
+  both sides.
 * **MHA KV rows** with different attention TP sizes are split by head the same way; MLA rows
   are whole on every prefill rank and written by one.
 
@@ -32,7 +36,7 @@ from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.shards import Layout, Segment, SplitAxis, Whole, assign_writes, head_axis, local_width
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 
-_KINDS = {common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW}
+_KINDS = {common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW, common_pb2.STATE_KIND_PAGED}
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def _tensor_pairs(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.Sta
 
 
 def _layout(t: server_info_pb2.StateTensorInfo, dst_item: int, dst_dim: int | None, *,
-            src_tp: int, dst_tp: int, where: dict[str, int]) -> Layout:
+            src_tp: int, dst_tp: int, replicated: bool, where: dict[str, int]) -> Layout:
     """How a prefill tensor's items relate to the decode's (rules in the module docstring)."""
     def reject(reason: Reason, message: str, **meta: object) -> TopologyError:
         return TopologyError(f"state entry {where['stateEntry']} tensor {where['tensor']}: {message}",
@@ -224,7 +228,7 @@ def _layout(t: server_info_pb2.StateTensorInfo, dst_item: int, dst_dim: int | No
     if t.item_len == 0:
         raise InvalidFieldError("info.state_entries.tensors.item_len", "item_len must be > 0",
                                 metadata=where)
-    if src_tp == dst_tp or t.dim == 0:
+    if src_tp == dst_tp or t.dim == 0 or replicated:
         if t.dim == 0 and dst_dim:
             raise reject(Reason.TOPOLOGY_STATE_SLICE_MISMATCH,
                          f"whole on every prefill rank but split ({dst_dim} per rank) on the decode",
@@ -290,27 +294,36 @@ def match_state(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.K
     src_pp, dst_pp = info.pp.size or 1, reg.pp.size or 1
     out = []
     for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
-        if src.kind not in _KINDS:
-            raise TopologyError(
-                f"state entry {e} has kind {src.kind}, which this negotiation cannot move",
-                reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED,
-                metadata={"stateEntry": e, "kind": src.kind, "typeName": src.type_name})
-        if dst.kind and dst.kind != src.kind:
-            raise TopologyError(
-                f"state entry {e} is {_kind_name(src.kind)} on the prefill and"
-                f" {_kind_name(dst.kind)} on the decode",
-                reason=Reason.TOPOLOGY_STATE_KIND_MISMATCH,
-                metadata={"stateEntry": e, "prefillKind": _kind_name(src.kind),
-                          "decodeKind": _kind_name(dst.kind)})
+        _check_kinds(src, dst, e, src_tp=src_tp, dst_tp=dst_tp)
         pairs = _tensor_pairs(src, dst, e, src_pp=src_pp, dst_pp=dst_pp)
         tensors = []
         for i, (t, j) in enumerate(zip(src.tensors, pairs, strict=True)):
             dst_dim = dst.dim_per_tensors[j] if dst.dim_per_tensors else None
             layout = _layout(t, dst.item_lens[j], dst_dim, src_tp=src_tp, dst_tp=dst_tp,
+                             replicated=src.tp_policy == common_pb2.STATE_TP_POLICY_REPLICATED,
                              where={"stateEntry": e, "tensor": i, "decodeTensor": j})
             tensors.append(TensorMatch(i, j, t.item_len, dst.item_lens[j], layout))
         out.append(EntryMatch(e, e, src.kind, tuple(tensors)))
     return tuple(out)
+
+
+def _check_kinds(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.StateBuffer, e: int, *,
+                 src_tp: int, dst_tp: int) -> None:
+    """Refuse an entry this negotiation cannot move, or one the two sides describe as different kinds."""
+    named, meta = f" ({src.type_name})" if src.type_name else "", {"stateEntry": e, "typeName": src.type_name}
+    if src.kind not in _KINDS:
+        raise TopologyError(f"state entry {e}{named} has kind {src.kind}, which this negotiation cannot move",
+                            reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={**meta, "kind": src.kind})
+    (pk, dk), dn = (_kind_name(src.kind), _kind_name(dst.kind or src.kind)), dst.type_name or src.type_name
+    if pk != dk or (src.type_name and src.type_name != dn):  # a name only one side sends reads as agreeing
+        raise TopologyError(f"state entry {e} is {pk} {src.type_name!r} on the prefill and {dk} {dn!r} on the decode",
+                            reason=Reason.TOPOLOGY_STATE_KIND_MISMATCH,
+                            metadata={**meta, "prefillKind": pk, "decodeKind": dk, "decodeTypeName": dn})
+    if src.tp_policy == common_pb2.STATE_TP_POLICY_REFUSED and src_tp != dst_tp:
+        raise TopologyError(
+            f"state entry {e}{named} moves only between equal TP sizes, but the prefill's state TP is"
+            f" {src_tp} and the decode's TP {dst_tp}", reason=Reason.TOPOLOGY_STATE_TP_REFUSED,
+            metadata={**meta, "prefillTpSize": src_tp, "decodeTpSize": dst_tp})
 
 
 def _kind_name(kind: int) -> str:

@@ -85,7 +85,7 @@ class StateTensor:
     """One tensor of a decode state entry."""
 
     item_len: int
-    """Bytes per slot (recurrent) or per page (sliding window) on this rank."""
+    """Bytes per slot (recurrent) or per page (sliding window, paged) on this rank."""
     dim: int | None = None
     """Elements of the TP-split axis this rank holds; 0: whole on every rank; None: not sent
     (then for every tensor of the entry; the prefill can only copy whole items)."""
@@ -101,6 +101,8 @@ class StateEntry:
     """How a request addresses it (``pdproto.v1.StateKind``)."""
     tensors: tuple[StateTensor, ...]
     """Its tensors, in pool order."""
+    type_name: str = ""
+    """SGLang ``StateType`` value (``"dsa"``); when the prefill names its entry too, the names must agree."""
 
 
 def kv_entries(count: int, token_bytes: int, *, first_layer: int = 0,
@@ -169,9 +171,9 @@ def _state_buffer(entry: StateEntry, regions: Sequence[KvRegion], e: int) -> reg
         if any(v is None for v in values) and any(v is not None for v in values):
             raise InvalidFieldError(f"state[{e}].{name}", f"every tensor of state entry {e} sets {name}, or none")
     return registration_pb2.StateBuffer(
-        kind=entry.kind, data_ptrs=[r.ptr for r in regions], item_lens=[t.item_len for t in entry.tensors],
-        dim_per_tensors=[d for d in dims if d is not None], layer_ids=[i for i in ids if i is not None],
-        data_lens=[r.length for r in regions])
+        kind=entry.kind, type_name=entry.type_name, data_ptrs=[r.ptr for r in regions],
+        item_lens=[t.item_len for t in entry.tensors], dim_per_tensors=[d for d in dims if d is not None],
+        layer_ids=[i for i in ids if i is not None], data_lens=[r.length for r in regions])
 
 
 def make_registration(layout: DecodeLayout, endpoint: backends.Endpoint | None,

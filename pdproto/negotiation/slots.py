@@ -11,8 +11,10 @@ that entry (``aux_data_lens``, ``StateBuffer.data_lens``; an unknown length of 0
 bounded here, as for KV, and the executor bounds every write again).
 
 * A recurrent entry is addressed by one slot on each side: ``ptr + slot * item_len``.
-* A sliding-window entry by pages: the i-th prefill page goes to the i-th decode page, and
-  the two lists must be equally long (SGLang trimmed the longer list; here it is refused).
+* A sliding-window or paged entry by pages (the window's pages; for a paged entry such as
+  SGLang's DSA index, the pages of the suffix the decode does not hold): the i-th prefill
+  page goes to the i-th decode page, and the two lists must be equally long (SGLang trimmed
+  the longer list; here it is refused).
 
 A request may name up to 16,384 pages per entry and an entry may hold dozens of tensors,
 and the check runs on the server's event loop: items are read as numpy arrays once per
@@ -91,7 +93,7 @@ def _pairs(p: StatePairing, src: Sequence[int], dst: Sequence[int], field: str) 
                                 f" on each side, got {len(src)} and {len(dst)}",
                                 metadata={"prefillSlots": len(src), "decodeSlots": len(dst)})
     if len(src) != len(dst):
-        raise InvalidFieldError(field, f"sliding-window entry {p.dst_entry}: {len(src)} prefill pages for"
+        raise InvalidFieldError(field, f"paged state entry {p.dst_entry}: {len(src)} prefill pages for"
                                 f" {len(dst)} decode pages",
                                 metadata={"prefillPages": len(src), "decodePages": len(dst)})
     src_items, dst_items = _items(src), _items(dst)

@@ -173,6 +173,12 @@ class _StateKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StateKind.V
     """
     STATE_KIND_SLIDING_WINDOW: _StateKind.ValueType  # 2
     """The entry is paged like KV and a request names the pages of its window (SGLang StateType SWA)."""
+    STATE_KIND_PAGED: _StateKind.ValueType  # 3
+    """One item per KV page of the entry's own pool (one page of every tensor): a request names
+    page ids, and the i-th prefill page goes to the i-th decode page (SGLang StateType DSA: the
+    index-K pages of the suffix the decode does not hold). Two entries of this kind pair only
+    when their type names agree (StateEntryInfo.type_name, StateBuffer.type_name).
+    """
 
 class StateKind(_StateKind, metaclass=_StateKindEnumTypeWrapper):
     """StateKind says how a non-KV state entry is addressed per request."""
@@ -185,7 +191,51 @@ conv and recurrent state); the request names one slot index per entry.
 """
 STATE_KIND_SLIDING_WINDOW: StateKind.ValueType  # 2
 """The entry is paged like KV and a request names the pages of its window (SGLang StateType SWA)."""
+STATE_KIND_PAGED: StateKind.ValueType  # 3
+"""One item per KV page of the entry's own pool (one page of every tensor): a request names
+page ids, and the i-th prefill page goes to the i-th decode page (SGLang StateType DSA: the
+index-K pages of the suffix the decode does not hold). Two entries of this kind pair only
+when their type names agree (StateEntryInfo.type_name, StateBuffer.type_name).
+"""
 Global___StateKind: _TypeAlias = StateKind  # noqa: Y015
+
+class _StateTpPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StateTpPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StateTpPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STATE_TP_POLICY_UNSPECIFIED: _StateTpPolicy.ValueType  # 0
+    """Read from the tensors: dim 0 is replicated, dim > 0 sliced."""
+    STATE_TP_POLICY_SLICED: _StateTpPolicy.ValueType  # 1
+    """Every tensor is split along its dim axis (StateTensorInfo.dim, shard_groups); each decode byte
+    comes from the prefill rank that holds it.
+    """
+    STATE_TP_POLICY_REPLICATED: _StateTpPolicy.ValueType  # 2
+    """Every rank holds the whole entry (MLA pools): one elected prefill rank writes each decode rank."""
+    STATE_TP_POLICY_REFUSED: _StateTpPolicy.ValueType  # 3
+    """The entry moves only between equal TP sizes; a mismatch is refused at Register
+    (ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED).
+    """
+
+class StateTpPolicy(_StateTpPolicy, metaclass=_StateTpPolicyEnumTypeWrapper):
+    """StateTpPolicy says how a state entry is moved when the prefill's state TP size differs from the
+    decode's attention TP size.
+    """
+
+STATE_TP_POLICY_UNSPECIFIED: StateTpPolicy.ValueType  # 0
+"""Read from the tensors: dim 0 is replicated, dim > 0 sliced."""
+STATE_TP_POLICY_SLICED: StateTpPolicy.ValueType  # 1
+"""Every tensor is split along its dim axis (StateTensorInfo.dim, shard_groups); each decode byte
+comes from the prefill rank that holds it.
+"""
+STATE_TP_POLICY_REPLICATED: StateTpPolicy.ValueType  # 2
+"""Every rank holds the whole entry (MLA pools): one elected prefill rank writes each decode rank."""
+STATE_TP_POLICY_REFUSED: StateTpPolicy.ValueType  # 3
+"""The entry moves only between equal TP sizes; a mismatch is refused at Register
+(ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED).
+"""
+Global___StateTpPolicy: _TypeAlias = StateTpPolicy  # noqa: Y015
 
 @_typing.final
 class ProtocolVersion(_message.Message):

@@ -174,6 +174,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A prefill state entry has a kind this negotiation cannot move (unset, or added by a newer minor)."""
     ERROR_REASON_TOPOLOGY_NOT_A_SENDER: _ErrorReason.ValueType  # 88
     """The decode registered with a prefill rank that does not feed it under the TP/PP rank mapping (only attention-CP rank 0 is contacted)."""
+    ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED: _ErrorReason.ValueType  # 89
+    """A state entry that moves only between equal TP sizes (StateTpPolicy REFUSED) meets a decode of another TP size."""
     ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 99
     """An unexpected internal failure; a bug report is welcome."""
 
@@ -334,6 +336,8 @@ ERROR_REASON_TOPOLOGY_STATE_KIND_UNSUPPORTED: ErrorReason.ValueType  # 87
 """A prefill state entry has a kind this negotiation cannot move (unset, or added by a newer minor)."""
 ERROR_REASON_TOPOLOGY_NOT_A_SENDER: ErrorReason.ValueType  # 88
 """The decode registered with a prefill rank that does not feed it under the TP/PP rank mapping (only attention-CP rank 0 is contacted)."""
+ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED: ErrorReason.ValueType  # 89
+"""A state entry that moves only between equal TP sizes (StateTpPolicy REFUSED) meets a decode of another TP size."""
 ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 99
 """An unexpected internal failure; a bug report is welcome."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

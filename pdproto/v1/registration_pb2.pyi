@@ -184,7 +184,7 @@ Global___KvBuffer: _TypeAlias = KvBuffer  # noqa: Y015
 
 @_typing.final
 class StateBuffer(_message.Message):
-    """StateBuffer is one non-KV state entry (mamba / linear-attention state)."""
+    """StateBuffer is one non-KV state entry (mamba / linear-attention state, sliding-window or paged state)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -194,8 +194,13 @@ class StateBuffer(_message.Message):
     LAYER_IDS_FIELD_NUMBER: _builtins.int
     DATA_LENS_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    TYPE_NAME_FIELD_NUMBER: _builtins.int
     kind: _common_pb2.StateKind.ValueType
     """How a request addresses the entry; unset reads as the prefill's kind."""
+    type_name: _builtins.str
+    """SGLang StateType value ("dsa", ...); empty reads as the prefill's. When both sides name the
+    entry, the names must agree (two paged kinds share STATE_KIND_PAGED, not a layout).
+    """
     @_builtins.property
     def data_ptrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Base addresses of the entry's tensors."""
@@ -227,10 +232,11 @@ class StateBuffer(_message.Message):
         layer_ids: _abc.Iterable[_builtins.int] | None = ...,
         data_lens: _abc.Iterable[_builtins.int] | None = ...,
         kind: _common_pb2.StateKind.ValueType = ...,
+        type_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_lens", b"data_lens", "data_ptrs", b"data_ptrs", "dim_per_tensors", b"dim_per_tensors", "item_lens", b"item_lens", "kind", b"kind", "layer_ids", b"layer_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_lens", b"data_lens", "data_ptrs", b"data_ptrs", "dim_per_tensors", b"dim_per_tensors", "item_lens", b"item_lens", "kind", b"kind", "layer_ids", b"layer_ids", "type_name", b"type_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

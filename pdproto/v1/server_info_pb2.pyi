@@ -121,7 +121,7 @@ class StateTensorInfo(_message.Message):
     SHARD_GROUPS_FIELD_NUMBER: _builtins.int
     LAYER_ID_FIELD_NUMBER: _builtins.int
     item_len: _builtins.int
-    """Bytes per slot (recurrent) or per page (sliding window) on this rank (SGLang state_item_lens)."""
+    """Bytes per slot (recurrent) or per page (sliding window, paged) on this rank (SGLang state_item_lens)."""
     dim: _builtins.int
     """Elements of the split axis held on this rank (SGLang state_dim_per_tensor: heads of a
     temporal state, channels of a conv state); 0: the tensor is whole on every rank (replicated).
@@ -166,10 +166,15 @@ class StateEntryInfo(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     TYPE_NAME_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    TP_POLICY_FIELD_NUMBER: _builtins.int
     kind: _common_pb2.StateKind.ValueType
     """How a request addresses the entry."""
     type_name: _builtins.str
-    """SGLang StateType value ("mamba", "swa", ...) when the entry comes from SGLang; informational."""
+    """SGLang StateType value ("mamba", "swa", "dsa", ...) when the entry comes from SGLang: errors name
+    it, and it must equal the decode's StateBuffer.type_name when that is sent.
+    """
+    tp_policy: _common_pb2.StateTpPolicy.ValueType
+    """How a TP size mismatch is handled; unset reads it from the tensors' dim."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateTensorInfo]:
         """The entry's tensors, in pool order (SGLang: all conv tensors, then all temporal tensors)."""
@@ -180,10 +185,11 @@ class StateEntryInfo(_message.Message):
         kind: _common_pb2.StateKind.ValueType = ...,
         type_name: _builtins.str = ...,
         tensors: _abc.Iterable[Global___StateTensorInfo] | None = ...,
+        tp_policy: _common_pb2.StateTpPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "tensors", b"tensors", "type_name", b"type_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "tensors", b"tensors", "tp_policy", b"tp_policy", "type_name", b"type_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,7 +1,12 @@
-"""The two model shapes the SGLang harness runs, built from SGLang's own pool classes.
+"""The model shapes the SGLang harness runs, built from SGLang's own pool classes.
 
 * ``mla``: a DeepSeek-V3-shaped MLA pool (``MLATokenToKVPool``, 4 layers, 576 bf16 values =
   1152 bytes per token), aux buffers, no state.
+* ``dsa``: a DeepSeek-V3.2-shaped pool (``DeepseekV32ForCausalLM``; see ``write_config``):
+  SGLang's ``DSATokenToKVPool``, the same MLA rows plus per layer an index-K buffer of one
+  8,448-byte page (64 tokens of 128 fp8 + 4 scale bytes) per KV page, which SGLang moves as
+  its one ``dsa`` state component; on a DCP decode the buffer covers every (virtual) token.
+  Layer 2 shares layer 1's top-k, so its buffer has 0 rows and nothing moves for it.
 * ``kimi``: a Kimi-Linear-shaped hybrid: SGLang's ``KimiLinearConfig`` (8 layers; KDA at
   layers 0-2 and 4-6, MLA at 3 and 7), its ``HybridLinearKVPool(use_mla=True)`` over a
   ``MambaPool`` built from the config's own ``mamba2_cache_params`` (conv state
@@ -26,7 +31,7 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "kimi": 8}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8}
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
 
@@ -39,9 +44,12 @@ def write_config(model: str, directory: Path) -> Path:
         "qk_nope_head_dim": 128, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": 128,
         "max_position_embeddings": 4096, "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
     }  # fmt: skip
-    if model == "mla":
+    if model in ("mla", "dsa"):
         config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 8,
                   "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **mla}
+        # "dsa" boots as DeepSeek-V3 too: SGLang resolves a DeepseekV32ForCausalLM config's arguments by
+        # asking CUDA for the device capability (arg_groups/model_hook.py:341), which a CPU cannot
+        # answer; the transfer path reads only the pool, which build_pools makes a DSATokenToKVPool.
     else:
         config = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "num_experts": 8,
                   "num_shared_experts": 1, "num_experts_per_token": 2, "mla_use_nope": True, **mla,
@@ -69,15 +77,27 @@ class Pools:
     kv: list[Any]
     mamba: Any = None
     config: Any = None
+    index: list[Any] | None = None
+    """The DSA index-K buffers, one ``[pages, 8448]`` uint8 tensor per layer."""
 
 
 def build_pools(model: str, pool_pages: int, config_dir: str, *, tp: int | None = None) -> Pools:
     """The rank's pools as SGLang builds them; ``tp`` overrides the state TP size (references)."""
     import torch
 
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridLinearKVPool, MambaPool, MLATokenToKVPool
 
     size = pool_pages * PAGE
+    if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
+        pool = DSATokenToKVPool(
+            size=size, page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16, qk_rope_head_dim=ROPE_DIM,
+            layer_num=LAYERS[model], device="cpu", index_head_dim=128, enable_memory_saver=False,
+            kv_cache_dim=KV_LORA_RANK + ROPE_DIM,
+            # Layer 2 reuses layer 1's top-k, as index_topk_freq 2 makes it (model_config.py:510-522),
+            # so its index buffer has 0 rows and SGLang's PD skips it (kv_cache_configurator.py:2368-2373).
+            skip_topk_layers=[False, False, True, False],
+        )  # fmt: skip
+        return Pools(pool, list(pool.kv_buffer), index=list(pool.index_key_cache.buffer))
     if model == "mla":
         pool = MLATokenToKVPool(
             size=size, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=KV_LORA_RANK,
@@ -120,20 +140,70 @@ def _state_tensors(pools: Pools) -> list[tuple[str, Any]]:
     return out + [("temporal", layer) for layer in cache.temporal]
 
 
+def _index_source(pages: int, item: int, layer: int) -> Any:
+    """The prefill's index-K buffer of ``layer``: ``pages`` seeded pages of ``item`` bytes."""
+    import torch
+
+    out = torch.empty((pages, item), dtype=torch.uint8)
+    fill_random(out, SEED * 11 + layer)
+    return out
+
+
 def fill_prefill(pools: Pools) -> None:
     """The prefill's KV and state: seeded bytes (stands in for the forward pass)."""
     for layer, buf in enumerate(pools.kv):
         fill_random(buf, SEED + layer)
+    for layer, buf in enumerate(pools.index or ()):
+        buf.copy_(_index_source(buf.shape[0], buf.shape[1], layer))
     if pools.mamba is not None:
         for k, (_, tensor) in enumerate(_state_tensors(pools)):
             fill_random(tensor, SEED * 7 + k)
 
 
-def state_indices(pools: Pools, slot: int) -> list[Any]:
-    """What prefill.py:1577-1586 / decode.py:1662-1671 pass: one entry per ``kv_args.state_types``."""
+def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -> list[Any]:
+    """What prefill.py:1577-1709 / decode.py:1662-1786 pass: one entry per ``kv_args.state_types``.
+
+    ``slot`` is the request's Mamba slot; ``row`` its req_to_token row, ``prefix`` the decode's
+    cached prefix and ``tokens`` the sequence length, from which DSA takes the pages of
+    ``[prefix, tokens)`` (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size).
+    """
     import numpy as np
 
+    from sglang.srt.mem_cache.common import suffix_page_indices
+
+    if pools.index is not None:
+        return [suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, pools.pool.page_size)]
     return [] if pools.mamba is None else [np.array([slot], dtype=np.int64)]
+
+
+def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any, int, int]]) -> list[str]:
+    """Every byte of a decode rank's DSA index-K buffers: the prefill's index page of each suffix
+    page where the decode's page of those tokens is, zeros everywhere else (the prefix included).
+
+    ``rows`` maps room -> (prefill req_to_token row, decode req_to_token row, decode prefix, tokens);
+    the prefill's buffers hold ``prefill_pages`` pages. Pages follow token slots // 64 (index pages
+    are 64 tokens of the side's own slot space), with no SGLang helper in the way.
+    """
+    import torch
+
+    if pools.index is None:
+        return []
+    pairs = [(int(src[p]) // 64, int(dst[p]) // 64)
+             for src, dst, prefix, tokens in rows.values() for p in range(prefix, tokens, 64)]
+    mismatches = []
+    for layer, got in enumerate(pools.index):
+        if not got.shape[0]:
+            continue  # a layer sharing the previous layer's top-k holds no index
+        source = _index_source(prefill_pages, got.shape[1], layer)
+        want = torch.zeros_like(got)
+        for s, d in pairs:
+            want[d] = source[s]
+        bad = (got != want).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            mismatches.append(f"DSA index layer {layer}: pages {bad[:8]} differ ({len(bad)})")
+    if not pairs:
+        mismatches.append("no DSA index page was expected to move")
+    return mismatches
 
 
 def _project(field: str, item: Any, tp: int, rank: int) -> Any:
@@ -174,5 +244,5 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
     return mismatches
 
 
-__all__ = ["AUX_SLOTS", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "build_pools", "check_state",
+__all__ = ["AUX_SLOTS", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "build_pools", "check_index", "check_state",
            "fill_prefill", "fill_random", "server_flags", "state_indices", "write_config"]

@@ -23,6 +23,7 @@ from tests.sglang._models import (
     PAGE,
     SEED,
     build_pools,
+    check_index,
     check_state,
     fill_prefill,
     fill_random,
@@ -282,7 +283,10 @@ class _Prefill:
             else:
                 _write_aux_row(self.metadata, started["aux_index"], req.room)  # set_buf, prefill.py:1568
             # One entry per kv_args.state_types on the last chunk only (prefill.py:1577-1709).
-            state = state_indices(self.pools, state_slots(self.args.spec)[req.room][0]) if last else None
+            state = None
+            if last:
+                state = state_indices(self.pools, state_slots(self.args.spec)[req.room][0], slots, started["prefix"],
+                                      req.tokens)
             _send_kv_chunk(sender, slots, start, end, last, state, started["prefix"], kv_to_page_indices)
             started["sent"] = start = end
 
@@ -487,7 +491,8 @@ def run_decode(args: argparse.Namespace) -> None:
             index = allocator.alloc()  # _send_kv_metadata, decode.py:1847-1848
             # only the pages after the prefix go to the prefill (decode.py:1640-1660, 2231-2235)
             pages = kv_to_page_indices(slots[req.decode_prefix :], PAGE * args.dcp)
-            state = state_indices(pools, state_slots(spec)[req.room][1])  # decode.py:1660-1786
+            # decode.py:1660-1786
+            state = state_indices(pools, state_slots(spec)[req.room][1], slots, req.decode_prefix, req.tokens)
             receiver.send_metadata(pages, index, state, decode_prefix_len=req.decode_prefix)  # :1863
             gated.append(_GatedRequest(index))
         return receivers, gated
@@ -639,4 +644,8 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
             mismatches.append(f"aux buffer {k} differs")
     moved = {req.room for req in requests if not req.abort}
     slots = {room: pair for room, pair in state_slots(spec).items() if room in moved}
-    return mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)
+    rows = {req.room: (_token_slots(src_pages[req.room], req.tokens, PAGE),
+                       _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp), req.decode_prefix, req.tokens)
+            for req in requests if not req.abort}
+    return (mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)
+            + check_index(pools, spec.pool_pages + 1, rows))

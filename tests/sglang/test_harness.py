@@ -2,11 +2,14 @@
 
 Every run is real processes: SGLang's ServerArgs, bootstrap server, pools and the backend's
 manager, sender and receiver, driven in the order of ``prefill.py``/``decode.py``; each
-decode rank checks every byte of its KV pool, aux buffers and state. The Mooncake run
-proves the harness on SGLang's own backend; the pdproto runs are issue 13's proof:
+decode rank checks every byte of its KV pool, aux buffers and state. The Mooncake runs
+prove the harness on SGLang's own backend (MLA 1 -> 1, DSA -> DCP 4); the pdproto runs are
+issues 13's and 33's proof:
 
 * dense MLA prefill -> DCP 4 decode (5 processes): chunked prefill, a partial last page,
   a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token;
+* a DeepSeek-V3.2-shaped model (``DSATokenToKVPool``, its ``dsa`` index pages) -> DCP 4, the
+  same requests, on the backend's Mooncake and NIXL engines;
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """
@@ -46,6 +49,14 @@ def test_sglang_mooncake_moves_every_byte() -> None:
         r.room: r.decode_prefix for r in REQUESTS
     }
     assert all(r["metric_bytes"] > 0 for r in results.values())
+
+
+def test_sglang_mooncake_moves_dsa_index_pages_to_dcp4() -> None:
+    """The harness's DSA expectations are SGLang's: its own Mooncake backend lands the index pages of
+    the suffix on every DCP rank exactly where check_index expects them."""
+    out = run("mooncake_tcp", model="dsa", dcp=4)
+    _assert_ranks_ok(out, 4, len(REQUESTS))
+    assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
 
 
 def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
@@ -97,6 +108,31 @@ def test_pdproto_dense_mla_prefill_to_dcp4_decode_moves_every_byte() -> None:
     # The last request registered every decode rank anew and landed byte-exact.
     assert out["again"]["poll"] == SUCCESS, out["again"]
     assert [(a["poll"], a["mismatches"]) for a in out["again_decode"]] == [(SUCCESS, [])] * 4, out["again_decode"]
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_deepseek_v32_dsa_index_pages_to_dcp4_decode_move_every_byte(engine: str) -> None:
+    """A DeepSeek-V3.2-shaped model (SGLang's DSATokenToKVPool: MLA rows + one index-K page per layer
+    and KV page, its ``dsa`` state) from a dense prefill into four DCP ranks: every rank gets its
+    token shard of the KV and the whole index pages of the suffix (state is never DCP-sharded), at
+    the pages its own req_to_token names; the prefix's index pages and every other page stay zero.
+    Layer 2 shares layer 1's top-k: its 0-row index buffer is left out on both sides. On the
+    backend's Mooncake and on its NIXL engine (``PDPROTO_ENGINE``)."""
+    out = run("pdproto", REQUESTS, model="dsa", dcp=4, env={**TOKEN, "PDPROTO_ENGINE": engine})
+    _assert_ranks_ok(out, 4, len(REQUESTS))  # mismatches: every byte of KV, aux and index buffers
+    assert out["decode_rc"] == [0] * 4, out["decode_stderr"]
+    results = {int(room): r for room, r in out["prefill"]["results"].items()}
+    assert {r.room: results[r.room]["poll"] for r in REQUESTS} == {r.room: SUCCESS for r in REQUESTS}
+    # What moved: each suffix token row once (4 layers), each suffix index page once per decode rank
+    # (8,448 bytes in each of the 3 layers that hold an index), and the same aux rows for every room.
+    aux = set()
+    for req in REQUESTS:
+        suffix = req.tokens - req.decode_prefix
+        index = -(-suffix // 64) * 3 * 8448 * 4
+        aux.add(results[req.room]["metric_bytes"] - suffix * 4 * KV_ROW - index)
+    assert len(aux) == 1 and aux.pop() > 0
+    # The engine asked for: Mooncake names its engine by a session id, NIXL has none.
+    assert (out["ready"]["engine"]["session"] is None) == (engine == "nixl"), out["ready"]
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:

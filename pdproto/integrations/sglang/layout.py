@@ -15,9 +15,16 @@ arguments by hand):
   layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
 * A prefill whose every attention-CP rank sends a share of each request (SGLang's
   ``enable_all_cp_ranks_for_transfer`` with CP > 1) is refused (``refuse_cp_sharded_prefill``).
-* State: ``mamba`` components are recurrent (one slot per request), ``swa`` ones sliding
-  windows (pages); SGLang's other state types are refused with
-  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type.
+* State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
+  ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
+  KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
+  writes it, and a DCP decode holds the whole index. A tensor of 0 bytes per item (the 0-row
+  index buffer of a layer that reuses the previous layer's top-k) is left out on both sides.
+  SGLang passes the indices itself (the prefill on its last chunk, the decode its own): for
+  ``dsa`` the pages of ``[decode_prefix, seq)`` (``prefill.py:1627-1638``,
+  ``decode.py:1704-1714``). SGLang's other state types are refused with
+  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type; a per-KV-page kind needs one row here,
+  once a test moves it.
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ from pdproto.errors import ConfigError, Reason, TopologyError
 from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.v1 import common_pb2
 
-STATE_KINDS: dict[str, common_pb2.StateKind.ValueType] = {
-    "mamba": v1.STATE_KIND_RECURRENT, "swa": v1.STATE_KIND_SLIDING_WINDOW}
-"""SGLang ``StateType`` value -> ``pdproto.v1.StateKind``, for the state types pdproto moves."""
+STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpPolicy.ValueType]] = {
+    "mamba": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_UNSPECIFIED),  # sliced where dim > 0
+    "swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_UNSPECIFIED),
+    "dsa": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),  # SGLang sends no dims for it
+}
+"""SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
 
 CAPABILITIES = ("dcp-relayout", "packed")
 """What a decode rank of this backend announces."""
@@ -143,7 +153,9 @@ def _roles(kv_args: Any) -> list[EntryRole]:
     return [EntryRole.TARGET if i < targets else EntryRole.DRAFT for i in range(n)]
 
 
-def _state_components(kv_args: Any) -> list[tuple[str, common_pb2.StateKind.ValueType, list[dict[str, Any]]]]:
+def _state_components(kv_args: Any) -> list[tuple[str, tuple[common_pb2.StateKind.ValueType,
+                                                              common_pb2.StateTpPolicy.ValueType],
+                                                   list[dict[str, Any]]]]:
     """(type name, kind, per tensor its fields) of every state component SGLang registered."""
     out = []
     types = list(getattr(kv_args, "state_types", None) or [])
@@ -169,6 +181,9 @@ def _state_components(kv_args: Any) -> list[tuple[str, common_pb2.StateKind.Valu
                 ptrs, column("state_data_lens", k, count), column("state_item_lens", k, count),
                 column("state_dim_per_tensor", k, count), column("state_slice_outer_counts", k, count),
                 column("state_conv_shard_groups", k, count), column("state_layer_ids", k, count), strict=True)
+            # A DSA layer that reuses the previous layer's top-k has a 0-row index buffer: nothing
+            # moves for it and it registers nothing (SGLang's is_elided_entry, utils.py:1045-1064).
+            if it != 0
         ]
         out.append((name, kind, tensors))
     return out
@@ -192,8 +207,8 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
-    for name, kind, tensors in _state_components(kv_args):
-        entry = info.state_entries.add(kind=kind, type_name=name)
+    for name, (kind, policy), tensors in _state_components(kv_args):
+        entry = info.state_entries.add(kind=kind, type_name=name, tp_policy=policy)
         for t in tensors:
             entry.tensors.add(item_len=int(t["item_len"]), dim=int(t["dim"] or 0), outer_count=int(t["outer"] or 0),
                               shard_groups=[int(w) for w in t["groups"] or ()],
@@ -213,8 +228,8 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
                for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True))
     state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
                                                      None if t["layer"] is None else int(t["layer"]))
-                                         for t in tensors))
-                  for _, kind, tensors in _state_components(kv_args))
+                                         for t in tensors), type_name=name)
+                  for name, (kind, _), tensors in _state_components(kv_args))
     return DecodeLayout(
         page_size=page, kv=kv, kv_cache_dtype=str(kv_args.kv_cache_dtype_str),
         attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
