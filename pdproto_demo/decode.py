@@ -93,7 +93,7 @@ class DecodeConfig:
     background: int = data.BACKGROUND
     """Byte every buffer starts with; rows nobody wrote must still hold it."""
     model: str = "mla"
-    """Model shape (``model.KINDS``): KV only, Kimi-shaped hybrid with state and aux, or MHA."""
+    """Model shape (``model.KINDS``): KV only, Kimi-shaped hybrid with state and aux, MHA, or DSA (MLA + index)."""
     tp_size: int = 1
     """Attention TP size of the decode."""
     tp_rank: int = 0
@@ -144,6 +144,8 @@ class _Pending:
     generation: int
     slot: int
     """The aux and state slot (hybrid); 0 when none."""
+    index: list[int] = field(default_factory=list)
+    """The request's DSA index pages (``ModelShape.index_pages``)."""
     pooled: bool = False
     """The slot came from the free list and goes back to it."""
     submitted: float = field(default_factory=time.monotonic)
@@ -158,24 +160,26 @@ class DecodeRank:
         self.notify_port = c.notify_port or next(_notify_ports)
         self.model = m = ModelShape(kind=c.model, layers=c.layers, row_bytes=c.row_bytes,
                                     replicated_bytes=c.replicated_bytes, kda_heads=c.kda_heads,
-                                    kda_head_dim=c.kda_head_dim, window_pages=c.window_pages)
+                                    kda_head_dim=c.kda_head_dim, window_pages=c.window_pages, page_size=c.page_size)
         self.reference = reference or m.kv_reference(c.tp_size, c.tp_rank)
         rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
         layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)
-        extra_bytes = sum(a.item_len for a in layout.aux) + sum(
-            t.item_len * m.items_per_slot(i) for i, e in enumerate(layout.state) for t in e.tensors)
+        # A DSA index holds every token's page: a DCP rank's KV page stands for dcp of them.
+        items = [m.entry_items(i, c.slots, c.pages * c.dcp_size) for i in range(len(layout.state))]
+        extra_bytes = sum(a.item_len * c.slots for a in layout.aux) + sum(
+            t.item_len * n for n, e in zip(items, layout.state, strict=True) for t in e.tensors)
         # The local backend names its arena itself (pid + uuid), so a restart never collides.
         self.executor: TransferExecutor = create_executor(
             c.backend, name=None if c.backend == "local" else self.name, host=c.advertise_host or None,
-            arena_bytes=len(layout.kv) * rows * row_bytes + extra_bytes * c.slots + (2 << 20))
+            arena_bytes=len(layout.kv) * rows * row_bytes + extra_bytes + (2 << 20))
         vram = c.device.startswith("cuda")
         device = int(c.device.partition(":")[2] or 0) if vram else 0
         self.buffers: list[Buffer] = [
             self.executor.allocate(rows * row_bytes, kind=VRAM, device=device) if vram
             else self.executor.allocate(rows * row_bytes) for _ in layout.kv]
         self.aux = [self.executor.allocate(a.item_len * c.slots) for a in layout.aux]
-        self.state = [[self.executor.allocate(t.item_len * c.slots * m.items_per_slot(i)) for t in e.tensors]
-                      for i, e in enumerate(layout.state)]
+        self.state = [[self.executor.allocate(t.item_len * n) for t in e.tensors]
+                      for n, e in zip(items, layout.state, strict=True)]
         self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
         self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
         """Host views of the buffers, one (rows x row_bytes) array per layer; empty for VRAM."""
@@ -217,11 +221,12 @@ class DecodeRank:
         return list(range(first_page + n - 1, first_page - 1, -1))
 
     def transfer_info(self, room: int, pages: Sequence[int], generation: int = 0, prefix: int = 0,
-                      required: int = 1, slot: int | None = None,
-                      dummy: bool = False) -> transfer_pb2.TransferInfo:
+                      required: int = 1, slot: int | None = None, dummy: bool = False,
+                      index: Sequence[int] = ()) -> transfer_pb2.TransferInfo:
         """The ``TransferInfo`` of one request; ``required`` decode ranks submit it to each prefill rank.
 
-        ``slot`` names the aux slot and every state entry's slot (hybrid models).
+        ``slot`` names the aux slot and every state entry's slot (hybrid models), ``index`` a DSA
+        model's index pages.
         """
         info = transfer_pb2.TransferInfo(
             room=room, generation=generation, peer_name=self.name, dst_kv_pages=pages,
@@ -230,30 +235,42 @@ class DecodeRank:
         if slot is not None and self.aux:
             info.dst_aux_index = slot
         if slot is not None:
-            info.dst_state_indices.extend(transfer_pb2.StateIndices(indices=self.model.state_pages(i, slot, "decode"))
-                                          for i in range(len(self.state)))
+            info.dst_state_indices.extend(
+                transfer_pb2.StateIndices(indices=self.model.state_pages(i, slot, "decode", index))
+                for i in range(len(self.state)))
         return info
 
-    def verify_extras(self, slots: Mapping[int, int]) -> tuple[int, str | None]:
-        """Check every aux and state byte: each room's slot holds the model's bytes, the rest background.
+    def _extras(self, slot: int, index: Sequence[int]) -> list[tuple[str, int, Buffer, list[int], int]]:
+        """(kind, number, buffer, items, item bytes) of every aux and state buffer: the items a request in
+        ``slot`` with DSA ``index`` pages holds there (state buffers numbered across entries)."""
+        c, m = self.config, self.model
+        entries = m.state_tensors()
+        return [("aux", i, b, [slot], b.length // c.slots) for i, b in enumerate(self.aux)] + [
+            ("state", k, b, m.state_pages(entries[k], slot, "decode", index),
+             b.length // m.entry_items(entries[k], c.slots, c.pages * c.dcp_size))
+            for k, b in enumerate(b for e in self.state for b in e)]
 
-        ``slots`` maps room -> slot; returns (bytes checked, first problem or None).
+    def verify_extras(self, rooms: Mapping[int, tuple[int, Sequence[int]]]) -> tuple[int, str | None]:
+        """Check every aux and state byte: each room's items hold the model's bytes, the rest background.
+
+        ``rooms`` maps room -> (slot, DSA index pages); returns (bytes checked, first problem or None).
         """
         c, m = self.config, self.model
         checked = 0
-        entries = m.state_tensors()
-        for name, bufs in (("aux", self.aux), ("state", [b for e in self.state for b in e])):
-            for i, buf in enumerate(bufs):
-                arr = np.asarray(buf.array)
-                expected = np.full(arr.shape, c.background, dtype=np.uint8)
-                for room, slot in slots.items():
-                    item = m.aux_item(room, i) if name == "aux" else \
-                        m.state_block(room, entries[i], i, c.tp_size, c.tp_rank, "decode")
-                    expected[slot * item.size:(slot + 1) * item.size] = item
-                checked += arr.nbytes
-                if not np.array_equal(arr, expected):
-                    at = int(np.argwhere(arr != expected)[0][0])
-                    return checked, f"{name} buffer {i}: byte {at} is {arr[at]}, expected {expected[at]}"
+        placed = {room: self._extras(*at) for room, at in rooms.items()}
+        for n, (name, i, buf, _, _) in enumerate(self._extras(0, ())):
+            arr = np.asarray(buf.array)
+            expected = np.full(arr.shape, c.background, dtype=np.uint8)
+            for room, extras in placed.items():
+                items = extras[n][3]
+                writes = [(items[0], m.aux_item(room, i))] if name == "aux" else \
+                    m.state_writes(room, i, c.tp_size, c.tp_rank, items)
+                for item, block in writes:
+                    expected[item * block.size:(item + 1) * block.size] = block
+            checked += arr.nbytes
+            if not np.array_equal(arr, expected):
+                at = int(np.argwhere(arr != expected)[0][0])
+                return checked, f"{name} buffer {i}: byte {at} is {arr[at]}, expected {expected[at]}"
         return checked, None
 
     def verify(self, rooms: Mapping[int, Sequence[int]], tokens: int) -> int:
@@ -314,11 +331,12 @@ class DecodeRank:
         if pooled:
             slot = self._free_slots.pop()
         data.fill(self.pool, self.shard, cached, page_size=self.config.page_size, reference=self.reference)
+        index = self.model.index_pages(dst_pages, total - prefix, self.config.dcp_size)
         self.pending[room] = _Pending([cached, data.Placement(room, prefix, total, dst_pages)], generation,
-                                      slot or 0, pooled)
+                                      slot or 0, index, pooled)
 
         def info(_: PrefillRank) -> transfer_pb2.TransferInfo:
-            out = self.transfer_info(room, dst_pages, generation, prefix, slot=slot)
+            out = self.transfer_info(room, dst_pages, generation, prefix, slot=slot, index=index)
             if aux_slot is not None and self.aux:
                 out.dst_aux_index = aux_slot
             return out
@@ -346,9 +364,9 @@ class DecodeRank:
         data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=c.page_size,
                    background=c.background)
         if p.slot and p.slot < c.slots:
-            for buf in [*self.aux, *(b for e in self.state for b in e)]:
-                item = buf.length // c.slots
-                buf.array[p.slot * item:(p.slot + 1) * item] = c.background
+            for _, _, buf, items, n in self._extras(p.slot, p.index):
+                for item in items:
+                    buf.array[item * n:(item + 1) * n] = c.background
         if p.pooled:
             self._free_slots.append(p.slot)
 
@@ -392,7 +410,7 @@ class DecodeRank:
             if got != chunks:
                 failures.append(f"expected {chunks} chunk notices through {self.config.backend}, got {got}")
         checked, bad = self._check(p.placements) if check and not failures else (0, None)
-        extra_checked, extra_bad = self.verify_extras({room: p.slot}) if check and not failures and p.slot \
+        extra_checked, extra_bad = self.verify_extras({room: (p.slot, p.index)}) if check and not failures and p.slot \
             else (0, None)
         if extra_bad is not None:
             failures.append(extra_bad)

@@ -1,4 +1,4 @@
-"""Model shapes beyond dense MLA: Kimi-Linear-shaped hybrids (MLA + KDA state + aux) and MHA heads.
+"""Model shapes beyond dense MLA: Kimi-Linear-shaped hybrids (MLA + KDA state + aux), DSA and MHA heads.
 
 A ``ModelShape`` says what each rank of a TP group holds and what a monolithic (TP 1)
 run holds, so a decode rank checks every byte it received against first principles:
@@ -16,6 +16,11 @@ run holds, so a decode rank checks every byte it received against first principl
   split by head), and a request names ``window_pages`` of them on each side. A slot is
   ``window_pages`` consecutive items; the prefill lists them in window order and the decode
   in reverse, so the i-th prefill page must land on the i-th decode page, not the same item.
+* **DSA index** (``dsa``: DeepSeek-V3.2-shaped, every layer MLA). A paged state entry, SGLang's
+  ``dsa`` pool: for every layer one tensor whose item is one index-K page (``page_size`` tokens of
+  128 fp8 bytes + 4 scale bytes), whole on every rank (replicated). A request names the index
+  pages of its tokens on each side (``index_pages``): a rank's index space holds every token's
+  page, so on a DCP rank each KV page stands for ``dcp`` index pages.
 * **Aux.** Buffers whose slot bytes are a function of (room, buffer): every prefill rank
   holds the same (the first output token is not split by TP).
 
@@ -24,6 +29,7 @@ Layers follow Kimi Linear's ratio: every fourth layer (3, 7, ...) is MLA, the ot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +41,14 @@ from pdproto.v1 import common_pb2, server_info_pb2
 
 from .data import I64, ROW_BYTES, U8, Reference, _mix, token_rows
 
-KINDS = ("mla", "hybrid", "mha")
-"""``mla``: dense MLA rows only; ``hybrid``: Kimi-Linear-shaped; ``mha``: KV heads split by TP."""
+KINDS = ("mla", "hybrid", "mha", "dsa")
+"""``mla``: dense MLA rows only; ``hybrid``: Kimi-Linear-shaped; ``mha``: KV heads split by TP; ``dsa``: MLA
+rows and a DSA index (DeepSeek-V3.2-shaped)."""
+
+
+_TYPE_NAMES = {common_pb2.STATE_KIND_RECURRENT: "mamba", common_pb2.STATE_KIND_SLIDING_WINDOW: "swa",
+               common_pb2.STATE_KIND_PAGED: "dsa"}
+"""The SGLang state type each kind of entry stands for."""
 
 
 def _bytes_of(seed: int, n: int) -> U8:
@@ -77,6 +89,10 @@ class ModelShape:
     """Hybrid: heads of a sliding-window page row before TP."""
     window_rows: int = 4
     """Hybrid: token rows of one sliding-window page (of 32 bytes per head)."""
+    page_size: int = 64
+    """DSA: tokens per KV page, and so per index page."""
+    index_row_bytes: int = 132
+    """DSA: index-K bytes per token (128 fp8 + 4 scale bytes)."""
 
     @property
     def hybrid(self) -> bool:
@@ -96,7 +112,7 @@ class ModelShape:
     def attention_kind(self) -> common_pb2.AttentionKind.ValueType:
         """The KV pool family this shape registers."""
         return {"mla": common_pb2.ATTENTION_KIND_MLA, "hybrid": common_pb2.ATTENTION_KIND_HYBRID_MLA,
-                "mha": common_pb2.ATTENTION_KIND_MHA}[self.kind]
+                "mha": common_pb2.ATTENTION_KIND_MHA, "dsa": common_pb2.ATTENTION_KIND_MLA}[self.kind]
 
     # -- KV -------------------------------------------------------------------------
 
@@ -122,6 +138,9 @@ class ModelShape:
 
     def entries(self) -> list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]]:
         """The state entries in order: (kind, its tensors' layouts and layer ids)."""
+        if self.kind == "dsa":
+            return [(common_pb2.STATE_KIND_PAGED, [(Whole(self.page_size * self.index_row_bytes), layer)
+                                                   for layer in self.kv_layers()])]
         if not self.hybrid:
             return []
         width = self.kda_heads * self.kda_head_dim
@@ -139,14 +158,25 @@ class ModelShape:
             out.append((common_pb2.STATE_KIND_SLIDING_WINDOW, [(page, layer) for layer in self.kv_layers()]))
         return out
 
-    def items_per_slot(self, entry: int) -> int:
-        """Items one request names in state entry ``entry``: one slot, or the window's pages."""
-        return self.window_pages if self.entries()[entry][0] == common_pb2.STATE_KIND_SLIDING_WINDOW else 1
+    def entry_items(self, entry: int, slots: int, pages: int) -> int:
+        """Items of each tensor of state entry ``entry`` on a rank of ``slots`` slots and ``pages`` index
+        pages: a paged entry's pages, a window's pages per slot, or one item per slot."""
+        kind = self.entries()[entry][0]
+        return pages if kind == common_pb2.STATE_KIND_PAGED else \
+            slots * (self.window_pages if kind == common_pb2.STATE_KIND_SLIDING_WINDOW else 1)
 
-    def state_pages(self, entry: int, slot: int, side: str) -> list[int]:
+    def index_pages(self, pages: Sequence[int], tokens: int, dcp: int) -> list[int]:
+        """The index pages of a request's ``tokens`` tokens on a rank whose KV ``pages`` hold them over DCP
+        ``dcp`` (none unless ``dsa``): index page j is the (j mod dcp)-th of KV page j // dcp's ``dcp``."""
+        n = -(-tokens // self.page_size) if self.kind == "dsa" else 0
+        return [pages[j // dcp] * dcp + j % dcp for j in range(n)]
+
+    def state_pages(self, entry: int, slot: int, side: str, index: Sequence[int] = ()) -> list[int]:
         """The items of ``slot`` in state entry ``entry`` as ``side`` ("prefill" or "decode") lists them:
-        the prefill's window in order, the decode's reversed."""
-        n = self.items_per_slot(entry)
+        the prefill's window in order, the decode's reversed; a paged entry's are the ``index`` pages."""
+        if self.entries()[entry][0] == common_pb2.STATE_KIND_PAGED:
+            return list(index)
+        n = self.entry_items(entry, 1, 0)
         items = [slot * n + j for j in range(n)]
         return items[::-1] if side == "decode" else items
 
@@ -161,8 +191,9 @@ class ModelShape:
         """The prefill's ``state_entries`` at TP size ``tp``."""
         out = []
         for kind, layouts in self.entries():
-            entry = server_info_pb2.StateEntryInfo(
-                kind=kind, type_name="swa" if kind == common_pb2.STATE_KIND_SLIDING_WINDOW else "mamba")
+            entry = server_info_pb2.StateEntryInfo(kind=kind, type_name=_TYPE_NAMES[kind])
+            if kind == common_pb2.STATE_KIND_PAGED:
+                entry.tp_policy = common_pb2.STATE_TP_POLICY_REPLICATED
             for layout, layer in layouts:
                 item, dim = self._tensor(layout, tp)
                 t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
@@ -175,8 +206,8 @@ class ModelShape:
 
     def decode_state(self, tp: int) -> tuple[StateEntry, ...]:
         """The decode layout's state entries at TP size ``tp``."""
-        return tuple(StateEntry(kind, tuple(StateTensor(*self._tensor(layout, tp), layer) for layout, layer in layouts))
-                     for kind, layouts in self.entries())
+        return tuple(StateEntry(kind, tuple(StateTensor(*self._tensor(layout, tp), layer) for layout, layer in layouts),
+                                _TYPE_NAMES[kind]) for kind, layouts in self.entries())
 
     def server_info(self, *, tp: int, rank: int, page_size: int, dcp_size: int = 1, dcp_rank: int = 0,
                     backend: int = common_pb2.BACKEND_UNSPECIFIED, port: int = 0) -> server_info_pb2.PrefillServerInfo:
@@ -212,12 +243,10 @@ class ModelShape:
         out: U8 = whole[local_bytes(layout, tp, rank)]
         return out
 
-    def state_block(self, room: int, entry: int, tensor: int, tp: int, rank: int, side: str) -> U8:
-        """What ``room``'s slot of state ``tensor`` (of ``entry``) holds on ``side``, item by item: the
-        window's i-th page in the item that side lists i-th (``state_pages``; a recurrent slot is one item)."""
-        where = self.state_pages(entry, 0, side)
-        pages = sorted(range(len(where)), key=where.__getitem__)
-        return np.concatenate([self.state_item(room, tensor, tp, rank, page) for page in pages])
+    def state_writes(self, room: int, tensor: int, tp: int, rank: int, items: Sequence[int]) -> list[tuple[int, U8]]:
+        """(item, bytes) of ``room``'s state ``tensor`` on a rank: the i-th of the ``items`` a side lists
+        (``state_pages``) holds page i of the request (a recurrent slot is one item)."""
+        return [(item, self.state_item(room, tensor, tp, rank, page)) for page, item in enumerate(items)]
 
     def state_tensors(self) -> list[int]:
         """The entry of each state tensor, in their numbering across entries."""

@@ -1,7 +1,8 @@
 """A prefill rank as its own process: KV pool with known contents, the real handshake service.
 
 Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``
-(``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group).
+(``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group,
+``--model dsa`` for MLA rows with a DeepSeek-V3.2 index).
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
 the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
@@ -39,7 +40,7 @@ class PrefillRank:
         self.shard = data.Shard(args.dcp_size, args.dcp_rank)
         self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes,
                                 kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim,
-                                window_pages=args.window_pages)
+                                window_pages=args.window_pages, page_size=args.page_size)
         m, tp = self.model, args.tp_size
         rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
         self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
@@ -50,10 +51,12 @@ class PrefillRank:
                                   dcp_rank=args.dcp_rank, backend=backends.by_name(args.backend).enum,
                                   port=args.port)
         # Aux and state pools hold ``slots`` requests each, like SGLang's per-request slots (a sliding
-        # window's slot is its pages).
+        # window's slot is its pages); a paged entry holds a page per KV page's token page.
         self.aux = [self.executor.allocate(a.item_len * args.slots) for a in self.info.aux_entries]
-        self.state = [[self.executor.allocate(t.item_len * args.slots * m.items_per_slot(i)) for t in e.tensors]
-                      for i, e in enumerate(self.info.state_entries)]
+        self.state = [[self.executor.allocate(t.item_len * m.entry_items(i, args.slots, args.pages * args.dcp_size))
+                       for t in e.tensors] for i, e in enumerate(self.info.state_entries)]
+        self.index: dict[int, list[int]] = {}
+        """Per room, its DSA index pages (named on its last chunk)."""
         self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
@@ -84,9 +87,11 @@ class PrefillRank:
         for i, buf in enumerate(self.aux):
             n = m.aux_lens[i]
             buf.array[slot * n:(slot + 1) * n] = m.aux_item(room, i)
+        self.index[room] = m.index_pages(pages, total - prefix, a.dcp_size)
         for k, (entry, buf) in enumerate(zip(m.state_tensors(), (b for e in self.state for b in e), strict=True)):
-            block = m.state_block(room, entry, k, a.tp_size, a.tp_rank, "prefill")
-            buf.array[slot * block.size:(slot + 1) * block.size] = block
+            for item, block in m.state_writes(room, k, a.tp_size, a.tp_rank,
+                                              m.state_pages(entry, slot, "prefill", self.index[room])):
+                buf.array[item * block.size:(item + 1) * block.size] = block
         if corrupt and rows:
             # Flip one byte in the middle of the request: the decode's check must catch it.
             row = int(data.local_rows(pages, rows, self.args.page_size)[rows // 2])
@@ -99,7 +104,7 @@ class PrefillRank:
         if last and self.info.aux_entries:
             extras["aux_slot"] = slot
         if last and self.info.state_entries:
-            extras["state_slots"] = [self.model.state_pages(i, slot, "prefill")
+            extras["state_slots"] = [self.model.state_pages(i, slot, "prefill", self.index.get(room, ()))
                                      for i in range(len(self.info.state_entries))]
         self.engine.submit_chunk(room, pages, num_tokens, last, **extras)
         return {}
@@ -116,6 +121,7 @@ class PrefillRank:
     def release(self, room: int) -> Reply:
         """Forget a room's chunks."""
         self.engine.release_room(room)
+        self.index.pop(room, None)
         return {}
 
     def stats(self) -> Reply:
@@ -160,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dcp-size", type=int, default=1)
     ap.add_argument("--dcp-rank", type=int, default=0)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--model", choices=KINDS, default="mla", help="KV only (mla), Kimi-shaped (hybrid), mha")
+    ap.add_argument("--model", choices=KINDS, default="mla", help="KV only (mla), Kimi-shaped (hybrid), mha,"
+                    " DeepSeek-V3.2-shaped (dsa)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")

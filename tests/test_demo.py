@@ -53,3 +53,27 @@ def test_decode_config_round_trips_through_its_command_line() -> None:
                           layer_ids=False, background=0)
     assert DecodeConfig.parse(config.argv()) == config
     assert DecodeConfig.parse([]) == DecodeConfig()
+
+
+def test_the_decode_checks_every_dsa_index_page_including_those_no_request_names() -> None:
+    """A DCP 2 decode's index holds every token's page (two per KV page): the check wants a request's
+    pages to hold the model's bytes and every other page the background."""
+    from pdproto_demo.decode import DecodeConfig, DecodeRank
+
+    rank = DecodeRank(DecodeConfig(model="dsa", layers=2, pages=4, page_size=16, dcp_size=2))
+    try:
+        index = rank.model.index_pages([3, 1], 40, 2)  # 40 tokens: 3 index pages, from KV pages 3 and 1
+        assert index == [6, 7, 2]
+        (first, second) = (b for e in rank.state for b in e)
+        for k, buf in enumerate((first, second)):
+            for item, block in rank.model.state_writes(5, k, 1, 0, index):
+                buf.array[item * block.size:(item + 1) * block.size] = block
+        checked, problem = rank.verify_extras({5: (1, index)})
+        assert problem is None and checked == 2 * 8 * 16 * 132
+        second.array[0] ^= 0xFF  # index page 0, which the request does not name
+        assert rank.verify_extras({5: (1, index)})[1] == "state buffer 1: byte 0 is 90, expected 165"
+        second.array[0] ^= 0xFF
+        first.array[6 * 16 * 132] ^= 1  # the request's first page
+        assert "state buffer 0: byte 12672" in str(rank.verify_extras({5: (1, index)})[1])
+    finally:
+        rank.close()

@@ -25,14 +25,14 @@ GEO = Geometry(layers=8, page_size=16, max_tokens=512, max_prefix=64)
 
 @contextlib.contextmanager
 def cluster(backend: str, src_tp: int, dst_tp: int, *, model: str = "hybrid",
-            replicated_bytes: int = 0, window_pages: int = 0) -> Iterator[tuple[Cluster, Topology]]:
-    """Prefill TP ``src_tp`` (dense) feeding decode TP ``dst_tp`` (no DCP), connected."""
-    c = Cluster(backend, GEO, dst_dcp=1, src_groups=(1,), model=model, src_tp=src_tp, dst_tp=dst_tp,
+            replicated_bytes: int = 0, window_pages: int = 0, dst_dcp: int = 1) -> Iterator[tuple[Cluster, Topology]]:
+    """Prefill TP ``src_tp`` (dense) feeding decode TP ``dst_tp`` (DCP ``dst_dcp``), connected."""
+    c = Cluster(backend, GEO, dst_dcp=dst_dcp, src_groups=(1,), model=model, src_tp=src_tp, dst_tp=dst_tp,
                 replicated_bytes=replicated_bytes, window_pages=window_pages,
                 log_dir=tempfile.mkdtemp(prefix="pdproto-extras-"))
     try:
         c.launch()
-        topo = Topology(1, 1, src_tp, dst_tp)
+        topo = Topology(1, dst_dcp, src_tp, dst_tp)
         c.connect(topo)
         yield c, topo
     finally:
@@ -73,7 +73,7 @@ def test_sliding_window_pages_land_in_window_order_sliced_by_head(backend: str, 
     lists its pages in reverse), each prefill rank writing its heads of it."""
     window = 3
     shape = ModelShape(kind="hybrid", window_pages=window)
-    per_rank = sum(t.item_len * shape.items_per_slot(i) for i, e in enumerate(shape.decode_state(dst_tp))
+    per_rank = sum(t.item_len * shape.entry_items(i, 1, 0) for i, e in enumerate(shape.decode_state(dst_tp))
                    for t in e.tensors)
     with cluster(backend, src_tp, dst_tp, window_pages=window) as (c, _):
         for tokens in (65, 257):
@@ -143,3 +143,22 @@ def test_replicated_state_is_sent_once_per_destination(src_tp: int, dst_tp: int,
         ok(c.run_request(65, 0))
         sent = moved(c)
         assert sum(s.get("pdproto_state_items_replicated", 0) for s in sent) == writes
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 4), (4, 4)])
+def test_dsa_index_pages_reach_every_dcp_rank_whole(src_tp: int, dst_tp: int) -> None:
+    """DeepSeek-V3.2-shaped (MLA rows and SGLang's dsa index, paged and replicated): every rank of a DCP 4
+    decode gets every index page of the request, from its one prefill rank, on the pages of its own
+    index space (a DCP rank's KV page stands for 4 of them); the pages no request names keep the
+    background, and go back to it when the request is released."""
+    shape = ModelShape(kind="dsa", page_size=GEO.page_size)
+    page = GEO.page_size * shape.index_row_bytes
+    with cluster("mooncake", src_tp, dst_tp, model="dsa", dst_dcp=4) as (c, _):
+        for tokens in (65, 257):
+            r = c.run_request(tokens, 0)
+            ok(r)
+            assert r.state_bytes == 4 * -(-tokens // GEO.page_size) * GEO.layers * page
+        assert sum(s["state_bytes"] for s in moved(c)) == 4 * (5 + 17) * GEO.layers * page
+        for decode in c.decodes:
+            untouched = decode.call("untouched", 60)
+            assert untouched["ok"], untouched["problem"]
