@@ -1,123 +1,28 @@
 """A Kimi-Linear-shaped request end to end (KV + state + aux) against a dense transfer of the same bytes.
 
-One rank pair of the demo's kimi-tp4-dcp4 case, per engine: prefill TP rank 1 of 4 runs the
-real handshake service in this process (``pdproto_demo.prefill.PrefillRank``), and decode
-TP rank 1 of 4 with DCP 4 runs as its own process (``pdproto_demo.decode``) and registers
-through the client. A 32,768-token request then goes through the whole path: SubmitTransfer,
-four chunks from the engine API (the last naming the state and aux slots), DCP relayout of
-the MLA rows with packing, the sliced KDA state (heads of every temporal state, q/k/v
-channels of every conv window row) and the aux slot, then SUCCESS on the decode's status
-stream. The time is from the decode's submit to that SUCCESS; every byte is checked on the
-last round (outside the clock).
-
-The baseline moves the same number of bytes from the same executor to the same decode
-process as one contiguous descriptor per KV layer (``dense``). The line reports the
-request's GB/s over the dense GB/s. Medians of ROUNDS; the machine may be shared.
-Environment: PDPROTO_BENCH_BACKENDS=mooncake,nixl picks the engines.
+One rank pair of the demo's kimi-tp4-dcp4 case, per engine (``bench._pair``): the 32,768-token
+request's MLA rows are relaid out for DCP 4 with packing, the KDA state is sliced (heads of
+every temporal state, q/k/v channels of every conv window row), and the aux slot moves.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import statistics
-
-import numpy as np
-
 from bench import per_backend
-from pdproto.transfer import LayerSpan, TransferJob
-from pdproto_demo import data
-from pdproto_demo.decode import DecodeConfig, DecodeProcess
-from pdproto_demo.prefill import PrefillRank
-from pdproto_demo.prefill import parser as prefill_parser
+from bench._pair import CHUNKS, DCP, RANK, TOKENS, TP, line, measure
 
-TOKENS = 32768
-PAGE = 64
-TP = DCP = 4
-RANK = 1
 LAYERS = 8  # Kimi's ratio: layers 3 and 7 are MLA, the six others KDA
-CHUNKS = 4
-ROUNDS = 3
-
-
-def _prefill(backend: str) -> PrefillRank:
-    """Prefill TP rank RANK of a Kimi-shaped model, its service running on its own loop."""
-    # The prefill process's own parser, so a flag added there has its default here too.
-    args = prefill_parser().parse_args([
-        "--backend", backend, "--name", f"bench-kimi-prefill-{os.getpid()}", "--layers", str(LAYERS),
-        "--model", "hybrid", "--tp-size", str(TP), "--tp-rank", str(RANK), "--slots", "4", "--kda-heads", "32",
-        "--kda-head-dim", "128", "--pages", str(TOKENS // PAGE + 8), "--page-size", str(PAGE),
-        "--staging-mb", "256"])
-    return PrefillRank(args)
 
 
 def bench_backend(backend: str) -> dict[str, float]:
     """Median seconds and bytes of the request and of the dense transfer on one engine."""
-    rank = _prefill(backend)
-    port = rank.launch_service()
-    # Enough decode pages for the request and for the dense copy of its bytes.
-    pages = 2 * math.ceil(TOKENS / (PAGE * DCP)) + 16
-    peer = DecodeProcess.launch(DecodeConfig(backend=backend, layers=LAYERS, pages=pages, page_size=PAGE,
-                                             dcp_size=DCP, dcp_rank=RANK, model="hybrid", tp_size=TP,
-                                             tp_rank=RANK, slots=4, kda_heads=32, kda_head_dim=128),
-                                timeout=120)
-    try:
-        peer.call("connect", 60, targets=[f"127.0.0.1:{port}"])
-        dst_pages = data.page_list(0, math.ceil(TOKENS / (PAGE * DCP)), scramble=True)
-        src_pages = data.page_list(1, TOKENS // PAGE, scramble=True)
-        step = TOKENS // CHUNKS
-        secs: list[float] = []
-        moved = 0
-        for rnd in range(ROUNDS + 1):  # round 0 warms connections and lazy imports up
-            room = 7000 + rnd
-            rank.prepare(room, 0, TOKENS, src_pages, slot=1)
-            peer.call("request", 60, room=room, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=dst_pages)
-            for k in range(CHUNKS):
-                chunk = src_pages[k * step // PAGE:(k + 1) * step // PAGE]
-                rank.chunk(room, chunk, step, k == CHUNKS - 1, slot=1)
-            reply = peer.call("wait", 300, room=room, check=rnd == ROUNDS)
-            if not reply["ok"]:
-                raise AssertionError(f"request failed: {reply['failures'] or reply['mismatch']}")
-            moved = int(reply["bytes"]) + int(reply["aux_bytes"]) + int(reply["state_bytes"])
-            if rnd:
-                secs.append(float(reply["seconds"]))
-            rank.release(room)
-        dense_s = _dense(rank, peer, moved)
-        return {"request_s": statistics.median(secs), "dense_s": dense_s, "bytes": moved,
-                "kv": int(reply["bytes"]), "state": int(reply["state_bytes"]), "aux": int(reply["aux_bytes"]),
-                "desc": int(reply["descriptors"]) + int(reply["aux_descriptors"]) + int(reply["state_descriptors"])}
-    finally:
-        peer.close()
-        rank.close()
-
-
-def _dense(rank: PrefillRank, peer: DecodeProcess, nbytes: int) -> float:
-    """Median seconds of ``nbytes`` as one contiguous descriptor per KV layer, same executor and peer."""
-    ex = rank.executor
-    ex.connect("dense", peer.registration)
-    row = rank.pool[0].shape[1]
-    per_layer = -(-nbytes // (len(rank.bufs) * row))  # rows per layer so that every byte is counted
-    spans = tuple(LayerSpan(b.addr, d.ptr, row) for b, d in zip(rank.bufs, peer.registration.kv_buffers, strict=True))
-    job = TransferJob.of_runs(spans, np.array([[0, 1, 0, 1, per_layer]], dtype=np.int64), pack=False)
-    ex.execute("dense", job)
-    times = [ex.execute("dense", job).seconds for _ in range(ROUNDS)]
-    ex.disconnect("dense")
-    return statistics.median(times)
+    return measure(backend, "hybrid", LAYERS, kda_heads=32, kda_head_dim=128)
 
 
 def main() -> int:
     """Run the bench for each engine and print the ratio line; non-zero if a run failed."""
     print(f"Kimi-shaped request: {TOKENS} tokens, {LAYERS} layers (MLA 1:3 KDA, 32 heads x 128), prefill TP {TP}"
           f" rank {RANK} -> decode TP {TP} DCP {DCP} rank {RANK}, {CHUNKS} chunks", flush=True)
-
-    def report(backend: str, r: dict[str, float], seconds: float) -> None:
-        req, dense = r["bytes"] / r["request_s"] / 1e9, r["bytes"] / r["dense_s"] / 1e9
-        print(f"{backend:<9} kimi 32K request end to end {r['bytes'] / 1e6:.1f} MB (KV {r['kv'] / 1e6:.1f},"
-              f" state {r['state'] / 1e6:.2f}, aux {r['aux']:.0f} B; {int(r['desc'])} descriptors)"
-              f" {r['request_s'] * 1e3:.1f} ms = {req:.2f} GB/s; dense same bytes {r['dense_s'] * 1e3:.1f} ms ="
-              f" {dense:.2f} GB/s; ratio {req / dense:.2f}  [{seconds:.0f} s]", flush=True)
-
-    return per_backend(bench_backend, report)
+    return per_backend(bench_backend, lambda backend, r, s: print(line(backend, "kimi", r, s), flush=True))
 
 
 if __name__ == "__main__":
