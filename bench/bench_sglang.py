@@ -3,15 +3,16 @@
 Both backends run through ``tests/sglang/pd_harness.py``: SGLang's real ServerArgs, pools,
 bootstrap server, manager, sender and receiver in separate prefill and decode processes,
 driven in the call order of ``disaggregation/prefill.py``/``decode.py``, every byte checked
-on every decode rank. The time is the prefill's, from its first ``send()`` to the last poll
-that reports Success (start-up and the byte check are outside it). Each row runs the two
+on every decode rank. The time is the prefill's, from just before its first ``send()`` (the
+harness's finalize-bootstrap and chunk bookkeeping, the same for both) to the poll that
+reports Success (start-up and the byte check are outside it). Each row runs the two
 backends interleaved, ROUNDS times each, so that the machine's load shifts hit both alike,
 and prints the ratio pdproto / SGLang (each round's pair) min, median and max, then each
 side's median seconds and GB/s over the KV token rows (``tokens x KV layers x row``, the same
 bytes for both; a hybrid's state and the aux row ride along uncounted). A row whose ratio
 goes above 1.0 (pdproto slower) is marked. Where SGLang's own backend fails the transfer
-(at DCP it sends a descriptor per token, which overflows Mooncake's TCP lane queue at these
-sizes) the row says so with its reason and shows pdproto's runs alone; any other failure
+(at DCP on a CPU host it sends a descriptor per token, which overflows Mooncake's TCP lane
+queue for the dense MLA model at these sizes) the row says so with its reason and shows pdproto's runs alone; any other failure
 prints FAILED with the reason and makes ``main`` return 1. The harness bounds every wait
 (TIMEOUT_S per step) and kills ranks that do not exit, so a stuck run ends.
 
