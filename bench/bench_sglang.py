@@ -1,0 +1,166 @@
+"""pdproto's SGLang backend against SGLang 0.5.23's own Mooncake backend, same driver (issue 34).
+
+Both backends run through ``tests/sglang/pd_harness.py``: SGLang's real ServerArgs, pools,
+bootstrap server, manager, sender and receiver in separate prefill and decode processes,
+driven in the call order of ``disaggregation/prefill.py``/``decode.py``, every byte checked
+on every decode rank. The time is the prefill's, from just before its first ``send()`` (the
+harness's finalize-bootstrap and chunk bookkeeping, the same for both) to the poll that
+reports Success (start-up and the byte check are outside it). Each row runs the two
+backends interleaved, ROUNDS times each, so that the machine's load shifts hit both alike,
+and prints the ratio pdproto / SGLang (each round's pair) min, median and max, then each
+side's median seconds and GB/s over the KV token rows (``tokens x KV layers x row``, the same
+bytes for both; a hybrid's state and the aux row ride along uncounted). A row whose ratio
+goes above 1.0 (pdproto slower) is marked. Where SGLang's own backend fails the transfer
+(at DCP on a CPU host it sends a descriptor per token, which overflows Mooncake's TCP lane
+queue for the dense MLA model at these sizes) the row says so with its reason and shows pdproto's runs alone; any other failure
+prints FAILED with the reason and makes ``main`` return 1. The harness bounds every wait
+(TIMEOUT_S per step) and kills ranks that do not exit, so a stuck run ends.
+
+The harness is one dense prefill rank feeding one decode rank or a decode DCP group, so the
+issue's shapes with several prefill ranks or decode TP without DCP are listed as not run.
+Every harness run starts its own processes (~10-20 s on two cores), so by default only the
+columns the issue turns on run: 32,768 tokens as 4 chunks and 8,192 whole;
+``PDPROTO_BENCH_SGLANG=full`` adds 32,768 whole and 8,192 as 4 chunks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ROUNDS = 3
+TIMEOUT_S = 30.0
+"""The harness's per-step wait (and SGLang's bootstrap/waiting timeouts): a stuck run ends, never hangs."""
+KV_LAYERS = {"mla": 4, "kimi": 2, "dsa": 4}
+"""The harness models' KV (MLA) layers (``tests/sglang/_models.py``): Kimi's other six layers are KDA state."""
+BASELINE = "mooncake_tcp"
+BACKENDS = (BASELINE, "pdproto")
+"""Run in this order in every round."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One topology the harness runs: model and decode DCP size (the prefill is one rank)."""
+
+    name: str
+    model: str
+    dcp: int
+
+
+SHAPES = (
+    Shape("MLA TP1 -> TP1", "mla", 1),
+    Shape("dense -> DCP 4", "mla", 4),
+    Shape("hybrid TP1 -> TP1", "kimi", 1),
+    Shape("hybrid TP1 -> DCP 4", "kimi", 4),
+)
+NOT_RUN = (
+    ("hybrid TP2 -> TP1 (fan-in)", "the harness runs one prefill rank"),
+    ("hybrid TP1 -> TP2 (head slicing)", "the harness's decode TP is its DCP size: TP 2 also shards tokens"),
+    ("hybrid TP4 -> TP4 / DCP 4", "the harness runs one prefill rank (TP1 -> DCP 4 above is its nearest)"),
+)
+COLUMNS = ((32768, 8192), (8192, 8192))
+"""(tokens, chunk) pairs run by default: chunk == tokens is one whole send."""
+FULL_COLUMNS = ((8192, 2048), (32768, 32768))
+
+
+def _one(backend: str, shape: Shape, tokens: int, chunk: int) -> float:
+    """Seconds of one harness run; raises with the reason if any rank did not land every byte."""
+    from tests.sglang.pd_harness import SUCCESS, Request, run
+
+    out: dict[str, Any] = run(backend, (Request(room=1, tokens=tokens, chunk=chunk),), model=shape.model,
+                              dcp=shape.dcp, timeout=TIMEOUT_S)
+    prefill = out["prefill"]
+    if prefill is None:
+        raise RuntimeError(f"no prefill report (rc {out['prefill_rc']}): {_tail(out['prefill_stderr'])}")
+    (result,) = prefill["results"].values()
+    if result["poll"] != SUCCESS:
+        raise _TransferFailed(f"prefill poll {result['poll']}: {result.get('reason')}")
+    for rank, (decode, err) in enumerate(zip(out["decode"], out["decode_stderr"], strict=True)):
+        if decode is None:
+            raise RuntimeError(f"decode rank {rank} sent no report: {_tail(err)}")
+        if decode["polls"] != [SUCCESS] or decode["mismatches"]:
+            raise RuntimeError(f"decode rank {rank}: polls {decode['polls']} {decode['reasons']},"
+                               f" mismatches {decode['mismatches'][:3]}")
+    return float(prefill["seconds"])
+
+
+class _TransferFailed(RuntimeError):
+    """The harness ran, and the backend's sender reported Failed with this reason."""
+
+
+def _tail(stderr: str) -> str:
+    """The last line of a rank's stderr that says something."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no stderr)"
+
+
+def _row(shape: Shape, tokens: int, chunk: int) -> tuple[str, bool]:
+    """One table row from ROUNDS interleaved pairs of runs, and whether it failed.
+
+    SGLang's own backend failing a transfer (its sender reports Failed: it cannot move this
+    shape here) is a measurement: the row says so, shows pdproto's runs alone and does not
+    fail the bench. Anything else failing (pdproto, a rank without a report) fails it.
+    """
+    from tests.sglang._models import ROW_BYTES
+
+    secs: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    mode = "whole" if chunk >= tokens else f"{-(-tokens // chunk)} x {chunk}"
+    head = f"{shape.name:<20} {tokens:>6} {mode:<9}"
+    baseline_failed = ""
+    for _ in range(ROUNDS):
+        for backend in BACKENDS:
+            if backend == BASELINE and baseline_failed:
+                continue  # it failed once; each failed run waits out the decode's timeout
+            try:
+                secs[backend].append(_one(backend, shape, tokens, chunk))
+            except _TransferFailed as exc:
+                if backend != BASELINE:
+                    return f"{head} FAILED ({backend}): {exc}", True
+                baseline_failed = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the row reports it, the bench goes on
+                return f"{head} FAILED ({backend}): {exc}", True
+    nbytes = tokens * KV_LAYERS[shape.model] * ROW_BYTES
+    pd = statistics.median(secs["pdproto"])
+    pd_cols = f"{pd:>9.3f} {nbytes / pd / 1e9:>6.2f}"
+    if baseline_failed:
+        return f"{head} {'SGLang FAILED':>17} {'-':>8} {'-':>6} {pd_cols}  SGLang: {baseline_failed}", False
+    ratios = sorted(p / s for s, p in zip(secs[BASELINE], secs["pdproto"], strict=True))
+    sg = statistics.median(secs[BASELINE])
+    mark = "  < above 1.0" if max(ratios) > 1.0 else ""
+    return (f"{head} {ratios[0]:>5.2f} {statistics.median(ratios):>5.2f} {ratios[-1]:>5.2f}"
+            f" {sg:>8.3f} {nbytes / sg / 1e9:>6.2f} {pd_cols}{mark}"), False
+
+
+def main() -> int:
+    """Print the comparison table; non-zero if any run failed."""
+    if importlib.util.find_spec("sglang") is None:  # the harness's ranks import it behind CPU stubs
+        print("skipped: SGLang is not installed")
+        return 0
+    full = os.environ.get("PDPROTO_BENCH_SGLANG") == "full"
+    columns = COLUMNS + FULL_COLUMNS if full else COLUMNS
+    print(f"SGLang harness (tests/sglang/pd_harness.py), first send() to Success, {ROUNDS} interleaved runs per"
+          f" backend; ratio = pdproto / SGLang mooncake_tcp per round (a row with a round above 1.0 is marked);"
+          f" GB/s over KV token rows."
+          f" Columns: {', '.join(f'{t} / chunk {c}' for t, c in columns)}"
+          f"{'' if full else ' (PDPROTO_BENCH_SGLANG=full adds 32768 whole and 8192 in 4 chunks)'}", flush=True)
+    for name, why in NOT_RUN:
+        print(f"not run: {name}: {why}")
+    print(f"{'shape':<20} {'tokens':>6} {'send':<9} {'min':>5} {'med':>5} {'max':>5}"
+          f" {'SGLang s':>8} {'GB/s':>6} {'pdproto s':>9} {'GB/s':>6}", flush=True)
+    rc = 0
+    began = time.perf_counter()
+    for shape in SHAPES:
+        for tokens, chunk in columns:
+            line, failed = _row(shape, tokens, chunk)
+            rc |= failed
+            print(line, flush=True)
+    print(f"[{time.perf_counter() - began:.0f} s]")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
