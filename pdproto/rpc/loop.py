@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from pdproto.errors import DeadlineExceededError, Reason
@@ -71,14 +71,6 @@ class LoopThread:
             future.cancel()
             raise DeadlineExceededError(f"{what} did not finish on the event loop within {timeout:g} s",
                                         reason=Reason.DEADLINE_EXCEEDED) from None
-
-    def call(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on the loop thread and return its result."""
-
-        async def wrapped() -> _T:
-            return fn()
-
-        return self.run(wrapped())
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the loop and join its thread (not for the shared loop, which lives as long as the process)."""

@@ -126,14 +126,14 @@ class MooncakeExecutor(EngineExecutor):
         if protocol == "auto":
             protocol = "rdma" if rdma_present() else "tcp"
         # The engine reads these once, when it starts; the first executor of a process sets them.
-        seconds = str(max(1, math.ceil(transfer_timeout_s)))
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", seconds)
-        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
+        seconds = max(1, math.ceil(transfer_timeout_s))
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(seconds))
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(seconds))
         # A slice waits for admission to a peer's TCP lanes; past this the engine fails its whole
         # batch, and the peer's queue then stays full, failing its next batches too. On a loaded
         # host a 2,048-descriptor batch waits longer than the engine's default: only our deadline
         # should end it.
-        os.environ.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", str(max(1, math.ceil(transfer_timeout_s)) * 1000))
+        os.environ.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", str(seconds * 1000))
         with _INIT_LOCK:
             self._engine = engine_cls()
             rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
