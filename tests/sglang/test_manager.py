@@ -115,6 +115,7 @@ IPV6_PREFILL = """
 import numpy as np
 from types import SimpleNamespace
 from pdproto.client import HandshakeClient
+from pdproto.errors import ConfigError
 from pdproto.integrations.sglang import layout
 from pdproto.integrations.sglang.manager import rank_address
 from pdproto.integrations.sglang.prefill_side import PrefillSide
@@ -130,11 +131,17 @@ kv_args = SimpleNamespace(
 side = PrefillSide(kv_args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, settings=BackendSettings.from_env(),
                    host="::1", device="cpu", prefill_rank=0, match_timeout_s=5.0)
 try:
-    # What /route publishes (rank_ip, rank_port) and the decode dials.
-    address = rank_address({"rank_ip": "::1", "rank_port": side.port})
+    # What /route publishes (rank_ip, and the handshake service as pdproto_port) and the decode dials.
+    address = rank_address({"rank_ip": "::1", "rank_port": 1, "pdproto_port": side.port})
     with HandshakeClient(address) as client:
         client.describe()
-    print(json.dumps({"address": address, "port": side.port, "listen": side.service.config.listen}))
+    try:  # an unmodified SGLang prefill's record has no pdproto_port
+        rank_address({"rank_ip": "::1", "rank_port": 1})
+        legacy = ""
+    except ConfigError as exc:
+        legacy = str(exc)
+    print(json.dumps({"address": address, "port": side.port, "listen": side.service.config.listen,
+                      "legacy": legacy}))
 finally:
     side.close()
 """
@@ -147,6 +154,7 @@ def test_a_prefill_rank_on_ipv6_serves_and_the_decode_reaches_it() -> None:
     out = run_sglang(IPV6_PREFILL, env={"MOONCAKE_PROTOCOL": "tcp"})
     assert out["listen"] == "[::1]:0"
     assert out["address"] == f"[::1]:{out['port']}"
+    assert "SGLang's own transfer backend" in out["legacy"]  # a record without pdproto_port
 
 
 def test_host_port_brackets_ipv6_hosts_only() -> None:

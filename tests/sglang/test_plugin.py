@@ -227,11 +227,14 @@ for _ in range(200):
         time.sleep(0.05)
 ROUTE_QUERY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 before = requests.get(url + ROUTE_QUERY).status_code
-# Two prefill TP ranks register as common/conn.py:1584-1612 does, each with a gRPC endpoint.
-for rank, grpc_port in ((0, 50051), (1, 50052)):
+# Two prefill TP ranks register as common/conn.py:1584-1612 does: a pdproto one with its gRPC
+# port, and an unmodified SGLang one (a fleet in migration).
+for rank, grpc_port in ((0, 50051), (1, None)):
     body = dict(attn_tp_size=2, attn_tp_rank=rank, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1,
                 attn_dp_rank=0, pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0,
-                rank_ip="10.0.0.7", rank_port=grpc_port, page_size=64, kv_cache_dtype="bfloat16")
+                rank_ip="10.0.0.7", rank_port=17000 + rank, page_size=64, kv_cache_dtype="bfloat16")
+    if grpc_port is not None:
+        body["pdproto_port"] = grpc_port
     assert requests.put(url + "/route", json=body).status_code == 200
 info = requests.get(url + ROUTE_QUERY).json()
 ranks = [requests.get(url + f"/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank={{r}}&target_pp_rank=0").json()
@@ -248,14 +251,15 @@ results["bootstrap"] = {{"before": before, "info": info, "ranks": ranks, "missin
 
 
 def test_bootstrap_server_resolves_each_prefill_rank_to_its_grpc_endpoint(with_plugin: dict[str, Any]) -> None:
-    """The registry pdproto uses is SGLang's: ranks register ip:port, decodes look them up."""
+    """The registry pdproto uses is SGLang's: ranks register ip:port (and pdproto's gRPC port), decodes look them up."""
     out = with_plugin["bootstrap"]
     assert out["before"] == 503  # not every rank has registered yet
     assert out["info"]["attn_tp_size"] == 2
     assert out["info"]["page_size"] == 64
     assert out["ranks"] == [
-        {"rank_ip": "10.0.0.7", "rank_port": 50051},
-        {"rank_ip": "10.0.0.7", "rank_port": 50052},
+        {"rank_ip": "10.0.0.7", "rank_port": 17000, "pdproto_port": 50051},
+        {"rank_ip": "10.0.0.7", "rank_port": 17001},  # SGLang's record, as SGLang's server keeps it
     ]
+
     assert out["missing"] == 404
     assert out["dp_ranks"] == {"77": 1}  # room 78 was never filed

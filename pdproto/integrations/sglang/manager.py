@@ -7,7 +7,8 @@ docs/sglang-notes.md). What it adds is a translation, no protocol:
 
 * **prefill**: before the rank registers with SGLang's bootstrap server (``PUT /route``,
   from the base constructor), it builds its ``PrefillSide`` (pools registered, engine,
-  handshake service) and publishes the service's gRPC port as the rank's ``rank_port``.
+  handshake service) and publishes the service's gRPC port as ``pdproto_port`` in the rank's
+  record (bootstrap.py).
   SGLang's sends become ``PrefillEngine.submit_chunk`` (``add_transfer_request``); the
   engine's room status becomes SGLang's ``KVPoll`` and failure reason (``refresh_room``).
   With PP > 1 a thread of the manager (``StatusPump``) does that for every open room as
@@ -34,6 +35,7 @@ from pdproto.negotiation.fanin import Outcome
 from pdproto.v1 import common_pb2
 
 from . import layout
+from .bootstrap import PDPROTO_PORT
 from .decode_side import DecodeSide
 from .prefill_side import PrefillSide
 from .settings import BackendSettings
@@ -59,8 +61,18 @@ many rooms open the pump takes a bounded share of a core (a tenth: PrefillEngine
 
 
 def rank_address(info: dict[str, Any]) -> str:
-    """host:port of the prefill rank a ``/route`` answer names (its handshake service, for pdproto)."""
-    return layout.host_port(str(info["rank_ip"]), int(info["rank_port"]))
+    """host:port of the pdproto handshake service of the prefill rank a ``/route`` answer names.
+
+    A record without ``pdproto_port`` comes from an unmodified SGLang prefill (bootstrap.py).
+    """
+    port = info.get(PDPROTO_PORT)
+    if port is None:
+        raise ConfigError(
+            f"prefill rank {info.get('rank_ip')}:{info.get('rank_port')} publishes no pdproto handshake "
+            f"service in its bootstrap record: it runs SGLang's own transfer backend; run it with "
+            f"--disaggregation-transfer-backend pdproto", reason=Reason.CONFIG_INVALID,
+            metadata={"rank_ip": str(info.get("rank_ip")), "rank_port": str(info.get("rank_port"))})
+    return layout.host_port(str(info["rank_ip"]), int(port))
 
 
 class StatusPump:
@@ -161,7 +173,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
     # -- prefill ------------------------------------------------------------------------
 
     def register_to_bootstrap(self) -> None:
-        """Start this rank's handshake service, then ``PUT /route`` with its gRPC port as ``rank_port``."""
+        """Start this rank's handshake service, then ``PUT /route`` with its gRPC port as ``pdproto_port``."""
         if self.prefill_side is None:
             layout.refuse_cp_sharded_prefill(self.attn_cp_size, bool(self.enable_all_cp_ranks_for_transfer),
                                              hybrid_mla=bool(self.is_hybrid_mla_backend))
@@ -178,6 +190,13 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             self.server_socket.close(linger=0)
         self.rank_port = self.prefill_side.port
         super().register_to_bootstrap()
+
+    def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:
+        """SGLang's ``PUT /route``, with this rank's handshake port added (bootstrap.py)."""
+        own = (payload.get("rank_ip"), payload.get("rank_port")) == (self.local_ip, self.rank_port)
+        if own and self.prefill_side is not None:  # Rust-server mode also files other ranks' rows
+            payload = {**payload, PDPROTO_PORT: self.prefill_side.port}
+        super()._register_topology_row(url, payload)
 
     def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
                              aux_index: int | None = None, state_indices: Any = None,
