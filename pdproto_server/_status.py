@@ -1,4 +1,4 @@
-"""The one wrapper every handler uses, and request deserializers that never answer UNKNOWN.
+"""The one wrapper every handler uses, and request deserializers that check sizes and never answer UNKNOWN.
 
 Errors become statuses through ``pdproto.rpc.status`` (exactly one ``google.rpc.ErrorInfo``,
 and a ``google.rpc.BadRequest`` for invalid fields), which the client reads back. Nothing
@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from pdproto.errors import PdprotoError, Reason, WireError
+from pdproto.errors import MessageTooLargeError, PdprotoError, Reason, WireError
 from pdproto.rpc.status import build_status, status_for
 
 log = logging.getLogger("pdproto_server.status")
@@ -33,43 +33,47 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     )
 
 
-class Malformed:
-    """A request body that did not parse: handed to the handler, whose wrapper answers it typed.
+class Refused:
+    """A request body refused before any parsing or handler: too large for its method, or not the message.
 
     grpc answers a deserializer's exception with a bare UNKNOWN before any handler runs, so the
-    service's deserializers return this instead (``tolerant``).
+    service's deserializers return this instead (``tolerant``) and the handler's wrapper raises it.
     """
 
-    def __init__(self, message_type: str, error: Exception) -> None:
-        self.message_type = message_type
+    def __init__(self, error: PdprotoError) -> None:
         self.error = error
 
     def raise_error(self) -> None:
-        """Raise the typed error the call is answered with (INVALID_ARGUMENT, WIRE_MALFORMED)."""
-        raise WireError(f"the request is not a valid {self.message_type}: {self.error}",
-                        reason=Reason.WIRE_MALFORMED, metadata={"messageType": self.message_type})
+        """Raise the typed error the call is answered with (MESSAGE_TOO_LARGE or WIRE_MALFORMED)."""
+        raise self.error
 
 
-def tolerant(parse: Callable[[bytes], Any], message_type: str) -> Callable[[bytes], Any]:
-    """A request deserializer that returns ``Malformed`` for bytes that are not the message."""
+def tolerant(parse: Callable[[bytes], Any], message_type: str, limit: int | None = None) -> Callable[[bytes], Any]:
+    """A request deserializer that returns ``Refused`` for bytes over ``limit`` (unparsed) or not the message."""
 
     def deserialize(data: bytes) -> Any:
+        if limit is not None and len(data) > limit:
+            return Refused(MessageTooLargeError(
+                f"a {message_type} of {len(data)} bytes is larger than the {limit} this server reads",
+                metadata={"messageType": message_type, "size": len(data), "limit": limit}))
         try:
             return parse(data)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and anything a parser raises
-            return Malformed(message_type, exc)
+            return Refused(WireError(f"the request is not a valid {message_type}: {exc}",
+                                     reason=Reason.WIRE_MALFORMED, metadata={"messageType": message_type}))
 
     return deserialize
 
 
-def with_tolerant_requests(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-    """The same method handler, its request deserializer made ``tolerant``."""
+def with_tolerant_requests(handler: grpc.RpcMethodHandler[Any, Any],
+                           limit: int | None = None) -> grpc.RpcMethodHandler[Any, Any]:
+    """The same method handler, its request deserializer made ``tolerant`` (refusing bodies over ``limit``)."""
     parse = handler.request_deserializer
     if parse is None:
         return handler
     name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
     replaced: grpc.RpcMethodHandler[Any, Any] = handler._replace(  # type: ignore[attr-defined]
-        request_deserializer=tolerant(parse, name.full_name if name is not None else "request"))
+        request_deserializer=tolerant(parse, name.full_name if name is not None else "request", limit))
     return replaced
 
 
@@ -87,7 +91,7 @@ def unary(fn: UnaryHandler[_Self, _Req, _Resp]) -> UnaryHandler[_Self, _Req, _Re
     @functools.wraps(fn)
     async def wrapper(self: _Self, request: _Req, context: grpc.aio.ServicerContext[_Req, _Resp]) -> _Resp:
         try:
-            if isinstance(request, Malformed):
+            if isinstance(request, Refused):
                 request.raise_error()
             return await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -107,7 +111,7 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
         self: _Self, request: _Req, context: grpc.aio.ServicerContext[_Req, _Resp]
     ) -> AsyncIterator[_Resp]:
         try:
-            if isinstance(request, Malformed):
+            if isinstance(request, Refused):
                 request.raise_error()
             async for item in fn(self, request, context):
                 yield item
@@ -120,7 +124,7 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
 
 
 __all__ = [
-    "Malformed",
+    "Refused",
     "stream",
     "tolerant",
     "unary",

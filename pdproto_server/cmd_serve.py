@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lim.add_argument("--snapshot-rate", type=_rate, default=1.0,
                      help="full status snapshots per second a peer's new streams may be sent (four at once); "
                           "0: no limit")
+    lim.add_argument("--call-rate", type=_rate, default=1000.0,
+                     help="calls per second one peer's credential may make (two seconds' worth at once); "
+                          "0: no limit")
     lim.add_argument("--match-timeout", type=float, default=30.0,
                      help="seconds a request waits for the next chunk")
     lim.add_argument("--engine-timeout", type=float, default=30.0,
@@ -198,7 +201,8 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
             max_peers=args.max_peers, max_inflight_per_peer=args.max_inflight,
             max_finished_per_peer=args.max_finished, max_streams_per_peer=args.max_streams,
             match_timeout=args.match_timeout,
-            keep_finished=args.keep_finished, drain_timeout=args.grace, snapshot_rate=args.snapshot_rate))
+            keep_finished=args.keep_finished, drain_timeout=args.grace, snapshot_rate=args.snapshot_rate,
+            call_rate=args.call_rate))
         producer = SyntheticProducer(engine, spec)
 
         def ready(running: RunningServer) -> None:

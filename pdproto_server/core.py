@@ -73,6 +73,12 @@ class HandshakeCore:
         """Registrations on or waiting for the judge thread."""
         return self.admission.judged
 
+    async def pace(self, peer_id: str, credential: bytes) -> None:
+        """Hold a call made with a peer's credential until its call rate has room (``PeerRegistry.pace``)."""
+        wait = self.registry.pace(peer_id, credential)
+        if wait:
+            await asyncio.sleep(wait)
+
     async def start(self) -> None:
         """Attach the engine to this loop and start housekeeping."""
         self.engine.attach(asyncio.get_running_loop())

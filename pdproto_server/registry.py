@@ -41,23 +41,31 @@ together, or opening them again after a break, is never refused."""
 
 @dataclass
 class Allowance:
-    """A token bucket: how much costly work a peer may still ask for now, refilled at a steady rate."""
+    """A token bucket, kept as a schedule (the generic cell rate algorithm): how much costly work a peer
+    may still ask for now, refilled at a steady rate."""
 
-    level: float = -1.0
-    """Units left at ``at`` (-1: never drawn on, so full)."""
-    at: float = 0.0
+    due: float = 0.0
+    """When the bucket is full again (monotonic; in the past: full)."""
 
-    def take(self, units: int, capacity: float, rate: float, now: float) -> float:
-        """Draw ``units`` (at most ``capacity``: one full burst always fits): 0.0 when drawn, else the
-        seconds until they would be there, and nothing is drawn."""
-        level = capacity if self.level < 0 else min(capacity, self.level + (now - self.at) * rate)
-        self.at = now
+    def take(self, units: float, capacity: float, rate: float, now: float, hold: float = 0.0) -> float:
+        """Draw ``units`` (at most ``capacity``: one full burst always fits): the seconds until they are
+        there (0.0: now). They are drawn when that is at most ``hold`` (the caller waits that long first),
+        else nothing is drawn."""
         need = min(units, capacity)
-        if need <= level:
-            self.level = level - need
-            return 0.0
-        self.level = level
-        return (need - level) / rate
+        due = max(self.due, now)
+        wait = max(0.0, due + (need - capacity) / rate - now)
+        if wait <= hold:
+            self.due = due + need / rate
+        return wait
+
+
+CALL_BURST_S = 2.0
+"""Seconds' worth of ``Limits.call_rate`` a peer may call at once: a decode submitting a batch together is
+never held."""
+CALL_HOLD_S = 1.0
+"""Longest a call past a peer's call rate is held (until the rate has room) before it is refused instead:
+a flooder waiting for its answers is slowed to the rate at no cost to anyone; one sending more at once than
+this holds is refused, each refusal costing the server a call's worth of gRPC work."""
 
 
 def retry_after_ms(wait: float) -> int:
@@ -89,6 +97,10 @@ class Limits:
     statuses), up to ``SNAPSHOT_BURST`` at once; a resumed session's unacknowledged events and the views
     a ``Describe`` lists count alike.
     0 lifts the limit."""
+    call_rate: float = 1000.0
+    """Calls per second one peer's credential may make (``CALL_BURST_S`` seconds' worth at once); more
+    are held until the rate has room, or refused TOO_MANY_CALLS with ``retryAfterMs`` past ``CALL_HOLD_S``
+    of holding. 0 lifts the limit."""
 
     @property
     def kept_per_peer(self) -> int:
@@ -234,6 +246,10 @@ class Peer:
     (``Limits.snapshot_rate``)."""
     snapshots_refused: int = 0
     """Its calls ``snapshots`` refused (``PeerView.snapshots_refused``: which peer keeps asking)."""
+    calls: Allowance = field(default_factory=Allowance)
+    """Calls its credential may still make at once (``Limits.call_rate``)."""
+    calls_refused: int = 0
+    """Its calls ``calls`` refused (``PeerView.calls_refused``)."""
     moving: tuple[int, int, Call[Any]] | None = None
     """(room, generation, call) of the chunk last handed to the worker, until that call returned."""
 
@@ -425,6 +441,29 @@ class PeerRegistry:
                                 reason=Reason.PEER_NOT_FOUND, metadata={"peerId": peer_id})
         return peer
 
+    def pace(self, peer_id: str, credential: bytes) -> float:
+        """Seconds a call made with this peer's credential waits to keep to ``Limits.call_rate`` (0.0: none).
+
+        Only a caller holding the credential is paced, so no one else can use up a peer's rate (a
+        wrong one waits nothing; its call answers PEER_NOT_FOUND). A call that would wait more than
+        ``CALL_HOLD_S`` is refused TOO_MANY_CALLS instead, with the seconds after which it would not.
+        """
+        peer = self.authorized(peer_id, credential)
+        rate = self.limits.call_rate
+        if peer is None or rate <= 0:
+            return 0.0
+        burst = max(1.0, CALL_BURST_S * rate)
+        wait = peer.calls.take(1, burst, rate, time.monotonic(), CALL_HOLD_S)
+        if wait > CALL_HOLD_S:
+            peer.calls_refused += 1
+            raise ResourceLimitError(
+                f"peer {peer_id} calls faster than this server's call rate (--call-rate {rate:g} per second, "
+                f"{burst:.0f} at once, then held up to {CALL_HOLD_S:g} s); retry in "
+                f"{wait - CALL_HOLD_S:.3f} s", reason=Reason.TOO_MANY_CALLS,
+                metadata={"peerId": peer_id, "callRate": f"{rate:g}",
+                          "retryAfterMs": retry_after_ms(wait - CALL_HOLD_S)})
+        return wait
+
     def serialized(self, identity: tuple[str, ...]) -> _Holding:
         """Hold while registering ``identity``: registrations of one decode rank run one at a time."""
         return self._identity_locks.holding(identity)
@@ -476,5 +515,5 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["Allowance", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer", "PeerRegistry", "Request", "SNAPSHOT_BURST",
-           "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]
+__all__ = ["Allowance", "CALL_BURST_S", "CALL_HOLD_S", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer",
+           "PeerRegistry", "Request", "SNAPSHOT_BURST", "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]

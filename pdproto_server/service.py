@@ -16,9 +16,23 @@ from . import _status
 from .auth import OperatorToken
 from .core import HandshakeCore
 from .describe import describe
+from .registry import Limits
 from .session import SessionHub
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+SMALL_REQUEST_BYTES = 64 << 10
+"""The most a request of GetServerInfo, Abort, Deregister, Describe or Evict may hold: a few ids and
+numbers (under 200 bytes), the rest room for fields a newer minor version adds. Register, SubmitTransfer
+and Session messages may approach the channel's ``max_message_bytes`` within ``validate.Bounds``, which
+gRPC itself enforces before it buffers the body."""
+
+
+def request_limits(limits: Limits) -> dict[str, int]:
+    """Bytes each method's request may hold, checked before it is parsed (others: ``max_message_bytes``)."""
+    small = dict.fromkeys(("GetServerInfo", "Abort", "Deregister", "Describe", "Evict"), SMALL_REQUEST_BYTES)
+    # A WatchStatus room filter lists at most what a peer can have open and kept: 10 bytes a room at most.
+    return {**small, "WatchStatus": SMALL_REQUEST_BYTES + 10 * limits.kept_per_peer}
 
 
 class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
@@ -43,17 +57,20 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def SubmitTransfer(self, request: hs.SubmitTransferRequest, context: Ctx) -> hs.SubmitTransferResponse:
         """Admit one request's destination."""
+        await self.core.pace(request.peer_id, request.peer_credential)
         return hs.SubmitTransferResponse(status=await self.core.submit(request))
 
     @_status.stream
     async def WatchStatus(self, request: hs.WatchStatusRequest, context: Ctx) -> AsyncIterator[hs.WatchStatusResponse]:
         """Stream a peer's request statuses until it deregisters or the server drains."""
+        await self.core.pace(request.peer_id, request.peer_credential)
         async for status in self.core.watch(request):
             yield hs.WatchStatusResponse(status=status)
 
     @_status.unary
     async def Abort(self, request: hs.AbortRequest, context: Ctx) -> hs.AbortResponse:
         """Abort one request generation after its in-flight chunk drains."""
+        await self.core.pace(request.peer_id, request.peer_credential)
         return hs.AbortResponse(ack=await self.core.abort(request))
 
     # A read/write-style handler (context.read, context.write): grpc.aio takes a coroutine
@@ -68,6 +85,8 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     async def Describe(self, request: hs.DescribeRequest, context: Ctx) -> hs.DescribeResponse:
         """The server's state, for operators."""
         operator = self.operator is not None and self.operator.matches(context.invocation_metadata())
+        if not operator:
+            await self.core.pace(request.peer_id, request.peer_credential)
         return describe(self.core, self.sessions, request, operator=operator)
 
     @_status.unary
@@ -81,6 +100,7 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def Deregister(self, request: hs.DeregisterRequest, context: Ctx) -> hs.DeregisterResponse:
         """Free everything the peer held."""
+        await self.core.pace(request.peer_id, request.peer_credential)
         return hs.DeregisterResponse(failed_requests=await self.core.deregister(request))
 
 
@@ -101,16 +121,18 @@ class _Handlers:
 
 
 def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer as the generated code does, but answer request bodies that do not parse typed.
+    """Register the servicer as the generated code does, but refuse request bodies typed before parsing them.
 
-    Such a body reaches the handler's wrapper (INVALID_ARGUMENT, WIRE_MALFORMED) instead of
-    failing in grpc's deserializer, which answers a bare UNKNOWN.
+    A body over its method's ``request_limits`` (RESOURCE_EXHAUSTED, MESSAGE_TOO_LARGE, never parsed)
+    or one that does not parse (INVALID_ARGUMENT, WIRE_MALFORMED) reaches the handler's wrapper instead
+    of failing in grpc's deserializer, which answers a bare UNKNOWN.
     """
     taken = _Handlers()
     hs_grpc.add_HandshakeServiceServicer_to_server(servicer, taken)  # type: ignore[arg-type]
-    methods = {name: _status.with_tolerant_requests(h) for name, h in taken.methods.items()}
+    caps = request_limits(servicer.core.limits)
+    methods = {name: _status.with_tolerant_requests(h, caps.get(name)) for name, h in taken.methods.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, methods),))
     server.add_registered_method_handlers(taken.service, methods)
 
 
-__all__ = ["HandshakeServicer", "add_to_server"]
+__all__ = ["SMALL_REQUEST_BYTES", "HandshakeServicer", "add_to_server", "request_limits"]

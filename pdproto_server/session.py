@@ -30,7 +30,7 @@ from pdproto.rpc.status import command_error
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
-from ._status import Malformed
+from ._status import Refused
 from .core import HandshakeCore
 from .expiry import Deadlines
 from .registry import Peer
@@ -44,7 +44,7 @@ class Ctx(Protocol):
     """What a stream offers the hub: the gRPC call's context (``read``, ``write``)."""
 
     async def read(self) -> object:
-        """The next request, a ``Malformed`` one, or ``grpc.aio.EOF``."""
+        """The next request, a ``Refused`` one, or ``grpc.aio.EOF``."""
 
     async def write(self, message: hs.SessionResponse) -> None:
         """Send one response."""
@@ -252,10 +252,11 @@ class SessionHub:
     async def serve(self, context: Ctx) -> None:
         """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
         first: object = await context.read()
-        if isinstance(first, Malformed):
+        if isinstance(first, Refused):
             first.raise_error()
         if not isinstance(first, hs.SessionRequest):
             return  # EOF: the client left before opening
+        await self.core.pace(first.open.peer_id, first.open.peer_credential)
         session, opened = self.open(first)
         stream = session.stream
         assert stream is not None
@@ -356,7 +357,7 @@ class SessionHub:
                     if stream.closing:
                         return
                 received: object = await context.read()
-                if isinstance(received, Malformed):
+                if isinstance(received, Refused):
                     received.raise_error()  # the reader's error ends the stream, typed
                 if not isinstance(received, hs.SessionRequest):
                     return  # EOF: the client closed its side

@@ -14,7 +14,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
+import grpc
+
 from pdproto.client import HandshakeClient
+from pdproto.errors import PdprotoError
+from pdproto.rpc import error_from_rpc
 from pdproto.session import DEFAULT_COMMAND_WINDOW
 from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, session_pb2, transfer_pb2
 from pdproto_demo.decode import DecodeRank
@@ -82,4 +86,17 @@ def check_held_back(client: HandshakeClient, good: DecodeRank, good_id: str, bad
     return views
 
 
-__all__ = ["check_held_back", "flood", "flooding"]
+def calling(call: Callable[[], Any], at_once: int, outcomes: list[PdprotoError | None], go: threading.Event,
+            stop: threading.Event) -> None:
+    """Flood with ``call`` (a unary callable's ``future``): ``at_once`` calls at a time while ``go`` is set,
+    until ``stop``; appends None for each call served and the typed refusal for each refused."""
+    while go.wait() and not stop.is_set():
+        for future in [call() for _ in range(at_once)]:
+            try:
+                future.result()
+                outcomes.append(None)
+            except grpc.RpcError as exc:
+                outcomes.append(error_from_rpc(exc))
+
+
+__all__ = ["calling", "check_held_back", "flood", "flooding"]

@@ -197,6 +197,8 @@ def test_oversized_message_is_refused_typed(server: ServerProcess) -> None:
                 client.register(reg)
             assert info.value.reason is Reason.MESSAGE_TOO_LARGE
             assert info.value.metadata["grpcCode"] == "RESOURCE_EXHAUSTED"
+            assert info.value.metadata["limit"] == str(4 << 20)  # gRPC's text names the sizes; the error carries them
+            assert int(info.value.metadata["size"]) > 5 << 20
             assert client.get_server_info().page_size == SPEC.page_size
     finally:
         peer.close()

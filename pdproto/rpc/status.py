@@ -93,6 +93,9 @@ _BARE_CODES: Mapping[grpc.StatusCode, Reason] = {
 }
 
 
+_GRPC_SIZES = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
+
+
 def error_from_parts(code_name: str, reason_name: str, domain: str, message: str,
                      metadata: Mapping[str, str], violations: Sequence[tuple[str, str]] = ()) -> PdprotoError:
     """The typed error for a refusal: its reason's class, the metadata, the code name as ``grpcCode``."""
@@ -102,6 +105,9 @@ def error_from_parts(code_name: str, reason_name: str, domain: str, message: str
         meta.update(metadata)
     else:
         reason = _BARE_CODES.get(getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN), Reason.INTERNAL)
+        sizes = _GRPC_SIZES.search(message) if reason is Reason.MESSAGE_TOO_LARGE else None
+        if sizes:  # gRPC's own refusal of a message over the channel's limit names both only in its text
+            meta.update(size=sizes[1], limit=sizes[2])
         if reason_name:
             meta.update(metadata, foreignReason=reason_name, foreignDomain=domain)
     return error_for(reason, message, meta, violations)

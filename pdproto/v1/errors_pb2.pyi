@@ -156,6 +156,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """A registration names the notify endpoint or engine identity of a registered decode that still holds a status stream open: a live decode, not a restart."""
     ERROR_REASON_TOO_MANY_REGISTRATIONS: _ErrorReason.ValueType  # 72
     """Registrations listing more than 1,024 buffers and tensors arrive faster than the server checks them (ErrorInfo metadata retryAfterMs says when to try again)."""
+    ERROR_REASON_TOO_MANY_CALLS: _ErrorReason.ValueType  # 73
+    """A registered peer calls faster than the server's call rate allows (--call-rate; ErrorInfo metadata retryAfterMs says when to try again)."""
     ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
     """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
     ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: _ErrorReason.ValueType  # 81
@@ -318,6 +320,8 @@ ERROR_REASON_IDENTITY_IN_USE: ErrorReason.ValueType  # 71
 """A registration names the notify endpoint or engine identity of a registered decode that still holds a status stream open: a live decode, not a restart."""
 ERROR_REASON_TOO_MANY_REGISTRATIONS: ErrorReason.ValueType  # 72
 """Registrations listing more than 1,024 buffers and tensors arrive faster than the server checks them (ErrorInfo metadata retryAfterMs says when to try again)."""
+ERROR_REASON_TOO_MANY_CALLS: ErrorReason.ValueType  # 73
+"""A registered peer calls faster than the server's call rate allows (--call-rate; ErrorInfo metadata retryAfterMs says when to try again)."""
 ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80
 """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
 ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: ErrorReason.ValueType  # 81

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import busy, crash, exactly_once, faults, hostile, limits, load, memory, skew, stuck
+from . import busy, crash, exactly_once, faults, flood, hostile, limits, load, memory, skew, stuck
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
@@ -34,6 +34,7 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
     rows.append(("auth", "local", lambda: limits.auth("local")))
     rows.append(("tls", "local", lambda: limits.tls("local")))
     rows.append(("hostile_peer", "local", lambda: hostile.hostile_peer("local")))
+    rows.append(("call_flood", "local", lambda: flood.call_flood("local")))
     rows.append(("memory", "local", lambda: memory.memory_limits("local")))
     rows.append(("exactly_once", "local", lambda: exactly_once.exactly_once("local")))
     for b in dict.fromkeys(["local", *backends]):
