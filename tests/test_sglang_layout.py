@@ -188,6 +188,44 @@ def test_a_dsa_entry_pairs_only_with_dsa() -> None:
     assert rejection.metadata["typeName"] == "dsa" and rejection.metadata["decodeTypeName"] == "qsa_compressed"
 
 
+def block_scale_states(tp: int) -> list[dict[str, Any]]:
+    """SWAKVPool over MHATokenToKVPoolMXFP8 sub-pools (GPT-OSS, mxfp8 KV) as setup_state_kv_args appends its
+    components (utils.py:1532-1556): ``swa`` (window layers' K then V pages: 64 tokens x 2/tp heads x 64 fp8),
+    then the UE8M0 scales of the full layers (``block_scale``) and of the window layers (``block_scale_swa``):
+    64 tokens x 2/tp heads x 64/32 per page (memory_pool.py:4192-4205); no dims."""
+    def component(name: str, item: int, base: int) -> dict[str, Any]:
+        return {"type": SimpleNamespace(value=name), "ptrs": [base + i * 0x10_0000 for i in range(4)],
+                "items": [item // tp] * 4, "dims": [], "outer": [], "groups": [], "layers": []}
+    return [component("swa", 8192, 0xA000_0000), component("block_scale", 256, 0xB000_0000),
+            component("block_scale_swa", 256, 0xC000_0000)]
+
+
+def test_mxfp8_block_scales_move_between_equal_tp_and_a_tp_mismatch_is_refused_naming_the_kind() -> None:
+    mha = {"mla": False}
+    decision = _pair(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)),
+                     kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)), **mha)
+    assert isinstance(decision, Decision) and decision.tp, decision
+    assert [(s.kind, [sum(g.length for g in t.segments) for t in s.tensors]) for s in decision.tp.state] == [
+        (v1.STATE_KIND_SLIDING_WINDOW, [8192] * 4), (v1.STATE_KIND_PAGED, [256] * 4),
+        (v1.STATE_KIND_SLIDING_WINDOW, [256] * 4)]
+    info = layout.server_info(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)), host="h", port=1,
+                              is_mla_backend=False, backend=v1.BACKEND_MOONCAKE)
+    assert [(e.type_name, e.tp_policy) for e in info.state_entries][1:] == [
+        ("block_scale", v1.STATE_TP_POLICY_REFUSED), ("block_scale_swa", v1.STATE_TP_POLICY_REFUSED)]
+    # Prefill TP 1 -> decode TP 2 (as SGLang, common/conn.py:1391-1409): refused at registration, naming
+    # the kind, ahead of the swa entry before it (whose pages of other sizes would be refused too).
+    rejection = _pair(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)),
+                      kv_args(state=block_scale_states(2)), layout.Ranks(attn_tp=(2, 0)), **mha)
+    assert isinstance(rejection, Rejection), rejection
+    assert rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+    assert "(block_scale)" in rejection.message and rejection.metadata["typeName"] == "block_scale"
+    # The SWA sub-pool's scales alone (decode TP 1 fed by prefill TP 2): refused the same way.
+    rejection = _pair(kv_args(state=block_scale_states(2)[2:]), layout.Ranks(attn_tp=(2, 1)),
+                      kv_args(state=block_scale_states(1)[2:]), layout.Ranks(attn_tp=(1, 0)), **mha)
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+    assert rejection.metadata["typeName"] == "block_scale_swa"
+
+
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:
     tail = {**kimi_state(1), "type": SimpleNamespace(value="dsa_tail")}
     with pytest.raises(TopologyError) as info:

@@ -7,12 +7,21 @@
   8,448-byte page (64 tokens of 128 fp8 + 4 scale bytes) per KV page, which SGLang moves as
   its one ``dsa`` state component; on a DCP decode the buffer covers every (virtual) token.
   Layer 2 shares layer 1's top-k, so its buffer has 0 rows and nothing moves for it.
+* ``gptoss``: a GPT-OSS-shaped MHA model (``GptOssForCausalLM``: sliding-window layers 0 and 2,
+  full layers 1 and 3, 2 KV heads of 64) with ``--kv-cache-dtype mxfp8``: SGLang's ``SWAKVPool``
+  over two ``MHATokenToKVPoolMXFP8`` sub-pools, as ``_build_hybrid_swa_kv_pool`` builds it. KV is
+  the full layers' fp8 K and V; state is ``swa`` (the window layers' K and V pages),
+  ``block_scale`` (the full layers' UE8M0 scales, one item per KV page) and ``block_scale_swa``
+  (the window layers' scales, one item per window page).
 * ``kimi``: a Kimi-Linear-shaped hybrid: SGLang's ``KimiLinearConfig`` (8 layers; KDA at
   layers 0-2 and 4-6, MLA at 3 and 7), its ``HybridLinearKVPool(use_mla=True)`` over a
   ``MambaPool`` built from the config's own ``mamba2_cache_params`` (conv state
   ``[K-1, q|k|v]`` bf16, temporal state ``[H, hd, hd]`` fp32 per KDA layer), aux buffers.
 
-Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every
+Both sides derive every byte from one seed. State components other than ``mamba`` and ``dsa``
+are read and checked generically (``GENERIC``): every registered buffer by the address and item
+size ``setup_state_kv_args`` gives, the i-th prefill item of a component landing in the i-th
+decode item, with the indices ``state_indices`` computes as ``prefill.py``/``decode.py`` do. A decode rank checks its whole KV pool, every
 aux buffer and every state tensor against what it must hold: the prefill's bytes where they
 belong, projected onto the rank's share under TP (computed here by plain slicing of SGLang's
 layouts, not by pdproto), zeros elsewhere.
@@ -20,8 +29,9 @@ layouts, not by pdproto), zeros elsewhere.
 
 from __future__ import annotations
 
+import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +41,10 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4}
+SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
+GENERIC = frozenset({"swa", "block_scale", "block_scale_swa"})
+"""State types whose every item moves whole, i-th to i-th (checked by ``check_paged``)."""
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
 
@@ -44,7 +57,16 @@ def write_config(model: str, directory: Path) -> Path:
         "qk_nope_head_dim": 128, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": 128,
         "max_position_embeddings": 4096, "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
     }  # fmt: skip
-    if model in ("mla", "dsa"):
+    if model == "gptoss":
+        # Booted without --kv-cache-dtype mxfp8: SGLang refuses it without an SM100 GPU at argument
+        # resolution (arg_groups/kv_cache_hook.py:100-110); build_pools builds the MXFP8 pools.
+        config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 1024,
+                  "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": LAYERS[model],
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": SWA_WINDOW,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 4,
+                  "experts_per_token": 2, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+                  "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "attention_bias": True}
+    elif model in ("mla", "dsa"):
         config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 8,
                   "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **mla}
         # "dsa" boots as DeepSeek-V3 too: SGLang resolves a DeepseekV32ForCausalLM config's arguments by
@@ -79,15 +101,58 @@ class Pools:
     config: Any = None
     index: list[Any] | None = None
     """The DSA index-K buffers, one ``[pages, 8448]`` uint8 tensor per layer."""
+    pages: int = 0
+    """Usable pages of the pool (page 0 is its padding page)."""
+    types: list[str] = field(default_factory=list)
+    """The ``StateType`` value of every state component, in ``setup_state_kv_args``'s order."""
+    state: list[list[Any]] = field(default_factory=list)
+    """Per state component, per tensor a ``[items, item bytes]`` uint8 view of its buffer."""
+
+
+def _with_state(pools: Pools, layers: int) -> Pools:
+    """``pools`` with the state components ``setup_state_kv_args`` (utils.py:1462) registers for its pool,
+    each tensor viewed as bytes from the address and length SGLang gives the transfer backend."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+    args = SimpleNamespace()
+    setup_state_kv_args(args, pools.pool, None, layers)
+    pools.types = [str(t.value) for t in args.state_types]
+    pools.state = [
+        [torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8).view(-1, it)[: n // it]
+         if it else None for p, n, it in zip(ptrs, lens, items)]
+        for ptrs, lens, items in zip(args.state_data_ptrs, args.state_data_lens, args.state_item_lens)]
+    return pools
 
 
 def build_pools(model: str, pool_pages: int, config_dir: str, *, tp: int | None = None) -> Pools:
     """The rank's pools as SGLang builds them; ``tp`` overrides the state TP size (references)."""
+    pools = _build(model, pool_pages, config_dir, tp)
+    pools.pages = pool_pages
+    return _with_state(pools, LAYERS[model])
+
+
+def _build(model: str, pool_pages: int, config_dir: str, tp: int | None) -> Pools:
     import torch
 
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridLinearKVPool, MambaPool, MLATokenToKVPool
 
     size = pool_pages * PAGE
+    if model == "gptoss":  # kv_cache_configurator.py:2500-2546 (_build_hybrid_swa_kv_pool) with mxfp8
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        pool = SWAKVPool(
+            size=size, size_swa=size, page_size=PAGE, dtype=torch.float8_e4m3fn, post_capture_active=False,
+            head_num=2, head_dim=64, swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3],
+            device="cpu", enable_kv_cache_copy=False, token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+            enable_memory_saver=False,
+        )  # fmt: skip
+        full = pool.full_kv_pool
+        return Pools(pool, [b.view(torch.uint8) for b in full.k_buffer + full.v_buffer])
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
         pool = DSATokenToKVPool(
             size=size, page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16, qk_rope_head_dim=ROPE_DIM,
@@ -158,22 +223,78 @@ def fill_prefill(pools: Pools) -> None:
     if pools.mamba is not None:
         for k, (_, tensor) in enumerate(_state_tensors(pools)):
             fill_random(tensor, SEED * 7 + k)
+    for k, (name, tensors) in enumerate(zip(pools.types, pools.state)):
+        for i, tensor in enumerate(tensors if name in GENERIC else ()):
+            fill_random(tensor, SEED * 13 + k * 100 + i)
 
 
 def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -> list[Any]:
     """What prefill.py:1577-1709 / decode.py:1662-1786 pass: one entry per ``kv_args.state_types``.
 
     ``slot`` is the request's Mamba slot; ``row`` its req_to_token row, ``prefix`` the decode's
-    cached prefix and ``tokens`` the sequence length, from which DSA takes the pages of
-    ``[prefix, tokens)`` (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size).
+    cached prefix and ``tokens`` the sequence length. DSA takes the pages of ``[prefix, tokens)``
+    (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size), ``block_scale`` every
+    KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), ``swa`` and ``block_scale_swa`` the
+    SWA-pool pages of the window ``[max(prefix, tokens - window), tokens)`` floored to a page
+    (``_swa_payload``).
     """
     import numpy as np
 
-    from sglang.srt.mem_cache.common import suffix_page_indices
+    import torch
 
-    if pools.index is not None:
-        return [suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, pools.pool.page_size)]
-    return [] if pools.mamba is None else [np.array([slot], dtype=np.int64)]
+    from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices
+
+    page = pools.pool.page_size
+    window = max(prefix, tokens - SWA_WINDOW) // page * page
+
+    def swa() -> Any:
+        # translate_swa_indices_for_transfer maps full token slots to SWA-pool slots through the
+        # allocator's full_to_swa_index_mapping; here full page f is held at SWA page pages + 1 - f,
+        # so the two sub-pools' page ids differ, as they do in SGLang.
+        full = row[window:tokens].to(torch.int64)
+        return kv_to_page_indices((pools.pages + 1 - full // page) * page + full % page, page)
+
+    payloads = {
+        "mamba": lambda: np.array([slot], dtype=np.int64),
+        "dsa": lambda: suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, page),
+        "block_scale": lambda: kv_to_page_indices(row[:tokens], page),
+        "swa": swa,
+        "block_scale_swa": swa,
+    }
+    return [payloads[name]() for name in pools.types]
+
+
+def _items_differ(got: Any, source: Any, pairs: list[tuple[int, int]]) -> list[int]:
+    """Rows of ``got`` (``[items, bytes]``) that are not ``source``'s row s at d for each (s, d), zero elsewhere."""
+    import torch
+
+    want = torch.zeros_like(got)
+    for s, d in pairs:
+        want[d] = source[s]
+    return list((got != want).any(dim=1).nonzero().flatten().tolist())
+
+
+def check_paged(pools: Pools, reference: Pools, rows: dict[int, tuple[Any, Any, int, int]]) -> list[str]:
+    """Every byte of a decode rank's ``GENERIC`` state components: for each room, item i of the
+    decode's index list holds item i of the prefill's (``reference``: the prefill's pools, refilled
+    from the seed), every other item zero.
+
+    ``rows`` maps room -> (prefill req_to_token row, decode req_to_token row, decode prefix, tokens).
+    """
+    mismatches = []
+    for k, (name, tensors, sources) in enumerate(zip(pools.types, pools.state, reference.state)):
+        if name not in GENERIC:
+            continue
+        pairs: list[tuple[int, int]] = []
+        for src_row, dst_row, prefix, tokens in rows.values():
+            src = state_indices(reference, 0, src_row, prefix, tokens)[k]
+            dst = state_indices(pools, 0, dst_row, prefix, tokens)[k]
+            assert len(src) == len(dst) > 0, (name, src, dst)
+            pairs += zip((int(i) for i in src), (int(i) for i in dst))
+        for i, (got, source) in enumerate(zip(tensors, sources)):
+            if bad := _items_differ(got, source, pairs):
+                mismatches.append(f"{name} tensor {i}: items {bad[:8]} differ ({len(bad)})")
+    return mismatches
 
 
 def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any, int, int]]) -> list[str]:
@@ -184,8 +305,6 @@ def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any
     the prefill's buffers hold ``prefill_pages`` pages. Pages follow token slots // 64 (index pages
     are 64 tokens of the side's own slot space), with no SGLang helper in the way.
     """
-    import torch
-
     if pools.index is None:
         return []
     pairs = [(int(src[p]) // 64, int(dst[p]) // 64)
@@ -194,12 +313,7 @@ def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any
     for layer, got in enumerate(pools.index):
         if not got.shape[0]:
             continue  # a layer sharing the previous layer's top-k holds no index
-        source = _index_source(prefill_pages, got.shape[1], layer)
-        want = torch.zeros_like(got)
-        for s, d in pairs:
-            want[d] = source[s]
-        bad = (got != want).any(dim=1).nonzero().flatten().tolist()
-        if bad:
+        if bad := _items_differ(got, _index_source(prefill_pages, got.shape[1], layer), pairs):
             mismatches.append(f"DSA index layer {layer}: pages {bad[:8]} differ ({len(bad)})")
     if not pairs:
         mismatches.append("no DSA index page was expected to move")
@@ -244,5 +358,5 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
     return mismatches
 
 
-__all__ = ["AUX_SLOTS", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "build_pools", "check_index", "check_state",
-           "fill_prefill", "fill_random", "server_flags", "state_indices", "write_config"]
+__all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
+           "check_index", "check_paged", "check_state", "fill_prefill", "fill_random", "server_flags", "state_indices", "write_config"]

@@ -10,6 +10,8 @@ issues 13's and 33's proof:
   a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token;
 * a DeepSeek-V3.2-shaped model (``DSATokenToKVPool``, its ``dsa`` index pages) -> DCP 4, the
   same requests, on the backend's Mooncake and NIXL engines;
+* a GPT-OSS-shaped MHA model with ``--kv-cache-dtype mxfp8`` (``SWAKVPool`` over
+  ``MHATokenToKVPoolMXFP8``: ``swa``, ``block_scale``, ``block_scale_swa``) 1 -> 1, on both engines;
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """
@@ -133,6 +135,27 @@ def test_pdproto_deepseek_v32_dsa_index_pages_to_dcp4_decode_move_every_byte(eng
     assert len(aux) == 1 and aux.pop() > 0
     # The engine asked for: Mooncake names its engine by a session id, NIXL has none.
     assert (out["ready"]["engine"]["session"] is None) == (engine == "nixl"), out["ready"]
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_gpt_oss_mxfp8_window_pages_and_block_scales_move_every_byte(engine: str) -> None:
+    """A GPT-OSS-shaped MHA model with MXFP8 KV (SGLang's SWAKVPool over MHATokenToKVPoolMXFP8 sub-pools):
+    the full layers' fp8 KV rows, the window layers' SWA pages (``swa``), the full layers' UE8M0 scale
+    pages of the whole sequence (``block_scale``) and the window layers' scale pages (``block_scale_swa``)
+    land byte-exact at the decode's own page ids, every other byte of every buffer zero; chunked
+    prefill, a decode prefix, partial and sub-page prompts. On the backend's Mooncake and NIXL engines."""
+    out = run("pdproto", REQUESTS, model="gptoss", env={**TOKEN, "PDPROTO_ENGINE": engine})
+    _assert_ranks_ok(out, 1, len(REQUESTS))  # mismatches: every byte of KV, aux and the three components
+    assert out["decode_rc"] == [0], out["decode_stderr"]
+    results = {int(room): r for room, r in out["prefill"]["results"].items()}
+    # What moved: the suffix's token rows (2 full layers, K and V: 4 x 2 heads x 64 fp8), the window's
+    # SWA pages (4 x 8,192) and scale pages (4 x 256), every KV page's scales (4 x 256), and the aux row.
+    aux = set()
+    for req in REQUESTS:
+        window = -(-req.tokens // 64) - max(req.decode_prefix, req.tokens - 128) // 64
+        state = window * 4 * (8192 + 256) + -(-req.tokens // 64) * 4 * 256
+        aux.add(results[req.room]["metric_bytes"] - (req.tokens - req.decode_prefix) * 4 * 128 - state)
+    assert len(aux) == 1 and aux.pop() > 0
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:

@@ -22,9 +22,10 @@ arguments by hand):
   index buffer of a layer that reuses the previous layer's top-k) is left out on both sides.
   SGLang passes the indices itself (the prefill on its last chunk, the decode its own): for
   ``dsa`` the pages of ``[decode_prefix, seq)`` (``prefill.py:1627-1638``,
-  ``decode.py:1704-1714``). SGLang's other state types are refused with
-  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type; a per-KV-page kind needs one row here,
-  once a test moves it.
+  ``decode.py:1704-1714``). MXFP8 KV's UE8M0 scales are paged too, ``block_scale`` per KV page
+  of ``[0, seq)`` and ``block_scale_swa`` per window page, and refused between TP sizes, as SGLang
+  refuses them. SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``,
+  naming the type; a per-KV-page kind needs one row here, once a test moves it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     "mamba": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_UNSPECIFIED),  # sliced where dim > 0
     "swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_UNSPECIFIED),
     "dsa": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),  # SGLang sends no dims for it
+    # MXFP8 KV's UE8M0 scales (MHA only): per KV page, and per window page of an SWA pool; SGLang
+    # refuses a TP mismatch on non-MLA pools (common/conn.py:1391-1409).
+    "block_scale": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
+    "block_scale_swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REFUSED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
 
