@@ -26,9 +26,9 @@ AUX = [64, 64, 64, 64, 512, 512, 64, 128, 512, 64]  # MetadataBuffers.get_buf_in
 
 def kv_args(*, layers: int = 4, layer_ids: list[int] | None = None, draft: int = 0, draft_item: int = 0,
             start: int = 0, state: list[dict[str, Any]] | None = None, hybrid: bool = False,
-            base: int = 0x10_0000) -> SimpleNamespace:
+            base: int = 0x10_0000, token_bytes: int = 1152) -> SimpleNamespace:
     """A KVArgs as prefill.py/decode.py fill it, with made-up addresses."""
-    items = [PAGE * 1152] * layers + [draft_item] * draft
+    items = [PAGE * token_bytes] * layers + [draft_item] * draft
     state = state or []
     return SimpleNamespace(
         kv_data_ptrs=[base + i * 0x100_0000 for i in range(len(items))],
@@ -177,15 +177,40 @@ def test_a_dsa_entry_pairs_only_with_dsa() -> None:
     # qsa_compressed is paged too, but another layout: component i must be the same StateType.
     prefill = kv_args(state=[dsa_state()])
     decode = kv_args(state=[dsa_state(name="qsa_compressed")])
-    layout.STATE_KINDS["qsa_compressed"] = layout.STATE_KINDS["dsa"]  # as a later table row would
-    try:
-        rejection = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(1, 0)))
-    finally:
-        del layout.STATE_KINDS["qsa_compressed"]
+    rejection = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(1, 0)))
     assert isinstance(rejection, Rejection), rejection
     assert rejection.reason is Reason.TOPOLOGY_STATE_KIND_MISMATCH
     assert "'dsa'" in rejection.message and "'qsa_compressed'" in rejection.message
     assert rejection.metadata["typeName"] == "dsa" and rejection.metadata["decodeTypeName"] == "qsa_compressed"
+
+
+def qsa_states() -> list[dict[str, Any]]:
+    """QSATokenToKVPool's two QSA components (Qwen4-Exp; full layers 1 and 3) as setup_state_kv_args appends
+    them after the Mamba one (utils.py:1640-1697): ``qsa_pending`` per layer a ring of 4 raw index keys of
+    one 64-wide bf16 head (512 bytes per request row), then the shared RoPE ring (4 x 3 int64, layer id
+    2**32 - 2); ``qsa_compressed`` per layer 16 compressed keys per KV page (2,048 bytes;
+    qsa_kv_pool.py:275-312). One index head, not split by TP: the same on every rank; no dims."""
+    return [{"type": SimpleNamespace(value="qsa_pending"), "ptrs": [0xA000_0000 + i * 0x10_0000 for i in range(3)],
+             "items": [512, 512, 96], "dims": [], "outer": [], "groups": [], "layers": [1, 3, 2**32 - 2]},
+            {"type": SimpleNamespace(value="qsa_compressed"), "ptrs": [0xB000_0000 + i * 0x10_0000 for i in range(2)],
+             "items": [2048, 2048], "dims": [], "outer": [], "groups": [], "layers": [1, 3]}]
+
+
+def test_qsa_state_is_replicated_so_one_of_two_mha_prefill_ranks_writes_it() -> None:
+    # Prefill TP 2 -> decode TP 1 (2 KV heads): both prefill ranks write their head of every KV row, but of
+    # the QSA state, whole on both, only one writes it (SGLang's should_send_replicated_state, utils.py:872).
+    decode = kv_args(layer_ids=[1, 3, 1, 3], token_bytes=256, state=qsa_states())  # K or V: 2 heads x 64 bf16
+    decode.total_kv_head_num = 2
+    written = {}
+    for p_rank in range(2):
+        prefill = kv_args(layer_ids=[1, 3, 1, 3], token_bytes=128, state=qsa_states())
+        prefill.total_kv_head_num = 2
+        decision = _pair(prefill, layout.Ranks(attn_tp=(2, p_rank)), decode, layout.Ranks(attn_tp=(1, 0)), mla=False)
+        assert isinstance(decision, Decision) and decision.tp, decision
+        pending, compressed = decision.tp.state
+        assert (pending.kind, compressed.kind) == (v1.STATE_KIND_RECURRENT, v1.STATE_KIND_PAGED)
+        written[p_rank] = [sum(s.length for s in t.segments) for e in (pending, compressed) for t in e.tensors]
+    assert sorted(written.values()) == [[0] * 5, [512, 512, 96, 2048, 2048]], written
 
 
 def block_scale_states(tp: int) -> list[dict[str, Any]]:

@@ -13,6 +13,12 @@
   the full layers' fp8 K and V; state is ``swa`` (the window layers' K and V pages),
   ``block_scale`` (the full layers' UE8M0 scales, one item per KV page) and ``block_scale_swa``
   (the window layers' scales, one item per window page).
+* ``qwen4``: a Qwen4-Exp-shaped hybrid (SGLang's ``Qwen4ExpConfig``: GDN at layers 0 and 2, QSA full
+  attention at 1 and 3): its ``QSATokenToKVPool`` over a ``MambaPool`` from the config's
+  ``mamba2_cache_params``, as the QSA branch of ``_build_linear_kv_pool`` builds it. KV is the
+  full layers' K and V; state is ``mamba`` (GDN conv and temporal state, one slot per request),
+  ``qsa_pending`` (per request row: each QSA layer's ring of 4 raw index keys, then the shared
+  RoPE position ring) and ``qsa_compressed`` (per KV page: 16 compressed index keys per layer).
 * ``kimi``: a Kimi-Linear-shaped hybrid: SGLang's ``KimiLinearConfig`` (8 layers; KDA at
   layers 0-2 and 4-6, MLA at 3 and 7), its ``HybridLinearKVPool(use_mla=True)`` over a
   ``MambaPool`` built from the config's own ``mamba2_cache_params`` (conv state
@@ -41,9 +47,9 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4}
 SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
-GENERIC = frozenset({"swa", "block_scale", "block_scale_swa"})
+GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed"})
 """State types whose every item moves whole, i-th to i-th (checked by ``check_paged``)."""
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
@@ -66,6 +72,22 @@ def write_config(model: str, directory: Path) -> Path:
                   "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 4,
                   "experts_per_token": 2, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
                   "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "attention_bias": True}
+    elif model == "qwen4":
+        # Qwen4-Exp's text model: GDN at layers 0 and 2, QSA full attention at 1 and 3, its indexer one
+        # 64-wide key head compressed 4:1 (budget / ratio must be 512 or 2048, qsa/config.py:66-70).
+        config = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+                  "torch_dtype": "bfloat16", "text_config": {
+                      "model_type": "qwen4_exp_text", "vocab_size": 1024, "hidden_size": 256,
+                      "intermediate_size": 512, "num_hidden_layers": LAYERS[model], "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+                      "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                      "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+                      "layer_types": ["linear_attention", "qwen_sparse_attention"] * 2, "indexer_n_heads": 4,
+                      "indexer_kv_heads": 1, "indexer_head_dim": 64, "indexer_budget": 2048,
+                      "indexer_compress_ratio": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+                      "max_position_embeddings": 4096, "rope_theta": 10000, "partial_rotary_factor": 0.25,
+                      "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}}
     elif model in ("mla", "dsa"):
         config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 8,
                   "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **mla}
@@ -84,7 +106,7 @@ def write_config(model: str, directory: Path) -> Path:
 
 def server_flags(model: str, role: str) -> list[str]:
     """Flags a rank of ``model`` needs on this CPU machine beyond the common ones."""
-    if model == "kimi" and role == "prefill":
+    if model in ("kimi", "qwen4") and role == "prefill":
         # The prefill's Mamba radix cache needs state snapshots SGLang supports only on GPUs
         # (arg_groups/mamba_hook.py:120); the transfer path does not use it.
         return ["--disable-radix-cache"]
@@ -153,6 +175,23 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None) -> Pool
         )  # fmt: skip
         full = pool.full_kv_pool
         return Pools(pool, [b.view(torch.uint8) for b in full.k_buffer + full.v_buffer])
+    if model == "qwen4":  # kv_cache_configurator.py:2656-2716 (the QSA branch of the linear pool)
+        from sglang.srt.configs.qwen4_exp import Qwen4ExpConfig
+        from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
+        from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
+
+        config = Qwen4ExpConfig(**json.loads((Path(config_dir) / "config.json").read_text())).text_config
+        qsa = parse_qsa_profile(config)
+        mamba = MambaPool(size=STATE_SLOTS, spec_state_size=0, cache_params=config.mamba2_cache_params,
+                          mamba_layer_ids=config.linear_layer_ids, device="cpu")
+        pool = QSATokenToKVPool(
+            size=size, dtype=torch.bfloat16, page_size=PAGE, head_num=config.num_key_value_heads,
+            head_dim=config.head_dim, full_attention_layer_ids=config.full_attention_layer_ids, device="cpu",
+            mamba_pool=mamba, qsa_index_kv_heads=qsa.kv_heads, qsa_index_head_dim=qsa.head_dim,
+            qsa_compress_ratio=qsa.compress_ratio, qsa_token_topk=qsa.budget, num_request_slots=STATE_SLOTS + 1,
+        )  # fmt: skip
+        full = pool.full_kv_pool
+        return Pools(pool, full.k_buffer + full.v_buffer, mamba, config)
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
         pool = DSATokenToKVPool(
             size=size, page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16, qk_rope_head_dim=ROPE_DIM,
@@ -234,7 +273,8 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
     ``slot`` is the request's Mamba slot; ``row`` its req_to_token row, ``prefix`` the decode's
     cached prefix and ``tokens`` the sequence length. DSA takes the pages of ``[prefix, tokens)``
     (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size), ``block_scale`` every
-    KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), ``swa`` and ``block_scale_swa`` the
+    KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), and so does ``qsa_compressed``; ``qsa_pending``
+    the request's row, ``swa`` and ``block_scale_swa`` the
     SWA-pool pages of the window ``[max(prefix, tokens - window), tokens)`` floored to a page
     (``_swa_payload``).
     """
@@ -256,6 +296,10 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
 
     payloads = {
         "mamba": lambda: np.array([slot], dtype=np.int64),
+        # get_qsa_pending_state_indices (utils.py:142-147): the request's req_to_token row, here
+        # STATE_SLOTS + 1 - its Mamba slot, so the two components name different items.
+        "qsa_pending": lambda: np.array([STATE_SLOTS + 1 - slot], dtype=np.int32),
+        "qsa_compressed": lambda: kv_to_page_indices(row[:tokens], page),
         "dsa": lambda: suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, page),
         "block_scale": lambda: kv_to_page_indices(row[:tokens], page),
         "swa": swa,
@@ -274,21 +318,23 @@ def _items_differ(got: Any, source: Any, pairs: list[tuple[int, int]]) -> list[i
     return list((got != want).any(dim=1).nonzero().flatten().tolist())
 
 
-def check_paged(pools: Pools, reference: Pools, rows: dict[int, tuple[Any, Any, int, int]]) -> list[str]:
+def check_paged(pools: Pools, reference: Pools, rows: dict[int, tuple[Any, Any, int, int]],
+                slots: dict[int, tuple[int, int]]) -> list[str]:
     """Every byte of a decode rank's ``GENERIC`` state components: for each room, item i of the
     decode's index list holds item i of the prefill's (``reference``: the prefill's pools, refilled
     from the seed), every other item zero.
 
-    ``rows`` maps room -> (prefill req_to_token row, decode req_to_token row, decode prefix, tokens).
+    ``rows`` maps room -> (prefill req_to_token row, decode req_to_token row, decode prefix, tokens),
+    ``slots`` room -> (prefill Mamba slot, decode Mamba slot).
     """
     mismatches = []
     for k, (name, tensors, sources) in enumerate(zip(pools.types, pools.state, reference.state)):
         if name not in GENERIC:
             continue
         pairs: list[tuple[int, int]] = []
-        for src_row, dst_row, prefix, tokens in rows.values():
-            src = state_indices(reference, 0, src_row, prefix, tokens)[k]
-            dst = state_indices(pools, 0, dst_row, prefix, tokens)[k]
+        for room, (src_row, dst_row, prefix, tokens) in rows.items():
+            src = state_indices(reference, slots[room][0], src_row, prefix, tokens)[k]
+            dst = state_indices(pools, slots[room][1], dst_row, prefix, tokens)[k]
             assert len(src) == len(dst) > 0, (name, src, dst)
             pairs += zip((int(i) for i in src), (int(i) for i in dst))
         for i, (got, source) in enumerate(zip(tensors, sources)):

@@ -12,17 +12,19 @@ issues 13's and 33's proof:
   same requests, on the backend's Mooncake and NIXL engines;
 * a GPT-OSS-shaped MHA model with ``--kv-cache-dtype mxfp8`` (``SWAKVPool`` over
   ``MHATokenToKVPoolMXFP8``: ``swa``, ``block_scale``, ``block_scale_swa``) 1 -> 1, on both engines;
+* a Qwen4-Exp-shaped hybrid (``QSATokenToKVPool``: ``mamba``, ``qsa_pending``, ``qsa_compressed``)
+  1 -> 1, on both engines;
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
-from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, TRANSFERRING, run
+from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, TRANSFERRING, Request, run
 
 pytestmark = [pytest.mark.process, pytest.mark.long]
 
@@ -137,25 +139,51 @@ def test_pdproto_deepseek_v32_dsa_index_pages_to_dcp4_decode_move_every_byte(eng
     assert (out["ready"]["engine"]["session"] is None) == (engine == "nixl"), out["ready"]
 
 
+def _one_to_one_moves_every_byte(model: str, engine: str, state_bytes: Callable[[Request], int],
+                                 row_bytes: int) -> None:
+    """``model`` 1 -> 1 on ``engine``: every rank's every byte as expected, and each room's metric is its
+    suffix's KV rows (``row_bytes`` per token), its ``state_bytes`` and the same aux row."""
+    out = run("pdproto", REQUESTS, model=model, env={**TOKEN, "PDPROTO_ENGINE": engine})
+    _assert_ranks_ok(out, 1, len(REQUESTS))  # mismatches: every byte of KV, aux and every state component
+    assert out["decode_rc"] == [0], out["decode_stderr"]
+    results = {int(room): r for room, r in out["prefill"]["results"].items()}
+    aux = {results[req.room]["metric_bytes"] - (req.tokens - req.decode_prefix) * row_bytes - state_bytes(req)
+           for req in REQUESTS}
+    assert len(aux) == 1 and aux.pop() > 0
+
+
+def _pages(tokens: int) -> int:
+    return -(-tokens // 64)
+
+
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
 def test_pdproto_gpt_oss_mxfp8_window_pages_and_block_scales_move_every_byte(engine: str) -> None:
     """A GPT-OSS-shaped MHA model with MXFP8 KV (SGLang's SWAKVPool over MHATokenToKVPoolMXFP8 sub-pools):
     the full layers' fp8 KV rows, the window layers' SWA pages (``swa``), the full layers' UE8M0 scale
     pages of the whole sequence (``block_scale``) and the window layers' scale pages (``block_scale_swa``)
     land byte-exact at the decode's own page ids, every other byte of every buffer zero; chunked
-    prefill, a decode prefix, partial and sub-page prompts. On the backend's Mooncake and NIXL engines."""
-    out = run("pdproto", REQUESTS, model="gptoss", env={**TOKEN, "PDPROTO_ENGINE": engine})
-    _assert_ranks_ok(out, 1, len(REQUESTS))  # mismatches: every byte of KV, aux and the three components
-    assert out["decode_rc"] == [0], out["decode_stderr"]
-    results = {int(room): r for room, r in out["prefill"]["results"].items()}
-    # What moved: the suffix's token rows (2 full layers, K and V: 4 x 2 heads x 64 fp8), the window's
-    # SWA pages (4 x 8,192) and scale pages (4 x 256), every KV page's scales (4 x 256), and the aux row.
-    aux = set()
-    for req in REQUESTS:
-        window = -(-req.tokens // 64) - max(req.decode_prefix, req.tokens - 128) // 64
-        state = window * 4 * (8192 + 256) + -(-req.tokens // 64) * 4 * 256
-        aux.add(results[req.room]["metric_bytes"] - (req.tokens - req.decode_prefix) * 4 * 128 - state)
-    assert len(aux) == 1 and aux.pop() > 0
+    prefill, a decode prefix, partial and sub-page prompts. On the backend's Mooncake and NIXL engines.
+    The metric: token rows of 2 full layers, K and V (4 x 2 heads x 64 fp8); the window's SWA pages
+    (4 x 8,192) and scale pages (4 x 256); every KV page's scales (4 x 256)."""
+    def state(req: Request) -> int:
+        window = _pages(req.tokens) - max(req.decode_prefix, req.tokens - 128) // 64
+        return window * 4 * (8192 + 256) + _pages(req.tokens) * 4 * 256
+
+    _one_to_one_moves_every_byte("gptoss", engine, state, row_bytes=4 * 128)
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_qwen4_exp_gdn_and_qsa_state_move_every_byte(engine: str) -> None:
+    """A Qwen4-Exp-shaped hybrid (SGLang's Qwen4ExpConfig and QSATokenToKVPool over a GDN MambaPool): the
+    QSA layers' KV rows, the GDN conv and temporal state (``mamba``, the request's Mamba slot), each QSA
+    layer's ring of pending index keys and the shared RoPE ring (``qsa_pending``, the request's row) and
+    the compressed index keys of every KV page (``qsa_compressed``) land byte-exact, every other byte of
+    every buffer zero; chunked prefill, a decode prefix, partial and sub-page prompts. On the backend's
+    Mooncake and NIXL engines. The metric: token rows of 2 layers, K and V (4 x 2 heads x 64 bf16); one
+    GDN slot (2 conv of 1,536 and 2 temporal of 16,384 bytes); one pending row (2 x 512 + 96); 2 x 2,048
+    per KV page of [0, seq) (the prefix's too, as SGLang sends them)."""
+    _one_to_one_moves_every_byte("qwen4", engine, lambda req: 2 * (1536 + 16384) + 2 * 512 + 96
+                                 + _pages(req.tokens) * 2 * 2048, row_bytes=4 * 256)
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:

@@ -24,7 +24,8 @@ arguments by hand):
   ``dsa`` the pages of ``[decode_prefix, seq)`` (``prefill.py:1627-1638``,
   ``decode.py:1704-1714``). MXFP8 KV's UE8M0 scales are paged too, ``block_scale`` per KV page
   of ``[0, seq)`` and ``block_scale_swa`` per window page, and refused between TP sizes, as SGLang
-  refuses them. SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``,
+  refuses them. Qwen4-Exp's QSA index state is replicated (one index head): ``qsa_pending`` one
+  request row, ``qsa_compressed`` every KV page of ``[0, seq)``. SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``,
   naming the type; a per-KV-page kind needs one row here, once a test moves it.
 """
 
@@ -46,6 +47,10 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     "dsa": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),  # SGLang sends no dims for it
     # MXFP8 KV's UE8M0 scales (MHA only): per KV page, and per window page of an SWA pool; SGLang
     # refuses a TP mismatch on non-MLA pools (common/conn.py:1391-1409).
+    # Qwen4-Exp's QSA indexer (one index head, replicated on every rank): its per-request ring of
+    # pending keys, and the compressed keys of every KV page.
+    "qsa_pending": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REPLICATED),
+    "qsa_compressed": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),
     "block_scale": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
     "block_scale_swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REFUSED),
 }
