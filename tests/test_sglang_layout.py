@@ -120,12 +120,18 @@ def test_kimi_linear_prefill_tp1_and_decode_tp2_dcp2_agree_on_kv_state_and_aux()
         assert [sum(s.length for s in t.segments) for t in state.tensors] == [576] * 6 + [2048] * 6
 
 
+def component(name: str, items: list[int], base: int, layers: list[int] | None = None) -> dict[str, Any]:
+    """One state component as setup_state_kv_args appends it for a paged or per-request kind: no dims,
+    outer counts or groups; made-up addresses from ``base``."""
+    return {"type": SimpleNamespace(value=name), "ptrs": [base + i * 0x10_0000 for i in range(len(items))],
+            "items": items, "dims": [], "outer": [], "groups": [], "layers": layers or []}
+
+
 def dsa_state(*, pages: int = 9, name: str = "dsa") -> dict[str, Any]:
     """DSATokenToKVPool's one DSA component as setup_state_kv_args appends it (utils.py:1702-1736):
     per layer the index-K buffer's pointer, length and bytes per page (index_key_cache.py:189-194),
     64 tokens * (128 fp8 + 4 scale bytes) = 8,448; no dims, outer counts, groups or layer ids."""
-    return {"type": SimpleNamespace(value=name), "ptrs": [0xA000_0000 + i * 0x10_0000 for i in range(4)],
-            "items": [8448] * 4, "dims": [], "outer": [], "groups": [], "layers": []}
+    return component(name, [8448] * 4, 0xA000_0000)
 
 
 def test_dsa_index_pages_are_paged_and_replicated_so_one_mla_prefill_rank_writes_each_dcp_rank() -> None:
@@ -190,10 +196,8 @@ def qsa_states() -> list[dict[str, Any]]:
     one 64-wide bf16 head (512 bytes per request row), then the shared RoPE ring (4 x 3 int64, layer id
     2**32 - 2); ``qsa_compressed`` per layer 16 compressed keys per KV page (2,048 bytes;
     qsa_kv_pool.py:275-312). One index head, not split by TP: the same on every rank; no dims."""
-    return [{"type": SimpleNamespace(value="qsa_pending"), "ptrs": [0xA000_0000 + i * 0x10_0000 for i in range(3)],
-             "items": [512, 512, 96], "dims": [], "outer": [], "groups": [], "layers": [1, 3, 2**32 - 2]},
-            {"type": SimpleNamespace(value="qsa_compressed"), "ptrs": [0xB000_0000 + i * 0x10_0000 for i in range(2)],
-             "items": [2048, 2048], "dims": [], "outer": [], "groups": [], "layers": [1, 3]}]
+    return [component("qsa_pending", [512, 512, 96], 0xA000_0000, [1, 3, 2**32 - 2]),
+            component("qsa_compressed", [2048, 2048], 0xB000_0000, [1, 3])]
 
 
 def test_qsa_state_is_replicated_so_one_of_two_mha_prefill_ranks_writes_it() -> None:
@@ -213,24 +217,33 @@ def test_qsa_state_is_replicated_so_one_of_two_mha_prefill_ranks_writes_it() -> 
     assert sorted(written.values()) == [[0] * 5, [512, 512, 96, 2048, 2048]], written
 
 
+def moved_at_equal_tp(states: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
+    """(kind, bytes written per tensor) of every state entry of an MHA pool, prefill TP 1 -> decode TP 1."""
+    decision = _pair(kv_args(state=states), layout.Ranks(attn_tp=(1, 0)), kv_args(state=states),
+                     layout.Ranks(attn_tp=(1, 0)), mla=False)
+    assert isinstance(decision, Decision) and decision.tp, decision
+    return [(e.kind, [sum(g.length for g in t.segments) for t in e.tensors]) for e in decision.tp.state]
+
+
+def tp_refusal(prefill: list[dict[str, Any]], p_ranks: layout.Ranks, decode: list[dict[str, Any]],
+               d_ranks: layout.Ranks) -> Rejection:
+    """The registration's rejection, which must be TOPOLOGY_STATE_TP_REFUSED (MHA pools)."""
+    rejection = _pair(kv_args(state=prefill), p_ranks, kv_args(state=decode), d_ranks, mla=False)
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+    return rejection
+
+
 def block_scale_states(tp: int) -> list[dict[str, Any]]:
     """SWAKVPool over MHATokenToKVPoolMXFP8 sub-pools (GPT-OSS, mxfp8 KV) as setup_state_kv_args appends its
     components (utils.py:1532-1556): ``swa`` (window layers' K then V pages: 64 tokens x 2/tp heads x 64 fp8),
     then the UE8M0 scales of the full layers (``block_scale``) and of the window layers (``block_scale_swa``):
     64 tokens x 2/tp heads x 64/32 per page (memory_pool.py:4192-4205); no dims."""
-    def component(name: str, item: int, base: int) -> dict[str, Any]:
-        return {"type": SimpleNamespace(value=name), "ptrs": [base + i * 0x10_0000 for i in range(4)],
-                "items": [item // tp] * 4, "dims": [], "outer": [], "groups": [], "layers": []}
-    return [component("swa", 8192, 0xA000_0000), component("block_scale", 256, 0xB000_0000),
-            component("block_scale_swa", 256, 0xC000_0000)]
+    return [component("swa", [8192 // tp] * 4, 0xA000_0000), component("block_scale", [256 // tp] * 4, 0xB000_0000),
+            component("block_scale_swa", [256 // tp] * 4, 0xC000_0000)]
 
 
 def test_mxfp8_block_scales_move_between_equal_tp_and_a_tp_mismatch_is_refused_naming_the_kind() -> None:
-    mha = {"mla": False}
-    decision = _pair(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)),
-                     kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)), **mha)
-    assert isinstance(decision, Decision) and decision.tp, decision
-    assert [(s.kind, [sum(g.length for g in t.segments) for t in s.tensors]) for s in decision.tp.state] == [
+    assert moved_at_equal_tp(block_scale_states(1)) == [
         (v1.STATE_KIND_SLIDING_WINDOW, [8192] * 4), (v1.STATE_KIND_PAGED, [256] * 4),
         (v1.STATE_KIND_SLIDING_WINDOW, [256] * 4)]
     info = layout.server_info(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)), host="h", port=1,
@@ -239,16 +252,41 @@ def test_mxfp8_block_scales_move_between_equal_tp_and_a_tp_mismatch_is_refused_n
         ("block_scale", v1.STATE_TP_POLICY_REFUSED), ("block_scale_swa", v1.STATE_TP_POLICY_REFUSED)]
     # Prefill TP 1 -> decode TP 2 (as SGLang, common/conn.py:1391-1409): refused at registration, naming
     # the kind, ahead of the swa entry before it (whose pages of other sizes would be refused too).
-    rejection = _pair(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)),
-                      kv_args(state=block_scale_states(2)), layout.Ranks(attn_tp=(2, 0)), **mha)
-    assert isinstance(rejection, Rejection), rejection
-    assert rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+    rejection = tp_refusal(block_scale_states(1), layout.Ranks(attn_tp=(1, 0)), block_scale_states(2),
+                           layout.Ranks(attn_tp=(2, 0)))
     assert "(block_scale)" in rejection.message and rejection.metadata["typeName"] == "block_scale"
     # The SWA sub-pool's scales alone (decode TP 1 fed by prefill TP 2): refused the same way.
-    rejection = _pair(kv_args(state=block_scale_states(2)[2:]), layout.Ranks(attn_tp=(2, 1)),
-                      kv_args(state=block_scale_states(1)[2:]), layout.Ranks(attn_tp=(1, 0)), **mha)
-    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+    rejection = tp_refusal(block_scale_states(2)[2:], layout.Ranks(attn_tp=(2, 1)), block_scale_states(1)[2:],
+                           layout.Ranks(attn_tp=(1, 0)))
     assert rejection.metadata["typeName"] == "block_scale_swa"
+
+
+def minimax_states(tp: int) -> list[dict[str, Any]]:
+    """MiniMaxSparseKVPool's components (MiniMax-M3 sparse; dense layers 0 and 2, sparse 1 and 3) as
+    setup_state_kv_args appends them (utils.py:1518-1545): ``minimax_index_k`` per sparse layer one
+    64-wide bf16 index key per token (8,192 bytes per page, not split by TP), then ``minimax_dense_kv``
+    the dense layers' K then V (64 tokens x 2/tp heads x 64 bf16 per page; memory_pool.py:6300-6322)."""
+    return [component("minimax_index_k", [8192] * 2, 0xA000_0000),
+            component("minimax_dense_kv", [16384 // tp] * 4, 0xB000_0000)]
+
+
+def test_minimax_state_moves_between_equal_tp_and_is_refused_on_a_tp_mismatch_or_with_pp() -> None:
+    assert moved_at_equal_tp(minimax_states(1)) == [
+        (v1.STATE_KIND_PAGED, [8192] * 2), (v1.STATE_KIND_PAGED, [16384] * 4)]
+    # Prefill TP 1 -> decode TP 2 (SGLang: common/conn.py:1337-1346): refused at registration, naming the type.
+    rejection = tp_refusal(minimax_states(1), layout.Ranks(attn_tp=(1, 0)), minimax_states(2),
+                           layout.Ranks(attn_tp=(2, 1)))
+    assert "(minimax_index_k)" in rejection.message and rejection.metadata["typeName"] == "minimax_index_k"
+    # PP > 1 on either side (SGLang: mooncake/conn.py:2210-2216): refused when the manager is built.
+    with pytest.raises(TopologyError) as info:
+        layout.server_info(kv_args(layers=2, state=minimax_states(1)), layout.Ranks(attn_tp=(1, 0), pp=(2, 0)),
+                           is_mla_backend=False, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    assert info.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
+    assert "'minimax_index_k'" in info.value.message and "PP 2" in info.value.message
+    with pytest.raises(TopologyError) as info:
+        layout.decode_layout(kv_args(layers=2, state=minimax_states(1)[1:]), layout.Ranks(attn_tp=(1, 0), pp=(2, 1)),
+                             is_mla_backend=False, notify_host="h", notify_port=1)
+    assert info.value.metadata["stateType"] == "minimax_dense_kv"
 
 
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:

@@ -19,18 +19,23 @@
   full layers' K and V; state is ``mamba`` (GDN conv and temporal state, one slot per request),
   ``qsa_pending`` (per request row: each QSA layer's ring of 4 raw index keys, then the shared
   RoPE position ring) and ``qsa_compressed`` (per KV page: 16 compressed index keys per layer).
+* ``minimax``: a MiniMax-M3-sparse-shaped MHA model (``MiniMaxM3SparseForCausalLM``: dense layers 0
+  and 2, sparse layers 1 and 3 with K-only index keys): SGLang's ``MiniMaxSparseKVPool``, as
+  ``_build_minimax_sparse_kv_pool`` builds it. KV is the sparse layers' K and V; state is
+  ``minimax_index_k`` (the sparse layers' index keys, per KV page of the suffix) and
+  ``minimax_dense_kv`` (the dense layers' K then V, per KV page of the whole sequence).
 * ``kimi``: a Kimi-Linear-shaped hybrid: SGLang's ``KimiLinearConfig`` (8 layers; KDA at
   layers 0-2 and 4-6, MLA at 3 and 7), its ``HybridLinearKVPool(use_mla=True)`` over a
   ``MambaPool`` built from the config's own ``mamba2_cache_params`` (conv state
   ``[K-1, q|k|v]`` bf16, temporal state ``[H, hd, hd]`` fp32 per KDA layer), aux buffers.
 
-Both sides derive every byte from one seed. State components other than ``mamba`` and ``dsa``
-are read and checked generically (``GENERIC``): every registered buffer by the address and item
-size ``setup_state_kv_args`` gives, the i-th prefill item of a component landing in the i-th
-decode item, with the indices ``state_indices`` computes as ``prefill.py``/``decode.py`` do. A decode rank checks its whole KV pool, every
-aux buffer and every state tensor against what it must hold: the prefill's bytes where they
-belong, projected onto the rank's share under TP (computed here by plain slicing of SGLang's
-layouts, not by pdproto), zeros elsewhere.
+Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every aux
+buffer and every state tensor against what it must hold: the prefill's bytes where they belong,
+projected onto the rank's share under TP (computed here by plain slicing of SGLang's layouts, not
+by pdproto), zeros elsewhere. State components other than ``mamba`` and ``dsa`` are read and
+checked generically (``GENERIC``): every registered buffer by the address and item size
+``setup_state_kv_args`` gives, the i-th prefill item of a component landing in the i-th decode
+item, with the indices ``state_indices`` computes as ``prefill.py``/``decode.py`` do.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4}
 SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
-GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed"})
+GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed", "minimax_index_k",
+                     "minimax_dense_kv"})
 """State types whose every item moves whole, i-th to i-th (checked by ``check_paged``)."""
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
@@ -72,6 +78,20 @@ def write_config(model: str, directory: Path) -> Path:
                   "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 4,
                   "experts_per_token": 2, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
                   "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "attention_bias": True}
+    elif model == "minimax":
+        # MiniMax-M3 sparse: dense attention at layers 0 and 2, sparse at 1 and 3 with K-only index keys
+        # (SGLang refuses index values in PD, utils.py:1519-1524), one 64-wide index head.
+        config = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", "vocab_size": 1024,
+                  "hidden_size": 256, "intermediate_size": 256, "dense_intermediate_size": 512,
+                  "num_hidden_layers": LAYERS[model], "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 0,
+                  "rms_norm_eps": 1e-6, "hidden_act": "silu", "scoring_func": "sigmoid", "num_mtp_modules": 0,
+                  "max_position_embeddings": 4096, "rope_theta": 10000, "torch_dtype": "bfloat16",
+                  "sparse_attention_config": {
+                      "sparse_attention_freq": [0, 1, 0, 1], "sparse_disable_index_value": [0, 1, 0, 1],
+                      "sparse_index_dim": 64, "sparse_num_index_heads": 4, "sparse_block_size": 64,
+                      "sparse_topk_blocks": 16, "sparse_init_block": 1, "sparse_local_block": 1,
+                      "sparse_init_tokens": 64, "sparse_local_tokens": 64}}
     elif model == "qwen4":
         # Qwen4-Exp's text model: GDN at layers 0 and 2, QSA full attention at 1 and 3, its indexer one
         # 64-wide key head compressed 4:1 (budget / ratio must be 512 or 2048, qsa/config.py:66-70).
@@ -175,6 +195,24 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None) -> Pool
         )  # fmt: skip
         full = pool.full_kv_pool
         return Pools(pool, [b.view(torch.uint8) for b in full.k_buffer + full.v_buffer])
+    if model == "minimax":  # kv_cache_configurator.py:2552-2603 (_build_minimax_sparse_kv_pool)
+        from sglang.srt.configs.model_config import (
+            get_minimax_sparse_disable_value_layer_ids,
+            get_minimax_sparse_layer_ids,
+        )
+        from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+
+        sparse = json.loads((Path(config_dir) / "config.json").read_text())["sparse_attention_config"]
+        dense_ids, sparse_ids = get_minimax_sparse_layer_ids(sparse)
+        pool = MiniMaxSparseKVPool(
+            size=size, page_size=PAGE, dtype=torch.bfloat16, index_dtype=torch.bfloat16, head_num=2, head_dim=64,
+            idx_head_dim=sparse["sparse_index_dim"], dense_layer_ids=dense_ids, sparse_layer_ids=sparse_ids,
+            disable_value_sparse_layer_ids=get_minimax_sparse_disable_value_layer_ids(sparse), device="cpu",
+            enable_memory_saver=False, start_layer=0, end_layer=LAYERS[model],
+        )  # fmt: skip
+        # The main KV SGLang moves is the sparse layers' K, then V (get_sparse_kv_buf_infos).
+        return Pools(pool, [pool.get_key_buffer(i) for i in sparse_ids]
+                     + [pool.get_value_buffer(i) for i in sparse_ids])
     if model == "qwen4":  # kv_cache_configurator.py:2656-2716 (the QSA branch of the linear pool)
         from sglang.srt.configs.qwen4_exp import Qwen4ExpConfig
         from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
@@ -273,7 +311,8 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
     ``slot`` is the request's Mamba slot; ``row`` its req_to_token row, ``prefix`` the decode's
     cached prefix and ``tokens`` the sequence length. DSA takes the pages of ``[prefix, tokens)``
     (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size), ``block_scale`` every
-    KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), and so does ``qsa_compressed``; ``qsa_pending``
+    KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), and so do ``qsa_compressed`` and
+    ``minimax_dense_kv``; ``minimax_index_k`` the pages of ``[prefix, tokens)``; ``qsa_pending``
     the request's row, ``swa`` and ``block_scale_swa`` the
     SWA-pool pages of the window ``[max(prefix, tokens - window), tokens)`` floored to a page
     (``_swa_payload``).
@@ -282,6 +321,7 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
 
     import torch
 
+    from sglang.srt.disaggregation.minimax import minimax_index_transfer_pages
     from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices
 
     page = pools.pool.page_size
@@ -300,6 +340,8 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
         # STATE_SLOTS + 1 - its Mamba slot, so the two components name different items.
         "qsa_pending": lambda: np.array([STATE_SLOTS + 1 - slot], dtype=np.int32),
         "qsa_compressed": lambda: kv_to_page_indices(row[:tokens], page),
+        "minimax_index_k": lambda: minimax_index_transfer_pages(row[:tokens], page_size=page, prefix_len=prefix),
+        "minimax_dense_kv": lambda: kv_to_page_indices(row[:tokens], page),
         "dsa": lambda: suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, page),
         "block_scale": lambda: kv_to_page_indices(row[:tokens], page),
         "swa": swa,
@@ -405,4 +447,5 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
 
 
 __all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
-           "check_index", "check_paged", "check_state", "fill_prefill", "fill_random", "server_flags", "state_indices", "write_config"]
+           "check_index", "check_paged", "check_state", "fill_prefill", "fill_random", "server_flags", "state_indices",
+           "write_config"]

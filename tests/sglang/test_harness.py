@@ -14,6 +14,8 @@ issues 13's and 33's proof:
   ``MHATokenToKVPoolMXFP8``: ``swa``, ``block_scale``, ``block_scale_swa``) 1 -> 1, on both engines;
 * a Qwen4-Exp-shaped hybrid (``QSATokenToKVPool``: ``mamba``, ``qsa_pending``, ``qsa_compressed``)
   1 -> 1, on both engines;
+* a MiniMax-M3-sparse-shaped model (``MiniMaxSparseKVPool``: ``minimax_index_k``,
+  ``minimax_dense_kv``) 1 -> 1 on the backend's Mooncake engine;
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """
@@ -184,6 +186,16 @@ def test_pdproto_qwen4_exp_gdn_and_qsa_state_move_every_byte(engine: str) -> Non
     per KV page of [0, seq) (the prefix's too, as SGLang sends them)."""
     _one_to_one_moves_every_byte("qwen4", engine, lambda req: 2 * (1536 + 16384) + 2 * 512 + 96
                                  + _pages(req.tokens) * 2 * 2048, row_bytes=4 * 256)
+
+
+def test_pdproto_minimax_m3_sparse_index_keys_and_dense_layers_move_every_byte() -> None:
+    """A MiniMax-M3-sparse-shaped model (SGLang's MiniMaxSparseKVPool): the sparse layers' KV rows as the
+    main KV, their K-only index keys of the suffix's pages (``minimax_index_k``) and the dense layers'
+    whole K and V of every page (``minimax_dense_kv``) land byte-exact, every other byte of every buffer
+    zero; chunked prefill, a decode prefix, partial and sub-page prompts. The metric: token rows of 2
+    sparse layers, K and V (4 x 2 heads x 64 bf16); 2 x 8,192 per suffix page; 4 x 16,384 per page."""
+    _one_to_one_moves_every_byte("minimax", "mooncake", lambda req: (
+        _pages(req.tokens) - req.decode_prefix // 64) * 2 * 8192 + _pages(req.tokens) * 4 * 16384, row_bytes=4 * 256)
 
 
 def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> None:

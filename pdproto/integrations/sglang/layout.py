@@ -24,9 +24,12 @@ arguments by hand):
   ``dsa`` the pages of ``[decode_prefix, seq)`` (``prefill.py:1627-1638``,
   ``decode.py:1704-1714``). MXFP8 KV's UE8M0 scales are paged too, ``block_scale`` per KV page
   of ``[0, seq)`` and ``block_scale_swa`` per window page, and refused between TP sizes, as SGLang
-  refuses them. Qwen4-Exp's QSA index state is replicated (one index head): ``qsa_pending`` one
-  request row, ``qsa_compressed`` every KV page of ``[0, seq)``. SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``,
-  naming the type; a per-KV-page kind needs one row here, once a test moves it.
+  refuses them; so are MiniMax-M3 sparse's ``minimax_index_k`` (pages of the suffix) and
+  ``minimax_dense_kv`` (every page), also refused with PP > 1 (``PP_REFUSED``). Qwen4-Exp's QSA
+  index state is replicated (one index head): ``qsa_pending`` one request row, ``qsa_compressed``
+  every KV page of ``[0, seq)``. SGLang's other state types are refused with
+  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type; a per-KV-page kind needs one row here,
+  once a test moves it.
 """
 
 from __future__ import annotations
@@ -51,10 +54,18 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     # pending keys, and the compressed keys of every KV page.
     "qsa_pending": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REPLICATED),
     "qsa_compressed": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),
+    # MiniMax-M3 sparse: the sparse layers' index keys (the pages of the suffix) and the dense layers'
+    # whole KV (every page); SGLang refuses a TP mismatch (common/conn.py:1337-1346) and PP > 1
+    # (mooncake/conn.py:2210-2216), so does pdproto (PP_REFUSED).
+    "minimax_index_k": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
+    "minimax_dense_kv": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
     "block_scale": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
     "block_scale_swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REFUSED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
+
+PP_REFUSED = frozenset({"minimax_index_k", "minimax_dense_kv"})
+"""State types SGLang moves only between servers without pipeline parallelism (compacted layer lists)."""
 
 CAPABILITIES = ("dcp-relayout", "packed")
 """What a decode rank of this backend announces."""
@@ -163,9 +174,9 @@ def _roles(kv_args: Any) -> list[EntryRole]:
     return [EntryRole.TARGET if i < targets else EntryRole.DRAFT for i in range(n)]
 
 
-def _state_components(kv_args: Any) -> list[tuple[str, tuple[common_pb2.StateKind.ValueType,
-                                                              common_pb2.StateTpPolicy.ValueType],
-                                                   list[dict[str, Any]]]]:
+def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[common_pb2.StateKind.ValueType,
+                                                                           common_pb2.StateTpPolicy.ValueType],
+                                                                list[dict[str, Any]]]]:
     """(type name, kind, per tensor its fields) of every state component SGLang registered."""
     out = []
     types = list(getattr(kv_args, "state_types", None) or [])
@@ -183,6 +194,11 @@ def _state_components(kv_args: Any) -> list[tuple[str, tuple[common_pb2.StateKin
                 f"the pdproto backend moves SGLang state of types {sorted(STATE_KINDS)}; this model also "
                 f"needs {name!r}: use --disaggregation-transfer-backend mooncake or nixl for it",
                 reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={"stateType": name})
+        if name in PP_REFUSED and pp_size > 1:
+            raise TopologyError(
+                f"SGLang moves {name!r} state only without pipeline parallelism, and this server has PP"
+                f" {pp_size}: run it with --pp-size 1", reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED,
+                metadata={"stateType": name, "ppSize": pp_size})
         ptrs = list(kv_args.state_data_ptrs[k])
         count = len(ptrs)
         tensors = [
@@ -217,7 +233,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
-    for name, (kind, policy), tensors in _state_components(kv_args):
+    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0]):
         entry = info.state_entries.add(kind=kind, type_name=name, tp_policy=policy)
         for t in tensors:
             entry.tensors.add(item_len=int(t["item_len"]), dim=int(t["dim"] or 0), outer_count=int(t["outer"] or 0),
@@ -239,7 +255,7 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
     state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
                                                      None if t["layer"] is None else int(t["layer"]))
                                          for t in tensors), type_name=name)
-                  for name, (kind, _), tensors in _state_components(kv_args))
+                  for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0]))
     return DecodeLayout(
         page_size=page, kv=kv, kv_cache_dtype=str(kv_args.kv_cache_dtype_str),
         attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
@@ -280,6 +296,6 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
                                for _, _, tensors in _state_components(kv_args)))
 
 
-__all__ = ["CAPABILITIES", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout", "host_port",
-           "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding", "regions",
+__all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout",
+           "host_port", "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding", "regions",
            "server_info"]
