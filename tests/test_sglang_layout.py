@@ -289,6 +289,26 @@ def test_minimax_state_moves_between_equal_tp_and_is_refused_on_a_tp_mismatch_or
     assert info.value.metadata["stateType"] == "minimax_dense_kv"
 
 
+def test_deepseek_v4_compressed_kv_is_refused_on_both_sides() -> None:
+    # DeepSeekV4TokenToKVPool (layers of ratios 0, 4, 128, 4): setup_state_kv_args records the ratios
+    # (utils.py:1494), its KV entries are 256-token pages of compressed rows (37,440 bytes for C4 KV).
+    args = kv_args(state=[component("c128_state", [524288], 0xA000_0000)])
+    args.mla_compression_ratios = [0, 4, 128, 4]
+    with pytest.raises(ConfigError) as info:
+        layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                           backend=v1.BACKEND_MOONCAKE)
+    assert info.value.reason is Reason.CONFIG_INVALID and "DeepSeek-V4" in info.value.message
+    assert info.value.metadata["setting"] == "mla_compression_ratios"
+    with pytest.raises(ConfigError):
+        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
+                             notify_port=1)
+    args.mla_compression_ratios = None  # every other pool
+    with pytest.raises(TopologyError) as refused:  # then c128_state itself is refused by name
+        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
+                             notify_port=1)
+    assert refused.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED and "'c128_state'" in refused.value.message
+
+
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:
     tail = {**kimi_state(1), "type": SimpleNamespace(value="dsa_tail")}
     with pytest.raises(TopologyError) as info:

@@ -15,6 +15,7 @@ arguments by hand):
   layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
 * A prefill whose every attention-CP rank sends a share of each request (SGLang's
   ``enable_all_cp_ranks_for_transfer`` with CP > 1) is refused (``refuse_cp_sharded_prefill``).
+* DeepSeek-V4's KV (pages of rows compressed 4:1 and 128:1, not token rows) is refused.
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
   KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
@@ -134,6 +135,22 @@ def refuse_kv_cache_sharding(kv_shard_size: int) -> None:
             metadata={"setting": "enable_kv_cache_sharding", "value": str(kv_shard_size)})
 
 
+def _refuse_compressed_kv(kv_args: Any) -> None:
+    """Raise ``ConfigError`` for DeepSeek-V4's KV, whose pages hold rows compressed 4:1 and 128:1.
+
+    ``setup_state_kv_args`` sets ``mla_compression_ratios`` for a ``DeepSeekV4TokenToKVPool``
+    (``utils.py:1494``): its KV entries are pages of compressed rows (C4 KV 37,440 bytes per
+    256-token page, C128 KV 1,728), not token rows, and pdproto moves KV by token rows.
+    """
+    ratios = [int(r) for r in getattr(kv_args, "mla_compression_ratios", None) or ()]
+    if any(ratios):
+        raise ConfigError(
+            f"DeepSeek-V4's compressed KV (compression ratios {sorted(set(ratios))}) is not supported with "
+            "--disaggregation-transfer-backend pdproto: its pages hold compressed rows, not one row per token; "
+            "use --disaggregation-transfer-backend mooncake or nixl for it",
+            reason=Reason.CONFIG_INVALID, metadata={"setting": "mla_compression_ratios", "value": str(ratios)})
+
+
 def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
     return v1.ParallelGroup(size=pair[0], rank=pair[1])
 
@@ -218,6 +235,7 @@ def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[c
 def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, port: int,
                 backend: int) -> v1.PrefillServerInfo:
     """The ``PrefillServerInfo`` a prefill rank publishes for the ``KVArgs`` SGLang gave its manager."""
+    _refuse_compressed_kv(kv_args)
     hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
     ids = kv_layer_ids(kv_args, prefill=True, pp_size=ranks.pp[0])
     info = v1.PrefillServerInfo(
@@ -248,6 +266,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
 def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_host: str,
                   notify_port: int) -> DecodeLayout:
     """The ``DecodeLayout`` of a decode rank for the ``KVArgs`` SGLang gave its manager."""
+    _refuse_compressed_kv(kv_args)
     page, dcp = int(kv_args.page_size), ranks.dcp[0]
     ids = kv_layer_ids(kv_args, prefill=False, pp_size=ranks.pp[0])
     kv = tuple(KvEntry(int(item_len) // (page * (dcp if role is EntryRole.DRAFT else 1)), layer_id, role)
