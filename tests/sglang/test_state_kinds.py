@@ -10,7 +10,7 @@ partial and sub-page prompts:
 * a Qwen4-Exp-shaped hybrid (``QSATokenToKVPool``: ``mamba``, ``qsa_pending``, ``qsa_compressed``),
   on both engines;
 * a MiniMax-M3-sparse-shaped model (``MiniMaxSparseKVPool``: ``minimax_index_k``,
-  ``minimax_dense_kv``) on the backend's Mooncake engine.
+  ``minimax_dense_kv``), on both engines.
 
 Their TP-mismatch policies (refused, replicated) are pure tests in ``tests/test_sglang_layout.py``.
 A file of its own so that ``make test``'s two workers run it beside ``test_harness.py``.
@@ -75,11 +75,13 @@ def test_pdproto_qwen4_exp_gdn_and_qsa_state_move_every_byte(engine: str) -> Non
                                  + _pages(req.tokens) * 2 * 2048, row_bytes=4 * 256)
 
 
-def test_pdproto_minimax_m3_sparse_index_keys_and_dense_layers_move_every_byte() -> None:
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_minimax_m3_sparse_index_keys_and_dense_layers_move_every_byte(engine: str) -> None:
     """A MiniMax-M3-sparse-shaped model (SGLang's MiniMaxSparseKVPool): the sparse layers' KV rows as the
     main KV, their K-only index keys of the suffix's pages (``minimax_index_k``) and the dense layers'
     whole K and V of every page (``minimax_dense_kv``) land byte-exact, every other byte of every buffer
     zero; chunked prefill, a decode prefix, partial and sub-page prompts. The metric: token rows of 2
-    sparse layers, K and V (4 x 2 heads x 64 bf16); 2 x 8,192 per suffix page; 4 x 16,384 per page."""
-    _one_to_one_moves_every_byte("minimax", "mooncake", lambda req: (
+    sparse layers, K and V (4 x 2 heads x 64 bf16); 2 x 8,192 per suffix page; 4 x 16,384 per page.
+    On the backend's Mooncake and NIXL engines."""
+    _one_to_one_moves_every_byte("minimax", engine, lambda req: (
         _pages(req.tokens) - req.decode_prefix // 64) * 2 * 8192 + _pages(req.tokens) * 4 * 16384, row_bytes=4 * 256)
