@@ -26,9 +26,9 @@ AUX = [64, 64, 64, 64, 512, 512, 64, 128, 512, 64]  # MetadataBuffers.get_buf_in
 
 def kv_args(*, layers: int = 4, layer_ids: list[int] | None = None, draft: int = 0, draft_item: int = 0,
             start: int = 0, state: list[dict[str, Any]] | None = None, hybrid: bool = False,
-            base: int = 0x10_0000) -> SimpleNamespace:
+            base: int = 0x10_0000, token_bytes: int = 1152) -> SimpleNamespace:
     """A KVArgs as prefill.py/decode.py fill it, with made-up addresses."""
-    items = [PAGE * 1152] * layers + [draft_item] * draft
+    items = [PAGE * token_bytes] * layers + [draft_item] * draft
     state = state or []
     return SimpleNamespace(
         kv_data_ptrs=[base + i * 0x100_0000 for i in range(len(items))],
@@ -120,12 +120,18 @@ def test_kimi_linear_prefill_tp1_and_decode_tp2_dcp2_agree_on_kv_state_and_aux()
         assert [sum(s.length for s in t.segments) for t in state.tensors] == [576] * 6 + [2048] * 6
 
 
+def component(name: str, items: list[int], base: int, layers: list[int] | None = None) -> dict[str, Any]:
+    """One state component as setup_state_kv_args appends it for a paged or per-request kind: no dims,
+    outer counts or groups; made-up addresses from ``base``."""
+    return {"type": SimpleNamespace(value=name), "ptrs": [base + i * 0x10_0000 for i in range(len(items))],
+            "items": items, "dims": [], "outer": [], "groups": [], "layers": layers or []}
+
+
 def dsa_state(*, pages: int = 9, name: str = "dsa") -> dict[str, Any]:
     """DSATokenToKVPool's one DSA component as setup_state_kv_args appends it (utils.py:1702-1736):
     per layer the index-K buffer's pointer, length and bytes per page (index_key_cache.py:189-194),
     64 tokens * (128 fp8 + 4 scale bytes) = 8,448; no dims, outer counts, groups or layer ids."""
-    return {"type": SimpleNamespace(value=name), "ptrs": [0xA000_0000 + i * 0x10_0000 for i in range(4)],
-            "items": [8448] * 4, "dims": [], "outer": [], "groups": [], "layers": []}
+    return component(name, [8448] * 4, 0xA000_0000)
 
 
 def test_dsa_index_pages_are_paged_and_replicated_so_one_mla_prefill_rank_writes_each_dcp_rank() -> None:
@@ -177,15 +183,130 @@ def test_a_dsa_entry_pairs_only_with_dsa() -> None:
     # qsa_compressed is paged too, but another layout: component i must be the same StateType.
     prefill = kv_args(state=[dsa_state()])
     decode = kv_args(state=[dsa_state(name="qsa_compressed")])
-    layout.STATE_KINDS["qsa_compressed"] = layout.STATE_KINDS["dsa"]  # as a later table row would
-    try:
-        rejection = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(1, 0)))
-    finally:
-        del layout.STATE_KINDS["qsa_compressed"]
+    rejection = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(1, 0)))
     assert isinstance(rejection, Rejection), rejection
     assert rejection.reason is Reason.TOPOLOGY_STATE_KIND_MISMATCH
     assert "'dsa'" in rejection.message and "'qsa_compressed'" in rejection.message
     assert rejection.metadata["typeName"] == "dsa" and rejection.metadata["decodeTypeName"] == "qsa_compressed"
+
+
+def qsa_states() -> list[dict[str, Any]]:
+    """QSATokenToKVPool's two QSA components (Qwen4-Exp; full layers 1 and 3) as setup_state_kv_args appends
+    them after the Mamba one (utils.py:1640-1697): ``qsa_pending`` per layer a ring of 4 raw index keys of
+    one 64-wide bf16 head (512 bytes per request row), then the shared RoPE ring (4 x 3 int64, layer id
+    2**32 - 2); ``qsa_compressed`` per layer 16 compressed keys per KV page (2,048 bytes;
+    qsa_kv_pool.py:275-312). One index head, not split by TP: the same on every rank; no dims."""
+    return [component("qsa_pending", [512, 512, 96], 0xA000_0000, [1, 3, 2**32 - 2]),
+            component("qsa_compressed", [2048, 2048], 0xB000_0000, [1, 3])]
+
+
+def test_qsa_state_is_replicated_so_one_of_two_mha_prefill_ranks_writes_it() -> None:
+    # Prefill TP 2 -> decode TP 1 (2 KV heads): both prefill ranks write their head of every KV row, but of
+    # the QSA state, whole on both, only one writes it (SGLang's should_send_replicated_state, utils.py:872).
+    decode = kv_args(layer_ids=[1, 3, 1, 3], token_bytes=256, state=qsa_states())  # K or V: 2 heads x 64 bf16
+    decode.total_kv_head_num = 2
+    written = {}
+    for p_rank in range(2):
+        prefill = kv_args(layer_ids=[1, 3, 1, 3], token_bytes=128, state=qsa_states())
+        prefill.total_kv_head_num = 2
+        decision = _pair(prefill, layout.Ranks(attn_tp=(2, p_rank)), decode, layout.Ranks(attn_tp=(1, 0)), mla=False)
+        assert isinstance(decision, Decision) and decision.tp, decision
+        pending, compressed = decision.tp.state
+        assert (pending.kind, compressed.kind) == (v1.STATE_KIND_RECURRENT, v1.STATE_KIND_PAGED)
+        written[p_rank] = [sum(s.length for s in t.segments) for e in (pending, compressed) for t in e.tensors]
+    assert sorted(written.values()) == [[0] * 5, [512, 512, 96, 2048, 2048]], written
+
+
+def moved_at_equal_tp(states: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
+    """(kind, bytes written per tensor) of every state entry of an MHA pool, prefill TP 1 -> decode TP 1."""
+    decision = _pair(kv_args(state=states), layout.Ranks(attn_tp=(1, 0)), kv_args(state=states),
+                     layout.Ranks(attn_tp=(1, 0)), mla=False)
+    assert isinstance(decision, Decision) and decision.tp, decision
+    return [(e.kind, [sum(g.length for g in t.segments) for t in e.tensors]) for e in decision.tp.state]
+
+
+def tp_refusal(prefill: list[dict[str, Any]], p_ranks: layout.Ranks, decode: list[dict[str, Any]],
+               d_ranks: layout.Ranks) -> Rejection:
+    """The registration's rejection, which must be TOPOLOGY_STATE_TP_REFUSED (MHA pools)."""
+    rejection = _pair(kv_args(state=prefill), p_ranks, kv_args(state=decode), d_ranks, mla=False)
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+    return rejection
+
+
+def block_scale_states(tp: int) -> list[dict[str, Any]]:
+    """SWAKVPool over MHATokenToKVPoolMXFP8 sub-pools (GPT-OSS, mxfp8 KV) as setup_state_kv_args appends its
+    components (utils.py:1532-1556): ``swa`` (window layers' K then V pages: 64 tokens x 2/tp heads x 64 fp8),
+    then the UE8M0 scales of the full layers (``block_scale``) and of the window layers (``block_scale_swa``):
+    64 tokens x 2/tp heads x 64/32 per page (memory_pool.py:4192-4205); no dims."""
+    return [component("swa", [8192 // tp] * 4, 0xA000_0000), component("block_scale", [256 // tp] * 4, 0xB000_0000),
+            component("block_scale_swa", [256 // tp] * 4, 0xC000_0000)]
+
+
+def test_mxfp8_block_scales_move_between_equal_tp_and_a_tp_mismatch_is_refused_naming_the_kind() -> None:
+    assert moved_at_equal_tp(block_scale_states(1)) == [
+        (v1.STATE_KIND_SLIDING_WINDOW, [8192] * 4), (v1.STATE_KIND_PAGED, [256] * 4),
+        (v1.STATE_KIND_SLIDING_WINDOW, [256] * 4)]
+    info = layout.server_info(kv_args(state=block_scale_states(1)), layout.Ranks(attn_tp=(1, 0)), host="h", port=1,
+                              is_mla_backend=False, backend=v1.BACKEND_MOONCAKE)
+    assert [(e.type_name, e.tp_policy) for e in info.state_entries][1:] == [
+        ("block_scale", v1.STATE_TP_POLICY_REFUSED), ("block_scale_swa", v1.STATE_TP_POLICY_REFUSED)]
+    # Prefill TP 1 -> decode TP 2 (as SGLang, common/conn.py:1391-1409): refused at registration, naming
+    # the kind, ahead of the swa entry before it (whose pages of other sizes would be refused too).
+    rejection = tp_refusal(block_scale_states(1), layout.Ranks(attn_tp=(1, 0)), block_scale_states(2),
+                           layout.Ranks(attn_tp=(2, 0)))
+    assert "(block_scale)" in rejection.message and rejection.metadata["typeName"] == "block_scale"
+    # The SWA sub-pool's scales alone (decode TP 1 fed by prefill TP 2): refused the same way.
+    rejection = tp_refusal(block_scale_states(2)[2:], layout.Ranks(attn_tp=(2, 1)), block_scale_states(1)[2:],
+                           layout.Ranks(attn_tp=(1, 0)))
+    assert rejection.metadata["typeName"] == "block_scale_swa"
+
+
+def minimax_states(tp: int) -> list[dict[str, Any]]:
+    """MiniMaxSparseKVPool's components (MiniMax-M3 sparse; dense layers 0 and 2, sparse 1 and 3) as
+    setup_state_kv_args appends them (utils.py:1518-1545): ``minimax_index_k`` per sparse layer one
+    64-wide bf16 index key per token (8,192 bytes per page, not split by TP), then ``minimax_dense_kv``
+    the dense layers' K then V (64 tokens x 2/tp heads x 64 bf16 per page; memory_pool.py:6300-6322)."""
+    return [component("minimax_index_k", [8192] * 2, 0xA000_0000),
+            component("minimax_dense_kv", [16384 // tp] * 4, 0xB000_0000)]
+
+
+def test_minimax_state_moves_between_equal_tp_and_is_refused_on_a_tp_mismatch_or_with_pp() -> None:
+    assert moved_at_equal_tp(minimax_states(1)) == [
+        (v1.STATE_KIND_PAGED, [8192] * 2), (v1.STATE_KIND_PAGED, [16384] * 4)]
+    # Prefill TP 1 -> decode TP 2 (SGLang: common/conn.py:1337-1346): refused at registration, naming the type.
+    rejection = tp_refusal(minimax_states(1), layout.Ranks(attn_tp=(1, 0)), minimax_states(2),
+                           layout.Ranks(attn_tp=(2, 1)))
+    assert "(minimax_index_k)" in rejection.message and rejection.metadata["typeName"] == "minimax_index_k"
+    # PP > 1 on either side (SGLang: mooncake/conn.py:2210-2216): refused when the manager is built.
+    with pytest.raises(TopologyError) as info:
+        layout.server_info(kv_args(layers=2, state=minimax_states(1)), layout.Ranks(attn_tp=(1, 0), pp=(2, 0)),
+                           is_mla_backend=False, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    assert info.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
+    assert "'minimax_index_k'" in info.value.message and "PP 2" in info.value.message
+    with pytest.raises(TopologyError) as info:
+        layout.decode_layout(kv_args(layers=2, state=minimax_states(1)[1:]), layout.Ranks(attn_tp=(1, 0), pp=(2, 1)),
+                             is_mla_backend=False, notify_host="h", notify_port=1)
+    assert info.value.metadata["stateType"] == "minimax_dense_kv"
+
+
+def test_deepseek_v4_compressed_kv_is_refused_on_both_sides() -> None:
+    # DeepSeekV4TokenToKVPool (layers of ratios 0, 4, 128, 4): setup_state_kv_args records the ratios
+    # (utils.py:1494), its KV entries are 256-token pages of compressed rows (37,440 bytes for C4 KV).
+    args = kv_args(state=[component("c128_state", [524288], 0xA000_0000)])
+    args.mla_compression_ratios = [0, 4, 128, 4]
+    with pytest.raises(ConfigError) as info:
+        layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                           backend=v1.BACKEND_MOONCAKE)
+    assert info.value.reason is Reason.CONFIG_INVALID and "DeepSeek-V4" in info.value.message
+    assert info.value.metadata["setting"] == "mla_compression_ratios"
+    with pytest.raises(ConfigError):
+        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
+                             notify_port=1)
+    args.mla_compression_ratios = None  # every other pool
+    with pytest.raises(TopologyError) as refused:  # then c128_state itself is refused by name
+        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
+                             notify_port=1)
+    assert refused.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED and "'c128_state'" in refused.value.message
 
 
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:

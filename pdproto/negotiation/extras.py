@@ -292,9 +292,10 @@ def match_state(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.K
             metadata={"prefillStateEntries": len(info.state_entries),
                       "decodeStateEntries": len(reg.state_buffers)})
     src_pp, dst_pp = info.pp.size or 1, reg.pp.size or 1
+    for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
+        _check_kinds(src, dst, e, src_tp=src_tp, dst_tp=dst_tp)  # a refused kind is named before any size
     out = []
     for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
-        _check_kinds(src, dst, e, src_tp=src_tp, dst_tp=dst_tp)
         pairs = _tensor_pairs(src, dst, e, src_pp=src_pp, dst_pp=dst_pp)
         tensors = []
         for i, (t, j) in enumerate(zip(src.tensors, pairs, strict=True)):

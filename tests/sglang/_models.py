@@ -7,21 +7,42 @@
   8,448-byte page (64 tokens of 128 fp8 + 4 scale bytes) per KV page, which SGLang moves as
   its one ``dsa`` state component; on a DCP decode the buffer covers every (virtual) token.
   Layer 2 shares layer 1's top-k, so its buffer has 0 rows and nothing moves for it.
+* ``gptoss``: a GPT-OSS-shaped MHA model (``GptOssForCausalLM``: sliding-window layers 0 and 2,
+  full layers 1 and 3, 2 KV heads of 64) with ``--kv-cache-dtype mxfp8``: SGLang's ``SWAKVPool``
+  over two ``MHATokenToKVPoolMXFP8`` sub-pools, as ``_build_hybrid_swa_kv_pool`` builds it. KV is
+  the full layers' fp8 K and V; state is ``swa`` (the window layers' K and V pages),
+  ``block_scale`` (the full layers' UE8M0 scales, one item per KV page) and ``block_scale_swa``
+  (the window layers' scales, one item per window page).
+* ``qwen4``: a Qwen4-Exp-shaped hybrid (SGLang's ``Qwen4ExpConfig``: GDN at layers 0 and 2, QSA full
+  attention at 1 and 3): its ``QSATokenToKVPool`` over a ``MambaPool`` from the config's
+  ``mamba2_cache_params``, as the QSA branch of ``_build_linear_kv_pool`` builds it. KV is the
+  full layers' K and V; state is ``mamba`` (GDN conv and temporal state, one slot per request),
+  ``qsa_pending`` (per request row: each QSA layer's ring of 4 raw index keys, then the shared
+  RoPE position ring) and ``qsa_compressed`` (per KV page: 16 compressed index keys per layer).
+* ``minimax``: a MiniMax-M3-sparse-shaped MHA model (``MiniMaxM3SparseForCausalLM``: dense layers 0
+  and 2, sparse layers 1 and 3 with K-only index keys): SGLang's ``MiniMaxSparseKVPool``, as
+  ``_build_minimax_sparse_kv_pool`` builds it. KV is the sparse layers' K and V; state is
+  ``minimax_index_k`` (the sparse layers' index keys, per KV page of the suffix) and
+  ``minimax_dense_kv`` (the dense layers' K then V, per KV page of the whole sequence).
 * ``kimi``: a Kimi-Linear-shaped hybrid: SGLang's ``KimiLinearConfig`` (8 layers; KDA at
   layers 0-2 and 4-6, MLA at 3 and 7), its ``HybridLinearKVPool(use_mla=True)`` over a
   ``MambaPool`` built from the config's own ``mamba2_cache_params`` (conv state
   ``[K-1, q|k|v]`` bf16, temporal state ``[H, hd, hd]`` fp32 per KDA layer), aux buffers.
 
-Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every
-aux buffer and every state tensor against what it must hold: the prefill's bytes where they
-belong, projected onto the rank's share under TP (computed here by plain slicing of SGLang's
-layouts, not by pdproto), zeros elsewhere.
+Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every aux
+buffer and every state tensor against what it must hold: the prefill's bytes where they belong,
+projected onto the rank's share under TP (computed here by plain slicing of SGLang's layouts, not
+by pdproto), zeros elsewhere. State components other than ``mamba`` and ``dsa`` are read and
+checked generically (``GENERIC``): every registered buffer by the address and item size
+``setup_state_kv_args`` gives, the i-th prefill item of a component landing in the i-th decode
+item, with the indices ``state_indices`` computes as ``prefill.py``/``decode.py`` do.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +52,11 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4}
+SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
+GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed", "minimax_index_k",
+                     "minimax_dense_kv"})
+"""State types whose every item moves whole, i-th to i-th (checked by ``check_paged``)."""
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
 
@@ -44,7 +69,46 @@ def write_config(model: str, directory: Path) -> Path:
         "qk_nope_head_dim": 128, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": 128,
         "max_position_embeddings": 4096, "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6,
     }  # fmt: skip
-    if model in ("mla", "dsa"):
+    if model == "gptoss":
+        # Booted without --kv-cache-dtype mxfp8: SGLang refuses it without an SM100 GPU at argument
+        # resolution (arg_groups/kv_cache_hook.py:100-110); build_pools builds the MXFP8 pools.
+        config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 1024,
+                  "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": LAYERS[model],
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": SWA_WINDOW,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 4,
+                  "experts_per_token": 2, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+                  "rope_theta": 10000, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "attention_bias": True}
+    elif model == "minimax":
+        # MiniMax-M3 sparse: dense attention at layers 0 and 2, sparse at 1 and 3 with K-only index keys
+        # (SGLang refuses index values in PD, utils.py:1519-1524), one 64-wide index head.
+        config = {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", "vocab_size": 1024,
+                  "hidden_size": 256, "intermediate_size": 256, "dense_intermediate_size": 512,
+                  "num_hidden_layers": LAYERS[model], "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 0,
+                  "rms_norm_eps": 1e-6, "hidden_act": "silu", "scoring_func": "sigmoid", "num_mtp_modules": 0,
+                  "max_position_embeddings": 4096, "rope_theta": 10000, "torch_dtype": "bfloat16",
+                  "sparse_attention_config": {
+                      "sparse_attention_freq": [0, 1, 0, 1], "sparse_disable_index_value": [0, 1, 0, 1],
+                      "sparse_index_dim": 64, "sparse_num_index_heads": 4, "sparse_block_size": 64,
+                      "sparse_topk_blocks": 16, "sparse_init_block": 1, "sparse_local_block": 1,
+                      "sparse_init_tokens": 64, "sparse_local_tokens": 64}}
+    elif model == "qwen4":
+        # Qwen4-Exp's text model: GDN at layers 0 and 2, QSA full attention at 1 and 3, its indexer one
+        # 64-wide key head compressed 4:1 (budget / ratio must be 512 or 2048, qsa/config.py:66-70).
+        config = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+                  "torch_dtype": "bfloat16", "text_config": {
+                      "model_type": "qwen4_exp_text", "vocab_size": 1024, "hidden_size": 256,
+                      "intermediate_size": 512, "num_hidden_layers": LAYERS[model], "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+                      "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+                      "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+                      "layer_types": ["linear_attention", "qwen_sparse_attention"] * 2, "indexer_n_heads": 4,
+                      "indexer_kv_heads": 1, "indexer_head_dim": 64, "indexer_budget": 2048,
+                      "indexer_compress_ratio": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+                      "max_position_embeddings": 4096, "rope_theta": 10000, "partial_rotary_factor": 0.25,
+                      "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}}
+    elif model in ("mla", "dsa"):
         config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 8,
                   "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **mla}
         # "dsa" boots as DeepSeek-V3 too: SGLang resolves a DeepseekV32ForCausalLM config's arguments by
@@ -62,7 +126,7 @@ def write_config(model: str, directory: Path) -> Path:
 
 def server_flags(model: str, role: str) -> list[str]:
     """Flags a rank of ``model`` needs on this CPU machine beyond the common ones."""
-    if model == "kimi" and role == "prefill":
+    if model in ("kimi", "qwen4") and role == "prefill":
         # The prefill's Mamba radix cache needs state snapshots SGLang supports only on GPUs
         # (arg_groups/mamba_hook.py:120); the transfer path does not use it.
         return ["--disable-radix-cache"]
@@ -79,15 +143,93 @@ class Pools:
     config: Any = None
     index: list[Any] | None = None
     """The DSA index-K buffers, one ``[pages, 8448]`` uint8 tensor per layer."""
+    pages: int = 0
+    """Usable pages of the pool (page 0 is its padding page)."""
+    types: list[str] = field(default_factory=list)
+    """The ``StateType`` value of every state component, in ``setup_state_kv_args``'s order."""
+    state: list[list[Any]] = field(default_factory=list)
+    """Per state component, per tensor a ``[items, item bytes]`` uint8 view of its buffer."""
+
+
+def _with_state(pools: Pools, layers: int) -> Pools:
+    """``pools`` with the state components ``setup_state_kv_args`` (utils.py:1462) registers for its pool,
+    each tensor viewed as bytes from the address and length SGLang gives the transfer backend."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+    args = SimpleNamespace()
+    setup_state_kv_args(args, pools.pool, None, layers)
+    pools.types = [str(t.value) for t in args.state_types]
+    pools.state = [
+        [torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8).view(-1, it)[: n // it]
+         if it else None for p, n, it in zip(ptrs, lens, items)]
+        for ptrs, lens, items in zip(args.state_data_ptrs, args.state_data_lens, args.state_item_lens)]
+    return pools
 
 
 def build_pools(model: str, pool_pages: int, config_dir: str, *, tp: int | None = None) -> Pools:
     """The rank's pools as SGLang builds them; ``tp`` overrides the state TP size (references)."""
+    pools = _build(model, pool_pages, config_dir, tp)
+    pools.pages = pool_pages
+    return _with_state(pools, LAYERS[model])
+
+
+def _build(model: str, pool_pages: int, config_dir: str, tp: int | None) -> Pools:
     import torch
 
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridLinearKVPool, MambaPool, MLATokenToKVPool
 
     size = pool_pages * PAGE
+    if model == "gptoss":  # kv_cache_configurator.py:2500-2546 (_build_hybrid_swa_kv_pool) with mxfp8
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        pool = SWAKVPool(
+            size=size, size_swa=size, page_size=PAGE, dtype=torch.float8_e4m3fn, post_capture_active=False,
+            head_num=2, head_dim=64, swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3],
+            device="cpu", enable_kv_cache_copy=False, token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+            enable_memory_saver=False,
+        )  # fmt: skip
+        full = pool.full_kv_pool
+        return Pools(pool, [b.view(torch.uint8) for b in full.k_buffer + full.v_buffer])
+    if model == "minimax":  # kv_cache_configurator.py:2552-2603 (_build_minimax_sparse_kv_pool)
+        from sglang.srt.configs.model_config import (
+            get_minimax_sparse_disable_value_layer_ids,
+            get_minimax_sparse_layer_ids,
+        )
+        from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+
+        sparse = json.loads((Path(config_dir) / "config.json").read_text())["sparse_attention_config"]
+        dense_ids, sparse_ids = get_minimax_sparse_layer_ids(sparse)
+        pool = MiniMaxSparseKVPool(
+            size=size, page_size=PAGE, dtype=torch.bfloat16, index_dtype=torch.bfloat16, head_num=2, head_dim=64,
+            idx_head_dim=sparse["sparse_index_dim"], dense_layer_ids=dense_ids, sparse_layer_ids=sparse_ids,
+            disable_value_sparse_layer_ids=get_minimax_sparse_disable_value_layer_ids(sparse), device="cpu",
+            enable_memory_saver=False, start_layer=0, end_layer=LAYERS[model],
+        )  # fmt: skip
+        # The main KV SGLang moves is the sparse layers' K, then V (get_sparse_kv_buf_infos).
+        return Pools(pool, [pool.get_key_buffer(i) for i in sparse_ids]
+                     + [pool.get_value_buffer(i) for i in sparse_ids])
+    if model == "qwen4":  # kv_cache_configurator.py:2656-2716 (the QSA branch of the linear pool)
+        from sglang.srt.configs.qwen4_exp import Qwen4ExpConfig
+        from sglang.srt.layers.attention.qsa.config import parse_qsa_profile
+        from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
+
+        config = Qwen4ExpConfig(**json.loads((Path(config_dir) / "config.json").read_text())).text_config
+        qsa = parse_qsa_profile(config)
+        mamba = MambaPool(size=STATE_SLOTS, spec_state_size=0, cache_params=config.mamba2_cache_params,
+                          mamba_layer_ids=config.linear_layer_ids, device="cpu")
+        pool = QSATokenToKVPool(
+            size=size, dtype=torch.bfloat16, page_size=PAGE, head_num=config.num_key_value_heads,
+            head_dim=config.head_dim, full_attention_layer_ids=config.full_attention_layer_ids, device="cpu",
+            mamba_pool=mamba, qsa_index_kv_heads=qsa.kv_heads, qsa_index_head_dim=qsa.head_dim,
+            qsa_compress_ratio=qsa.compress_ratio, qsa_token_topk=qsa.budget, num_request_slots=STATE_SLOTS + 1,
+        )  # fmt: skip
+        full = pool.full_kv_pool
+        return Pools(pool, full.k_buffer + full.v_buffer, mamba, config)
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
         pool = DSATokenToKVPool(
             size=size, page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16, qk_rope_head_dim=ROPE_DIM,
@@ -158,22 +300,89 @@ def fill_prefill(pools: Pools) -> None:
     if pools.mamba is not None:
         for k, (_, tensor) in enumerate(_state_tensors(pools)):
             fill_random(tensor, SEED * 7 + k)
+    for k, (name, tensors) in enumerate(zip(pools.types, pools.state)):
+        for i, tensor in enumerate(tensors if name in GENERIC else ()):
+            fill_random(tensor, SEED * 13 + k * 100 + i)
 
 
 def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -> list[Any]:
     """What prefill.py:1577-1709 / decode.py:1662-1786 pass: one entry per ``kv_args.state_types``.
 
     ``slot`` is the request's Mamba slot; ``row`` its req_to_token row, ``prefix`` the decode's
-    cached prefix and ``tokens`` the sequence length, from which DSA takes the pages of
-    ``[prefix, tokens)`` (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size).
+    cached prefix and ``tokens`` the sequence length. DSA takes the pages of ``[prefix, tokens)``
+    (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size), ``block_scale`` every
+    KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), and so do ``qsa_compressed`` and
+    ``minimax_dense_kv``; ``minimax_index_k`` the pages of ``[prefix, tokens)``; ``qsa_pending``
+    the request's row, ``swa`` and ``block_scale_swa`` the
+    SWA-pool pages of the window ``[max(prefix, tokens - window), tokens)`` floored to a page
+    (``_swa_payload``).
     """
     import numpy as np
 
-    from sglang.srt.mem_cache.common import suffix_page_indices
+    import torch
 
-    if pools.index is not None:
-        return [suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, pools.pool.page_size)]
-    return [] if pools.mamba is None else [np.array([slot], dtype=np.int64)]
+    from sglang.srt.disaggregation.minimax import minimax_index_transfer_pages
+    from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices
+
+    page = pools.pool.page_size
+    window = max(prefix, tokens - SWA_WINDOW) // page * page
+
+    def swa() -> Any:
+        # translate_swa_indices_for_transfer maps full token slots to SWA-pool slots through the
+        # allocator's full_to_swa_index_mapping; here full page f is held at SWA page pages + 1 - f,
+        # so the two sub-pools' page ids differ, as they do in SGLang.
+        full = row[window:tokens].to(torch.int64)
+        return kv_to_page_indices((pools.pages + 1 - full // page) * page + full % page, page)
+
+    payloads = {
+        "mamba": lambda: np.array([slot], dtype=np.int64),
+        # get_qsa_pending_state_indices (utils.py:142-147): the request's req_to_token row, here
+        # STATE_SLOTS + 1 - its Mamba slot, so the two components name different items.
+        "qsa_pending": lambda: np.array([STATE_SLOTS + 1 - slot], dtype=np.int32),
+        "qsa_compressed": lambda: kv_to_page_indices(row[:tokens], page),
+        "minimax_index_k": lambda: minimax_index_transfer_pages(row[:tokens], page_size=page, prefix_len=prefix),
+        "minimax_dense_kv": lambda: kv_to_page_indices(row[:tokens], page),
+        "dsa": lambda: suffix_page_indices(row.unsqueeze(0), 0, prefix, tokens, page),
+        "block_scale": lambda: kv_to_page_indices(row[:tokens], page),
+        "swa": swa,
+        "block_scale_swa": swa,
+    }
+    return [payloads[name]() for name in pools.types]
+
+
+def _items_differ(got: Any, source: Any, pairs: list[tuple[int, int]]) -> list[int]:
+    """Rows of ``got`` (``[items, bytes]``) that are not ``source``'s row s at d for each (s, d), zero elsewhere."""
+    import torch
+
+    want = torch.zeros_like(got)
+    for s, d in pairs:
+        want[d] = source[s]
+    return list((got != want).any(dim=1).nonzero().flatten().tolist())
+
+
+def check_paged(pools: Pools, reference: Pools, rows: dict[int, tuple[Any, Any, int, int]],
+                slots: dict[int, tuple[int, int]]) -> list[str]:
+    """Every byte of a decode rank's ``GENERIC`` state components: for each room, item i of the
+    decode's index list holds item i of the prefill's (``reference``: the prefill's pools, refilled
+    from the seed), every other item zero.
+
+    ``rows`` maps room -> (prefill req_to_token row, decode req_to_token row, decode prefix, tokens),
+    ``slots`` room -> (prefill Mamba slot, decode Mamba slot).
+    """
+    mismatches = []
+    for k, (name, tensors, sources) in enumerate(zip(pools.types, pools.state, reference.state)):
+        if name not in GENERIC:
+            continue
+        pairs: list[tuple[int, int]] = []
+        for room, (src_row, dst_row, prefix, tokens) in rows.items():
+            src = state_indices(reference, slots[room][0], src_row, prefix, tokens)[k]
+            dst = state_indices(pools, slots[room][1], dst_row, prefix, tokens)[k]
+            assert len(src) == len(dst) > 0, (name, src, dst)
+            pairs += zip((int(i) for i in src), (int(i) for i in dst))
+        for i, (got, source) in enumerate(zip(tensors, sources)):
+            if bad := _items_differ(got, source, pairs):
+                mismatches.append(f"{name} tensor {i}: items {bad[:8]} differ ({len(bad)})")
+    return mismatches
 
 
 def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any, int, int]]) -> list[str]:
@@ -184,8 +393,6 @@ def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any
     the prefill's buffers hold ``prefill_pages`` pages. Pages follow token slots // 64 (index pages
     are 64 tokens of the side's own slot space), with no SGLang helper in the way.
     """
-    import torch
-
     if pools.index is None:
         return []
     pairs = [(int(src[p]) // 64, int(dst[p]) // 64)
@@ -194,12 +401,7 @@ def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any
     for layer, got in enumerate(pools.index):
         if not got.shape[0]:
             continue  # a layer sharing the previous layer's top-k holds no index
-        source = _index_source(prefill_pages, got.shape[1], layer)
-        want = torch.zeros_like(got)
-        for s, d in pairs:
-            want[d] = source[s]
-        bad = (got != want).any(dim=1).nonzero().flatten().tolist()
-        if bad:
+        if bad := _items_differ(got, _index_source(prefill_pages, got.shape[1], layer), pairs):
             mismatches.append(f"DSA index layer {layer}: pages {bad[:8]} differ ({len(bad)})")
     if not pairs:
         mismatches.append("no DSA index page was expected to move")
@@ -244,5 +446,6 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
     return mismatches
 
 
-__all__ = ["AUX_SLOTS", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "build_pools", "check_index", "check_state",
-           "fill_prefill", "fill_random", "server_flags", "state_indices", "write_config"]
+__all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
+           "check_index", "check_paged", "check_state", "fill_prefill", "fill_random", "server_flags", "state_indices",
+           "write_config"]

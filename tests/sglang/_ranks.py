@@ -24,6 +24,7 @@ from tests.sglang._models import (
     SEED,
     build_pools,
     check_index,
+    check_paged,
     check_state,
     fill_prefill,
     fill_random,
@@ -648,4 +649,4 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
                        _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp), req.decode_prefix, req.tokens)
             for req in requests if not req.abort}
     return (mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)
-            + check_index(pools, spec.pool_pages + 1, rows))
+            + check_index(pools, spec.pool_pages + 1, rows) + check_paged(pools, src_pools, rows, slots))

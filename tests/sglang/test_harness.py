@@ -9,7 +9,8 @@ issues 13's and 33's proof:
 * dense MLA prefill -> DCP 4 decode (5 processes): chunked prefill, a partial last page,
   a sub-page prompt and a decode that holds a 256-token prefix, with a bearer token;
 * a DeepSeek-V3.2-shaped model (``DSATokenToKVPool``, its ``dsa`` index pages) -> DCP 4, the
-  same requests, on the backend's Mooncake and NIXL engines;
+  same requests, on the backend's Mooncake and NIXL engines (more state kinds:
+  ``test_state_kinds.py``);
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 """

@@ -15,6 +15,7 @@ arguments by hand):
   layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
 * A prefill whose every attention-CP rank sends a share of each request (SGLang's
   ``enable_all_cp_ranks_for_transfer`` with CP > 1) is refused (``refuse_cp_sharded_prefill``).
+* DeepSeek-V4's KV (pages of rows compressed 4:1 and 128:1, not token rows) is refused.
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
   KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
@@ -22,7 +23,12 @@ arguments by hand):
   index buffer of a layer that reuses the previous layer's top-k) is left out on both sides.
   SGLang passes the indices itself (the prefill on its last chunk, the decode its own): for
   ``dsa`` the pages of ``[decode_prefix, seq)`` (``prefill.py:1627-1638``,
-  ``decode.py:1704-1714``). SGLang's other state types are refused with
+  ``decode.py:1704-1714``). MXFP8 KV's UE8M0 scales are paged too, ``block_scale`` per KV page
+  of ``[0, seq)`` and ``block_scale_swa`` per window page, and refused between TP sizes, as SGLang
+  refuses them; so are MiniMax-M3 sparse's ``minimax_index_k`` (pages of the suffix) and
+  ``minimax_dense_kv`` (every page), also refused with PP > 1 (``PP_REFUSED``). Qwen4-Exp's QSA
+  index state is replicated (one index head): ``qsa_pending`` one request row, ``qsa_compressed``
+  every KV page of ``[0, seq)``. SGLang's other state types are refused with
   ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type; a per-KV-page kind needs one row here,
   once a test moves it.
 """
@@ -43,8 +49,24 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     "mamba": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_UNSPECIFIED),  # sliced where dim > 0
     "swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_UNSPECIFIED),
     "dsa": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),  # SGLang sends no dims for it
+    # MXFP8 KV's UE8M0 scales (MHA only): per KV page, and per window page of an SWA pool; SGLang
+    # refuses a TP mismatch on non-MLA pools (common/conn.py:1391-1409).
+    # Qwen4-Exp's QSA indexer (one index head, replicated on every rank): its per-request ring of
+    # pending keys, and the compressed keys of every KV page.
+    "qsa_pending": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REPLICATED),
+    "qsa_compressed": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),
+    # MiniMax-M3 sparse: the sparse layers' index keys (the pages of the suffix) and the dense layers'
+    # whole KV (every page); SGLang refuses a TP mismatch (common/conn.py:1337-1346) and PP > 1
+    # (mooncake/conn.py:2210-2216), so does pdproto (PP_REFUSED).
+    "minimax_index_k": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
+    "minimax_dense_kv": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
+    "block_scale": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
+    "block_scale_swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REFUSED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
+
+PP_REFUSED = frozenset({"minimax_index_k", "minimax_dense_kv"})
+"""State types SGLang moves only between servers without pipeline parallelism (compacted layer lists)."""
 
 CAPABILITIES = ("dcp-relayout", "packed")
 """What a decode rank of this backend announces."""
@@ -113,6 +135,22 @@ def refuse_kv_cache_sharding(kv_shard_size: int) -> None:
             metadata={"setting": "enable_kv_cache_sharding", "value": str(kv_shard_size)})
 
 
+def _refuse_compressed_kv(kv_args: Any) -> None:
+    """Raise ``ConfigError`` for DeepSeek-V4's KV, whose pages hold rows compressed 4:1 and 128:1.
+
+    ``setup_state_kv_args`` sets ``mla_compression_ratios`` for a ``DeepSeekV4TokenToKVPool``
+    (``utils.py:1494``): its KV entries are pages of compressed rows (C4 KV 37,440 bytes per
+    256-token page, C128 KV 1,728), not token rows, and pdproto moves KV by token rows.
+    """
+    ratios = [int(r) for r in getattr(kv_args, "mla_compression_ratios", None) or ()]
+    if any(ratios):
+        raise ConfigError(
+            f"DeepSeek-V4's compressed KV (compression ratios {sorted(set(ratios))}) is not supported with "
+            "--disaggregation-transfer-backend pdproto: its pages hold compressed rows, not one row per token; "
+            "use --disaggregation-transfer-backend mooncake or nixl for it",
+            reason=Reason.CONFIG_INVALID, metadata={"setting": "mla_compression_ratios", "value": str(ratios)})
+
+
 def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
     return v1.ParallelGroup(size=pair[0], rank=pair[1])
 
@@ -153,9 +191,9 @@ def _roles(kv_args: Any) -> list[EntryRole]:
     return [EntryRole.TARGET if i < targets else EntryRole.DRAFT for i in range(n)]
 
 
-def _state_components(kv_args: Any) -> list[tuple[str, tuple[common_pb2.StateKind.ValueType,
-                                                              common_pb2.StateTpPolicy.ValueType],
-                                                   list[dict[str, Any]]]]:
+def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[common_pb2.StateKind.ValueType,
+                                                                           common_pb2.StateTpPolicy.ValueType],
+                                                                list[dict[str, Any]]]]:
     """(type name, kind, per tensor its fields) of every state component SGLang registered."""
     out = []
     types = list(getattr(kv_args, "state_types", None) or [])
@@ -173,6 +211,11 @@ def _state_components(kv_args: Any) -> list[tuple[str, tuple[common_pb2.StateKin
                 f"the pdproto backend moves SGLang state of types {sorted(STATE_KINDS)}; this model also "
                 f"needs {name!r}: use --disaggregation-transfer-backend mooncake or nixl for it",
                 reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={"stateType": name})
+        if name in PP_REFUSED and pp_size > 1:
+            raise TopologyError(
+                f"SGLang moves {name!r} state only without pipeline parallelism, and this server has PP"
+                f" {pp_size}: run it with --pp-size 1", reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED,
+                metadata={"stateType": name, "ppSize": pp_size})
         ptrs = list(kv_args.state_data_ptrs[k])
         count = len(ptrs)
         tensors = [
@@ -192,6 +235,7 @@ def _state_components(kv_args: Any) -> list[tuple[str, tuple[common_pb2.StateKin
 def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, port: int,
                 backend: int) -> v1.PrefillServerInfo:
     """The ``PrefillServerInfo`` a prefill rank publishes for the ``KVArgs`` SGLang gave its manager."""
+    _refuse_compressed_kv(kv_args)
     hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
     ids = kv_layer_ids(kv_args, prefill=True, pp_size=ranks.pp[0])
     info = v1.PrefillServerInfo(
@@ -207,7 +251,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
-    for name, (kind, policy), tensors in _state_components(kv_args):
+    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0]):
         entry = info.state_entries.add(kind=kind, type_name=name, tp_policy=policy)
         for t in tensors:
             entry.tensors.add(item_len=int(t["item_len"]), dim=int(t["dim"] or 0), outer_count=int(t["outer"] or 0),
@@ -222,6 +266,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
 def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_host: str,
                   notify_port: int) -> DecodeLayout:
     """The ``DecodeLayout`` of a decode rank for the ``KVArgs`` SGLang gave its manager."""
+    _refuse_compressed_kv(kv_args)
     page, dcp = int(kv_args.page_size), ranks.dcp[0]
     ids = kv_layer_ids(kv_args, prefill=False, pp_size=ranks.pp[0])
     kv = tuple(KvEntry(int(item_len) // (page * (dcp if role is EntryRole.DRAFT else 1)), layer_id, role)
@@ -229,7 +274,7 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
     state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
                                                      None if t["layer"] is None else int(t["layer"]))
                                          for t in tensors), type_name=name)
-                  for name, (kind, _), tensors in _state_components(kv_args))
+                  for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0]))
     return DecodeLayout(
         page_size=page, kv=kv, kv_cache_dtype=str(kv_args.kv_cache_dtype_str),
         attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
@@ -270,6 +315,6 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
                                for _, _, tensors in _state_components(kv_args)))
 
 
-__all__ = ["CAPABILITIES", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout", "host_port",
-           "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding", "regions",
+__all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout",
+           "host_port", "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding", "regions",
            "server_info"]

@@ -1,0 +1,87 @@
+"""SGLang 0.5.23's state kinds through the pdproto backend, each on SGLang's real pool (issue 33).
+
+The same harness as ``test_harness.py`` (``tests/sglang/pd_harness.py``: real processes, SGLang's
+objects driven in the order of ``prefill.py``/``decode.py``, every byte of every decode buffer
+checked), one prefill rank into one decode rank per model, with chunked prefill, a decode prefix,
+partial and sub-page prompts:
+
+* a GPT-OSS-shaped MHA model with ``--kv-cache-dtype mxfp8`` (``SWAKVPool`` over
+  ``MHATokenToKVPoolMXFP8``: ``swa``, ``block_scale``, ``block_scale_swa``), on both engines;
+* a Qwen4-Exp-shaped hybrid (``QSATokenToKVPool``: ``mamba``, ``qsa_pending``, ``qsa_compressed``),
+  on both engines;
+* a MiniMax-M3-sparse-shaped model (``MiniMaxSparseKVPool``: ``minimax_index_k``,
+  ``minimax_dense_kv``), on both engines.
+
+Their TP-mismatch policies (refused, replicated) are pure tests in ``tests/test_sglang_layout.py``.
+A file of its own so that ``make test``'s two workers run it beside ``test_harness.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from tests.sglang.pd_harness import REQUESTS, Request, run
+from tests.sglang.test_harness import TOKEN, _assert_ranks_ok
+
+pytestmark = [pytest.mark.process, pytest.mark.long]
+
+
+def _one_to_one_moves_every_byte(model: str, engine: str, state_bytes: Callable[[Request], int],
+                                 row_bytes: int) -> None:
+    """``model`` 1 -> 1 on ``engine``: every rank's every byte as expected, and each room's metric is its
+    suffix's KV rows (``row_bytes`` per token), its ``state_bytes`` and the same aux row."""
+    out = run("pdproto", REQUESTS, model=model, env={**TOKEN, "PDPROTO_ENGINE": engine})
+    _assert_ranks_ok(out, 1, len(REQUESTS))  # mismatches: every byte of KV, aux and every state component
+    assert out["decode_rc"] == [0], out["decode_stderr"]
+    results = {int(room): r for room, r in out["prefill"]["results"].items()}
+    aux = {results[req.room]["metric_bytes"] - (req.tokens - req.decode_prefix) * row_bytes - state_bytes(req)
+           for req in REQUESTS}
+    assert len(aux) == 1 and aux.pop() > 0
+
+
+def _pages(tokens: int) -> int:
+    return -(-tokens // 64)
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_gpt_oss_mxfp8_window_pages_and_block_scales_move_every_byte(engine: str) -> None:
+    """A GPT-OSS-shaped MHA model with MXFP8 KV (SGLang's SWAKVPool over MHATokenToKVPoolMXFP8 sub-pools):
+    the full layers' fp8 KV rows, the window layers' SWA pages (``swa``), the full layers' UE8M0 scale
+    pages of the whole sequence (``block_scale``) and the window layers' scale pages (``block_scale_swa``)
+    land byte-exact at the decode's own page ids, every other byte of every buffer zero; chunked
+    prefill, a decode prefix, partial and sub-page prompts. On the backend's Mooncake and NIXL engines.
+    The metric: token rows of 2 full layers, K and V (4 x 2 heads x 64 fp8); the window's SWA pages
+    (4 x 8,192) and scale pages (4 x 256); every KV page's scales (4 x 256)."""
+    def state(req: Request) -> int:
+        window = _pages(req.tokens) - max(req.decode_prefix, req.tokens - 128) // 64
+        return window * 4 * (8192 + 256) + _pages(req.tokens) * 4 * 256
+
+    _one_to_one_moves_every_byte("gptoss", engine, state, row_bytes=4 * 128)
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_qwen4_exp_gdn_and_qsa_state_move_every_byte(engine: str) -> None:
+    """A Qwen4-Exp-shaped hybrid (SGLang's Qwen4ExpConfig and QSATokenToKVPool over a GDN MambaPool): the
+    QSA layers' KV rows, the GDN conv and temporal state (``mamba``, the request's Mamba slot), each QSA
+    layer's ring of pending index keys and the shared RoPE ring (``qsa_pending``, the request's row) and
+    the compressed index keys of every KV page (``qsa_compressed``) land byte-exact, every other byte of
+    every buffer zero; chunked prefill, a decode prefix, partial and sub-page prompts. On the backend's
+    Mooncake and NIXL engines. The metric: token rows of 2 layers, K and V (4 x 2 heads x 64 bf16); one
+    GDN slot (2 conv of 1,536 and 2 temporal of 16,384 bytes); one pending row (2 x 512 + 96); 2 x 2,048
+    per KV page of [0, seq) (the prefix's too, as SGLang sends them)."""
+    _one_to_one_moves_every_byte("qwen4", engine, lambda req: 2 * (1536 + 16384) + 2 * 512 + 96
+                                 + _pages(req.tokens) * 2 * 2048, row_bytes=4 * 256)
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_minimax_m3_sparse_index_keys_and_dense_layers_move_every_byte(engine: str) -> None:
+    """A MiniMax-M3-sparse-shaped model (SGLang's MiniMaxSparseKVPool): the sparse layers' KV rows as the
+    main KV, their K-only index keys of the suffix's pages (``minimax_index_k``) and the dense layers'
+    whole K and V of every page (``minimax_dense_kv``) land byte-exact, every other byte of every buffer
+    zero; chunked prefill, a decode prefix, partial and sub-page prompts. The metric: token rows of 2
+    sparse layers, K and V (4 x 2 heads x 64 bf16); 2 x 8,192 per suffix page; 4 x 16,384 per page.
+    On the backend's Mooncake and NIXL engines."""
+    _one_to_one_moves_every_byte("minimax", engine, lambda req: (
+        _pages(req.tokens) - req.decode_prefix // 64) * 2 * 8192 + _pages(req.tokens) * 4 * 16384, row_bytes=4 * 256)
