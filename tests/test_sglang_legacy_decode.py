@@ -92,7 +92,8 @@ class _Listener:
         self.event = threading.Event()
         self.legacy = legacy_decode.LegacyPrefills(
             self.pull, aux=aux, on_status=self._got(self.statuses), on_ack=self._got(self.acks),
-            on_lost=lambda endpoint, rooms: self._got(self.lost)((endpoint, rooms)), send_timeout_s=1.0)
+            on_lost=lambda endpoint, rooms: self._got(self.lost)((endpoint, rooms)), send_timeout_s=1.0,
+            connect_within_s=1.5)
 
     def _got(self, into: list[Any]) -> Callable[[object], None]:
         def add(item: object) -> None:
@@ -146,8 +147,9 @@ def test_listener_follows_statuses_acks_and_aux_rows_and_drops_hostile_frames() 
 
 @pytest.mark.process
 def test_a_prefill_rank_that_goes_away_fails_the_rooms_sent_to_it() -> None:
-    """A connection that closes, or never comes up, fails the rooms tracked on that rank after
-    LOST_AFTER_S, and only those; the socket is closed, and a later request's new one connects."""
+    """A connection that closes fails the rooms tracked on that rank after LOST_AFTER_S, one that
+    never comes up after its connect grace, and only those rooms; the socket is closed, and a later
+    request's new one connects."""
     listener = _Listener([])
     prefill = listener.ctx.socket(zmq.PULL)
     port = prefill.bind_to_random_port("tcp://127.0.0.1")

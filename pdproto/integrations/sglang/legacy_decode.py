@@ -27,7 +27,8 @@ followed: M11 AUX_DATA    aux rows sent over TCP (``SGLANG_MOONCAKE_SEND_AUX_TCP
 ========================  =======================================================================
 
 A prefill rank that goes away is noticed on its PUSH socket: ZMQ reports the TCP connection
-closed (or never made), and after ``LOST_AFTER_S`` without a reconnect the requests in flight
+closed (or never made), and after ``LOST_AFTER_S`` without a reconnect (``CONNECT_WITHIN_S`` for a
+socket that never connected) the requests in flight
 to it fail with ``PEER_GONE``; SGLang's own decode would wait for its heartbeat or timeouts.
 """
 
@@ -65,7 +66,10 @@ from . import layout
 log = logging.getLogger(__name__)
 
 LOST_AFTER_S = 1.0
-"""How long a prefill rank's connection may stay down (or never come up) before its requests fail."""
+"""How long a prefill rank's dropped connection may stay down before its requests fail."""
+CONNECT_WITHIN_S = 5.0
+"""How long a new socket may take to connect before its prefill rank counts as gone: longer, as a
+busy host may schedule the connect late, while a drop means the peer closed its end."""
 _MONITORS = itertools.count()
 PROTOCOL = "sglang-mooncake"
 """How ``PdprotoKVManager.peer_protocols`` names a prefill rank that speaks SGLang's Mooncake protocol."""
@@ -149,6 +153,8 @@ class _Rank:
     monitor: zmq.Socket[bytes]
     down_since: float | None
     """When the connection went down (or the socket was made); None while connected."""
+    grace: float
+    """How long it may stay down: ``CONNECT_WITHIN_S`` until it first connects, then ``LOST_AFTER_S``."""
 
     def close(self) -> None:
         # The monitor stops first: closing a monitored socket whose monitor still holds events
@@ -164,12 +170,14 @@ class LegacyPrefills:
 
     def __init__(self, pull: zmq.Socket[bytes], *, aux: Sequence[tuple[int, int, int]],
                  on_status: Callable[[TransferStatus], None], on_ack: Callable[[AbortAck], None],
-                 on_lost: Callable[[str, set[int]], None], send_timeout_s: float) -> None:
+                 on_lost: Callable[[str, set[int]], None], send_timeout_s: float,
+                 lost_after_s: float = LOST_AFTER_S, connect_within_s: float = CONNECT_WITHIN_S) -> None:
         self._pull = pull
         self._aux = list(aux)
         """(address, bytes, bytes per row) of every aux buffer, in KVArgs order."""
         self._on_status, self._on_ack, self._on_lost = on_status, on_ack, on_lost
         self._send_timeout_ms = int(send_timeout_s * 1000)
+        self._lost_after_s, self._connect_within_s = lost_after_s, connect_within_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._lock = threading.Lock()
         self._ranks: dict[str, _Rank] = {}
@@ -208,7 +216,8 @@ class LegacyPrefills:
                 monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
                                                   addr=f"inproc://pdproto-legacy-decode-{next(_MONITORS)}")
                 sock.connect(endpoint)
-                rank = self._ranks[endpoint] = _Rank(sock, threading.Lock(), monitor, time.monotonic())
+                rank = self._ranks[endpoint] = _Rank(sock, threading.Lock(), monitor, time.monotonic(),
+                                                     self._connect_within_s)
                 self._new.append(endpoint)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._listen, name="pdproto-legacy-decode", daemon=True)
@@ -301,14 +310,14 @@ class LegacyPrefills:
             if rank is None:
                 return
             if event == zmq.EVENT_CONNECTED:
-                rank.down_since = None
+                rank.down_since, rank.grace = None, self._lost_after_s
             elif event == zmq.EVENT_DISCONNECTED and rank.down_since is None:
                 rank.down_since = time.monotonic()
 
     def _overdue(self) -> list[str]:
         now = time.monotonic()
         with self._lock:
-            return [e for e, r in self._ranks.items() if r.down_since is not None and now - r.down_since > LOST_AFTER_S]
+            return [e for e, r in self._ranks.items() if r.down_since is not None and now - r.down_since > r.grace]
 
     def _drop(self, endpoint: str) -> None:
         """Close a lost rank's socket (a later request opens a new one) and fail its rooms."""
@@ -331,5 +340,5 @@ class LegacyPrefills:
         self._ctx.destroy(linger=0)
 
 
-__all__ = ["LOST_AFTER_S", "PROTOCOL", "LegacyPrefills", "abort", "rank_endpoint", "registration", "session_id",
+__all__ = ["CONNECT_WITHIN_S", "LOST_AFTER_S", "PROTOCOL", "LegacyPrefills", "abort", "rank_endpoint", "registration", "session_id",
            "transfer_info"]
