@@ -59,7 +59,7 @@ class PdprotoKVReceiver(CommonKVReceiver):  # type: ignore[misc]
 
     def _legacy(self) -> bool:
         """Whether the request's prefill ranks run SGLang's own Mooncake backend (no ``pdproto_port``)."""
-        return any(PDPROTO_PORT not in info for info in self.bootstrap_infos or ())
+        return any(PDPROTO_PORT not in info for info in getattr(self, "bootstrap_infos", None) or ())
 
     def _endpoints(self) -> list[str]:
         return [legacy_decode.rank_endpoint(info) for info in self.bootstrap_infos or ()]
