@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from pdproto.errors import Reason, TopologyError
+from pdproto.errors import LegacyFormatError, Reason, TopologyError
 from pdproto.integrations.sglang import legacy_decode
 from pdproto.legacy import mooncake
 from pdproto.v1 import (
@@ -67,6 +67,9 @@ def test_transfer_info_and_abort_say_what_sglang_sends() -> None:
     assert (msg.dst_aux_index, [list(s.indices) for s in msg.dst_state_indices]) == (3, [[4], []])
     dummy = mooncake.build_transfer_info(legacy_decode.transfer_info(**kw, is_dummy=True))
     assert (dummy[4], dummy[5], dummy[6]) == (b"", b"", b"")
+    with pytest.raises(LegacyFormatError) as refused:  # SGLang itself would send "None" here
+        mooncake.build_transfer_info(legacy_decode.transfer_info(**{**kw, "aux_index": None}, is_dummy=False))
+    assert refused.value.reason is Reason.LEGACY_UNREPRESENTABLE
     abort = mooncake.build_abort(legacy_decode.abort(room=7, host="10.0.0.2", port=4242, generation=3))
     assert abort == [b"ABORT", b"7", b"10.0.0.2", b"4242", b"3"]
 

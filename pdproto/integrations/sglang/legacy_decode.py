@@ -70,7 +70,7 @@ LOST_AFTER_S = 1.0
 CONNECT_WITHIN_S = 5.0
 """How long a new socket may take to connect before its prefill rank counts as gone: longer, as a
 busy host may schedule the connect late, while a drop means the peer closed its end."""
-_MONITORS = itertools.count()
+_MONITORS = itertools.count()  # names every monitor apart (LegacyPrefills.socket)
 PROTOCOL = "sglang-mooncake"
 """How ``PdprotoKVManager.peer_protocols`` names a prefill rank that speaks SGLang's Mooncake protocol."""
 
@@ -128,7 +128,8 @@ def transfer_info(*, room: int, host: str, port: int, session_id: str, required_
     if is_dummy:  # two empty slots, no state (SGLang's sentinel)
         return msg
     msg.dst_kv_pages.extend(np.asarray(kv_indices).reshape(-1).tolist())
-    msg.dst_aux_index = int(aux_index or 0)
+    if aux_index is not None:  # unset, build_transfer_info refuses it: SGLang would send "None"
+        msg.dst_aux_index = int(aux_index)
     for s in state_indices or ():
         msg.dst_state_indices.add(indices=[] if s is None else np.asarray(s).reshape(-1).tolist())
     if device_kv_indices is not None:

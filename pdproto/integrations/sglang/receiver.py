@@ -111,9 +111,12 @@ class PdprotoKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                            "--disaggregation-transfer-backend pdproto, or this decode without HiSparse")
                 return
             self.kv_mgr.legacy.track(self.bootstrap_room, self._endpoints())
-            # M2 to every prefill rank (build_receiver_metadata_message); a failed send fails the room there.
-            super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination,
-                                  device_kv_indices)
+            try:  # M2 to every prefill rank (build_receiver_metadata_message); a failed send fails the room there
+                super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, destination,
+                                      device_kv_indices)
+            except PdprotoError as exc:  # a destination SGLang's frames cannot carry
+                self._fail(f"{exc.reason.name}: {exc.message}")
+                self.invalidate_cached_bootstrap_infos()
             return
         try:
             self._generation = self.kv_mgr.decode_side.submit(
