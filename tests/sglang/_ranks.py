@@ -482,6 +482,14 @@ def run_decode(args: argparse.Namespace) -> None:
         # _update_handshake_waiters (decode.py:1124-1170)
         polls = _poll_until(lambda: poll_and_all_reduce(receivers, group), {WAITING, FAILED}, args.timeout)
         if polls != [WAITING] * len(requests):
+            refused = {}
+            for req, receiver, state in zip(requests, receivers, polls):
+                if state == FAILED:
+                    try:
+                        receiver.failure_exception()  # _update_handshake_waiters, decode.py:1159-1164
+                    except Exception as exc:  # its message is the failure reason
+                        refused[req.room] = str(exc)
+            _emit({"rank": args.rank, "handshake": polls, "refused": refused})
             raise SystemExit(f"decode: handshake polls {polls}")
         gated = []
         for req, receiver in zip(requests, receivers):  # pop_preallocated (decode.py:1333-1842)

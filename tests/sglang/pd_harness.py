@@ -247,6 +247,7 @@ def run(
     ``--kill-prefill`` request), ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
     """
     spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill)
+    env_overrides = env
     env = dict(
         os.environ,
         MOONCAKE_PROTOCOL="tcp",  # no RDMA device here (mooncake_transfer_engine.py:209)
@@ -261,8 +262,8 @@ def run(
         # CPU ranks beyond the NUMA node count must be told where their threads go
         # (utils/numa_utils.py:459-496); this only matters on AMX or arm64 hosts.
         SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp),
-        **(env or {}),
     )
+    env.update(env_overrides or {})  # the caller's settings win, these defaults included
     cmd = command("-m", "tests.sglang.pd_harness")
     out: dict[str, Any] = {"prefill": None, "decode": [None] * dcp, "kill": None}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:

@@ -10,7 +10,9 @@ are the ones SGLang's own Mooncake decode builds (``frames_as_sglang``):
 * the Kimi-Linear-shaped model (MLA KV + KDA state split by TP + aux) -> decode DCP 2;
 * dense TP 1 with the aux rows over TCP (``SGLANG_MOONCAKE_SEND_AUX_TCP``: SGLang's AUX_DATA
   messages), then the prefill killed mid-transfer: the decode's request fails with PEER_GONE
-  about a second later, not at SGLang's timeouts.
+  about a second later, not at SGLang's timeouts;
+* a decode whose pools are in a NIXL engine, which SGLang's Mooncake prefill cannot write into:
+  each request is refused at its handshake, with what to change.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, run
+from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, Request, run
 
 pytestmark = [pytest.mark.process, pytest.mark.long]
 
@@ -76,3 +78,19 @@ def test_dense_tp1_aux_over_tcp_then_sglang_prefill_killed_mid_transfer() -> Non
     assert killed["poll"] == FAILED, killed
     assert "PEER_GONE: SGLang Mooncake prefill rank tcp://127.0.0.1:" in killed["reason"], killed
     assert killed["seconds"] < 15, killed  # LOST_AFTER_S after the death, not SGLang's 60 s waiting timeout
+
+
+def test_a_nixl_decode_refuses_each_request_of_an_sglang_mooncake_prefill_at_its_handshake() -> None:
+    """SGLang's Mooncake prefill writes only into a Mooncake engine: with ``PDPROTO_ENGINE=nixl`` the
+    decode fails each such request before sending a frame, naming both fixes. The prefill, never
+    sent a TransferInfo, fails the room at its bootstrap timeout, as with SGLang's own decode."""
+    out = run("pdproto", (Request(room=101, tokens=64), Request(room=102, tokens=5)), **SIDES,
+              env={"PDPROTO_ENGINE": "nixl", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3"})
+    (decode,) = out["decode"]
+    assert decode is not None, out["decode_stderr"]
+    assert decode["handshake"] == [FAILED, FAILED], decode
+    for reason in decode["refused"].values():
+        assert "TOPOLOGY_BACKEND_UNSUPPORTED: the prefill runs SGLang's own Mooncake backend" in reason, reason
+        assert "PDPROTO_ENGINE=mooncake" in reason and "--disaggregation-transfer-backend pdproto" in reason
+    # Never sent a TransferInfo, the prefill's rooms fail at its bootstrap timeout (3 s here).
+    assert out["prefill"] is None and "prefill: bootstrap polls [0, 0]" in out["prefill_stderr"]
