@@ -55,12 +55,14 @@ TRANSFER_INFO_FRAMES = 10
 
 _REG = f"{BACKEND} KVArgsRegisterInfo"
 _KV = KvSlots(ptrs=4, item_lens=19, layer_ids=12)
-_STATE = (
+STATE_SLOTS = (
     StateSlot(6, "data_ptrs", "Q", "dst_state_data_ptrs"),
     StateSlot(10, "item_lens", "I", "dst_state_item_lens"),
     StateSlot(11, "dim_per_tensors", "I", "dst_state_dim_per_tensor"),
     StateSlot(13, "layer_ids", "I", "dst_state_layer_ids"),
 )
+"""The registration's state lists: slot, ``StateBuffer`` field, element format, SGLang's name
+(``dst_`` + the ``KVArgs`` attribute the decode's builder reads)."""
 _STAGING_BASE, _STAGING_SIZE, _DCP_SIZE, _DCP_RANK, _SLOT_IDS = 14, 15, 16, 17, 18  # size = base + 1
 # Slots whose empty frame is not the natural encoding of the message value, so
 # parse records it in LegacyFraming.empty_slots (see docs/migration.md).
@@ -78,7 +80,7 @@ def parse_registration(frames: list[bytes]) -> ParseResult[KvRegistration]:
     msg.attn_tp.rank = r.num(7, "dst_tp_rank", hi=U32_MAX)
     msg.attn_tp.size = r.num(8, "dst_attn_tp_size", hi=U32_MAX)
     msg.kv_buffers.extend(read_kv_buffers(r, _KV, msg.kv_item_len))
-    msg.state_buffers.extend(read_state_buffers(r, _STATE))
+    msg.state_buffers.extend(read_state_buffers(r, STATE_SLOTS))
     read_staging(r, msg, _STAGING_BASE, _SLOT_IDS)
     read_dcp(r, msg, _DCP_SIZE, _DCP_RANK)
     return r.result(msg, msg.legacy)
@@ -101,7 +103,7 @@ def build_registration(message: KvRegistration) -> list[bytes]:
     w.num(8, "dst_attn_tp_size", msg.attn_tp.size)
     w.num(9, "dst_kv_item_len", msg.kv_item_len)
     write_kv_buffers(w, _KV, msg)
-    write_state_buffers(w, _STATE, msg.state_buffers)
+    write_state_buffers(w, STATE_SLOTS, msg.state_buffers)
     write_staging(w, msg, _STAGING_BASE, _SLOT_IDS)
     write_dcp(w, msg, _DCP_SIZE, _DCP_RANK)
     return w.done()

@@ -66,7 +66,7 @@ def _boot(args: argparse.Namespace, role: str, tp: int, rank: int) -> Any:
         "--model-path", args.model_dir, "--device", "cpu", "--host", "127.0.0.1",
         "--skip-tokenizer-init", "--page-size", str(PAGE),
         "--disaggregation-mode", role,
-        "--disaggregation-transfer-backend", args.backend,
+        "--disaggregation-transfer-backend", args.prefill_backend if role == "prefill" else args.decode_backend,
         "--disaggregation-bootstrap-port", str(args.bootstrap_port),
         *server_flags(args.spec.model, role),
     ]  # fmt: skip
@@ -343,8 +343,8 @@ def run_prefill(args: argparse.Namespace) -> None:
     if spec.again:
         dropped = _dropped_by_decode(args, rank)
         _emit({"dropped": dropped, "again": _served_again(args, rank)})
-    if spec.kill:
-        _emit({"kill": _killed_mid_transfer(args, rank)})
+    if spec.kill or spec.kill_prefill:
+        _emit({"kill": _killed_mid_transfer(args, rank)})  # with kill_prefill, the driver kills this rank in it
     sys.stdin.readline()  # keep the engine and bootstrap server up until the driver is done
     del bootstrap
 
@@ -483,6 +483,14 @@ def run_decode(args: argparse.Namespace) -> None:
         # _update_handshake_waiters (decode.py:1124-1170)
         polls = _poll_until(lambda: poll_and_all_reduce(receivers, group), {WAITING, FAILED}, args.timeout)
         if polls != [WAITING] * len(requests):
+            refused = {}
+            for req, receiver, state in zip(requests, receivers, polls):
+                if state == FAILED:
+                    try:
+                        receiver.failure_exception()  # _update_handshake_waiters, decode.py:1159-1164
+                    except Exception as exc:  # its message is the failure reason
+                        refused[req.room] = str(exc)
+            _emit({"rank": args.rank, "handshake": polls, "refused": refused})
             raise SystemExit(f"decode: handshake polls {polls}")
         gated = []
         for req, receiver in zip(requests, receivers):  # pop_preallocated (decode.py:1333-1842)
@@ -523,6 +531,11 @@ def run_decode(args: argparse.Namespace) -> None:
             receiver.clear()  # _commit_transfer_to_req, decode.py:2774
     indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
     report["mismatches"] = _check(args, pools, metadata, indices)
+    if args.decode_backend == "pdproto":
+        report["protocols"] = manager.peer_protocols()
+        report["legacy_counts"] = dict(manager.legacy.counts)
+        if args.prefill_backend != "pdproto":
+            report["frames_as_sglang"] = _frames_as_sglang(args, manager, pools, dst_pages)
     _emit(report)
     if spec.again:
         # SGLang's heartbeat missed the prefill (common/conn.py:2060): its ranks are forgotten, and
@@ -546,10 +559,12 @@ def run_decode(args: argparse.Namespace) -> None:
         indices[AGAIN.room] = gated[0].metadata_buffer_index
         again["mismatches"] = _check(args, pools, metadata, indices)
         _emit({"again": again})
-    if spec.kill:
-        prepare([KILL])
+    if spec.kill or spec.kill_prefill:
+        receivers, gated = prepare([KILL])
         _emit({"submitted": KILL.room})
-        sys.stdin.readline()  # the driver kills this rank here, mid-transfer
+        sys.stdin.readline()  # the driver kills this rank here (or the prefill), mid-transfer
+        _emit({"killed": _until_concluded(args, receivers[0], lambda: poll_and_all_reduce(
+            receivers, group, decode_reqs=gated, metadata_buffers=metadata))})
 
 
 def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callable[..., Any],
@@ -574,6 +589,46 @@ def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callabl
         receiver.failure_exception()
     except Exception as exc:  # its message is the failure reason
         out["reason"] = str(exc)
+    return out
+
+
+def _frames_as_sglang(args: argparse.Namespace, manager: Any, pools: Any, dst_pages: dict[int, list[int]]) -> bool:
+    """Whether the pdproto decode's registration and TransferInfo frames (a dummy's too) are the ones
+    SGLang's own Mooncake decode builds from the same rank (mooncake/conn.py:3215-3308), byte for byte."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    sglang = SimpleNamespace(
+        kv_args=manager.kv_args, local_ip=manager.local_ip, rank_port=manager.rank_port,
+        attn_tp_size=manager.attn_tp_size, dcp_size=manager.dcp_size, dcp_rank=manager.dcp_rank,
+        enable_staging=False, get_session_id=manager.legacy_session,
+    )  # fmt: skip
+    same = (MooncakeKVManager.build_receiver_registration_message(sglang)
+            == manager.build_receiver_registration_message())
+    req = args.spec.requests[-1]
+    slots = _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp)
+    state = state_indices(pools, state_slots(args.spec)[req.room][1], slots, req.decode_prefix, req.tokens)
+    for dummy in (False, True):
+        kw = dict(bootstrap_room=req.room, required_dst_info_num=args.dcp, is_dummy=dummy, aux_index=3,
+                  kv_indices=kv_to_page_indices(slots[req.decode_prefix:], PAGE * args.dcp), state_indices=state,
+                  decode_prefix_len=req.decode_prefix)
+        same = same and MooncakeKVManager.build_receiver_metadata_message(sglang, **kw) == (
+            manager.build_receiver_metadata_message(**kw))
+    return same
+
+
+def _until_concluded(args: argparse.Namespace, receiver: Any, poll: Callable[[], list[Any]]) -> dict[str, Any]:
+    """The ``KILL`` request after the driver killed the prefill: how and how fast it concluded here."""
+    began = time.monotonic()
+    (state,) = _poll_until(poll, {SUCCESS, FAILED}, args.timeout)
+    out: dict[str, Any] = {"poll": state, "seconds": round(time.monotonic() - began, 2)}
+    if state == FAILED:
+        try:
+            receiver.failure_exception()  # decode.py:2870
+        except Exception as exc:  # its message is the failure reason
+            out["reason"] = str(exc)
     return out
 
 
@@ -623,7 +678,7 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
         for req in requests
         if not req.abort
         for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank,
-                                  whole_pages=args.backend != "pdproto")
+                                  whole_pages=args.prefill_backend != "pdproto")
     ]
     src_rows = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
     dst_rows = torch.tensor([d for _, d in pairs], dtype=torch.int64)

@@ -19,6 +19,10 @@ prefill's bytes from one seed.
 
 ``--kill`` adds a last request during which the driver kills every decode rank: the
 prefill's sender must turn Failed and ``failure_exception()`` must name the reason.
+``--kill-prefill`` kills the prefill instead, after the request's first chunk was sent: every
+decode rank's receiver must turn Failed with a reason, within the timeout.
+``--prefill-backend`` and ``--decode-backend`` run the two sides on different backends (each
+defaults to ``--backend``): a pdproto decode pulling from SGLang's own Mooncake prefill.
 ``--again`` then runs SGLang's heartbeat-loss handler on every decode rank (the prefill
 alive) and one more request, which must register anew and land byte-exact.
 ``--bench TOKENS`` runs one request of that many tokens and reports the prefill's
@@ -29,6 +33,7 @@ first-send-to-Success time (GB/s over the rows that had to move).
     python -m tests.sglang.pd_harness --backend pdproto --dcp 4
     python -m tests.sglang.pd_harness --backend pdproto --model kimi --dcp 2 --kill
     python -m tests.sglang.pd_harness --backend pdproto --dcp 4 --bench 32768
+    python -m tests.sglang.pd_harness --prefill-backend mooncake_tcp --decode-backend pdproto --dcp 4
 
 ``tests/sglang/test_harness.py`` runs SGLang's Mooncake 1 -> 1 and the pdproto cases.
 """
@@ -101,10 +106,13 @@ class Spec:
     again: bool = False
     """After the requests, the decode's heartbeat loses the prefill (SGLang forgets its ranks) while
     ``DROPPED`` is in flight, then one more request (``AGAIN``) reaches it again."""
+    kill_prefill: bool = False
+    """A last request (``KILL``) during which the driver kills the prefill."""
     extra_pages: int = 8
 
     def all_requests(self) -> list[Request]:
-        return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *([KILL] if self.kill else [])]
+        killed = [KILL] if self.kill or self.kill_prefill else []
+        return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *killed]
 
     @property
     def pool_pages(self) -> int:
@@ -224,18 +232,22 @@ def run(
     kill: bool = False,
     shared_engine: bool = False,
     again: bool = False,
+    kill_prefill: bool = False,
+    prefill_backend: str | None = None,
+    decode_backend: str | None = None,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run one prefill rank and ``dcp`` decode ranks for ``backend``; return their reports.
+    """Run one prefill rank and ``dcp`` decode ranks for ``backend`` (or one backend per side); return their reports.
 
     Keys: ``prefill`` (its results and seconds, or None), ``up`` (each decode rank's start-up
     line), ``decode`` (one report per rank, None where a rank printed none), ``kill`` (the
     prefill's view of the ``--kill`` request), ``again`` and ``again_decode`` (the prefill's and
-    every decode rank's view of the ``--again`` request), ``prefill_rc``, ``decode_rc`` (list)
-    and the tail of every stderr.
+    every decode rank's view of the ``--again`` request), ``killed`` (every decode rank's view of the
+    ``--kill-prefill`` request), ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
     """
-    spec = Spec(model, tuple(requests), kill, shared_engine, again)
+    spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill)
+    env_overrides = env
     env = dict(
         os.environ,
         MOONCAKE_PROTOCOL="tcp",  # no RDMA device here (mooncake_transfer_engine.py:209)
@@ -250,13 +262,14 @@ def run(
         # CPU ranks beyond the NUMA node count must be told where their threads go
         # (utils/numa_utils.py:459-496); this only matters on AMX or arm64 hosts.
         SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp),
-        **(env or {}),
     )
+    env.update(env_overrides or {})  # the caller's settings win, these defaults included
     cmd = command("-m", "tests.sglang.pd_harness")
     out: dict[str, Any] = {"prefill": None, "decode": [None] * dcp, "kill": None}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         common = [
-            "--backend", backend, "--dcp", str(dcp), "--timeout", str(timeout),
+            "--prefill-backend", prefill_backend or backend, "--decode-backend", decode_backend or backend,
+            "--dcp", str(dcp), "--timeout", str(timeout),
             "--model-dir", str(write_config(model, Path(tmp) / model)),
             "--bootstrap-port", str(free_port()), "--spec", spec.to_json(),
         ]  # fmt: skip
@@ -286,14 +299,21 @@ def run(
                 out["again_decode"] = [(d.next(timeout * 2) or {}).get("again") for d in decode_lines]
                 again_line = lines.next(timeout) or {}
                 out["dropped"], out["again"] = again_line.get("dropped"), again_line.get("again")
-            if kill:
+            if kill or kill_prefill:
                 out["submitted"] = [d.next(timeout) for d in decode_lines]
                 out["transferring"] = lines.next(timeout)
+            if kill:
                 for d in decodes:  # the decode server dies mid-transfer
                     d.send_signal(signal.SIGKILL)
                     d.wait()
                 _say(prefill, "go")
                 out["kill"] = (lines.next(timeout * 2) or {}).get("kill")
+            elif kill_prefill:
+                prefill.send_signal(signal.SIGKILL)  # the prefill server dies mid-transfer
+                prefill.wait()
+                for d in decodes:
+                    _say(d, "go")
+                out["killed"] = [(d.next(timeout * 2) or {}).get("killed") for d in decode_lines]
         _stop(prefill, quit_first=True)
         _stop(*decodes, quit_first=True)  # together: each takes seconds to exit (torch unloads)
         out["prefill_rc"] = prefill.returncode
@@ -336,10 +356,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["prefill", "decode"])
     parser.add_argument("--backend", default="mooncake_tcp")
+    parser.add_argument("--prefill-backend", help="the prefill's backend (default: --backend)")
+    parser.add_argument("--decode-backend", help="the decode's backend (default: --backend)")
     parser.add_argument("--dcp", type=int, default=1, help="decode TP = DCP size")
     parser.add_argument("--model", choices=sorted(LAYERS), default="mla")
     parser.add_argument("--kill", action="store_true", help="kill the decode ranks during a last request")
     parser.add_argument("--shared-engine", action="store_true", help="start SGLang's shared Mooncake engine first")
+    parser.add_argument("--kill-prefill", action="store_true", help="kill the prefill during a last request")
     parser.add_argument("--again", action="store_true",
                         help="the decode's heartbeat loses the prefill, then a last request reaches it again")
     parser.add_argument("--bench", type=int, default=0, help="one request of this many tokens; report GB/s")
@@ -351,6 +374,8 @@ def main() -> None:
     parser.add_argument("--dist-port", type=int)
     parser.add_argument("--spec", type=Spec.from_json)
     args = parser.parse_args()
+    args.prefill_backend = args.prefill_backend or args.backend
+    args.decode_backend = args.decode_backend or args.backend
     if args.role is not None:
         from tests.sglang import _ranks
 
@@ -366,7 +391,9 @@ def main() -> None:
             requests = tuple(r for r in REQUESTS if r.decode_prefix == 0)
         started = time.monotonic()
         report = run(args.backend, requests, model=args.model, dcp=args.dcp, kill=args.kill,
-                     shared_engine=args.shared_engine, again=args.again, timeout=args.timeout)
+                     shared_engine=args.shared_engine, again=args.again, kill_prefill=args.kill_prefill,
+                     prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
+                     timeout=args.timeout)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
             moved = args.bench * LAYERS[args.model] * ROW_BYTES  # every token row lands once

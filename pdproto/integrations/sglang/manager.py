@@ -16,7 +16,9 @@ docs/sglang-notes.md). What it adds is a translation, no protocol:
   ``PPConsensusStore`` each rank fills through ``update_status``.
 * **decode**: it builds its ``DecodeSide`` (pools registered; its decode peer keeps one client
   and status stream per prefill rank); outcomes folded over a request's prefill ranks become SGLang's room
-  status and failure reason (``_on_outcome``).
+  status and failure reason (``_on_outcome``). For prefill ranks that run SGLang's own Mooncake
+  backend (no ``pdproto_port``) it provides SGLang's frame builders (``build_receiver_*_message``)
+  and follows their answers on its own PULL socket (``legacy``, legacy_decode.py).
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from sglang.srt.disaggregation.common.conn import CommonKVManager
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from pdproto.errors import ConfigError, PdprotoError, Reason
+from pdproto.legacy import STATE_TO_KVPOLL, mooncake
 from pdproto.negotiation.fanin import Outcome
-from pdproto.v1 import common_pb2
+from pdproto.v1 import AbortAck, TransferStatus, common_pb2
 
-from . import layout
+from . import layout, legacy_decode
 from .bootstrap import PDPROTO_PORT
 from .decode_side import DecodeSide
 from .prefill_side import PrefillSide
@@ -158,10 +161,18 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         if self.disaggregation_mode == DisaggregationMode.PREFILL and self.pp_size > 1:
             self.status_pump = StatusPump(self._pump_refresh, self._status_lock,
                                           name=f"pdproto-pp{self.pp_rank}-status")
+        self.legacy: legacy_decode.LegacyPrefills | None = None
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self.decode_side = DecodeSide(
                 args, self._ranks(), is_mla_backend=self.is_mla_backend, settings=self.settings,
                 host=self.local_ip, notify_port=self.rank_port, device=_device(), on_outcome=self._on_outcome)
+            from sglang.srt.environ import envs
+
+            # SGLang's PULL socket (rank_port) receives what SGLang Mooncake prefills send back.
+            self.legacy = legacy_decode.LegacyPrefills(
+                self.server_socket, aux=list(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)),
+                on_status=self._legacy_status, on_ack=self._legacy_ack, on_lost=self._legacy_lost,
+                send_timeout_s=float(envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()))
             self._start_heartbeat_checker_thread()
 
     def _ranks(self) -> layout.Ranks:
@@ -272,10 +283,74 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """SGLang's heartbeat lost a prefill server: its rooms fail (SGLang), its ranks are forgotten (here)."""
         with self.connection_lock:
             addresses = [rank_address(info) for key, infos in self.connection_pool.items()
-                         if key.startswith(failed_bootstrap_addr) for info in infos]
+                         if key.startswith(failed_bootstrap_addr) for info in infos if PDPROTO_PORT in info]
         super()._handle_node_failure(failed_bootstrap_addr)
         if self.decode_side is not None:
             self.decode_side.peer.drop(addresses)
+
+    # -- decode, from SGLang Mooncake prefills (legacy_decode.py) ---------------------------
+
+    def legacy_session(self) -> str:
+        """The Mooncake session id of this rank's pools, which an SGLang Mooncake prefill writes into."""
+        assert self.decode_side is not None
+        return legacy_decode.session_id(self.decode_side.executor.endpoint(), self.settings.engine)
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        """SGLang's M1 for a Mooncake prefill rank, from this rank's ``KVArgs`` (legacy_decode.registration)."""
+        return mooncake.build_registration(legacy_decode.registration(
+            self.kv_args, host=self.local_ip, port=self.rank_port, session_id=self.legacy_session(),
+            attn_tp_size=self.attn_tp_size, dcp=(self.dcp_size, self.dcp_rank)))
+
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int, kv_indices: Any,
+                                        aux_index: int | None, state_indices: Any, decode_prefix_len: int | None,
+                                        is_dummy: bool, device_kv_indices: Any = None) -> list[bytes]:
+        """SGLang's M2 for one Mooncake prefill rank (legacy_decode.transfer_info)."""
+        return mooncake.build_transfer_info(legacy_decode.transfer_info(
+            room=bootstrap_room, host=self.local_ip, port=self.rank_port, session_id=self.legacy_session(),
+            required_dst_info_num=required_dst_info_num, kv_indices=kv_indices, aux_index=aux_index,
+            state_indices=state_indices, decode_prefix_len=decode_prefix_len, is_dummy=is_dummy,
+            device_kv_indices=device_kv_indices))
+
+    def _legacy_status(self, status: TransferStatus) -> None:
+        """An M3 status: Success counted per prefill rank by SGLang; Failed fails the room (no reason on the wire)."""
+        if status.state != common_pb2.TRANSFER_STATE_FAILED:
+            self.apply_prefill_status(bootstrap_room=status.room, status=STATE_TO_KVPOLL[status.state],
+                                      prefill_rank=status.prefill_rank)
+        elif status.room in self.request_status:  # a cleared room keeps no failure record (SGLang's rule)
+            self.fail_room(status.room, f"{Reason.TRANSFER_FAILED.name}: SGLang Mooncake prefill rank "
+                           f"{status.prefill_rank} failed the request; Mooncake's status carries no reason, that "
+                           "prefill's log has it")
+
+    def _legacy_ack(self, ack: AbortAck) -> None:
+        """An M5 ABORT_ACK: counted toward SGLang's deferred release as its ``handle_abort_ack_message`` does."""
+        if not self.enable_deferred_decode_kv_release or not ack.HasField("prefill_rank"):
+            return  # the 2-frame ack of a prefill without deferred release: SGLang consumes and ignores it
+        if not ack.HasField("generation"):
+            log.warning("pdproto: an ABORT_ACK without a generation from SGLang prefill rank %d is ignored, as "
+                        "SGLang ignores it; its pages wait for the release timeout", ack.prefill_rank)
+            return
+        self.note_abort_ack(ack.room, ack.prefill_rank, ack.generation)
+
+    def _legacy_lost(self, endpoint: str, rooms: set[int]) -> None:
+        """An SGLang Mooncake prefill rank's connection is gone: its rooms in flight fail, its ranks are forgotten."""
+        with self.connection_lock:
+            stale = [key for key, infos in self.connection_pool.items()
+                     if any(legacy_decode.rank_endpoint(info) == endpoint for info in infos)]
+            for key in stale:
+                del self.connection_pool[key]  # a later request registers anew
+        failed = sorted(room for room in rooms if self.request_status.get(room) not in (None, KVPoll.Success))
+        for room in failed:
+            self.fail_room(room, f"{Reason.PEER_GONE.name}: SGLang Mooncake prefill rank {endpoint} closed its "
+                           "connection with the request in flight (the prefill exited or restarted)")
+        log.error("pdproto: SGLang Mooncake prefill rank %s is gone; %d requests failed", endpoint, len(failed))
+
+    def peer_protocols(self) -> dict[str, str]:
+        """Every prefill rank this decode rank spoke to -> its protocol: "pdproto" or "sglang-mooncake"."""
+        if self.decode_side is None or self.legacy is None:
+            return {}
+        out = {rank.address: "pdproto" for rank in self.decode_side.peer.ranks}
+        out.update(dict.fromkeys(self.legacy.seen, legacy_decode.PROTOCOL))
+        return out
 
     # -- both ---------------------------------------------------------------------------
 
@@ -291,6 +366,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             self._heartbeat_shutdown.set()
         if self.status_pump is not None:
             self.status_pump.stop()
+        if self.legacy is not None:
+            self.legacy.close()
         for side in (self.prefill_side, self.decode_side):
             if side is not None:
                 side.close()
