@@ -236,6 +236,8 @@ class Peer:
     """Its calls ``snapshots`` refused (``PeerView.snapshots_refused``: which peer keeps asking)."""
     moving: tuple[int, int, Call[Any]] | None = None
     """(room, generation, call) of the chunk last handed to the worker, until that call returned."""
+    protocol: str = ""
+    """The control protocol the decode speaks: "" for pdproto, else the legacy one (``pdproto_server/legacy.py``)."""
 
     def __hash__(self) -> int:
         return id(self)

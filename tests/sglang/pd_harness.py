@@ -29,6 +29,7 @@ first-send-to-Success time (GB/s over the rows that had to move).
     python -m tests.sglang.pd_harness --backend pdproto --dcp 4
     python -m tests.sglang.pd_harness --backend pdproto --model kimi --dcp 2 --kill
     python -m tests.sglang.pd_harness --backend pdproto --dcp 4 --bench 32768
+    python -m tests.sglang.pd_harness --prefill-backend pdproto --decode-backend mooncake_tcp --dcp 4
 
 ``tests/sglang/test_harness.py`` runs SGLang's Mooncake 1 -> 1 and the pdproto cases.
 """
@@ -102,6 +103,12 @@ class Spec:
     """After the requests, the decode's heartbeat loses the prefill (SGLang forgets its ranks) while
     ``DROPPED`` is in flight, then one more request (``AGAIN``) reaches it again."""
     extra_pages: int = 8
+    instances: int = 1
+    """Decode servers (each its own DCP group, maybe its own backend); request i goes to server i % instances."""
+
+    def mine(self, instance: int) -> list[Request]:
+        """The requests of decode server ``instance``."""
+        return [r for i, r in enumerate(self.requests) if i % self.instances == instance]
 
     def all_requests(self) -> list[Request]:
         return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *([KILL] if self.kill else [])]
@@ -226,8 +233,16 @@ def run(
     again: bool = False,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    decodes: tuple[tuple[str, int], ...] = (),
+    hostile: tuple[list[bytes], ...] = (),
 ) -> dict[str, Any]:
     """Run one prefill rank and ``dcp`` decode ranks for ``backend``; return their reports.
+
+    ``decodes`` gives the decode side a backend of its own: one decode server per (backend, DCP
+    size), request i going to server i % len(decodes) (the prefill stays on ``backend``; ``dcp`` is
+    then unused). ``hostile`` frames are pushed to the prefill rank's ``rank_port`` (the bootstrap
+    record's, which SGLang's own decodes dial) before any request; the prefill reports what its
+    legacy listener made of every message (``prefill["legacy"]``).
 
     Keys: ``prefill`` (its results and seconds, or None), ``up`` (each decode rank's start-up
     line), ``decode`` (one report per rank, None where a rank printed none), ``kill`` (the
@@ -235,7 +250,9 @@ def run(
     every decode rank's view of the ``--again`` request), ``prefill_rc``, ``decode_rc`` (list)
     and the tail of every stderr.
     """
-    spec = Spec(model, tuple(requests), kill, shared_engine, again)
+    decodes = decodes or ((backend, dcp),)
+    spec = Spec(model, tuple(requests), kill, shared_engine, again, instances=len(decodes))
+    dcp = sum(d for _, d in decodes)
     env = dict(
         os.environ,
         MOONCAKE_PROTOCOL="tcp",  # no RDMA device here (mooncake_transfer_engine.py:209)
@@ -256,7 +273,7 @@ def run(
     out: dict[str, Any] = {"prefill": None, "decode": [None] * dcp, "kill": None}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         common = [
-            "--backend", backend, "--dcp", str(dcp), "--timeout", str(timeout),
+            "--prefill-backend", backend, "--timeout", str(timeout),
             "--model-dir", str(write_config(model, Path(tmp) / model)),
             "--bootstrap-port", str(free_port()), "--spec", spec.to_json(),
         ]  # fmt: skip
@@ -270,15 +287,22 @@ def run(
             stack.callback(_stop, proc)
             return proc
 
-        prefill = spawn("prefill", "prefill", "--dist-port", str(free_port()))
+        prefill = spawn("prefill", "prefill", "--dist-port", str(free_port()), "--backend", backend)
         lines = _Lines(prefill)
-        decodes: list[subprocess.Popen[str]] = []
+        procs: list[subprocess.Popen[str]] = []
+        names: list[str] = []
         out["ready"] = lines.next(timeout * 2)  # {"ready": true, ...}
         if out["ready"]:
-            dist_port = str(free_port())
-            decodes = [spawn("decode", f"decode{r}", "--dist-port", dist_port, "--rank", str(r)) for r in range(dcp)]
-            decode_lines = [_Lines(d) for d in decodes]
+            for k, (decode_backend, size) in enumerate(decodes):
+                dist_port = str(free_port())
+                for r in range(size):
+                    names.append(f"decode{len(names)}")
+                    procs.append(spawn("decode", names[-1], "--dist-port", dist_port, "--rank", str(r),
+                                       "--backend", decode_backend, "--dcp", str(size), "--instance", str(k)))
+            decode_lines = [_Lines(d) for d in procs]
             out["up"] = [d.next(timeout * 3) for d in decode_lines]  # {"up": rank}
+            if hostile:
+                _push_frames(out["ready"]["rank_port"], hostile)
             _say(prefill, "go")
             out["decode"] = [d.next(timeout * 2) for d in decode_lines]
             out["prefill"] = lines.next(timeout)
@@ -289,18 +313,32 @@ def run(
             if kill:
                 out["submitted"] = [d.next(timeout) for d in decode_lines]
                 out["transferring"] = lines.next(timeout)
-                for d in decodes:  # the decode server dies mid-transfer
+                for d in procs:  # the decode server dies mid-transfer
                     d.send_signal(signal.SIGKILL)
                     d.wait()
                 _say(prefill, "go")
                 out["kill"] = (lines.next(timeout * 2) or {}).get("kill")
         _stop(prefill, quit_first=True)
-        _stop(*decodes, quit_first=True)  # together: each takes seconds to exit (torch unloads)
+        _stop(*procs, quit_first=True)  # together: each takes seconds to exit (torch unloads)
         out["prefill_rc"] = prefill.returncode
-        out["decode_rc"] = [d.returncode for d in decodes]
+        out["decode_rc"] = [d.returncode for d in procs]
         out["prefill_stderr"] = (Path(tmp) / "prefill.err").read_text()[-3000:]
-        out["decode_stderr"] = [(Path(tmp) / f"decode{r}.err").read_text()[-3000:] for r in range(len(decodes))]
+        out["decode_stderr"] = [(Path(tmp) / f"{name}.err").read_text()[-3000:] for name in names]
     return out
+
+
+def _push_frames(port: int, messages: tuple[list[bytes], ...]) -> None:
+    """Push raw multipart messages to a ZMQ PULL port on loopback, as any process that reaches it can."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for frames in messages:
+        sock.send_multipart(frames)
+    sock.close()  # lingers until every message left
+    ctx.term()
 
 
 def _say(proc: subprocess.Popen[str], line: str) -> None:
@@ -335,7 +373,10 @@ def main() -> None:
     """``--role`` runs one rank; without it, the driver runs all of them and prints a summary."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["prefill", "decode"])
-    parser.add_argument("--backend", default="mooncake_tcp")
+    parser.add_argument("--backend", default="mooncake_tcp", help="both sides' backend (a rank: its own)")
+    parser.add_argument("--prefill-backend", help="the prefill's backend (default: --backend)")
+    parser.add_argument("--decode-backend", help="the decode's backend (default: --backend)")
+    parser.add_argument("--instance", type=int, default=0, help="a decode rank's server (Spec.instances)")
     parser.add_argument("--dcp", type=int, default=1, help="decode TP = DCP size")
     parser.add_argument("--model", choices=sorted(LAYERS), default="mla")
     parser.add_argument("--kill", action="store_true", help="kill the decode ranks during a last request")
@@ -365,8 +406,11 @@ def main() -> None:
         if args.model == "kimi" and not args.bench:
             requests = tuple(r for r in REQUESTS if r.decode_prefix == 0)
         started = time.monotonic()
-        report = run(args.backend, requests, model=args.model, dcp=args.dcp, kill=args.kill,
-                     shared_engine=args.shared_engine, again=args.again, timeout=args.timeout)
+        prefill_backend, decode_backend = args.prefill_backend or args.backend, args.decode_backend or args.backend
+        report = run(prefill_backend, requests, model=args.model, kill=args.kill,
+                     shared_engine=args.shared_engine, again=args.again, timeout=args.timeout,
+                     decodes=((decode_backend, args.dcp),),
+                     env={"PDPROTO_LEGACY_MOONCAKE": "1"} if decode_backend != prefill_backend else None)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
             moved = args.bench * LAYERS[args.model] * ROW_BYTES  # every token row lands once
