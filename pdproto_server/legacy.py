@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from pdproto.errors import DuplicateRequestError, NotFoundError, PdprotoError, Reason, error_for
-from pdproto.legacy import LegacyBackend, LegacyKind, mooncake, parse_any
+from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, parse_any
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
@@ -159,8 +159,8 @@ class LegacyListener:
         """Parse one message here (off the loop); hand what it asks for to the loop."""
         kind = "unknown"
         try:
+            kind = classify(frames).kind.value
             found, parsed = parse_any(frames, LegacyBackend.MOONCAKE)
-            kind = found.kind.value
             handler = self._handlers.get(found.kind)
             if handler is None:
                 raise error_for(Reason.LEGACY_UNKNOWN_KIND,

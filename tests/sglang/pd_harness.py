@@ -69,6 +69,7 @@ class Request:
     decode_prefix: int = 0  # a multiple of the decode's (virtual) page
     chunk: int = 0  # 0: one send; else chunked prefill of this many tokens
     abort: str = ""  # "decode" or "prefill": that side aborts the request once it is bootstrapped
+    decode: int = 0  # the decode server that asks for it (Spec.instances)
 
 
 REQUESTS = (
@@ -104,11 +105,11 @@ class Spec:
     ``DROPPED`` is in flight, then one more request (``AGAIN``) reaches it again."""
     extra_pages: int = 8
     instances: int = 1
-    """Decode servers (each its own DCP group, maybe its own backend); request i goes to server i % instances."""
+    """Decode servers, each its own DCP group and maybe its own backend (``Request.decode`` picks one)."""
 
     def mine(self, instance: int) -> list[Request]:
         """The requests of decode server ``instance``."""
-        return [r for i, r in enumerate(self.requests) if i % self.instances == instance]
+        return [r for r in self.requests if r.decode == instance]
 
     def all_requests(self) -> list[Request]:
         return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *([KILL] if self.kill else [])]
@@ -239,8 +240,8 @@ def run(
     """Run one prefill rank and ``dcp`` decode ranks for ``backend``; return their reports.
 
     ``decodes`` gives the decode side a backend of its own: one decode server per (backend, DCP
-    size), request i going to server i % len(decodes) (the prefill stays on ``backend``; ``dcp`` is
-    then unused). ``hostile`` frames are pushed to the prefill rank's ``rank_port`` (the bootstrap
+    size), each asking for the requests whose ``Request.decode`` is its index (the prefill stays on
+    ``backend``; ``dcp`` is then unused). ``hostile`` frames are pushed to the prefill rank's ``rank_port`` (the bootstrap
     record's, which SGLang's own decodes dial) before any request; the prefill reports what its
     legacy listener made of every message (``prefill["legacy"]``).
 
