@@ -44,6 +44,7 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         watch_streams=len(peer.feeds) - len(sessions),
         events_unacknowledged=sum(s.log.unacknowledged for s in sessions),
         snapshots_refused=peer.snapshots_refused,
+        protocol=peer.protocol,
     )
     if full:
         view.engine_identity = backends.identity_key(peer.registration) or ""

@@ -1,0 +1,177 @@
+"""The legacy listener (``pdproto_server/legacy.py``) on its own: a real service over the synthetic pool on
+a Mooncake engine, SGLang 0.5.23 Mooncake frames pushed at its port as SGLang's decode builds them, and
+what comes back read from a PULL socket where that decode would read it. SGLang's own decode processes
+against it: ``tests/sglang/test_harness.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from pdproto.client import HandshakeClient
+from pdproto.legacy import mooncake
+from pdproto.negotiation.topology import example_registration
+from pdproto.transfer import create_executor
+from pdproto.v1 import BACKEND_MOONCAKE, AbortNotification, TransferInfo
+from pdproto_demo.synthetic import build_source
+from pdproto_server.app import ServerConfig, ServiceThread
+from pdproto_server.core import HandshakeCore
+from pdproto_server.engine import PrefillEngine
+from pdproto_server.legacy import MAX_FRAME_BYTES, PROTOCOL
+from tests._server_harness import SPEC
+
+pytestmark = pytest.mark.process
+
+FAILED = b"0"  # KVPoll.Failed
+
+
+@contextlib.contextmanager
+def _prefill(serve: bool) -> Iterator[ServiceThread]:
+    executor = create_executor("mooncake", arena_bytes=1 << 20, host="127.0.0.1", staging_bytes=0)
+    engine = PrefillEngine(build_source(dataclasses.replace(SPEC, backend="mooncake"), executor), executor)
+    service = ServiceThread(HandshakeCore(engine), ServerConfig(listen="127.0.0.1:0", legacy_listen="127.0.0.1:0",
+                                                                legacy_serve=serve))
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop()
+        executor.close()
+
+
+class _Decode:
+    """An SGLang Mooncake decode rank as the prefill sees it: its PULL socket (where statuses go) and the
+    frames SGLang's builders make."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], prefill_port: int) -> None:
+        self.pull = ctx.socket(zmq.PULL)
+        self.port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(f"tcp://127.0.0.1:{prefill_port}")
+        # A Mooncake engine of its own: the prefill probes the session a registration names.
+        self.engine = create_executor("mooncake", arena_bytes=1 << 20, host="127.0.0.1", staging_bytes=0)
+        self.session = str(getattr(self.engine.endpoint(), "session_id"))
+        self.pool = self.engine.allocate(2 * SPEC.layers * SPEC.pages * SPEC.page_size * SPEC.row_bytes)
+        self.engine.register_memory([self.pool])  # the prefill's probe wants a live engine's memory
+
+    def register(self, token_bytes: int = SPEC.row_bytes) -> None:
+        reg = example_registration(backend=BACKEND_MOONCAKE, num_layers=SPEC.layers, token_bytes=token_bytes,
+                                   page_size=SPEC.page_size, port=self.port, num_pages=SPEC.pages,
+                                   base_ptr=self.pool.ptr)
+        reg.mooncake.session_id = self.session
+        self.push.send_multipart(mooncake.build_registration(reg))
+
+    def submit(self, room: int, required: int = 1) -> None:
+        info = TransferInfo(room=room, peer_name=self.session, required_dst_info_num=required, dst_aux_index=0)
+        info.notify_endpoint.host, info.notify_endpoint.port = "127.0.0.1", self.port
+        info.dst_kv_pages.extend([1, 2])
+        self.push.send_multipart(mooncake.build_transfer_info(info))
+
+    def abort(self, room: int, generation: int) -> None:
+        note = AbortNotification(room=room, generation=generation)
+        note.reply_endpoint.host, note.reply_endpoint.port = "127.0.0.1", self.port
+        self.push.send_multipart(mooncake.build_abort(note))
+
+    def next(self, timeout_s: float = 10.0) -> list[bytes] | None:
+        return self.pull.recv_multipart() if self.pull.poll(int(timeout_s * 1000)) else None
+
+
+Decodes = Callable[[int], _Decode]
+
+
+@pytest.fixture
+def decodes() -> Iterator[Decodes]:
+    """Makes decode ranks that dial a legacy port; closes their sockets and engines after the test."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    made: list[_Decode] = []
+
+    def make(port: int) -> _Decode:
+        made.append(_Decode(ctx, port))
+        return made[-1]
+
+    yield make
+    for decode in made:
+        decode.engine.close()
+
+
+def _peers(service: ServiceThread) -> list[tuple[str, int]]:
+    """(protocol, open requests) of each peer, as ``pdproto status`` reads them."""
+    with HandshakeClient(f"127.0.0.1:{service.port}", session=False) as client:
+        return [(p.protocol, p.open_requests) for p in client.describe().peers]
+
+
+def test_off_every_request_is_answered_failed_naming_the_setting(decodes: Decodes) -> None:
+    """The listener is off by default: an SGLang decode pointed at the port fails at once, told what to set,
+    and its abort is acknowledged (nothing here writes its pages)."""
+    with _prefill(serve=False) as service:
+        decode = decodes(service.legacy_port)
+        decode.register()
+        decode.submit(7)
+        room, state, rank, reason = decode.next() or []
+        assert (room, state, rank) == (b"7", FAILED, b"0")
+        assert b"PDPROTO_LEGACY_MOONCAKE=1" in reason and reason.startswith(b"CONFIG_INVALID: "), reason
+        decode.abort(7, generation=3)
+        assert decode.next() == [b"ABORT_ACK", b"7", b"0", b"3"]
+        assert _peers(service) == []
+
+
+def test_a_room_is_bound_to_the_first_decode_that_claims_it(decodes: Decodes) -> None:
+    """SGLang's frames carry no credential, only the room id: a second decode claiming a room is refused
+    (its request fails with why), its ABORT does not touch the first decode's request; the first decode's
+    own ABORT does, and is acknowledged without a status (the decode recorded its own reason)."""
+    with _prefill(serve=True) as service:
+        first, second = decodes(service.legacy_port), decodes(service.legacy_port)
+        first.register()
+        second.register()
+        first.submit(7)
+        deadline = time.monotonic() + 10
+        while _peers(service) != [(PROTOCOL, 1), (PROTOCOL, 0)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(_peers(service)) == [(PROTOCOL, 0), (PROTOCOL, 1)]  # the first decode's request is open
+        second.submit(7)
+        room, state, _, reason = second.next() or []
+        assert (room, state) == (b"7", FAILED) and reason.startswith(b"DUPLICATE_REQUEST: room 7 is claimed"), reason
+        second.abort(7, generation=1)
+        assert second.next() == [b"ABORT_ACK", b"7", b"0", b"1"]
+        assert sorted(_peers(service)) == [(PROTOCOL, 0), (PROTOCOL, 1)]  # untouched
+        first.abort(7, generation=2)
+        assert first.next() == [b"ABORT_ACK", b"7", b"0", b"2"]
+        assert first.next(0.5) is None  # no Failed status: the decode aborted it itself
+        assert sorted(_peers(service)) == [(PROTOCOL, 0), (PROTOCOL, 0)]
+
+
+def test_hostile_frames_are_refused_and_the_listener_keeps_serving(decodes: Decodes) -> None:
+    """An oversized frame, a flood of garbage and malformed messages: each refused (counted by reason), none
+    reaches the core; then a decode whose model pdproto refuses still gets a Failed status naming why."""
+    with _prefill(serve=True) as service:
+        frames = service.core.metrics.legacy_frames
+
+        def refused() -> dict[tuple[str, ...], float]:
+            return {tuple(s.labels.values()): s.value for m in frames.collect() for s in m.samples
+                    if s.name.endswith("_total")}
+
+        ctx = zmq.Context.instance()
+        for messages in ([[b"None", b"x" * (MAX_FRAME_BYTES + 1)]],  # ZMQ drops it (and the connection) unread
+                         [[b"\xff" * (i % 7)] * (1 + i % 12) for i in range(300)]):
+            hostile = ctx.socket(zmq.PUSH)
+            hostile.connect(f"tcp://127.0.0.1:{service.legacy_port}")
+            for message in messages:
+                hostile.send_multipart(message)
+            hostile.close(linger=5000)
+        deadline = time.monotonic() + 10
+        while sum(refused().values()) < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = refused()
+        assert sum(n for (_, outcome), n in counts.items() if outcome.startswith("LEGACY_")) == 300, counts
+        decode = decodes(service.legacy_port)
+        decode.register(token_bytes=2 * SPEC.row_bytes)  # rows of another model
+        decode.submit(9)
+        room, state, _, reason = decode.next() or []
+        assert (room, state) == (b"9", FAILED) and reason.startswith(b"TOPOLOGY_ROW_SIZE_MISMATCH: "), reason
+        assert refused()[("registration", "TOPOLOGY_ROW_SIZE_MISMATCH")] == 1
+        assert _peers(service) == []
