@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--max-message-bytes", type=int, default=4 << 20)
     net.add_argument("--keepalive-ms", type=int, default=30_000)
     net.add_argument("--legacy-port", type=int, default=None, metavar="PORT",
-                     help="also serve unmodified SGLang 0.5.23 Mooncake decodes on this ZMQ port of the --listen "
-                          "host (0 picks one; unauthenticated: docs/security.md); default: off")
+                     help="also serve unmodified SGLang 0.5.23 decodes (--backend's frames) on this ZMQ port of "
+                          "the --listen host (0 picks one; unauthenticated: docs/security.md); default: off")
     lim = parser.add_argument_group("limits")
     lim.add_argument("--max-peers", type=int, default=256,
                      help="decode peers held at once (gone ones count until released); one engine thread each")

@@ -1,14 +1,17 @@
-"""The legacy listener: unmodified SGLang 0.5.23 Mooncake decodes, served by the same core as gRPC peers.
+"""The legacy listener: unmodified SGLang 0.5.23 decodes, served by the same core as gRPC peers.
 
-An SGLang decode run with ``--disaggregation-transfer-backend mooncake`` sends its positional
-frames to the ``rank_port`` of the prefill rank's bootstrap record (docs/migration.md). One
-thread per prefill rank reads them from a ZMQ PULL socket and parses them with
-``pdproto.legacy``; the ``HandshakeCore`` does the rest on its loop, as for a gRPC peer: a
-registration is a Register (checked, negotiated, its own peer and worker; the peer is the
-decode rank its notify endpoint and Mooncake session name), a TransferInfo a SubmitTransfer,
-an ABORT an Abort. The decode learns how each request ended as SGLang's own prefill tells it:
-a status message pushed to the endpoint its frames name, with the reason in a fourth frame
-(SGLang's decode reads one: ``common/conn.py:773-777``). Nothing here negotiates or moves bytes.
+An SGLang decode run with ``--disaggregation-transfer-backend mooncake`` (or ``nixl``) sends its
+positional frames to the ``rank_port`` of the prefill rank's bootstrap record (docs/migration.md).
+One thread per prefill rank reads them from a ZMQ PULL socket and parses them with
+``pdproto.legacy`` (a NIXL guard frame tells the layouts apart); the ``HandshakeCore`` does the
+rest on its loop, as for a gRPC peer: a registration is a Register (checked, negotiated, its own
+peer and worker; the peer is the decode rank its notify endpoint and engine identity name), a
+TransferInfo a SubmitTransfer, an ABORT an Abort. The decode learns how each request ended as
+SGLang's own prefill tells it: a status message pushed to the endpoint its frames name, with the
+reason (Mooncake's layout has no reason frame, but SGLang's decode reads a fourth one:
+``common/conn.py:773-777``). Nothing here negotiates or moves bytes. The prefill's engine
+decides which decodes it serves: a Mooncake decode's registration reaches a NIXL prefill as
+TOPOLOGY_BACKEND_UNSUPPORTED, told to the decode like any refusal.
 
 Off (``serve=False``), the port still answers each TransferInfo with a Failed status naming
 the setting, so a decode pointed at it fails at once instead of waiting for its timeout.
@@ -23,12 +26,13 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
+from types import ModuleType
 from typing import Any
 
 import zmq
 
 from pdproto.errors import DuplicateRequestError, NotFoundError, PdprotoError, Reason, error_for
-from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, parse_any
+from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, parse_any
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
@@ -36,20 +40,22 @@ from .registry import TERMINAL, Peer
 
 log = logging.getLogger("pdproto_server.legacy")
 
-PROTOCOL = "sglang-mooncake"
-"""``Peer.protocol`` (and ``PeerView.protocol``) of a decode that speaks SGLang's Mooncake frames."""
+PROTOCOL = "sglang-{}"
+"""``Peer.protocol`` (and ``PeerView.protocol``) of a decode that speaks SGLang's frames, by layout."""
 MAX_FRAME_BYTES = 16 << 20
 """ZMQ drops a larger frame before anything reads it (a 128K-token page list at page size 1 is 512 KiB)."""
 MAX_BACKLOG = 4096
 """Messages parsed and not yet handled on the loop, and statuses not yet sent; more are dropped (logged)."""
 MAX_KEPT = 1 << 16
 """Decode endpoints and room claims remembered; the oldest go first."""
-OFF = ("CONFIG_INVALID: this pdproto prefill rank does not serve SGLang's Mooncake decodes; turn its "
-       "legacy listener on (PDPROTO_LEGACY_MOONCAKE=1, or pdproto serve --legacy-port), or run the decode "
+OFF = ("CONFIG_INVALID: this pdproto prefill rank does not serve SGLang's own decodes; turn its "
+       "legacy listener on (PDPROTO_LEGACY=1, or pdproto serve --legacy-port), or run the decode "
        "with --disaggregation-transfer-backend pdproto")
 _REASON = 3  # the status frame SGLang's decode reads a failure reason from
 
 Endpoint = tuple[str, int]
+Codec = ModuleType
+"""``pdproto.legacy.mooncake`` or ``pdproto.legacy.nixl``: the frame layout a decode speaks."""
 
 
 def _trim(kept: OrderedDict[Any, Any]) -> None:
@@ -60,9 +66,11 @@ def _trim(kept: OrderedDict[Any, Any]) -> None:
 class _Decode:
     """One legacy decode rank (by notify endpoint): its registration's outcome, then its peer's statuses."""
 
-    def __init__(self, listener: LegacyListener, endpoint: Endpoint) -> None:
+    def __init__(self, listener: LegacyListener, endpoint: Endpoint, codec: Codec) -> None:
         self.listener = listener
         self.endpoint = endpoint
+        self.codec = codec
+        """The decode's frame layout (``pdproto.legacy.mooncake`` or ``nixl``)."""
         self.peer: asyncio.Future[Peer] = asyncio.get_running_loop().create_future()
         self.silent: set[int] = set()
         """Rooms whose end the decode is not told: dummies (SGLang's prefill tells only real
@@ -85,7 +93,7 @@ class _Decode:
             self.silent.discard(status.room)
             return
         self.listener.tell(self.endpoint, status.room, status.state,
-                           f"{status.failure_code}: {status.failure_reason}")
+                           f"{status.failure_code}: {status.failure_reason}", self.codec)
 
     def close(self) -> None:
         """The peer is over (deregistered, replaced, gone, drained): later frames find no registration."""
@@ -94,7 +102,7 @@ class _Decode:
 
 
 class LegacyListener:
-    """A ZMQ PULL port speaking SGLang 0.5.23's Mooncake protocol, one thread, driving ``core`` on ``loop``."""
+    """A ZMQ PULL port speaking SGLang 0.5.23's frames, one thread, driving ``core`` on ``loop``."""
 
     def __init__(self, core: HandshakeCore, loop: asyncio.AbstractEventLoop, host: str, port: int = 0, *,
                  serve: bool = True) -> None:
@@ -123,14 +131,14 @@ class LegacyListener:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._dropped, self._warned_at = 0, 0.0
-        self._handlers: dict[LegacyKind, Callable[[Any], Coroutine[Any, Any, None]]] = {
+        self._handlers: dict[LegacyKind, Callable[[Any, Codec], Coroutine[Any, Any, None]]] = {
             LegacyKind.REGISTRATION: self._register, LegacyKind.TRANSFER_INFO: self._submit,
             LegacyKind.ABORT: self._abort, LegacyKind.BOOTSTRAP: self._bootstrap}
         """What a decode sends a prefill; the other kinds travel the other way (or are not served)."""
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pdproto-legacy-{port}", daemon=True)
         self._thread.start()
-        log.info("legacy listener for SGLang Mooncake decodes on %s:%d (%s)", host, port,
+        log.info("legacy listener for SGLang's own decodes on %s:%d (%s)", host, port,
                  "serving" if serve else "off: every request is answered Failed")
 
     # -- the listener thread ------------------------------------------------------------
@@ -160,7 +168,7 @@ class LegacyListener:
         kind = "unknown"
         try:
             kind = classify(frames).kind.value
-            found, parsed = parse_any(frames, LegacyBackend.MOONCAKE)
+            found, parsed = parse_any(frames)
             handler = self._handlers.get(found.kind)
             if handler is None:
                 raise error_for(Reason.LEGACY_UNKNOWN_KIND,
@@ -174,7 +182,8 @@ class LegacyListener:
             self._count(kind, "BACKLOG")
             self._warn(f"legacy listener: {MAX_BACKLOG} messages wait for the service loop; dropped a {kind}")
             return
-        handling = self._guarded(kind, handler(parsed.message))
+        codec = nixl if found.backend is LegacyBackend.NIXL else mooncake
+        handling = self._guarded(kind, handler(parsed.message, codec))
         try:
             future = asyncio.run_coroutine_threadsafe(handling, self.loop)
         except RuntimeError:  # the loop is closed: the service is shutting down
@@ -221,14 +230,16 @@ class LegacyListener:
 
     # -- on the service loop ------------------------------------------------------------
 
-    def tell(self, endpoint: Endpoint, room: int, state: int, reason: str = "") -> None:
-        """Queue the status message SGLang's Mooncake decode waits for (any thread)."""
+    def tell(self, endpoint: Endpoint, room: int, state: int, reason: str = "", codec: Codec = mooncake) -> None:
+        """Queue the status message SGLang's decode waits for, in its backend's layout (any thread)."""
         if len(self._out) >= MAX_BACKLOG:
             self._warn(f"legacy listener: {MAX_BACKLOG} statuses wait to be sent; dropped one for room {room}")
             return
-        frames = mooncake.build_status(transfer_pb2.TransferStatus(
-            room=room, state=state, prefill_rank=self.core.engine.prefill_rank))  # type: ignore[arg-type]
-        if state == common_pb2.TRANSFER_STATE_FAILED:
+        failed = state == common_pb2.TRANSFER_STATE_FAILED
+        frames = codec.build_status(transfer_pb2.TransferStatus(
+            room=room, state=state, prefill_rank=self.core.engine.prefill_rank,  # type: ignore[arg-type]
+            failure_reason=reason if failed else ""))
+        if failed and codec is mooncake:  # Mooncake's layout has no reason frame; its decode reads one
             frames.insert(_REASON, reason.encode("utf-8", "replace"))
         self._queue(endpoint, frames)
 
@@ -254,16 +265,23 @@ class LegacyListener:
         else:
             self._count(kind, "ACCEPTED")
 
-    async def _register(self, reg: Any) -> None:
+    async def _register(self, reg: Any, codec: Codec) -> None:
         """M1 (``KVArgsRegisterInfo``): Register the decode rank as a peer of its own."""
         endpoint = (reg.notify_endpoint.host, reg.notify_endpoint.port)
-        decode = self.decodes[endpoint] = _Decode(self, endpoint)
+        decode = self.decodes[endpoint] = _Decode(self, endpoint, codec)
         self.decodes.move_to_end(endpoint)
         _trim(self.decodes)
         decode.peer.add_done_callback(lambda f: f.exception())  # a refusal no TransferInfo asked for yet
         if not self.serve:
             decode.peer.set_exception(error_for(Reason.CONFIG_INVALID, OFF.partition(": ")[2]))
             return
+        if reg.HasField("staging") and reg.attn_tp.size != self.core.info.attn_tp.size:
+            # That decode waits for SGLang's STAGING_REQ/CHUNK_READY (staging_handler.py); pdproto writes
+            # each rank's heads into place instead, and sends neither.
+            decode.peer.set_exception(error := error_for(
+                Reason.CONFIG_INVALID, "the decode uses SGLang's staging buffer for another attention TP size "
+                "than this prefill's, which pdproto does not serve: run it with SGLANG_DISAGG_STAGING_BUFFER=0"))
+            raise error
         if not reg.page_size:  # never in SGLang's frames: its decode compared it with the /route record
             reg.page_size = self.core.info.page_size
         entries = self.core.info.kv_entries
@@ -278,13 +296,12 @@ class LegacyListener:
             decode.peer.set_exception(exc)
             raise
         peer = self.core.registry.peers[answer.result.peer_id]
-        peer.protocol = PROTOCOL
+        peer.protocol = PROTOCOL.format(codec.__name__.rpartition(".")[2])
         peer.feeds.add(decode)
         decode.peer.set_result(peer)
-        log.info("legacy decode %s:%d (Mooncake session %s) registered as %s", *endpoint,
-                 reg.mooncake.session_id, peer.peer_id)
+        log.info("legacy decode %s:%d (%s) registered as %s", *endpoint, peer.identity[-1], peer.peer_id)
 
-    async def _submit(self, info: transfer_pb2.TransferInfo) -> None:
+    async def _submit(self, info: transfer_pb2.TransferInfo, codec: Codec) -> None:
         """M2 (``TransferInfo``): SubmitTransfer for the decode's peer; a refusal answers Failed with why."""
         endpoint = (info.notify_endpoint.host, info.notify_endpoint.port)
         try:
@@ -295,7 +312,8 @@ class LegacyListener:
                 decode.silent.add(info.room)
             status = await self.core.submit_to(peer, info)
         except PdprotoError as exc:
-            self.tell(endpoint, info.room, common_pb2.TRANSFER_STATE_FAILED, f"{exc.reason.name}: {exc.message}")
+            self.tell(endpoint, info.room, common_pb2.TRANSFER_STATE_FAILED, f"{exc.reason.name}: {exc.message}",
+                      codec)
             raise
         decode.push(status)  # over already (the room's chunks were all there): its end, once
 
@@ -330,7 +348,7 @@ class LegacyListener:
         bound.update(live)
         bound[peer.peer_id] = ranks
 
-    async def _abort(self, note: transfer_pb2.AbortNotification) -> None:
+    async def _abort(self, note: transfer_pb2.AbortNotification, codec: Codec) -> None:
         """M4 (``ABORT``): Abort the room for the decode its return address names, then ABORT_ACK it.
 
         The acknowledgement says nothing of this prefill's writes that decode's pages any more: also
@@ -354,9 +372,11 @@ class LegacyListener:
         ack = transfer_pb2.AbortAck(room=note.room)
         if note.HasField("generation"):  # the decode's deferred release waits for this one
             ack.prefill_rank, ack.generation = self.core.engine.prefill_rank, note.generation
+        elif decode is not None and decode.codec is nixl:
+            return  # SGLang's NIXL prefill acknowledges only a deferred release (nixl/conn.py:3340-3346)
         self._queue(endpoint, mooncake.build_abort_ack(ack))
 
-    async def _bootstrap(self, note: transfer_pb2.PrefillCompleteBootstrap) -> None:
+    async def _bootstrap(self, note: transfer_pb2.PrefillCompleteBootstrap, codec: Codec) -> None:
         """M6 (``BOOTSTRAP``, decode allocation policy ``prefill_complete``): not served; answered Failed."""
         ep = note.decode_endpoint
         self.tell((ep.host, ep.port), note.room, common_pb2.TRANSFER_STATE_FAILED,

@@ -9,16 +9,18 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from types import ModuleType
 
+import numpy as np
 import pytest
 import zmq
 
 from pdproto.client import HandshakeClient
-from pdproto.legacy import mooncake
+from pdproto.legacy import mooncake, nixl
 from pdproto.negotiation.topology import example_registration
 from pdproto.transfer import create_executor
-from pdproto.v1 import BACKEND_MOONCAKE, AbortNotification, TransferInfo
-from pdproto_demo.synthetic import build_source
+from pdproto.v1 import BACKEND_MOONCAKE, BACKEND_NIXL, MEMORY_KIND_DRAM, AbortNotification, TransferInfo
+from pdproto_demo.synthetic import SyntheticProducer, build_source, room_pages
 from pdproto_server.app import ServerConfig, ServiceThread
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
@@ -28,60 +30,70 @@ from tests._server_harness import SPEC
 pytestmark = pytest.mark.process
 
 FAILED = b"0"  # KVPoll.Failed
+MOONCAKE = PROTOCOL.format("mooncake")
 
 
 @contextlib.contextmanager
-def _prefill(serve: bool) -> Iterator[ServiceThread]:
-    executor = create_executor("mooncake", arena_bytes=1 << 20, host="127.0.0.1", staging_bytes=0)
-    engine = PrefillEngine(build_source(dataclasses.replace(SPEC, backend="mooncake"), executor), executor)
+def _prefill(serve: bool, backend: str = "mooncake", produce: bool = False) -> Iterator[ServiceThread]:
+    """A prefill rank over the synthetic pool; ``produce``: it computes every room a decode asks for."""
+    executor = create_executor(backend, arena_bytes=1 << 20, host="127.0.0.1", staging_bytes=0)
+    spec = dataclasses.replace(SPEC, backend=backend, chunk_delay=0.0)
+    engine = PrefillEngine(build_source(spec, executor), executor)
     service = ServiceThread(HandshakeCore(engine), ServerConfig(listen="127.0.0.1:0", legacy_listen="127.0.0.1:0",
                                                                 legacy_serve=serve))
+    producer = SyntheticProducer(engine, spec) if produce else None
     service.start()
     try:
         yield service
     finally:
+        if producer is not None:
+            service.call(producer.close())
         service.stop()
         executor.close()
 
 
 class _Decode:
-    """An SGLang Mooncake decode rank as the prefill sees it: its PULL socket (where statuses go) and the
-    frames SGLang's builders make."""
+    """An SGLang decode rank as the prefill sees it: its engine and pool, its PULL socket (where statuses go),
+    and the frames SGLang's builders make (``codec``: Mooncake's layout or NIXL's)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], prefill_port: int) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], prefill_port: int, codec: ModuleType) -> None:
+        self.codec = codec
         self.pull = ctx.socket(zmq.PULL)
         self.port = self.pull.bind_to_random_port("tcp://127.0.0.1")
         self.push = ctx.socket(zmq.PUSH)
         self.push.connect(f"tcp://127.0.0.1:{prefill_port}")
-        # A Mooncake engine of its own: the prefill probes the session a registration names.
-        self.engine = create_executor("mooncake", arena_bytes=1 << 20, host="127.0.0.1", staging_bytes=0)
-        self.session = str(getattr(self.engine.endpoint(), "session_id"))
+        # An engine of its own with memory in it: the prefill connects to what a registration names.
+        self.engine = create_executor(codec.__name__.rpartition(".")[2], arena_bytes=1 << 20, host="127.0.0.1",
+                                      staging_bytes=0)
         self.pool = self.engine.allocate(2 * SPEC.layers * SPEC.pages * SPEC.page_size * SPEC.row_bytes)
-        self.engine.register_memory([self.pool])  # the prefill's probe wants a live engine's memory
+        self.engine.register_memory([self.pool])
+        self.identity = self.engine.endpoint()
 
     def register(self, token_bytes: int = SPEC.row_bytes) -> None:
-        reg = example_registration(backend=BACKEND_MOONCAKE, num_layers=SPEC.layers, token_bytes=token_bytes,
-                                   page_size=SPEC.page_size, port=self.port, num_pages=SPEC.pages,
-                                   base_ptr=self.pool.ptr)
-        reg.mooncake.session_id = self.session
-        self.push.send_multipart(mooncake.build_registration(reg))
+        reg = example_registration(backend=BACKEND_NIXL if self.codec is nixl else BACKEND_MOONCAKE,
+                                   num_layers=SPEC.layers, token_bytes=token_bytes, page_size=SPEC.page_size,
+                                   port=self.port, num_pages=SPEC.pages, base_ptr=self.pool.ptr,
+                                   memory_kind=MEMORY_KIND_DRAM)  # NIXL's frames say where it is
+        getattr(reg, "nixl" if self.codec is nixl else "mooncake").CopyFrom(self.identity)
+        self.push.send_multipart(self.codec.build_registration(reg))
 
-    def submit(self, room: int, required: int = 1) -> None:
-        info = TransferInfo(room=room, peer_name=self.session, required_dst_info_num=required, dst_aux_index=0)
+    def submit(self, room: int, pages: tuple[int, ...] = (1, 2), required: int = 1) -> None:
+        name = getattr(self.identity, "agent_name" if self.codec is nixl else "session_id")
+        info = TransferInfo(room=room, peer_name=name, required_dst_info_num=required, dst_aux_index=0)
         info.notify_endpoint.host, info.notify_endpoint.port = "127.0.0.1", self.port
-        info.dst_kv_pages.extend([1, 2])
-        self.push.send_multipart(mooncake.build_transfer_info(info))
+        info.dst_kv_pages.extend(pages)
+        self.push.send_multipart(self.codec.build_transfer_info(info))
 
     def abort(self, room: int, generation: int) -> None:
         note = AbortNotification(room=room, generation=generation)
         note.reply_endpoint.host, note.reply_endpoint.port = "127.0.0.1", self.port
-        self.push.send_multipart(mooncake.build_abort(note))
+        self.push.send_multipart(self.codec.build_abort(note))
 
     def next(self, timeout_s: float = 10.0) -> list[bytes] | None:
         return self.pull.recv_multipart() if self.pull.poll(int(timeout_s * 1000)) else None
 
 
-Decodes = Callable[[int], _Decode]
+Decodes = Callable[..., _Decode]
 
 
 @pytest.fixture
@@ -90,8 +102,8 @@ def decodes() -> Iterator[Decodes]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     made: list[_Decode] = []
 
-    def make(port: int) -> _Decode:
-        made.append(_Decode(ctx, port))
+    def make(port: int, codec: ModuleType = mooncake) -> _Decode:
+        made.append(_Decode(ctx, port, codec))
         return made[-1]
 
     yield make
@@ -114,7 +126,7 @@ def test_off_every_request_is_answered_failed_naming_the_setting(decodes: Decode
         decode.submit(7)
         room, state, rank, reason = decode.next() or []
         assert (room, state, rank) == (b"7", FAILED, b"0")
-        assert b"PDPROTO_LEGACY_MOONCAKE=1" in reason and reason.startswith(b"CONFIG_INVALID: "), reason
+        assert b"PDPROTO_LEGACY=1" in reason and reason.startswith(b"CONFIG_INVALID: "), reason
         decode.abort(7, generation=3)
         assert decode.next() == [b"ABORT_ACK", b"7", b"0", b"3"]
         assert _peers(service) == []
@@ -130,19 +142,19 @@ def test_a_room_is_bound_to_the_first_decode_that_claims_it(decodes: Decodes) ->
         second.register()
         first.submit(7)
         deadline = time.monotonic() + 10
-        while _peers(service) != [(PROTOCOL, 1), (PROTOCOL, 0)] and time.monotonic() < deadline:
+        while _peers(service) != [(MOONCAKE, 1), (MOONCAKE, 0)] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sorted(_peers(service)) == [(PROTOCOL, 0), (PROTOCOL, 1)]  # the first decode's request is open
+        assert sorted(_peers(service)) == [(MOONCAKE, 0), (MOONCAKE, 1)]  # the first decode's request is open
         second.submit(7)
         room, state, _, reason = second.next() or []
         assert (room, state) == (b"7", FAILED) and reason.startswith(b"DUPLICATE_REQUEST: room 7 is claimed"), reason
         second.abort(7, generation=1)
         assert second.next() == [b"ABORT_ACK", b"7", b"0", b"1"]
-        assert sorted(_peers(service)) == [(PROTOCOL, 0), (PROTOCOL, 1)]  # untouched
+        assert sorted(_peers(service)) == [(MOONCAKE, 0), (MOONCAKE, 1)]  # untouched
         first.abort(7, generation=2)
         assert first.next() == [b"ABORT_ACK", b"7", b"0", b"2"]
         assert first.next(0.5) is None  # no Failed status: the decode aborted it itself
-        assert sorted(_peers(service)) == [(PROTOCOL, 0), (PROTOCOL, 0)]
+        assert sorted(_peers(service)) == [(MOONCAKE, 0), (MOONCAKE, 0)]
 
 
 def test_hostile_frames_are_refused_and_the_listener_keeps_serving(decodes: Decodes) -> None:
@@ -175,3 +187,26 @@ def test_hostile_frames_are_refused_and_the_listener_keeps_serving(decodes: Deco
         assert (room, state) == (b"9", FAILED) and reason.startswith(b"TOPOLOGY_ROW_SIZE_MISMATCH: "), reason
         assert refused()[("registration", "TOPOLOGY_ROW_SIZE_MISMATCH")] == 1
         assert _peers(service) == []
+
+
+@pytest.mark.parametrize("codec", [mooncake, nixl], ids=["mooncake", "nixl"])
+def test_a_decode_of_either_sglang_backend_gets_its_rows_and_success(decodes: Decodes, codec: ModuleType) -> None:
+    """A decode speaking SGLang's Mooncake frames (a Mooncake prefill) or NIXL's (a NIXL prefill) gets every
+    row of its request where its pages are, and the Success status in its backend's layout. (SGLang's own
+    NIXL decode does not run on CPU: it registers its pool as VRAM; docs/migration.md.)"""
+    backend = "nixl" if codec is nixl else "mooncake"
+    with _prefill(serve=True, backend=backend, produce=True) as service:
+        decode = decodes(service.legacy_port, codec)
+        decode.register()
+        pages = tuple(range(SPEC.pages - 1, SPEC.pages - 1 - SPEC.pages_per_room, -1))
+        decode.submit(11, pages)
+        status = decode.next()
+        assert status == ([b"KV_STATUS", b"11", b"4", b"0", b""] if codec is nixl else [b"11", b"4", b"0"]), status
+        rows = SPEC.pages * SPEC.page_size
+        held = decode.pool.array[:SPEC.layers * rows * SPEC.row_bytes].reshape(SPEC.layers, rows, SPEC.row_bytes)
+        tokens = np.arange(SPEC.prompt_tokens)
+        at = np.asarray(pages)[tokens // SPEC.page_size] * SPEC.page_size + tokens % SPEC.page_size
+        for layer in range(SPEC.layers):
+            assert np.array_equal(held[layer, at], SPEC.rows(layer, 11, tokens)), layer
+        assert not held[:, np.setdiff1d(np.arange(rows), at)].any()  # nothing else written
+        assert room_pages(11, SPEC).size == SPEC.pages_per_room

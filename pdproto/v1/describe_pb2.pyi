@@ -150,8 +150,8 @@ class PeerView(_message.Message):
     registered, for asking for statuses faster than its snapshot allowance (--snapshot-rate).
     """
     protocol: _builtins.str
-    """The control protocol the decode speaks: empty for pdproto, "sglang-mooncake" for an
-    unmodified SGLang decode served by the legacy listener (SGLang 0.5.23's Mooncake frames).
+    """The control protocol the decode speaks: empty for pdproto; "sglang-mooncake" or
+    "sglang-nixl" for an unmodified SGLang 0.5.23 decode the legacy listener serves.
     """
     @_builtins.property
     def result(self) -> _server_info_pb2.NegotiationResult:

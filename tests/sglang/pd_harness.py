@@ -411,7 +411,7 @@ def main() -> None:
         report = run(prefill_backend, requests, model=args.model, kill=args.kill,
                      shared_engine=args.shared_engine, again=args.again, timeout=args.timeout,
                      decodes=((decode_backend, args.dcp),),
-                     env={"PDPROTO_LEGACY_MOONCAKE": "1"} if decode_backend != prefill_backend else None)
+                     env={"PDPROTO_LEGACY": "1"} if decode_backend != prefill_backend else None)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
             moved = args.bench * LAYERS[args.model] * ROW_BYTES  # every token row lands once

@@ -164,7 +164,7 @@ def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> N
     assert kill["failure_reason"] in kill["reason"]  # failure_exception() raised with that reason
 
 
-LEGACY = {"PDPROTO_LEGACY_MOONCAKE": "1"}
+LEGACY = {"PDPROTO_LEGACY": "1"}
 HOSTILE = (
     [b"garbage"],  # no message
     [b"None", b"127.0.0.1"],  # a registration cut short
