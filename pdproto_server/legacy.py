@@ -9,7 +9,7 @@ peer and worker; the peer is the decode rank its notify endpoint and engine iden
 TransferInfo a SubmitTransfer, an ABORT an Abort. The decode learns how each request ended as
 SGLang's own prefill tells it: a status message pushed to the endpoint its frames name, with the
 reason (Mooncake's layout has no reason frame, but SGLang's decode reads a fourth one:
-``common/conn.py:773-777``). Nothing here negotiates or moves bytes. The prefill's engine
+``common/conn.py:777-781``). Nothing here negotiates or moves bytes. The prefill's engine
 decides which decodes it serves: a Mooncake decode's registration reaches a NIXL prefill as
 TOPOLOGY_BACKEND_UNSUPPORTED, told to the decode like any refusal.
 
@@ -36,7 +36,7 @@ from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, 
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
-from .registry import TERMINAL, Peer
+from .registry import TERMINAL, Peer, identity_of
 
 log = logging.getLogger("pdproto_server.legacy")
 
@@ -281,6 +281,11 @@ class LegacyListener:
             decode.peer.set_exception(error := error_for(
                 Reason.CONFIG_INVALID, "the decode uses SGLang's staging buffer for another attention TP size "
                 "than this prefill's, which pdproto does not serve: run it with SGLANG_DISAGG_STAGING_BUFFER=0"))
+            raise error
+        if any(not p.protocol for p in self.core.registry.stale_for(identity_of(reg))):
+            # Unauthenticated frames never replace a gRPC peer (a restart of one registers over gRPC).
+            decode.peer.set_exception(error := error_for(
+                Reason.IDENTITY_IN_USE, "a pdproto decode registered over gRPC holds this notify endpoint or engine"))
             raise error
         if not reg.page_size:  # never in SGLang's frames: its decode compared it with the /route record
             reg.page_size = self.core.info.page_size

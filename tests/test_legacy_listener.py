@@ -19,7 +19,8 @@ from pdproto.client import HandshakeClient
 from pdproto.legacy import mooncake, nixl
 from pdproto.negotiation.topology import example_registration
 from pdproto.transfer import create_executor
-from pdproto.v1 import BACKEND_MOONCAKE, BACKEND_NIXL, MEMORY_KIND_DRAM, AbortNotification, TransferInfo
+from pdproto.v1 import (BACKEND_MOONCAKE, BACKEND_NIXL, MEMORY_KIND_DRAM, AbortNotification, KvRegistration,
+                        TransferInfo)
 from pdproto_demo.synthetic import SyntheticProducer, build_source, room_pages
 from pdproto_server.app import ServerConfig, ServiceThread
 from pdproto_server.core import HandshakeCore
@@ -70,12 +71,15 @@ class _Decode:
         self.identity = self.engine.endpoint()
 
     def register(self, token_bytes: int = SPEC.row_bytes) -> None:
+        self.push.send_multipart(self.codec.build_registration(self.registration(token_bytes)))
+
+    def registration(self, token_bytes: int = SPEC.row_bytes) -> KvRegistration:
         reg = example_registration(backend=BACKEND_NIXL if self.codec is nixl else BACKEND_MOONCAKE,
                                    num_layers=SPEC.layers, token_bytes=token_bytes, page_size=SPEC.page_size,
                                    port=self.port, num_pages=SPEC.pages, base_ptr=self.pool.ptr,
                                    memory_kind=MEMORY_KIND_DRAM)  # NIXL's frames say where it is
         getattr(reg, "nixl" if self.codec is nixl else "mooncake").CopyFrom(self.identity)
-        self.push.send_multipart(self.codec.build_registration(reg))
+        return reg
 
     def submit(self, room: int, pages: tuple[int, ...] = (1, 2), required: int = 1) -> None:
         name = getattr(self.identity, "agent_name" if self.codec is nixl else "session_id")
@@ -155,6 +159,20 @@ def test_a_room_is_bound_to_the_first_decode_that_claims_it(decodes: Decodes) ->
         assert first.next() == [b"ABORT_ACK", b"7", b"0", b"2"]
         assert first.next(0.5) is None  # no Failed status: the decode aborted it itself
         assert sorted(_peers(service)) == [(MOONCAKE, 0), (MOONCAKE, 0)]
+
+
+def test_frames_never_replace_a_grpc_peer(decodes: Decodes) -> None:
+    """Unauthenticated frames naming the engine of a decode registered over gRPC are refused (its restart
+    registers over gRPC); the gRPC peer keeps its registration."""
+    with _prefill(serve=True) as service:
+        decode = decodes(service.legacy_port)
+        with HandshakeClient(f"127.0.0.1:{service.port}", session=False) as client:
+            client.register(decode.registration())
+            decode.register()
+            decode.submit(5)
+            room, state, _, reason = decode.next() or []
+            assert (room, state) == (b"5", FAILED) and reason.startswith(b"IDENTITY_IN_USE: "), reason
+            assert _peers(service) == [("", 0)]
 
 
 def test_hostile_frames_are_refused_and_the_listener_keeps_serving(decodes: Decodes) -> None:
