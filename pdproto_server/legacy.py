@@ -73,8 +73,7 @@ class _Decode:
         """The decode's frame layout (``pdproto.legacy.mooncake`` or ``nixl``)."""
         self.peer: asyncio.Future[Peer] = asyncio.get_running_loop().create_future()
         self.silent: set[int] = set()
-        """Rooms whose end the decode is not told: dummies (SGLang's prefill tells only real
-        destinations) and rooms the decode aborted itself (it recorded its own reason)."""
+        """Rooms whose end the decode is not told: dummies (SGLang's prefill tells only real destinations)."""
         self.told: OrderedDict[int, int] = OrderedDict()
         """room -> generation whose end was sent (each end once, however it arrives)."""
 
@@ -89,7 +88,7 @@ class _Decode:
             return
         self.told[status.room] = status.generation
         _trim(self.told)
-        if status.room in self.silent:
+        if status.room in self.silent or status.room in self.listener.aborted:
             self.silent.discard(status.room)
             return
         self.listener.tell(self.endpoint, status.room, status.state,
@@ -113,6 +112,8 @@ class LegacyListener:
         """Registered (or refused) decodes by notify endpoint; read and written on the loop only."""
         self._rooms: OrderedDict[int, dict[str, tuple[int, int, int]]] = OrderedDict()
         """room -> {peer id: its (TP, DCP, PP) ranks}: the legacy peers bound to the room (loop only)."""
+        self.aborted: OrderedDict[int, None] = OrderedDict()
+        """Rooms a legacy decode bound to them aborted (loop only)."""
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -317,8 +318,9 @@ class LegacyListener:
                 decode.silent.add(info.room)
             status = await self.core.submit_to(peer, info)
         except PdprotoError as exc:
-            self.tell(endpoint, info.room, common_pb2.TRANSFER_STATE_FAILED, f"{exc.reason.name}: {exc.message}",
-                      codec)
+            if info.room not in self.aborted:
+                self.tell(endpoint, info.room, common_pb2.TRANSFER_STATE_FAILED, f"{exc.reason.name}: {exc.message}",
+                          codec)
             raise
         decode.push(status)  # over already (the room's chunks were all there): its end, once
 
@@ -368,8 +370,10 @@ class LegacyListener:
         peer = decode.peer.result() if decode is not None and decode.peer.done() and \
             not decode.peer.exception() else None
         if decode is not None and peer is not None and peer.peer_id in self._rooms.get(note.room, {}):
-            if note.room in peer.open:
-                decode.silent.add(note.room)
+            # Every rank of that decode aborts the room and records its own reason: none is told the room's
+            # end, also when this abort failed the room's other ranks first (SGLang's prefill tells none).
+            self.aborted[note.room] = None
+            _trim(self.aborted)
             try:
                 await self.core.abort_for(peer, transfer_pb2.AbortNotification(room=note.room))
             except NotFoundError:

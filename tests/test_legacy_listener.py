@@ -23,6 +23,7 @@ from pdproto.v1 import (BACKEND_MOONCAKE, BACKEND_NIXL, MEMORY_KIND_DRAM, AbortN
                         TransferInfo)
 from pdproto_demo.synthetic import SyntheticProducer, build_source, room_pages
 from pdproto_server.app import ServerConfig, ServiceThread
+from pdproto_server.cmd_status import render
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
 from pdproto_server.legacy import MAX_FRAME_BYTES, PROTOCOL
@@ -149,6 +150,9 @@ def test_a_room_is_bound_to_the_first_decode_that_claims_it(decodes: Decodes) ->
         while _peers(service) != [(MOONCAKE, 1), (MOONCAKE, 0)] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert sorted(_peers(service)) == [(MOONCAKE, 0), (MOONCAKE, 1)]  # the first decode's request is open
+        with HandshakeClient(f"127.0.0.1:{service.port}", session=False) as client:
+            table = render(client.describe())
+        assert table.count(f" {MOONCAKE} ") == 2, table  # pdproto status names the protocol of each peer
         second.submit(7)
         room, state, _, reason = second.next() or []
         assert (room, state) == (b"7", FAILED) and reason.startswith(b"DUPLICATE_REQUEST: room 7 is claimed"), reason

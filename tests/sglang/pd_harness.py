@@ -91,6 +91,33 @@ DROPPED = Request(room=997, tokens=192)
 both sides, and the decode releases its pages only once the prefill has stopped it."""
 
 
+LEGACY = {"PDPROTO_LEGACY": "1"}
+"""The environment that makes a pdproto prefill serve SGLang's own decodes on its rank port."""
+
+
+def hostile_frames() -> tuple[list[bytes], ...]:
+    """Raw frames any process reaching a rank port can push; a pdproto prefill refuses each, harming nothing."""
+    from pdproto.legacy import mooncake
+    from pdproto.negotiation.topology import example_registration
+    from pdproto.v1 import BACKEND_MOONCAKE
+
+    return (
+        [b"garbage"],  # no message
+        [b"None", b"127.0.0.1"],  # a registration cut short
+        [b"ABORT", b"not-a-room"],
+        [b"\xff" * 8] * 9,  # TransferInfo-shaped, no integer in it
+        [b"WATERMARK", b"1", b"2", b"s"],  # staging traffic the prefill does not serve
+        # Well-formed, but not this prefill's model (one KV entry): refused by negotiation.
+        mooncake.build_registration(example_registration(backend=BACKEND_MOONCAKE, num_layers=1)),
+    )
+
+
+HOSTILE_REFUSALS = {"unknown LEGACY_UNKNOWN_KIND": 1, "registration LEGACY_FRAME_COUNT": 1,
+                    "abort LEGACY_BAD_INTEGER": 1, "transfer_info LEGACY_BAD_INTEGER": 1,
+                    "watermark LEGACY_UNKNOWN_KIND": 1, "registration TOPOLOGY_LAYER_METADATA_ONE_SIDED": 1}
+"""What the prefill's legacy listener counts for ``hostile_frames()`` ("kind outcome" -> messages)."""
+
+
 @dataclass(frozen=True)
 class Spec:
     """What every rank of one run agrees on: model, requests, pool size."""
@@ -241,9 +268,9 @@ def run(
 
     ``decodes`` gives the decode side a backend of its own: one decode server per (backend, DCP
     size), each asking for the requests whose ``Request.decode`` is its index (the prefill stays on
-    ``backend``; ``dcp`` is then unused). ``hostile`` frames are pushed to the prefill rank's ``rank_port`` (the bootstrap
-    record's, which SGLang's own decodes dial) before any request; the prefill reports what its
-    legacy listener made of every message (``prefill["legacy"]``).
+    ``backend``; ``dcp`` is then unused). ``hostile`` frames are pushed to the prefill rank's
+    ``rank_port`` (the bootstrap record's, which SGLang's own decodes dial) before any request; the
+    prefill reports what its legacy listener made of every message (``prefill["legacy"]``).
 
     Keys: ``prefill`` (its results and seconds, or None), ``up`` (each decode rank's start-up
     line), ``decode`` (one report per rank, None where a rank printed none), ``kill`` (the
@@ -411,7 +438,7 @@ def main() -> None:
         report = run(prefill_backend, requests, model=args.model, kill=args.kill,
                      shared_engine=args.shared_engine, again=args.again, timeout=args.timeout,
                      decodes=((decode_backend, args.dcp),),
-                     env={"PDPROTO_LEGACY": "1"} if decode_backend != prefill_backend else None)
+                     env=LEGACY if decode_backend != prefill_backend else None)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
             moved = args.bench * LAYERS[args.model] * ROW_BYTES  # every token row lands once
