@@ -27,7 +27,7 @@ from pdproto_server.cmd_status import render
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
 from pdproto_server.legacy import MAX_FRAME_BYTES, PROTOCOL
-from tests._server_harness import SPEC
+from tests._server_harness import SERVE_ARGS, SPEC, running_server
 
 pytestmark = pytest.mark.process
 
@@ -232,3 +232,22 @@ def test_a_decode_of_either_sglang_backend_gets_its_rows_and_success(decodes: De
             assert np.array_equal(held[layer, at], SPEC.rows(layer, 11, tokens)), layer
         assert not held[:, np.setdiff1d(np.arange(rows), at)].any()  # nothing else written
         assert room_pages(11, SPEC).size == SPEC.pages_per_room
+
+
+def test_pdproto_serve_legacy_port() -> None:
+    """``pdproto serve --legacy-port``: the port answers SGLang's frames; a decode it never registered is
+    told so on its first request (a prefill that restarted under it), not left waiting."""
+    with running_server(*SERVE_ARGS, "--legacy-port", "0") as srv:
+        ctx = zmq.Context.instance()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push.connect(f"tcp://127.0.0.1:{srv.ready['legacy_port']}")
+        info = TransferInfo(room=3, peer_name="127.0.0.1:1", required_dst_info_num=1, dst_aux_index=0)
+        info.notify_endpoint.host, info.notify_endpoint.port = "127.0.0.1", port
+        info.dst_kv_pages.append(1)
+        push.send_multipart(mooncake.build_transfer_info(info))
+        assert pull.poll(10_000), srv.stderr()
+        room, state, _, reason = pull.recv_multipart()
+        assert (room, state) == (b"3", FAILED) and reason.startswith(b"PEER_NOT_FOUND: no registration"), reason
+        pull.close(linger=0)
+        push.close(linger=0)
