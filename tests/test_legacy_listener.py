@@ -165,6 +165,23 @@ def test_a_room_is_bound_to_the_first_decode_that_claims_it(decodes: Decodes) ->
         assert sorted(_peers(service)) == [(MOONCAKE, 0), (MOONCAKE, 0)]
 
 
+def test_what_is_not_served_is_refused_with_why(decodes: Decodes) -> None:
+    """SGLang's staging buffer (a decode of another attention TP size waiting for CHUNK_READY) and the
+    prefill_complete allocation policy (BOOTSTRAP) are not served: the decode is told so at once."""
+    with _prefill(serve=True) as service:
+        decode = decodes(service.legacy_port)
+        reg = decode.registration()
+        reg.attn_tp.size, reg.staging.base_ptr, reg.staging.total_size = 2, decode.pool.ptr, 4096
+        decode.push.send_multipart(mooncake.build_registration(reg))
+        decode.submit(4)
+        room, state, _, reason = decode.next() or []
+        assert (room, state) == (b"4", FAILED) and b"SGLANG_DISAGG_STAGING_BUFFER=0" in reason, reason
+        decode.push.send_multipart([b"BOOTSTRAP", b"8", b"127.0.0.1", str(decode.port).encode()])
+        room, state, _, reason = decode.next() or []
+        assert (room, state) == (b"8", FAILED) and b"prefill_complete" in reason, reason
+        assert _peers(service) == []
+
+
 def test_frames_never_replace_a_grpc_peer(decodes: Decodes) -> None:
     """Unauthenticated frames naming the engine of a decode registered over gRPC are refused (its restart
     registers over gRPC); the gRPC peer keeps its registration."""
