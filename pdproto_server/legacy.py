@@ -58,6 +58,12 @@ Codec = ModuleType
 """``pdproto.legacy.mooncake`` or ``pdproto.legacy.nixl``: the frame layout a decode speaks."""
 
 
+def _url(host: str, port: int | None = None) -> str:
+    """tcp://host[:port], an IPv6 host in brackets (the sockets set zmq.IPV6, which takes both families)."""
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}" if port is None else f"tcp://{host}:{port}"
+
+
 def _trim(kept: OrderedDict[Any, Any]) -> None:
     while len(kept) > MAX_KEPT:
         kept.popitem(last=False)
@@ -118,13 +124,11 @@ class LegacyListener:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._pull.setsockopt(zmq.LINGER, 0)
-        address = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
-        if ":" in host:
-            self._pull.setsockopt(zmq.IPV6, 1)
+        self._pull.setsockopt(zmq.IPV6, 1)
         if port:
-            self._pull.bind(f"{address}:{port}")
+            self._pull.bind(_url(host, port))
         else:
-            port = self._pull.bind_to_random_port(address)
+            port = self._pull.bind_to_random_port(_url(host))
         self.port = port
         self._out: deque[tuple[Endpoint, list[bytes]]] = deque()
         self._push: OrderedDict[Endpoint, zmq.Socket[bytes]] = OrderedDict()
@@ -202,10 +206,8 @@ class LegacyListener:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 1024)
-                if ":" in endpoint[0]:
-                    sock.setsockopt(zmq.IPV6, 1)
-                host = f"[{endpoint[0]}]" if ":" in endpoint[0] else endpoint[0]
-                sock.connect(f"tcp://{host}:{endpoint[1]}")
+                sock.setsockopt(zmq.IPV6, 1)
+                sock.connect(_url(*endpoint))
             self._push[endpoint] = sock  # most recently used last
             while len(self._push) > 1024:
                 self._push.popitem(last=False)[1].close(linger=0)
@@ -273,21 +275,6 @@ class LegacyListener:
         self.decodes.move_to_end(endpoint)
         _trim(self.decodes)
         decode.peer.add_done_callback(lambda f: f.exception())  # a refusal no TransferInfo asked for yet
-        if not self.serve:
-            decode.peer.set_exception(error_for(Reason.CONFIG_INVALID, OFF.partition(": ")[2]))
-            return
-        if reg.HasField("staging") and reg.attn_tp.size != self.core.info.attn_tp.size:
-            # That decode waits for SGLang's STAGING_REQ/CHUNK_READY (staging_handler.py); pdproto writes
-            # each rank's heads into place instead, and sends neither.
-            decode.peer.set_exception(error := error_for(
-                Reason.CONFIG_INVALID, "the decode uses SGLang's staging buffer for another attention TP size "
-                "than this prefill's, which pdproto does not serve: run it with SGLANG_DISAGG_STAGING_BUFFER=0"))
-            raise error
-        if any(not p.protocol for p in self.core.registry.stale_for(identity_of(reg))):
-            # Unauthenticated frames never replace a gRPC peer (a restart of one registers over gRPC).
-            decode.peer.set_exception(error := error_for(
-                Reason.IDENTITY_IN_USE, "a pdproto decode registered over gRPC holds this notify endpoint or engine"))
-            raise error
         if not reg.page_size:  # never in SGLang's frames: its decode compared it with the /route record
             reg.page_size = self.core.info.page_size
         entries = self.core.info.kv_entries
@@ -297,6 +284,18 @@ class LegacyListener:
                 if entry.HasField("layer_id"):
                     buf.layer_id = entry.layer_id
         try:
+            if not self.serve:
+                raise error_for(Reason.CONFIG_INVALID, OFF.partition(": ")[2])
+            if reg.HasField("staging") and reg.attn_tp.size != self.core.info.attn_tp.size:
+                # That decode waits for SGLang's STAGING_REQ/CHUNK_READY (staging_handler.py); pdproto writes
+                # each rank's heads into place instead, and sends neither.
+                raise error_for(Reason.CONFIG_INVALID, "the decode uses SGLang's staging buffer for another "
+                                "attention TP size than this prefill's, which pdproto does not serve: run it with "
+                                "SGLANG_DISAGG_STAGING_BUFFER=0")
+            if any(not p.protocol for p in self.core.registry.stale_for(identity_of(reg))):
+                # Unauthenticated frames never replace a gRPC peer (a restart of one registers over gRPC).
+                raise error_for(Reason.IDENTITY_IN_USE,
+                                "a pdproto decode registered over gRPC holds this notify endpoint or engine")
             answer = await self.core.register(hs.RegisterRequest(registration=reg))
         except PdprotoError as exc:
             decode.peer.set_exception(exc)
@@ -387,11 +386,11 @@ class LegacyListener:
 
     async def _bootstrap(self, note: transfer_pb2.PrefillCompleteBootstrap, codec: Codec) -> None:
         """M6 (``BOOTSTRAP``, decode allocation policy ``prefill_complete``): not served; answered Failed."""
+        error = error_for(Reason.CONFIG_INVALID, "pdproto's legacy listener does not serve the decode allocation "
+                          "policy prefill_complete; run the decode with the default policy")
         ep = note.decode_endpoint
-        self.tell((ep.host, ep.port), note.room, common_pb2.TRANSFER_STATE_FAILED,
-                  "CONFIG_INVALID: pdproto's legacy listener does not serve the decode allocation policy "
-                  "prefill_complete; run the decode with the default policy")
-        raise error_for(Reason.CONFIG_INVALID, "decode allocation policy prefill_complete is not served")
+        self.tell((ep.host, ep.port), note.room, common_pb2.TRANSFER_STATE_FAILED, f"{error.reason.name}: {error}")
+        raise error
 
     def stop(self) -> None:
         """Send what is queued, close the port and the thread (after the core drained)."""
