@@ -22,6 +22,7 @@ from pdproto.v1 import SERVICE_NAME
 
 from .auth import BearerTokenInterceptor, OperatorToken, require_token_policy
 from .core import HandshakeCore
+from .legacy import LegacyListener
 from .service import HandshakeServicer, add_to_server
 
 log = logging.getLogger("pdproto_server.app")
@@ -48,6 +49,11 @@ class ServerConfig:
     """Keepalive and message-size options (the client uses the same)."""
     grace: float = 10.0
     """Seconds in-flight work may take to finish after SIGTERM."""
+    legacy_listen: str | None = None
+    """host:port of the legacy listener for SGLang 0.5.23's Mooncake decodes (port 0 picks one); None: none."""
+    legacy_serve: bool = False
+    """The legacy listener serves those decodes; off, it answers each of their requests Failed, naming the
+    setting (``pdproto_server/legacy.py``)."""
 
 
 @dataclass
@@ -59,6 +65,7 @@ class RunningServer:
     core: HandshakeCore
     port: int
     config: ServerConfig
+    legacy: LegacyListener | None = None
 
     async def shutdown(self) -> None:
         """NOT_SERVING, drain in-flight requests, stop the server, release everything."""
@@ -66,6 +73,8 @@ class RunningServer:
         await self.core.drain(self.config.grace)
         await self.server.stop(self.config.grace)
         await self.core.close()
+        if self.legacy is not None:  # last: the drained requests' ends are sent to legacy decodes first
+            await asyncio.to_thread(self.legacy.stop)
 
 
 async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServer:
@@ -99,10 +108,15 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     else:
         port = server.add_insecure_port(config.listen)
     await core.start()
+    legacy = None
+    if config.legacy_listen is not None:
+        host, _, legacy_port = config.legacy_listen.rpartition(":")
+        legacy = LegacyListener(core, asyncio.get_running_loop(), host.strip("[]"), int(legacy_port),
+                                serve=config.legacy_serve)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, health=health, core=core, port=port, config=config)
+    return RunningServer(server=server, health=health, core=core, port=port, config=config, legacy=legacy)
 
 
 async def serve(core: HandshakeCore, config: ServerConfig, *,
@@ -145,6 +159,8 @@ class ServiceThread:
         self.config = config
         self.port = 0
         """The bound port, once ``start`` returned."""
+        self.legacy_port = 0
+        """The legacy listener's port, once ``start`` returned (0: none, ``ServerConfig.legacy_listen``)."""
         self._name = name
         self._thread: LoopThread | None = None
         self._running: RunningServer | None = None
@@ -159,6 +175,7 @@ class ServiceThread:
             thread.stop()
             raise
         self.port = self._running.port
+        self.legacy_port = self._running.legacy.port if self._running.legacy is not None else 0
         return self.port
 
     def call(self, coro: Coroutine[Any, Any, _T], timeout: float = 10.0) -> _T:

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--grace", type=float, default=10.0, help="drain seconds after SIGTERM")
     net.add_argument("--max-message-bytes", type=int, default=4 << 20)
     net.add_argument("--keepalive-ms", type=int, default=30_000)
+    net.add_argument("--legacy-port", type=int, default=None, metavar="PORT",
+                     help="also serve unmodified SGLang 0.5.23 decodes (--backend's frames) on this ZMQ port of "
+                          "the --listen host (0 picks one; unauthenticated: docs/security.md); default: off")
     lim = parser.add_argument_group("limits")
     lim.add_argument("--max-peers", type=int, default=256,
                      help="decode peers held at once (gone ones count until released); one engine thread each")
@@ -156,7 +159,8 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         tls_key=_read_file(args.tls_key, "--tls-key") if args.tls_key else None,
         channel=ChannelConfig(max_message_bytes=args.max_message_bytes, keepalive_time_ms=args.keepalive_ms,
                               min_ping_interval_ms=min(10_000, args.keepalive_ms)),
-        grace=args.grace)
+        grace=args.grace, legacy_listen=None if args.legacy_port is None else
+        f"{args.listen.rpartition(':')[0]}:{args.legacy_port}", legacy_serve=args.legacy_port is not None)
 
 
 def _inline_bytes(value: str) -> int:
@@ -207,8 +211,9 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
 
         def ready(running: RunningServer) -> None:
             _collect_less()
-            print(json.dumps({"event": "listening", "port": running.port, "metrics_port": metrics_port}),
-                  flush=True)
+            legacy = running.legacy.port if running.legacy is not None else None
+            print(json.dumps({"event": "listening", "port": running.port, "metrics_port": metrics_port,
+                              "legacy_port": legacy}), flush=True)
 
         try:
             return await serve(core, config, ready=ready)

@@ -66,14 +66,14 @@ def render(d: hs.DescribeResponse) -> str:
              f"{'DRAINING  ' if d.draining else ''}open requests {d.open_requests}"
              f"{f'  judging {d.registrations_judged} registrations' if d.registrations_judged else ''}",
              "",
-             f"{'peer':<20} {'state':<5} {'mode':<13} {'backend':<8} {'engine':<28} {'age s':>7} "
+             f"{'peer':<20} {'state':<5} {'mode':<13} {'backend':<8} {'protocol':<15} {'engine':<28} {'age s':>7} "
              f"{'open':>5} {'kept':>5} {'sess':>5} {'watch':>5} {'unacked':>7} {'throttled':>9} {'refused':>7}"]
     for p in d.peers:
         mode = _name(v1.NegotiationMode, p.result.mode, "NEGOTIATION_MODE_")
         sessions = f"{p.sessions_connected}+{p.sessions_detached}" if p.sessions_detached else str(p.sessions_connected)
         engine = HIDDEN if p.redacted else p.engine_identity[:28]
         lines.append(f"{p.peer_id:<20} {_name(v1.PeerState, p.state, 'PEER_STATE_'):<5} {mode:<13} "
-                     f"{_name(v1.Backend, p.result.backend, 'BACKEND_'):<8} {engine:<28} "
+                     f"{_name(v1.Backend, p.result.backend, 'BACKEND_'):<8} {p.protocol or 'pdproto':<15} {engine:<28} "
                      f"{p.age_ms / 1000:>7.1f} {p.open_requests:>5} {p.finished_kept:>5} {sessions:>5} "
                      f"{p.watch_streams:>5} {p.events_unacknowledged:>7} "
                      f"{p.calls_refused:>9} {p.snapshots_refused:>7}")

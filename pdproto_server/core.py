@@ -35,6 +35,7 @@ class HandshakeCore:
         self.registry = registry = PeerRegistry(limits)
         # Read when scraped: setting the gauge on every Register and Deregister cost them a lock and a walk.
         metrics.peers.set_function(registry.live)
+        metrics.legacy_peers.set_function(lambda: sum(1 for p in list(registry.peers.values()) if p.protocol))
         self.runner = runner = TransferRunner(engine, metrics, limits, registry.peers)
         engine.orphan_after, engine.keep_finished = limits.match_timeout, limits.keep_finished
         self.deadlines: Deadlines[Peer] = Deadlines()

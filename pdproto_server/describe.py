@@ -45,6 +45,7 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         events_unacknowledged=sum(s.log.unacknowledged for s in sessions),
         snapshots_refused=peer.snapshots_refused,
         calls_refused=peer.calls_refused,
+        protocol=peer.protocol,
     )
     if full:
         view.engine_identity = backends.identity_key(peer.registration) or ""

@@ -67,6 +67,11 @@ class ServiceMetrics:
             "Status streams (WatchStatus, new or resumed sessions) and Describe calls refused because their peer"
             " asked for more statuses than --snapshot-rate allows (TOO_MANY_STREAMS, with the seconds to wait).",
             registry=r)
+        self.legacy_peers = Gauge("pdproto_legacy_peers", "Registered decode peers that speak SGLang's Mooncake "
+                                  "frames (the legacy listener).", registry=r)
+        self.legacy_frames = Counter(
+            "pdproto_legacy_frames", "SGLang Mooncake messages the legacy listener received, by kind and outcome "
+            "(ACCEPTED, or the reason it refused them).", ["kind", "outcome"], registry=r)
         self._registration_children: dict[str, Any] = {}
 
     def finished(self, outcome: str) -> None:

@@ -252,6 +252,8 @@ class Peer:
     """Its calls ``calls`` refused (``PeerView.calls_refused``)."""
     moving: tuple[int, int, Call[Any]] | None = None
     """(room, generation, call) of the chunk last handed to the worker, until that call returned."""
+    protocol: str = ""
+    """The control protocol the decode speaks: "" for pdproto, else the legacy one (``pdproto_server/legacy.py``)."""
 
     def __hash__(self) -> int:
         return id(self)

@@ -53,6 +53,8 @@ class ServerProcess:
     token: str | None
     stderr_path: Path
     lines: list[str] = field(default_factory=list)
+    ready: dict[str, object] = field(default_factory=dict)
+    """The server's "listening" line (``legacy_port`` among the rest)."""
 
     @property
     def target(self) -> str:
@@ -140,7 +142,7 @@ def running_server(*args: str, token: str | None = None, operator_token: str | N
         metrics = ready.get("metrics_port")
         srv = ServerProcess(proc=proc, port=int(str(ready["port"])),
                             metrics_port=int(str(metrics)) if metrics is not None else None,
-                            token=token, stderr_path=stderr_path)
+                            token=token, stderr_path=stderr_path, ready=ready)
         yield srv
     finally:
         if proc.poll() is None:

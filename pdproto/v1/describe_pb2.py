@@ -27,19 +27,19 @@ from pdproto.v1 import server_info_pb2 as pdproto_dot_v1_dot_server__info__pb2
 from pdproto.v1 import transfer_pb2 as pdproto_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdproto/v1/describe.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x19pdproto/v1/transfer.proto\"\xab\x01\n\x0bRequestView\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.pdproto.v1.TransferState\x12\x19\n\x11\x62ytes_transferred\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunks_done\x18\x05 \x01(\r\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x04\x12\x10\n\x08is_dummy\x18\x07 \x01(\x08\"\x98\x04\n\x08PeerView\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.pdproto.v1.PeerState\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0f\x65ngine_identity\x18\x04 \x01(\t\x12-\n\x0fnotify_endpoint\x18\x05 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x04\x12\x15\n\ropen_requests\x18\x07 \x01(\r\x12\x15\n\rfinished_kept\x18\x08 \x01(\r\x12\x1a\n\x12sessions_connected\x18\t \x01(\r\x12\x19\n\x11sessions_detached\x18\n \x01(\r\x12\x15\n\rwatch_streams\x18\x0b \x01(\r\x12\x1d\n\x15\x65vents_unacknowledged\x18\x0c \x01(\r\x12)\n\x08requests\x18\r \x03(\x0b\x32\x17.pdproto.v1.RequestView\x12,\n\x08\x66inished\x18\x0e \x03(\x0b\x32\x1a.pdproto.v1.TransferStatus\x12\x10\n\x08redacted\x18\x10 \x01(\x08\x12\x19\n\x11snapshots_refused\x18\x11 \x01(\r\x12\x15\n\rcalls_refused\x18\x12 \x01(\rJ\x04\x08\x0f\x10\x10R\x10sessions_on_lane\"5\n\x08LimitUse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x04\x12\x0c\n\x04used\x18\x03 \x01(\x04*Q\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPEER_STATE_LIVE\x10\x01\x12\x13\n\x0fPEER_STATE_GONE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdproto/v1/describe.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x19pdproto/v1/transfer.proto\"\xab\x01\n\x0bRequestView\x12\x0c\n\x04room\x18\x01 \x01(\x04\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.pdproto.v1.TransferState\x12\x19\n\x11\x62ytes_transferred\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunks_done\x18\x05 \x01(\r\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x04\x12\x10\n\x08is_dummy\x18\x07 \x01(\x08\"\xaa\x04\n\x08PeerView\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.pdproto.v1.PeerState\x12-\n\x06result\x18\x03 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0f\x65ngine_identity\x18\x04 \x01(\t\x12-\n\x0fnotify_endpoint\x18\x05 \x01(\x0b\x32\x14.pdproto.v1.Endpoint\x12\x0e\n\x06\x61ge_ms\x18\x06 \x01(\x04\x12\x15\n\ropen_requests\x18\x07 \x01(\r\x12\x15\n\rfinished_kept\x18\x08 \x01(\r\x12\x1a\n\x12sessions_connected\x18\t \x01(\r\x12\x19\n\x11sessions_detached\x18\n \x01(\r\x12\x15\n\rwatch_streams\x18\x0b \x01(\r\x12\x1d\n\x15\x65vents_unacknowledged\x18\x0c \x01(\r\x12)\n\x08requests\x18\r \x03(\x0b\x32\x17.pdproto.v1.RequestView\x12,\n\x08\x66inished\x18\x0e \x03(\x0b\x32\x1a.pdproto.v1.TransferStatus\x12\x10\n\x08redacted\x18\x10 \x01(\x08\x12\x19\n\x11snapshots_refused\x18\x11 \x01(\r\x12\x15\n\rcalls_refused\x18\x12 \x01(\r\x12\x10\n\x08protocol\x18\x13 \x01(\tJ\x04\x08\x0f\x10\x10R\x10sessions_on_lane\"5\n\x08LimitUse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x04\x12\x0c\n\x04used\x18\x03 \x01(\x04*Q\n\tPeerState\x12\x1a\n\x16PEER_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPEER_STATE_LIVE\x10\x01\x12\x13\n\x0fPEER_STATE_GONE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdproto.v1.describe_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PEERSTATE']._serialized_start=891
-  _globals['_PEERSTATE']._serialized_end=972
+  _globals['_PEERSTATE']._serialized_start=909
+  _globals['_PEERSTATE']._serialized_end=990
   _globals['_REQUESTVIEW']._serialized_start=124
   _globals['_REQUESTVIEW']._serialized_end=295
   _globals['_PEERVIEW']._serialized_start=298
-  _globals['_PEERVIEW']._serialized_end=834
-  _globals['_LIMITUSE']._serialized_start=836
-  _globals['_LIMITUSE']._serialized_end=889
+  _globals['_PEERVIEW']._serialized_end=852
+  _globals['_LIMITUSE']._serialized_start=854
+  _globals['_LIMITUSE']._serialized_end=907
 # @@protoc_insertion_point(module_scope)

@@ -119,6 +119,7 @@ class PeerView(_message.Message):
     REDACTED_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_REFUSED_FIELD_NUMBER: _builtins.int
     CALLS_REFUSED_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
     peer_id: _builtins.str
     """Peer id (a name, not a secret; the credential is never shown)."""
     state: Global___PeerState.ValueType
@@ -152,6 +153,10 @@ class PeerView(_message.Message):
     calls_refused: _builtins.int
     """Calls made with this peer's credential refused TOO_MANY_CALLS since it registered, for
     calling faster than the server's call rate (--call-rate).
+    """
+    protocol: _builtins.str
+    """The control protocol the decode speaks: empty for pdproto; "sglang-mooncake" or
+    "sglang-nixl" for an unmodified SGLang 0.5.23 decode the legacy listener serves.
     """
     @_builtins.property
     def result(self) -> _server_info_pb2.NegotiationResult:
@@ -189,10 +194,11 @@ class PeerView(_message.Message):
         redacted: _builtins.bool = ...,
         snapshots_refused: _builtins.int = ...,
         calls_refused: _builtins.int = ...,
+        protocol: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["notify_endpoint", b"notify_endpoint", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "calls_refused", b"calls_refused", "engine_identity", b"engine_identity", "events_unacknowledged", b"events_unacknowledged", "finished", b"finished", "finished_kept", b"finished_kept", "notify_endpoint", b"notify_endpoint", "open_requests", b"open_requests", "peer_id", b"peer_id", "redacted", b"redacted", "requests", b"requests", "result", b"result", "sessions_connected", b"sessions_connected", "sessions_detached", b"sessions_detached", "snapshots_refused", b"snapshots_refused", "state", b"state", "watch_streams", b"watch_streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_ms", b"age_ms", "calls_refused", b"calls_refused", "engine_identity", b"engine_identity", "events_unacknowledged", b"events_unacknowledged", "finished", b"finished", "finished_kept", b"finished_kept", "notify_endpoint", b"notify_endpoint", "open_requests", b"open_requests", "peer_id", b"peer_id", "protocol", b"protocol", "redacted", b"redacted", "requests", b"requests", "result", b"result", "sessions_connected", b"sessions_connected", "sessions_detached", b"sessions_detached", "snapshots_refused", b"snapshots_refused", "state", b"state", "watch_streams", b"watch_streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import busy, crash, exactly_once, faults, flood, hostile, limits, load, memory, skew, stuck
+from . import busy, crash, exactly_once, faults, flood, hostile, limits, load, memory, mixed, skew, stuck
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
@@ -30,6 +30,7 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
     for b in [b for b in backends if b in ("mooncake", "nixl")] or ["mooncake"]:
         rows.append(("bridge", b, lambda b=b: skew.mixed_bridge(b)))  # type: ignore[misc]
     rows.append(("skew", backends[0], lambda: skew.minor_skew(backends[0])))
+    rows.append(("mixed_fleet", "mooncake", mixed.mixed_fleet))
     rows.append(("limits", "local", lambda: limits.resource_limits("local")))
     rows.append(("auth", "local", lambda: limits.auth("local")))
     rows.append(("tls", "local", lambda: limits.tls("local")))

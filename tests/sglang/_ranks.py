@@ -126,6 +126,16 @@ def _sessions(manager: Any) -> dict[str, int]:
     return {"connected": sum(p.sessions_connected for p in peers)}
 
 
+def _legacy(manager: Any) -> dict[str, int]:
+    """What the prefill rank's legacy listener made of each SGLang Mooncake message: "kind outcome" -> count."""
+    side = getattr(manager, "prefill_side", None)
+    if side is None:
+        return {}
+    metric = side.service.core.metrics.legacy_frames
+    return {f"{s.labels['kind']} {s.labels['outcome']}": int(s.value)
+            for m in metric.collect() for s in m.samples if s.name.endswith("_total")}
+
+
 def _metadata() -> tuple[Any, Any]:
     import torch
 
@@ -313,7 +323,7 @@ def run_prefill(args: argparse.Namespace) -> None:
         get_parallel().attn_tp_group.cpu_group, get_parallel().attn_cp_group.cpu_group,  # scheduler.py:1248-1250
         prefill_pages(spec),
     )  # fmt: skip
-    _emit({"ready": True, "engine": _engine_report(manager)})
+    _emit({"ready": True, "engine": _engine_report(manager), "rank_port": manager.rank_port})
     # SGLang's decodes are up before a request reaches the prefill: the driver says "go" once
     # every decode rank is, so their start-up (a minute on a loaded host) is not counted
     # against the bootstrap timeout the senders below start.
@@ -339,7 +349,7 @@ def run_prefill(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - began
     for req, sender, state in zip(requests, senders, polls):
         results[req.room].update(_conclude(sender, state))
-    _emit({"results": results, "seconds": seconds, "sessions": _sessions(manager)})
+    _emit({"results": results, "seconds": seconds, "sessions": _sessions(manager), "legacy": _legacy(manager)})
     if spec.again:
         dropped = _dropped_by_decode(args, rank)
         _emit({"dropped": dropped, "again": _served_again(args, rank)})
@@ -506,7 +516,7 @@ def run_decode(args: argparse.Namespace) -> None:
             gated.append(_GatedRequest(index))
         return receivers, gated
 
-    requests = list(spec.requests)
+    requests = spec.mine(args.instance)
     receivers, gated = prepare(requests)
     for req, receiver in zip(requests, receivers):
         if req.abort == "decode":
@@ -517,7 +527,7 @@ def run_decode(args: argparse.Namespace) -> None:
         {SUCCESS, FAILED},
         args.timeout,
     )
-    report: dict[str, Any] = {"rank": args.rank, "polls": polls, "reasons": {}, "release_safe": {},
+    report: dict[str, Any] = {"rank": args.rank, "instance": args.instance, "polls": polls, "reasons": {}, "release_safe": {},
                               "engine": _engine_report(manager)}
     for req, receiver, state in zip(requests, receivers, polls):
         if state == FAILED:
@@ -672,7 +682,7 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
     fill_prefill(src_pools)
     src_pages, dst_pages = prefill_pages(spec), decode_pages(spec, args.dcp)
     # Every request the decode asked for (the ``AGAIN`` one once it has a metadata row).
-    requests = [*spec.requests, *([AGAIN] if AGAIN.room in indices else [])]
+    requests = [*spec.mine(args.instance), *([AGAIN] if AGAIN.room in indices else [])]
     pairs = [
         pair
         for req in requests

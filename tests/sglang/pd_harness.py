@@ -34,6 +34,7 @@ first-send-to-Success time (GB/s over the rows that had to move).
     python -m tests.sglang.pd_harness --backend pdproto --model kimi --dcp 2 --kill
     python -m tests.sglang.pd_harness --backend pdproto --dcp 4 --bench 32768
     python -m tests.sglang.pd_harness --prefill-backend mooncake_tcp --decode-backend pdproto --dcp 4
+    python -m tests.sglang.pd_harness --prefill-backend pdproto --decode-backend mooncake_tcp --dcp 4
 
 ``tests/sglang/test_harness.py`` runs SGLang's Mooncake 1 -> 1 and the pdproto cases.
 """
@@ -73,6 +74,7 @@ class Request:
     decode_prefix: int = 0  # a multiple of the decode's (virtual) page
     chunk: int = 0  # 0: one send; else chunked prefill of this many tokens
     abort: str = ""  # "decode" or "prefill": that side aborts the request once it is bootstrapped
+    decode: int = 0  # the decode server that asks for it (Spec.instances)
 
 
 REQUESTS = (
@@ -94,6 +96,33 @@ DROPPED = Request(room=997, tokens=192)
 both sides, and the decode releases its pages only once the prefill has stopped it."""
 
 
+LEGACY = {"PDPROTO_LEGACY": "1"}
+"""The environment that makes a pdproto prefill serve SGLang's own decodes on its rank port."""
+
+
+def hostile_frames() -> tuple[list[bytes], ...]:
+    """Raw frames any process reaching a rank port can push; a pdproto prefill refuses each, harming nothing."""
+    from pdproto.legacy import mooncake
+    from pdproto.negotiation.topology import example_registration
+    from pdproto.v1 import BACKEND_MOONCAKE
+
+    return (
+        [b"garbage"],  # no message
+        [b"None", b"127.0.0.1"],  # a registration cut short
+        [b"ABORT", b"not-a-room"],
+        [b"\xff" * 8] * 9,  # TransferInfo-shaped, no integer in it
+        [b"WATERMARK", b"1", b"2", b"s"],  # staging traffic the prefill does not serve
+        # Well-formed, but not this prefill's model (one KV entry): refused by negotiation.
+        mooncake.build_registration(example_registration(backend=BACKEND_MOONCAKE, num_layers=1)),
+    )
+
+
+HOSTILE_REFUSALS = {"unknown LEGACY_UNKNOWN_KIND": 1, "registration LEGACY_FRAME_COUNT": 1,
+                    "abort LEGACY_BAD_INTEGER": 1, "transfer_info LEGACY_BAD_INTEGER": 1,
+                    "watermark LEGACY_UNKNOWN_KIND": 1, "registration TOPOLOGY_LAYER_METADATA_ONE_SIDED": 1}
+"""What the prefill's legacy listener counts for ``hostile_frames()`` ("kind outcome" -> messages)."""
+
+
 @dataclass(frozen=True)
 class Spec:
     """What every rank of one run agrees on: model, requests, pool size."""
@@ -109,6 +138,12 @@ class Spec:
     kill_prefill: bool = False
     """A last request (``KILL``) during which the driver kills the prefill."""
     extra_pages: int = 8
+    instances: int = 1
+    """Decode servers, each its own DCP group and maybe its own backend (``Request.decode`` picks one)."""
+
+    def mine(self, instance: int) -> list[Request]:
+        """The requests of decode server ``instance``."""
+        return [r for r in self.requests if r.decode == instance]
 
     def all_requests(self) -> list[Request]:
         killed = [KILL] if self.kill or self.kill_prefill else []
@@ -237,8 +272,16 @@ def run(
     decode_backend: str | None = None,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    decodes: tuple[tuple[str, int], ...] = (),
+    hostile: tuple[list[bytes], ...] = (),
 ) -> dict[str, Any]:
     """Run one prefill rank and ``dcp`` decode ranks for ``backend`` (or one backend per side); return their reports.
+
+    ``decodes`` gives the decode side a backend of its own: one decode server per (backend, DCP
+    size), each asking for the requests whose ``Request.decode`` is its index (the prefill stays on
+    ``backend``; ``dcp`` is then unused). ``hostile`` frames are pushed to the prefill rank's
+    ``rank_port`` (the bootstrap record's, which SGLang's own decodes dial) before any request; the
+    prefill reports what its legacy listener made of every message (``prefill["legacy"]``).
 
     Keys: ``prefill`` (its results and seconds, or None), ``up`` (each decode rank's start-up
     line), ``decode`` (one report per rank, None where a rank printed none), ``kill`` (the
@@ -246,7 +289,10 @@ def run(
     every decode rank's view of the ``--again`` request), ``killed`` (every decode rank's view of the
     ``--kill-prefill`` request), ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
     """
-    spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill)
+    prefill_backend = prefill_backend or backend
+    decodes = decodes or ((decode_backend or backend, dcp),)
+    spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill, instances=len(decodes))
+    dcp = sum(d for _, d in decodes)
     env_overrides = env
     env = dict(
         os.environ,
@@ -268,8 +314,7 @@ def run(
     out: dict[str, Any] = {"prefill": None, "decode": [None] * dcp, "kill": None}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         common = [
-            "--prefill-backend", prefill_backend or backend, "--decode-backend", decode_backend or backend,
-            "--dcp", str(dcp), "--timeout", str(timeout),
+            "--prefill-backend", prefill_backend, "--timeout", str(timeout),
             "--model-dir", str(write_config(model, Path(tmp) / model)),
             "--bootstrap-port", str(free_port()), "--spec", spec.to_json(),
         ]  # fmt: skip
@@ -283,15 +328,23 @@ def run(
             stack.callback(_stop, proc)
             return proc
 
-        prefill = spawn("prefill", "prefill", "--dist-port", str(free_port()))
+        prefill = spawn("prefill", "prefill", "--dist-port", str(free_port()), "--backend", prefill_backend)
         lines = _Lines(prefill)
-        decodes: list[subprocess.Popen[str]] = []
+        procs: list[subprocess.Popen[str]] = []
+        names: list[str] = []
         out["ready"] = lines.next(timeout * 2)  # {"ready": true, ...}
         if out["ready"]:
-            dist_port = str(free_port())
-            decodes = [spawn("decode", f"decode{r}", "--dist-port", dist_port, "--rank", str(r)) for r in range(dcp)]
-            decode_lines = [_Lines(d) for d in decodes]
+            for k, (side, size) in enumerate(decodes):
+                dist_port = str(free_port())
+                for r in range(size):
+                    names.append(f"decode{len(names)}")
+                    procs.append(spawn("decode", names[-1], "--dist-port", dist_port, "--rank", str(r),
+                                       "--backend", side, "--decode-backend", side, "--dcp", str(size),
+                                       "--instance", str(k)))
+            decode_lines = [_Lines(d) for d in procs]
             out["up"] = [d.next(timeout * 3) for d in decode_lines]  # {"up": rank}
+            if hostile:
+                _push_frames(out["ready"]["rank_port"], hostile)
             _say(prefill, "go")
             out["decode"] = [d.next(timeout * 2) for d in decode_lines]
             out["prefill"] = lines.next(timeout)
@@ -303,7 +356,7 @@ def run(
                 out["submitted"] = [d.next(timeout) for d in decode_lines]
                 out["transferring"] = lines.next(timeout)
             if kill:
-                for d in decodes:  # the decode server dies mid-transfer
+                for d in procs:  # the decode server dies mid-transfer
                     d.send_signal(signal.SIGKILL)
                     d.wait()
                 _say(prefill, "go")
@@ -311,16 +364,30 @@ def run(
             elif kill_prefill:
                 prefill.send_signal(signal.SIGKILL)  # the prefill server dies mid-transfer
                 prefill.wait()
-                for d in decodes:
+                for d in procs:
                     _say(d, "go")
                 out["killed"] = [(d.next(timeout * 2) or {}).get("killed") for d in decode_lines]
         _stop(prefill, quit_first=True)
-        _stop(*decodes, quit_first=True)  # together: each takes seconds to exit (torch unloads)
+        _stop(*procs, quit_first=True)  # together: each takes seconds to exit (torch unloads)
         out["prefill_rc"] = prefill.returncode
-        out["decode_rc"] = [d.returncode for d in decodes]
+        out["decode_rc"] = [d.returncode for d in procs]
         out["prefill_stderr"] = (Path(tmp) / "prefill.err").read_text()[-3000:]
-        out["decode_stderr"] = [(Path(tmp) / f"decode{r}.err").read_text()[-3000:] for r in range(len(decodes))]
+        out["decode_stderr"] = [(Path(tmp) / f"{name}.err").read_text()[-3000:] for name in names]
     return out
+
+
+def _push_frames(port: int, messages: tuple[list[bytes], ...]) -> None:
+    """Push raw multipart messages to a ZMQ PULL port on loopback, as any process that reaches it can."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for frames in messages:
+        sock.send_multipart(frames)
+    sock.close()  # lingers until every message left
+    ctx.term()
 
 
 def _say(proc: subprocess.Popen[str], line: str) -> None:
@@ -355,9 +422,10 @@ def main() -> None:
     """``--role`` runs one rank; without it, the driver runs all of them and prints a summary."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--role", choices=["prefill", "decode"])
-    parser.add_argument("--backend", default="mooncake_tcp")
+    parser.add_argument("--backend", default="mooncake_tcp", help="both sides' backend (a rank: its own)")
     parser.add_argument("--prefill-backend", help="the prefill's backend (default: --backend)")
     parser.add_argument("--decode-backend", help="the decode's backend (default: --backend)")
+    parser.add_argument("--instance", type=int, default=0, help="a decode rank's server (Spec.instances)")
     parser.add_argument("--dcp", type=int, default=1, help="decode TP = DCP size")
     parser.add_argument("--model", choices=sorted(LAYERS), default="mla")
     parser.add_argument("--kill", action="store_true", help="kill the decode ranks during a last request")
@@ -390,10 +458,11 @@ def main() -> None:
         if args.model == "kimi" and not args.bench:
             requests = tuple(r for r in REQUESTS if r.decode_prefix == 0)
         started = time.monotonic()
-        report = run(args.backend, requests, model=args.model, dcp=args.dcp, kill=args.kill,
+        prefill_backend, decode_backend = args.prefill_backend or args.backend, args.decode_backend or args.backend
+        report = run(prefill_backend, requests, model=args.model, kill=args.kill,
                      shared_engine=args.shared_engine, again=args.again, kill_prefill=args.kill_prefill,
-                     prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
-                     timeout=args.timeout)
+                     timeout=args.timeout, decodes=((decode_backend, args.dcp),),
+                     env=LEGACY if prefill_backend == "pdproto" != decode_backend else None)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
             moved = args.bench * LAYERS[args.model] * ROW_BYTES  # every token row lands once

@@ -13,6 +13,10 @@ issues 13's and 33's proof:
   ``test_state_kinds.py``);
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
+
+And issue 35's mixed fleet: a pdproto prefill serving unmodified SGLang Mooncake decodes (TP 1,
+DCP 4, the Kimi-Linear hybrid, one killed mid-transfer) beside a pdproto decode, after hostile
+frames on its rank port.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.pd_harness import ABORTS, FAILED, REQUESTS, SUCCESS, TRANSFERRING, run
+from tests.sglang.pd_harness import (ABORTS, FAILED, HOSTILE_REFUSALS, LEGACY, REQUESTS, SUCCESS, TRANSFERRING,
+                                     Request, hostile_frames, run)
 
 pytestmark = [pytest.mark.process, pytest.mark.long]
 
@@ -156,3 +161,58 @@ def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> N
     code, _, text = kill["failure_reason"].partition(": ")
     assert code in ("PEER_GONE", "TRANSFER_FAILED") and text, kill
     assert kill["failure_reason"] in kill["reason"]  # failure_exception() raised with that reason
+
+
+def test_pdproto_prefill_serves_sglang_mooncake_decodes_beside_a_pdproto_decode() -> None:
+    """One pdproto prefill rank, three decode servers at once: pdproto (TP 1), SGLang's own Mooncake
+    (TP 1) and SGLang's own Mooncake with DCP 4 (relaid out by pdproto, which SGLang's Mooncake prefill
+    cannot do for this shape). Hostile frames on the rank port first: each refused with its reason, then
+    every request lands byte-exact; a decode abort is acknowledged, a prefill abort reaches the SGLang
+    decodes as a Failed status with pdproto's reason."""
+    requests = (
+        Request(room=101, tokens=300, chunk=128, decode=1),
+        Request(room=104, tokens=5, decode=1),
+        Request(room=103, tokens=1000, decode_prefix=256, chunk=256, decode=2),
+        Request(room=105, tokens=200, abort="decode", decode=2),
+        Request(room=106, tokens=150, abort="prefill", decode=2),
+        Request(room=102, tokens=64, decode=0),
+    )
+    out = run("pdproto", requests, decodes=(("pdproto", 1), ("mooncake_tcp", 1), ("mooncake_tcp", 4)),
+              env={**TOKEN, **LEGACY}, hostile=hostile_frames())
+    assert out["prefill_rc"] == 0, out["prefill_stderr"]
+    assert out["decode_rc"] == [0] * 6, out["decode_stderr"]
+    for decode, err in zip(out["decode"], out["decode_stderr"]):
+        assert decode is not None, err
+        assert decode["mismatches"] == [], decode  # every byte of KV and aux, aborted rooms still zero
+        want = {0: [SUCCESS], 1: [SUCCESS, SUCCESS], 2: [SUCCESS, FAILED, FAILED]}[decode["instance"]]
+        assert decode["polls"] == want, decode["reasons"]
+        if decode["instance"] == 2:
+            assert "Aborted by AbortReq." in decode["reasons"]["105"]  # the decode's own reason stays
+            assert "ABORTED: the prefill aborted room 106: Aborted by AbortReq." in decode["reasons"]["106"]
+            assert decode["release_safe"] == {"105": True, "106": True}  # every ABORT acknowledged
+    results = {int(room): r for room, r in out["prefill"]["results"].items()}
+    assert {room: results[room]["poll"] for room in (101, 102, 103, 104)} == dict.fromkeys((101, 102, 103, 104),
+                                                                                           SUCCESS)
+    assert results[103]["prefix"] == 256
+    assert results[105]["failure_reason"].startswith("ABORTED: "), results[105]
+    assert out["prefill"]["sessions"]["connected"] > 0  # the pdproto decode on its Session stream
+    legacy = out["prefill"]["legacy"]
+    assert legacy["registration ACCEPTED"] == 5 and legacy["transfer_info ACCEPTED"] == 2 + 3 * 4, legacy
+    assert legacy["abort ACCEPTED"] >= 4, legacy  # both aborts, from each DCP rank
+    refused = {key: n for key, n in legacy.items() if not key.endswith("ACCEPTED")}
+    assert refused == HOSTILE_REFUSALS, legacy
+
+
+def test_sglang_mooncake_decodes_get_kimi_linear_kv_state_aux_then_one_is_killed_mid_transfer() -> None:
+    """The Kimi-Linear hybrid (MLA KV + KDA state split by TP + aux) from a pdproto prefill into SGLang's
+    own Mooncake decodes (DCP 2), byte-exact; then they die mid-transfer and the prefill's sender names
+    why (its engine finds the peer gone), without waiting for a timeout."""
+    requests = tuple(r for r in REQUESTS if r.decode_prefix == 0)
+    out = run("pdproto", requests, model="kimi", decodes=(("mooncake_tcp", 2),), kill=True, env=LEGACY)
+    _assert_ranks_ok(out, 2, len(requests))
+    assert all(r["poll"] == SUCCESS for r in out["prefill"]["results"].values())
+    assert out["transferring"]["poll"] == TRANSFERRING and out["transferring"]["transferring"] > 0
+    assert out["decode_rc"] == [-9, -9]
+    kill = out["kill"]
+    code, _, text = kill["failure_reason"].partition(": ")
+    assert kill["poll"] == FAILED and code in ("PEER_GONE", "TRANSFER_FAILED") and text, kill

@@ -184,7 +184,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
     # -- prefill ------------------------------------------------------------------------
 
     def register_to_bootstrap(self) -> None:
-        """Start this rank's handshake service, then ``PUT /route`` with its gRPC port as ``pdproto_port``."""
+        """Start this rank's handshake service, then ``PUT /route``: its gRPC port as ``pdproto_port``, and as
+        ``rank_port`` the legacy listener that SGLang's own Mooncake decodes dial (``pdproto_server/legacy.py``)."""
         if self.prefill_side is None:
             layout.refuse_cp_sharded_prefill(self.attn_cp_size, bool(self.enable_all_cp_ranks_for_transfer),
                                              hybrid_mla=bool(self.is_hybrid_mla_backend))
@@ -197,9 +198,9 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
                 self.kv_args, self._ranks(), is_mla_backend=bool(self.is_mla_backend), settings=self.settings,
                 host=self.local_ip, device=_device(), prefill_rank=self._prefill_unique_rank(),
                 match_timeout_s=float(match_timeout))
-            # SGLang's PULL socket carries nothing for this backend; do not hold its port.
+            # The service's legacy listener takes SGLang's decodes; do not hold a second port for them.
             self.server_socket.close(linger=0)
-        self.rank_port = self.prefill_side.port
+        self.rank_port = self.prefill_side.legacy_port
         super().register_to_bootstrap()
 
     def _register_topology_row(self, url: str, payload: dict[str, Any]) -> None:

@@ -55,16 +55,20 @@ class PrefillSide:
             config = ServerConfig(listen=listen,
                                   token=settings.token, operator_token=settings.operator_token,
                                   allow_unauthenticated=settings.allow_unauthenticated,
-                                  tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+                                  tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+                                  # SGLang's own decodes dial the bootstrap record's rank_port: this one.
+                                  legacy_listen=layout.host_port(host, 0), legacy_serve=settings.legacy)
             self.service = ServiceThread(HandshakeCore(self.engine, limits=limits), config,
                                          name=f"pdproto-prefill-{prefill_rank}")
             self.port = self.service.start()
+            self.legacy_port = self.service.legacy_port
         except BaseException:
             self.executor.close()
             raise
         self.info.rank_endpoint.port = self.port
-        log.info("pdproto: prefill rank %d serves %s (%s)", prefill_rank, layout.host_port(host, self.port),
-                 settings.engine)
+        log.info("pdproto: prefill rank %d serves %s (%s); SGLang's own decodes on port %d (%s)", prefill_rank,
+                 layout.host_port(host, self.port), settings.engine, self.legacy_port,
+                 "served" if settings.legacy else "refused: PDPROTO_LEGACY is off")
 
     def submit(self, room: int, pages: Sequence[int], num_tokens: int, last: bool,
                state_indices: Sequence[Any] | None, aux_index: int | None) -> None:

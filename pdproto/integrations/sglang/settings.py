@@ -18,6 +18,10 @@ every scheduler process:
                                      (0, the default: any free port; ``/route`` publishes it)
 ``PDPROTO_STAGING_MB``               packing region per rank, in MiB (default 64; 0: per-row)
 ``PDPROTO_RPC_TIMEOUT_S``            deadline of one Register/Submit/Abort call (default 10)
+``PDPROTO_LEGACY``                   prefill: ``1`` serves unmodified SGLang decodes (their Mooncake or NIXL
+                                     frames, as ``PDPROTO_ENGINE``) on the rank port (mixed fleets,
+                                     docs/migration.md); off (the default) they are answered Failed, naming
+                                     this variable
 ===================================  ==========================================================
 
 On/off variables read ``1``, ``true``, ``yes`` or ``on`` as on and ``0``, ``false``, ``no``,
@@ -62,6 +66,8 @@ class BackendSettings:
     """Packing region per rank in MiB; 0 disables packing."""
     rpc_timeout_s: float = 10.0
     """Deadline of one unary call (Register, SubmitTransfer, Abort)."""
+    legacy: bool = False
+    """Prefill: serve SGLang 0.5.23's own decodes on the rank port (``pdproto_server/legacy.py``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> BackendSettings:
@@ -91,7 +97,8 @@ class BackendSettings:
             tls_root=_read(env["PDPROTO_TLS_ROOT"], "PDPROTO_TLS_ROOT") if env.get("PDPROTO_TLS_ROOT") else None,
             port=_number(env, "PDPROTO_PORT", cls.port, int, 0, 65535),
             staging_mb=_number(env, "PDPROTO_STAGING_MB", cls.staging_mb, int, 0, 1 << 20),
-            rpc_timeout_s=_number(env, "PDPROTO_RPC_TIMEOUT_S", cls.rpc_timeout_s, float, 0.1, 3600.0))
+            rpc_timeout_s=_number(env, "PDPROTO_RPC_TIMEOUT_S", cls.rpc_timeout_s, float, 0.1, 3600.0),
+            legacy=_flag(env, "PDPROTO_LEGACY"))
 
 
 def _bad(name: str, value: str, wanted: str) -> ConfigError:
