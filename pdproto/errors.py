@@ -88,6 +88,7 @@ class Reason(enum.IntEnum):
     IDENTITY_IN_USE = 71
     TOO_MANY_REGISTRATIONS = 72
     TOO_MANY_CALLS = 73
+    RANK_UNPROVEN = 74
     TOPOLOGY_STATE_KIND_MISMATCH = 80
     TOPOLOGY_STATE_SIZE_MISMATCH = 81
     TOPOLOGY_STATE_SLICE_MISMATCH = 82
@@ -276,9 +277,9 @@ class DestinationOutOfBoundsError(TransferError):
     """Destination rows fall outside the memory the peer registered."""
 
 
-@_declares(Reason.UNAUTHENTICATED, code="UNAUTHENTICATED")
+@_declares(Reason.UNAUTHENTICATED, Reason.RANK_UNPROVEN, code="UNAUTHENTICATED")
 class AuthError(PdprotoError):
-    """Missing or invalid credentials."""
+    """Missing or invalid credentials, or (``RANK_UNPROVEN``) a server that did not prove the token."""
 
 
 @_declares(Reason.ENGINE_UNAVAILABLE, code="FAILED_PRECONDITION")  # retrying cannot install it

@@ -20,7 +20,7 @@ from pdproto.errors import ConfigError, ShuttingDownError
 from pdproto.rpc.loop import LoopThread
 from pdproto.v1 import SERVICE_NAME
 
-from .auth import BearerTokenInterceptor, OperatorToken, require_token_policy
+from .auth import ServedNames, TokenProof, TokenProofInterceptor, require_token_policy
 from .core import HandshakeCore
 from .legacy import LegacyListener
 from .service import HandshakeServicer, add_to_server
@@ -35,9 +35,10 @@ class ServerConfig:
     listen: str = "127.0.0.1:0"
     """host:port; port 0 picks a free one."""
     token: str | None = None
-    """Bearer token; required when ``listen`` is not loopback (unless allow_unauthenticated)."""
+    """The deployment's token, which callers prove (``Authenticate``) and never send; required when
+    ``listen`` is not loopback (unless allow_unauthenticated)."""
     operator_token: str | None = None
-    """A second bearer token, for ``Describe`` and ``GetServerInfo`` only: ``Describe`` shows room ids
+    """A second token, for ``GetServerInfo``, ``Describe`` and ``Evict`` only: ``Describe`` shows room ids
     and engine identities to it (to the deployment's token, only a peer's own with its credential)."""
     allow_unauthenticated: bool = False
     """Serve without a token on a non-loopback address (trusted networks only)."""
@@ -47,6 +48,10 @@ class ServerConfig:
     """PEM private key."""
     channel: ChannelConfig = field(default_factory=ChannelConfig)
     """Keepalive and message-size options (the client uses the same)."""
+    advertise_host: str | None = None
+    """A further name the server answers at and proves its token for (a name or address decodes dial),
+    beside its listen host or, for a wildcard, every interface address; default
+    ``PDPROTO_ADVERTISE_HOST``."""
     grace: float = 10.0
     """Seconds in-flight work may take to finish after SIGTERM."""
     legacy_listen: str | None = None
@@ -88,11 +93,13 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
                           "and engine identity; give the operator a token of its own",
                           metadata={"setting": "operator_token"})
     require_token_policy(config.listen, config.token, allow_insecure=config.allow_unauthenticated)
-    # An empty token is refused by the interceptor, never read as "no authentication".
-    operator = OperatorToken(config.operator_token) if config.operator_token is not None else None
-    interceptors = [BearerTokenInterceptor(config.token, operator=operator)] if config.token is not None else []
+    # An empty token is refused here, never read as "no authentication".
+    proofs = None
+    if config.token is not None or config.operator_token is not None:
+        proofs = TokenProof(config.token, config.operator_token)
+    interceptors = [TokenProofInterceptor(proofs)] if config.token is not None and proofs is not None else []
     server = grpc.aio.server(interceptors=interceptors, options=config.channel.server_options())
-    servicer = HandshakeServicer(core, operator=operator)
+    servicer = HandshakeServicer(core, proofs=proofs)
     add_to_server(servicer, server)
     health = _health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -107,6 +114,8 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
         port = server.add_secure_port(config.listen, creds)
     else:
         port = server.add_insecure_port(config.listen)
+    if proofs is not None:
+        proofs.names = ServedNames.of(config.listen, port, config.advertise_host)
     await core.start()
     legacy = None
     if config.legacy_listen is not None:

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``serve`` flags."""
     net = parser.add_argument_group("network")
     net.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0 picks one)")
-    net.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    net.add_argument("--token-file", type=Path,
+                     help="file holding the deployment's token (callers prove it, never send it)")
     net.add_argument("--operator-token-file", type=Path,
                      help="file holding a second token, for Describe (pdproto status) and GetServerInfo only: "
                           "it shows every peer's room ids and engine identity, which the --token-file token "
@@ -85,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_argument_group("synthetic KV source")
     kv.add_argument("--backend", choices=backends.NAMES, default="local")
     kv.add_argument("--advertise-host", default=None,
-                    help="address the transfer engine advertises (default: PDPROTO_ADVERTISE_HOST, else a "
-                         "routable address of this host)")
+                    help="address the transfer engine advertises, and a name the handshake service proves its "
+                         "token for (default: PDPROTO_ADVERTISE_HOST, else a routable address of this host)")
     kv.add_argument("--staging-bytes", type=int, default=64 << 20,
                     help="packing region of mooncake/nixl executors (0 disables packing)")
     kv.add_argument("--inline-bytes", default=str(INLINE_BYTES), metavar="N",
@@ -124,7 +125,7 @@ def _read_file(path: Path, flag: str) -> bytes:
 
 
 def _token(path: Path, flag: str = "--token-file") -> str:
-    """The bearer token in ``path``: one word of printable ASCII; warns when others may read the file."""
+    """The token in ``path``: one word of printable ASCII; warns when others may read the file."""
     raw = _read_file(path, flag)
     token = raw.decode("ascii", errors="replace").strip()
     if not token:
@@ -159,7 +160,7 @@ def _config(args: argparse.Namespace) -> ServerConfig:
         tls_key=_read_file(args.tls_key, "--tls-key") if args.tls_key else None,
         channel=ChannelConfig(max_message_bytes=args.max_message_bytes, keepalive_time_ms=args.keepalive_ms,
                               min_ping_interval_ms=min(10_000, args.keepalive_ms)),
-        grace=args.grace, legacy_listen=None if args.legacy_port is None else
+        advertise_host=args.advertise_host, grace=args.grace, legacy_listen=None if args.legacy_port is None else
         f"{args.listen.rpartition(':')[0]}:{args.legacy_port}", legacy_serve=args.legacy_port is not None)
 
 

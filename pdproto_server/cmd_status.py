@@ -41,8 +41,9 @@ def connect(args: argparse.Namespace) -> HandshakeClient:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the status subcommand's options."""
-    connection_arguments(parser, "file holding the bearer token: the operator token (serve --operator-token-file) "
-                                 "shows every peer's room ids and engine identity, the deployment's token does not")
+    connection_arguments(parser, "file holding a token (proven, never sent): the operator token (serve "
+                                 "--operator-token-file) shows every peer's room ids and engine identity, the "
+                                 "deployment's token does not")
     parser.add_argument("--peer", default="", metavar="PEER_ID", help="only this peer")
     parser.add_argument("--requests", type=int, default=16, metavar="N",
                         help="open requests listed per peer, oldest first (default 16)")

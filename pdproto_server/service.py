@@ -13,7 +13,7 @@ from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import handshake_service_pb2_grpc as hs_grpc
 
 from . import _status
-from .auth import OperatorToken
+from .auth import Role, TokenProof
 from .core import HandshakeCore
 from .describe import describe
 from .registry import Limits
@@ -22,7 +22,7 @@ from .session import SessionHub
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 SMALL_REQUEST_BYTES = 64 << 10
-"""The most a request of GetServerInfo, Abort, Deregister, Describe or Evict may hold: a few ids and
+"""The most a request of GetServerInfo, Abort, Deregister, Describe, Evict or Authenticate may hold: a few ids and
 numbers (under 200 bytes), the rest room for fields a newer minor version adds. Register, SubmitTransfer
 and Session messages may approach the channel's ``max_message_bytes`` within ``validate.Bounds``, which
 gRPC itself enforces before it buffers the body."""
@@ -30,7 +30,8 @@ gRPC itself enforces before it buffers the body."""
 
 def request_limits(limits: Limits) -> dict[str, int]:
     """Bytes each method's request may hold, checked before it is parsed (others: ``max_message_bytes``)."""
-    small = dict.fromkeys(("GetServerInfo", "Abort", "Deregister", "Describe", "Evict"), SMALL_REQUEST_BYTES)
+    small = dict.fromkeys(("GetServerInfo", "Abort", "Deregister", "Describe", "Evict", "Authenticate"),
+                          SMALL_REQUEST_BYTES)
     # A WatchStatus room filter lists at most what a peer can have open and kept: 10 bytes a room at most.
     return {**small, "WatchStatus": SMALL_REQUEST_BYTES + 10 * limits.kept_per_peer}
 
@@ -38,11 +39,23 @@ def request_limits(limits: Limits) -> dict[str, int]:
 class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     """Every handler goes through ``_status.unary``/``_status.stream``: no UNKNOWN ever leaves."""
 
-    def __init__(self, core: HandshakeCore, *, operator: OperatorToken | None = None) -> None:
+    def __init__(self, core: HandshakeCore, *, proofs: TokenProof | None = None) -> None:
         self.core = core
         self.sessions = SessionHub(core)
-        self.operator = operator
-        """The operator token: ``Describe`` shows every peer in full to a call that carries it."""
+        self.proofs = proofs
+        """The server's tokens: ``Authenticate`` proves them; ``Describe`` shows every peer in full to a call
+        that proves the operator token."""
+
+    def _operator(self, context: Ctx) -> bool:
+        return self.proofs is not None and self.proofs.role(context.invocation_metadata()) is Role.OPERATOR
+
+    @_status.unary
+    async def Authenticate(self, request: hs.AuthenticateRequest, context: Ctx) -> hs.AuthenticateResponse:
+        """Prove the token the caller asks for, for the address it dialed (no credentials needed)."""
+        if self.proofs is None:
+            raise AuthError("this server runs without a token and can prove none: a client given a token "
+                            "sends it nothing", reason=Reason.UNAUTHENTICATED)
+        return self.proofs.authenticate(request, context.peer())
 
     @_status.unary
     async def GetServerInfo(self, request: hs.GetServerInfoRequest, context: Ctx) -> hs.GetServerInfoResponse:
@@ -84,15 +97,15 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
     @_status.unary
     async def Describe(self, request: hs.DescribeRequest, context: Ctx) -> hs.DescribeResponse:
         """The server's state, for operators."""
-        operator = self.operator is not None and self.operator.matches(context.invocation_metadata())
+        operator = self._operator(context)
         if not operator:
             await self.core.pace(request.peer_id, request.peer_credential)
         return describe(self.core, self.sessions, request, operator=operator)
 
     @_status.unary
     async def Evict(self, request: hs.EvictRequest, context: Ctx) -> hs.EvictResponse:
-        """Drop a peer, for the operator token only (even on a server without a bearer token)."""
-        if self.operator is None or not self.operator.matches(context.invocation_metadata()):
+        """Drop a peer, for the operator token only (even on a server without a deployment token)."""
+        if not self._operator(context):
             raise AuthError("Evict needs the operator token (pdproto serve --operator-token-file)",
                             reason=Reason.UNAUTHENTICATED, metadata={"method": "Evict"})
         return hs.EvictResponse(failed_requests=await self.core.evict(request))

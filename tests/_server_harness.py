@@ -156,6 +156,24 @@ def running_server(*args: str, token: str | None = None, operator_token: str | N
             proc.stdout.close()
 
 
+def proof_metadata(target: str, token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata proving ``token`` to the server at ``target``, for raw gRPC stubs (as the client
+    makes it: ``Authenticate``, the server's proof checked, then the client's)."""
+    import secrets
+
+    import grpc
+
+    from pdproto.rpc import proof
+    from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
+
+    nonce = secrets.token_bytes(proof.NONCE_BYTES)
+    with grpc.insecure_channel(target) as channel:
+        answer = hs_grpc.HandshakeServiceStub(channel).Authenticate(
+            hs.AuthenticateRequest(client_nonce=nonce, address=target), timeout=10)
+    assert answer.server_proof == proof.server_proof(token, nonce, answer.server_nonce, target)
+    return (("authorization", proof.header(token, answer.server_nonce, nonce)),)
+
+
 def self_signed(where: Path) -> tuple[Path, Path]:
     """A throwaway key and certificate for localhost and 127.0.0.1 (the openssl CLI), as (key, cert)."""
     key, cert = where / "key.pem", where / "cert.pem"
@@ -166,4 +184,4 @@ def self_signed(where: Path) -> tuple[Path, Path]:
     return key, cert
 
 
-__all__ = ["REPO", "SERVE_ARGS", "SPEC", "ServerProcess", "running_server", "self_signed"]
+__all__ = ["REPO", "SERVE_ARGS", "SPEC", "ServerProcess", "proof_metadata", "running_server", "self_signed"]

@@ -42,15 +42,15 @@ def arrived_as(err: PdprotoError, reason: Reason) -> None:
 
 
 class _RaisesWhatItIsTold(handshake_service_pb2_grpc.HandshakeServiceServicer):
-    """GetServerInfo raises the error of the reason named in the bearer token (no auth here)."""
+    """GetServerInfo raises the error of the reason the test set in ``next`` (no auth here)."""
 
     def __init__(self) -> None:
         self.calls: dict[Reason, int] = {}
+        self.next = Reason.INTERNAL
 
     @_status.unary
     async def GetServerInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 - gRPC name
-        token = dict(context.invocation_metadata())["authorization"].removeprefix("Bearer ")
-        reason = Reason[token]
+        reason = self.next
         self.calls[reason] = self.calls.get(reason, 0) + 1
         if reason is Reason.INVALID_FIELD:
             raise E.InvalidFieldError.of([("registration.page_size", "must be > 0"),
@@ -70,8 +70,8 @@ def test_every_reason_raised_by_a_handler_arrives_as_its_class() -> None:
         try:
             for reason in Reason:
                 retry = RetryConfig(attempts=3, initial_backoff=0.01)
-                async with AsyncHandshakeClient(f"127.0.0.1:{port}", token=reason.name,
-                                                retry=retry) as client:
+                servicer.next = reason
+                async with AsyncHandshakeClient(f"127.0.0.1:{port}", retry=retry) as client:
                     with pytest.raises(PdprotoError) as info:
                         await client.get_server_info()
                     got[reason] = info.value
@@ -113,8 +113,10 @@ def _expect(reason: Reason, call: Any, *args: Any, **kwargs: Any) -> PdprotoErro
 
 
 def test_representative_reasons_from_a_real_server(server: ServerProcess) -> None:
-    with HandshakeClient(server.target, token="wrong") as anon:
+    with HandshakeClient(server.target) as anon:
         _expect(Reason.UNAUTHENTICATED, anon.get_server_info)
+    with HandshakeClient(server.target, token="wrong") as wrong:  # the server cannot prove it: sent nothing
+        _expect(Reason.RANK_UNPROVEN, wrong.get_server_info)
     peer = DecodeRank.for_spec(SPEC, pages=8)
     mismatched = DecodeRank.for_spec(SPEC, pages=8, kv_dtype="fp8_e4m3")
     try:

@@ -1,7 +1,7 @@
 """A registered peer is still untrusted: its credential acts on its own peer only.
 
 Two decode ranks register with a real ``pdproto serve`` (token-protected: both hold the
-shared bearer token). The hostile one knows the victim's peer id and tries, with its own
+shared token). The hostile one knows the victim's peer id and tries, with its own
 credential, with none and with a guess, to write into the victim's pages, abort and watch
 its requests and deregister it. Every attempt answers PEER_NOT_FOUND, and the victim's
 transfers land byte-exact.

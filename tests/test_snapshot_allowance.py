@@ -30,7 +30,7 @@ from pdproto_demo.decode import DecodeRank
 from pdproto_server.cmd_status import render
 from pdproto_server.registry import SNAPSHOT_BURST, Allowance, Limits
 
-from ._server_harness import SERVE_ARGS, SPEC, running_server
+from ._server_harness import SERVE_ARGS, SPEC, proof_metadata, running_server
 
 KEPT = 1000
 """Final statuses the attacking peer keeps: every snapshot of it holds this many."""
@@ -228,7 +228,7 @@ def test_describe_of_a_peers_statuses_draws_on_its_allowance_and_the_operator_is
                                      request_limit=8192)
             with grpc.insecure_channel(srv.target) as channel:
                 describe = hs_grpc.HandshakeServiceStub(channel).Describe
-                metadata = [("authorization", "Bearer peers")]
+                metadata = proof_metadata(srv.target, "peers")
                 started = time.monotonic()
                 outcomes: list[E.PdprotoError | None] = []
                 for _ in range(OPENS):

@@ -76,7 +76,7 @@ class AsyncHandshakeClient:
         """One unary call with a deadline, retried (``Tries``) inside that deadline."""
         async for attempt in Tries(self._s, timeout):
             with attempt:
-                return await fn(request, timeout=attempt.left(), metadata=self._s.metadata())
+                return await fn(request, timeout=attempt.left(), metadata=await attempt.metadata(self._stub))
         raise AssertionError("a unary try returns or fails")
 
     async def _session(self, peer_id: str, credential: bytes | None, budget: float) -> PeerSession | None:
@@ -167,8 +167,9 @@ class AsyncHandshakeClient:
                                         peer_credential=self._creds.of(peer_id, credential))
             book = StatusBook()
             async for attempt in Tries(self._s, timeout):
-                call = self._stub.WatchStatus(req, timeout=attempt.left(), metadata=self._s.metadata())
                 with attempt:
+                    call = self._stub.WatchStatus(req, timeout=attempt.left(),
+                                                  metadata=await attempt.metadata(self._stub))
                     try:
                         async for response in call:
                             if book.update(response.status):

@@ -22,7 +22,10 @@ import grpc
 from pdproto import errors as E
 from pdproto.errors import PdprotoError, Reason
 from pdproto.rpc import ChannelConfig, error_from_rpc
-from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, server_info_pb2, transfer_pb2
+from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
+from pdproto.v1 import server_info_pb2, transfer_pb2
+
+from ._auth import Metadata, Proof
 
 TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
@@ -88,16 +91,17 @@ class Settings:
     """What both client flavours share: target, credentials, deadlines, options."""
 
     target: str
-    token: str | None
+    proof: Proof | None
+    """The client's proof of its token to the server (None: no token, calls carry no credentials)."""
     root_cert: bytes | None
     timeout: float
     retry: RetryConfig
     channel: ChannelConfig
     server_name: str | None = None
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata: the bearer token, when set."""
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+    async def metadata(self, stub: hs_grpc.HandshakeServiceAsyncStub, timeout: float) -> Metadata:
+        """Call metadata: the proof of the token (``Authenticate`` on first use), when there is one."""
+        return () if self.proof is None else await self.proof.metadata(stub, timeout)
 
     def options(self) -> list[tuple[str, Any]]:
         """Channel arguments."""
@@ -119,8 +123,9 @@ def make_settings(target: str, token: str | None, root_cert: bytes | str | Path 
                   retry: RetryConfig | None, channel: ChannelConfig | None, server_name: str | None,
                   tls: bool) -> tuple[Settings, bool]:
     """The settings of a client, and whether its channel uses TLS."""
-    s = Settings(target=target, token=token, root_cert=read_cert(root_cert), timeout=timeout,
-                 retry=retry or RetryConfig(), channel=channel or ChannelConfig(), server_name=server_name)
+    s = Settings(target=target, proof=Proof(token, target) if token else None, root_cert=read_cert(root_cert),
+                 timeout=timeout, retry=retry or RetryConfig(), channel=channel or ChannelConfig(),
+                 server_name=server_name)
     return s, tls or s.root_cert is not None
 
 
@@ -129,19 +134,29 @@ class Tries:
 
         async for attempt in Tries(settings, timeout):
             with attempt:
-                return await stub.Method(request, timeout=attempt.left(), metadata=...)
+                return await stub.Method(request, timeout=attempt.left(), metadata=await attempt.metadata(stub))
 
     A try that raises ``grpc.RpcError`` is read with ``error_from_rpc``; ``next_try`` says whether
     and when to try again, and the loop sleeps that long if it ends before the deadline, else raises
-    the typed error (the ``RpcError`` as its ``__cause__``). The loop ends after a try that did not
-    fail: a stream that ended, or a unary try that returned from inside it.
+    the typed error (the ``RpcError`` as its ``__cause__``). A proof the server refused
+    (UNAUTHENTICATED: it restarted, or the proof expired) is renewed and tried again at once, once.
+    The loop ends after a try that did not fail: a stream that ended, or a unary try that returned
+    from inside it.
     """
 
     def __init__(self, s: Settings, timeout: float | None) -> None:
+        self._s = s
         self._end = time.monotonic() + (s.timeout if timeout is None else timeout)
         self._backoffs = s.backoffs()
         self._failed: grpc.RpcError | None = None
         self._tried = False
+        self._used: Metadata = ()
+        self._renewed = False
+
+    async def metadata(self, stub: hs_grpc.HandshakeServiceAsyncStub) -> Metadata:
+        """This try's call metadata (``Settings.metadata``)."""
+        self._used = await self._s.metadata(stub, self.left())
+        return self._used
 
     def left(self) -> float:
         """Seconds to the deadline: this try's gRPC timeout."""
@@ -158,6 +173,11 @@ class Tries:
             self._tried = True
             return self
         error = error_from_rpc(failed)
+        proof = self._s.proof
+        if error.reason is Reason.UNAUTHENTICATED and proof is not None and self._used and not self._renewed:
+            self._renewed = True
+            proof.renew(self._used)
+            return self
         delay = next_try(error, self._backoffs)
         if delay is None or time.monotonic() + delay >= self._end:
             raise error from failed

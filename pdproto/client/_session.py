@@ -26,6 +26,7 @@ from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc a
 
 from pdproto.rpc.status import error_from_command, error_from_rpc
 
+from ._auth import Metadata
 from ._rpc import Settings, deadline_error, next_try, retry_hint
 
 Deliver = Callable[[transfer_pb2.TransferStatus | None], None]
@@ -84,6 +85,10 @@ class PeerSession:
         """Callers in ``_until`` (opening the session, or waiting for the command window)."""
         self._writing = False
         self._closed = False
+        self._used: Metadata = ()
+        """The metadata the last stream was opened with."""
+        self._renewed = False
+        """The proof was renewed since a stream last opened."""
 
     # -- the pump -----------------------------------------------------------
 
@@ -129,6 +134,12 @@ class PeerSession:
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
+            if opened:
+                self._renewed = False
+            if error.reason is Reason.UNAUTHENTICATED and self._s.proof is not None and not self._renewed:
+                self._renewed = True  # the server restarted or the proof expired: authenticate once more
+                self._s.proof.renew(self._used)
+                continue
             if error.reason is Reason.SHUTTING_DOWN:
                 # The server drained and ended the session after its last event: what waits
                 # now fails (retryable: re-register where the prefill comes back); a later call tries again.
@@ -147,7 +158,8 @@ class PeerSession:
 
     async def _stream(self) -> None:
         """One stream: open or resume, replay, then read until it breaks."""
-        call = self._stub.Session(metadata=self._s.metadata())
+        self._used = await self._s.metadata(self._stub, self._s.timeout)
+        call = self._stub.Session(metadata=self._used)
         self._call = call
         opening = session_pb2.SessionOpen(peer_id=self.peer_id, peer_credential=self.credential,
                                           resume_session_id=self.session_id, event_window=self.inbox.window)

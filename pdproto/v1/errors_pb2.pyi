@@ -158,6 +158,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """Registrations listing more than 1,024 buffers and tensors arrive faster than the server checks them (ErrorInfo metadata retryAfterMs says when to try again)."""
     ERROR_REASON_TOO_MANY_CALLS: _ErrorReason.ValueType  # 73
     """A registered peer calls faster than the server's call rate allows (--call-rate; ErrorInfo metadata retryAfterMs says when to try again)."""
+    ERROR_REASON_RANK_UNPROVEN: _ErrorReason.ValueType  # 74
+    """The server at the address a client dialed did not prove it holds the token (client side): the client sent it nothing else."""
     ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: _ErrorReason.ValueType  # 80
     """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
     ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: _ErrorReason.ValueType  # 81
@@ -322,6 +324,8 @@ ERROR_REASON_TOO_MANY_REGISTRATIONS: ErrorReason.ValueType  # 72
 """Registrations listing more than 1,024 buffers and tensors arrive faster than the server checks them (ErrorInfo metadata retryAfterMs says when to try again)."""
 ERROR_REASON_TOO_MANY_CALLS: ErrorReason.ValueType  # 73
 """A registered peer calls faster than the server's call rate allows (--call-rate; ErrorInfo metadata retryAfterMs says when to try again)."""
+ERROR_REASON_RANK_UNPROVEN: ErrorReason.ValueType  # 74
+"""The server at the address a client dialed did not prove it holds the token (client side): the client sent it nothing else."""
 ERROR_REASON_TOPOLOGY_STATE_KIND_MISMATCH: ErrorReason.ValueType  # 80
 """A paired state entry is recurrent on one side and paged on the other (topology, continued: 80-89)."""
 ERROR_REASON_TOPOLOGY_STATE_SIZE_MISMATCH: ErrorReason.ValueType  # 81

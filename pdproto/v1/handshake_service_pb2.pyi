@@ -470,6 +470,64 @@ class EvictRequest(_message.Message):
 Global___EvictRequest: _TypeAlias = EvictRequest  # noqa: Y015
 
 @_typing.final
+class AuthenticateRequest(_message.Message):
+    """AuthenticateRequest challenges the server to prove the token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_NONCE_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    client_nonce: _builtins.bytes
+    """16 to 64 random bytes, fresh for each Authenticate."""
+    address: _builtins.str
+    """The host:port the client dialed; the server proves only for an address it answers at."""
+    operator: _builtins.bool
+    """Prove the operator token instead of the deployment's token (pdproto status, pdproto evict)."""
+    def __init__(
+        self,
+        *,
+        client_nonce: _builtins.bytes = ...,
+        address: _builtins.str = ...,
+        operator: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "client_nonce", b"client_nonce", "operator", b"operator"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthenticateRequest: _TypeAlias = AuthenticateRequest  # noqa: Y015
+
+@_typing.final
+class AuthenticateResponse(_message.Message):
+    """AuthenticateResponse is the server's proof."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERVER_NONCE_FIELD_NUMBER: _builtins.int
+    SERVER_PROOF_FIELD_NUMBER: _builtins.int
+    server_nonce: _builtins.bytes
+    """40 bytes the server chose; the client's later calls name it."""
+    server_proof: _builtins.bytes
+    """HMAC-SHA256 keyed by the token over "server", client_nonce, server_nonce and address
+    (pdproto/rpc/proof.py); the client checks it against the address it dialed itself.
+    """
+    def __init__(
+        self,
+        *,
+        server_nonce: _builtins.bytes = ...,
+        server_proof: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["server_nonce", b"server_nonce", "server_proof", b"server_proof"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuthenticateResponse: _TypeAlias = AuthenticateResponse  # noqa: Y015
+
+@_typing.final
 class EvictResponse(_message.Message):
     """EvictResponse answers once the peer is dropped."""
 

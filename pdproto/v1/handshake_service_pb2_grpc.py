@@ -81,6 +81,11 @@ class HandshakeServiceStub:
                 request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictRequest.SerializeToString,
                 response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictResponse.FromString,
                 _registered_method=True)
+        self.Authenticate = channel.unary_unary(
+                '/pdproto.v1.HandshakeService/Authenticate',
+                request_serializer=pdproto_dot_v1_dot_handshake__service__pb2.AuthenticateRequest.SerializeToString,
+                response_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.AuthenticateResponse.FromString,
+                _registered_method=True)
 
 
 class HandshakeServiceServicer:
@@ -156,6 +161,16 @@ class HandshakeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Authenticate(self, request, context):
+        """Authenticate proves the server holds the deployment's token (or the operator token) for
+        the address the client dialed, without either side sending the token; it needs no
+        credentials and shows nothing else. The client authenticates every later call with
+        `authorization: Pdproto-HMAC <server_nonce> <client_nonce> <client proof>` (docs/security.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandshakeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +218,11 @@ def add_HandshakeServiceServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictRequest.FromString,
                     response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.EvictResponse.SerializeToString,
+            ),
+            'Authenticate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Authenticate,
+                    request_deserializer=pdproto_dot_v1_dot_handshake__service__pb2.AuthenticateRequest.FromString,
+                    response_serializer=pdproto_dot_v1_dot_handshake__service__pb2.AuthenticateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -450,6 +470,33 @@ class HandshakeService:
             '/pdproto.v1.HandshakeService/Evict',
             pdproto_dot_v1_dot_handshake__service__pb2.EvictRequest.SerializeToString,
             pdproto_dot_v1_dot_handshake__service__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Authenticate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdproto.v1.HandshakeService/Authenticate',
+            pdproto_dot_v1_dot_handshake__service__pb2.AuthenticateRequest.SerializeToString,
+            pdproto_dot_v1_dot_handshake__service__pb2.AuthenticateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,12 @@ class HandshakeServiceStub:
     """Evict drops one peer for the operator (the operator token only): its open requests end
     FAILED with PEER_GONE, and its decode may register again.
     """
+    Authenticate: _grpc.UnaryUnaryMultiCallable[_handshake_service_pb2.AuthenticateRequest, _handshake_service_pb2.AuthenticateResponse]
+    """Authenticate proves the server holds the deployment's token (or the operator token) for
+    the address the client dialed, without either side sending the token; it needs no
+    credentials and shows nothing else. The client authenticates every later call with
+    `authorization: Pdproto-HMAC <server_nonce> <client_nonce> <client proof>` (docs/security.md).
+    """
 
 @_typing.type_check_only
 class HandshakeServiceAsyncStub(HandshakeServiceStub):
@@ -94,6 +100,12 @@ class HandshakeServiceAsyncStub(HandshakeServiceStub):
     Evict: _aio.UnaryUnaryMultiCallable[_handshake_service_pb2.EvictRequest, _handshake_service_pb2.EvictResponse]  # type: ignore[assignment]
     """Evict drops one peer for the operator (the operator token only): its open requests end
     FAILED with PEER_GONE, and its decode may register again.
+    """
+    Authenticate: _aio.UnaryUnaryMultiCallable[_handshake_service_pb2.AuthenticateRequest, _handshake_service_pb2.AuthenticateResponse]  # type: ignore[assignment]
+    """Authenticate proves the server holds the deployment's token (or the operator token) for
+    the address the client dialed, without either side sending the token; it needs no
+    credentials and shows nothing else. The client authenticates every later call with
+    `authorization: Pdproto-HMAC <server_nonce> <client_nonce> <client proof>` (docs/security.md).
     """
 
 class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -179,6 +191,18 @@ class HandshakeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_handshake_service_pb2.EvictResponse, _abc.Awaitable[_handshake_service_pb2.EvictResponse]]:
         """Evict drops one peer for the operator (the operator token only): its open requests end
         FAILED with PEER_GONE, and its decode may register again.
+        """
+
+    @_abc_1.abstractmethod
+    def Authenticate(
+        self,
+        request: _handshake_service_pb2.AuthenticateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_handshake_service_pb2.AuthenticateResponse, _abc.Awaitable[_handshake_service_pb2.AuthenticateResponse]]:
+        """Authenticate proves the server holds the deployment's token (or the operator token) for
+        the address the client dialed, without either side sending the token; it needs no
+        credentials and shows nothing else. The client authenticates every later call with
+        `authorization: Pdproto-HMAC <server_nonce> <client_nonce> <client proof>` (docs/security.md).
         """
 
 def add_HandshakeServiceServicer_to_server(servicer: HandshakeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -42,7 +42,7 @@ from pdproto_demo.decode import DecodeRank
 from pdproto_demo.proc import Child
 from pdproto_server.registry import CREDENTIAL_BYTES, Limits
 from tests._arena_peer import KINDS
-from tests._server_harness import SERVE_ARGS, SPEC, running_server
+from tests._server_harness import SERVE_ARGS, SPEC, proof_metadata, running_server
 from tests.test_bad_input import REGISTRATIONS, TRANSFERS
 
 from .harness import Outcome
@@ -133,7 +133,7 @@ def _bad_inputs(out: Outcome, target: str, attacker: DecodeRank, client: Handsha
         reg = _stranger()
         mutate(reg)
         _expect_error(out, f"registration: {case}", {Reason.INVALID_FIELD}, lambda r=reg: client.register(r))
-    metadata = [("authorization", f"Bearer {TOKEN}")]
+    metadata = proof_metadata(target, TOKEN)
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as chan:
         big = chan.unary_unary(METHOD + "Register", request_serializer=hs.RegisterRequest.SerializeToString)
         huge = _stranger()
@@ -200,13 +200,14 @@ def _snapshot_flood(out: Outcome, target: str, client: HandshakeClient, hid: str
     opening = hs.SessionRequest(open=session_pb2.SessionOpen(
         peer_id=hid, peer_credential=client.credential(hid), event_window=8192))
     session = grpc.insecure_channel(target)
+    metadata = proof_metadata(target, TOKEN)
     call_session = session.stream_stream(METHOD + "Session", request_serializer=hs.SessionRequest.SerializeToString,
                                          response_deserializer=hs.SessionResponse.FromString)
     served = refused = 0
     started = time.monotonic()
     try:
         for _ in range(FLOOD):
-            call = call_session(iter([opening]), timeout=10, metadata=[("authorization", f"Bearer {TOKEN}")])
+            call = call_session(iter([opening]), timeout=10, metadata=metadata)
             out.runs += 1
             try:
                 next(call)
@@ -242,7 +243,7 @@ def _registration_flood(out: Outcome, target: str) -> None:
         register = chan.unary_unary(METHOD + "Register", request_serializer=hs.RegisterRequest.SerializeToString,
                                     response_deserializer=hs.RegisterResponse.FromString)
         calls = [register.future(hs.RegisterRequest(registration=big), timeout=60,
-                                 metadata=[("authorization", f"Bearer {TOKEN}")]) for _ in range(12)]
+                                 metadata=proof_metadata(target, TOKEN)) for _ in range(12)]
         refused = 0
         for call in calls:
             exc = call.exception()

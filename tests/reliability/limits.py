@@ -1,4 +1,4 @@
-"""Limits and security against the real server: RESOURCE_EXHAUSTED, bearer tokens, TLS."""
+"""Limits and security against the real server: RESOURCE_EXHAUSTED, tokens (proven, never sent), TLS."""
 
 from __future__ import annotations
 
@@ -88,18 +88,20 @@ def resource_limits(backend: str) -> Outcome:
 
 
 def auth(backend: str) -> Outcome:
-    """A token-protected server refuses missing/wrong tokens; off loopback a token is required."""
-    out = Outcome("auth: bearer token, off-loopback", backend)
+    """A token-protected server refuses a call without a proof of its token; a client with another token
+    refuses the server, which cannot prove it; off loopback a token is required."""
+    out = Outcome("auth: token proof, off-loopback", backend)
     c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR, token="s3cret-token")
     try:
         c.launch()
         c.connect(TOPO)
         target = f"127.0.0.1:{c.ports[1][0]}"
-        for what, token in (("no token", None), ("wrong token", "guess")):
+        for what, token, reason in (("no token", None, Reason.UNAUTHENTICATED),
+                                    ("wrong token", "guess", Reason.RANK_UNPROVEN)):
             def call(token: str | None = token) -> None:
                 with HandshakeClient(target, token=token) as client:
                     client.get_server_info()
-            _expect_error(out, what, {Reason.UNAUTHENTICATED}, call)
+            _expect_error(out, what, {reason}, call)
         out.count(c.run_request(4096, 256))
         # Without a token, a non-loopback listen address must refuse to start.
         out.runs += 1

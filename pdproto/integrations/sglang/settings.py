@@ -8,7 +8,7 @@ every scheduler process:
 
 ===================================  ==========================================================
 ``PDPROTO_ENGINE``                   transfer engine: ``mooncake`` (default) or ``nixl``
-``PDPROTO_TOKEN`` / ``PDPROTO_TOKEN_FILE``  bearer token the prefill requires and the decode sends
+``PDPROTO_TOKEN`` / ``PDPROTO_TOKEN_FILE``  shared token the prefill requires and the decode proves (never sends)
 ``PDPROTO_OPERATOR_TOKEN_FILE``      prefill: a second token, for ``pdproto status`` only: it shows every
                                      peer's room ids and engine identity (docs/security.md)
 ``PDPROTO_ALLOW_UNAUTHENTICATED``    ``1``: a prefill serves without a token on a non-loopback address
@@ -49,7 +49,7 @@ class BackendSettings:
     engine: str = "mooncake"
     """Transfer engine name (``pdproto.backends``)."""
     token: str | None = None
-    """Bearer token; None: no authentication (loopback only, unless allowed)."""
+    """Shared token (proven, never sent: docs/security.md); None: no authentication (loopback only, unless allowed)."""
     operator_token: str | None = None
     """Prefill: the operator's token (``Describe`` only), which may not be ``token``."""
     allow_unauthenticated: bool = False
