@@ -2,7 +2,7 @@
 
 The core is a set of packages, not of name prefixes: ``pdproto.negotiation``,
 ``pdproto.dcp``, ``pdproto.legacy`` and ``pdproto.v1`` (its lazily loaded gRPC stubs
-aside), and the modules directly in ``pdproto`` but ``bridge`` (one ZMQ socket). Every
+aside), and the modules directly in ``pdproto`` but those in ``EDGE_MODULES``. Every
 other package under ``pdproto`` is a named edge, and a package that is neither fails the
 test, so a new one is placed on purpose. Each core module is imported alone in a fresh interpreter. A probe installed first sees
 every import statement (``builtins.__import__``) and every first load (a meta-path
@@ -37,8 +37,8 @@ PURE_PACKAGES = ("pdproto.negotiation", "pdproto.dcp", "pdproto.legacy", "pdprot
 """Packages whose every module is core (``pdproto.v1``'s ``*_pb2_grpc`` stubs aside: they are gRPC)."""
 EDGE_PACKAGES = ("pdproto.rpc", "pdproto.client", "pdproto.transfer", "pdproto.integrations")
 """Packages that talk to gRPC, sockets or engines by design (integrations run inside an engine)."""
-EDGE_MODULES = ("pdproto.bridge",)
-"""Modules directly in ``pdproto`` that are edges: the bridge owns a ZMQ socket."""
+EDGE_MODULES: tuple[str, ...] = ()
+"""Modules directly in ``pdproto`` that are edges (sockets, threads); none today."""
 
 PROBE = textwrap.dedent(
     """

@@ -1,7 +1,7 @@
-"""Fuzz targets: pdproto.wire decoders, the bridge, and every legacy parser, found by name.
+"""Fuzz targets: pdproto.wire decoders and every legacy parser, found by name.
 
 A target takes one bytes input. Wire targets read it as one frame; legacy
-targets and ``bridge.route`` read it as a frame list packed by ``pack_frames``;
+targets read it as a frame list packed by ``pack_frames``;
 the ``*.any_value`` targets read it as a Python value of any type (``python_value``:
 None, a huge integer, a str, a float, a list mixing frames and non-frames...),
 because callers hand these functions whatever a socket or a caller produced.
@@ -24,7 +24,7 @@ from types import ModuleType
 
 from google.protobuf.message import Message
 
-from pdproto import bridge, wire
+from pdproto import wire
 from pdproto.errors import PdprotoError, WireError
 from pdproto.v1 import AbortNotification, Envelope
 from tests.fuzz.messages import random_message
@@ -128,13 +128,6 @@ def value_input(value: object) -> bytes:
     return bytes([VALUE_KINDS.index("list")]) + pack_frames([value_input(f) for f in value])
 
 
-def _check_route(frames: object) -> object:
-    routed = bridge.route(frames)  # type: ignore[arg-type]
-    if not isinstance(routed.message, Message):
-        raise FuzzFinding(f"route returned a {type(routed.message).__name__}")
-    return routed
-
-
 def _check_wire_decode(data: bytes) -> object:
     body = wire.decode(data)
     again = wire.decode(wire.encode(body))
@@ -183,9 +176,6 @@ def discover() -> list[Target]:
         Target("wire.decode_envelope", _check_wire_decode_envelope, WireError, frames=False),
         Target("wire.decode.any_value", lambda data: _check_wire_decode(python_value(data)),  # type: ignore[arg-type]
                WireError, frames=False, values=True),
-        Target("bridge.route", lambda data: _check_route(unpack_frames(data)), PdprotoError, frames=True),
-        Target("bridge.route.any_value", lambda data: _check_route(python_value(data)), PdprotoError,
-               frames=False, values=True),
     ]
     for module in _legacy_modules():
         short = module.__name__.rsplit(".", 1)[-1]
@@ -275,8 +265,6 @@ def seeds_for(target: Target) -> list[bytes]:
                 + [bytes([i]) + b"\xff" * 9 for i in range(len(VALUE_KINDS))])
     if not target.frames:
         return list(wire_seeds())
-    if target.name == "bridge.route":
-        return [pack_frames([seed]) for seed in wire_seeds()] + legacy_seeds()
     own = legacy_seeds_by_parser().get(target.name)
     if own:
         return list(own) + [pack_frames([frame]) for frame in INTERESTING_FRAMES]

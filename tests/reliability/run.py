@@ -27,8 +27,6 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
     for b in backends:
         for name in faults.SCENARIOS:
             rows.append((name, b, lambda name=name, b=b: faults.run(name, b)))  # type: ignore[misc]
-    for b in [b for b in backends if b in ("mooncake", "nixl")] or ["mooncake"]:
-        rows.append(("bridge", b, lambda b=b: skew.mixed_bridge(b)))  # type: ignore[misc]
     rows.append(("skew", backends[0], lambda: skew.minor_skew(backends[0])))
     rows.append(("mixed_fleet", "mooncake", mixed.mixed_fleet))
     rows.append(("limits", "local", lambda: limits.resource_limits("local")))
