@@ -1,0 +1,131 @@
+"""vLLM worker processes with PdprotoConnector move real MLA bytes: prefill and decode in separate
+processes, real engines (Mooncake over TCP, NIXL over UCX), every row of every layer checked.
+
+Each worker runs vLLM's own code from the process group to the step (``_worker.py``); the
+connector metadata of each step is what the scheduler-side connector builds
+(``test_vllm_scheduler.py`` drives that half with a real ``Scheduler``).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdproto.integrations.vllm.layout import room_of
+from pdproto_demo.proc import Child, close_all
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(600)]
+
+READY_S = 240.0
+"""vLLM's import and process-group set-up take 10-20 s per process here, more under load."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from . import _rig
+
+    return _rig.model_dir(tmp_path_factory.mktemp("model"))
+
+
+@contextmanager
+def started(groups: list[tuple[str, int, dict[str, Any]]], model: str, logs: Path) -> Iterator[list[list[Child]]]:
+    """Start every group of worker processes (role, size, options) at once; yield them by group once ready."""
+    out: list[list[Child]] = []
+    try:
+        for g, (role, n, opts) in enumerate(groups):
+            dist = free_port()
+            args = ["--model", model, "--role", role, "--tp", str(n), "--dist-port", str(dist)]
+            for k, v in opts.items():
+                args += [f"--{k.replace('_', '-')}", str(v)]
+            out.append([Child.spawn(f"{role}{g}-{r}", "tests.vllm._worker", [*args, "--rank", str(r)],
+                                    log_dir=str(logs)) for r in range(n)])
+        for child in (c for group in out for c in group):
+            assert child.recv(READY_S).get("ready"), child.name
+        yield out
+    finally:
+        close_all([c for group in out for c in group])
+
+
+def step(children: list[Child], **meta: Any) -> list[dict[str, Any]]:
+    """One step on every worker (the same metadata, as vLLM broadcasts it)."""
+    for c in children:
+        c.send("step", **meta)
+    replies = [c.recv(60.0) for c in children]
+    for c, r in zip(children, replies, strict=True):
+        assert "error" not in r, (c.name, r)
+    return replies
+
+
+def until(children: list[Child], want: dict[str, tuple[str, str]], timeout: float = 60.0) -> dict[str, list[str]]:
+    """Step every worker (as vLLM steps both engines all along) until each named in ``want`` reported its
+    request id under its key (a rank reports an id once); returns every id each reported, by key."""
+    seen: dict[str, dict[str, list[str]]] = {c.name: {"sent": [], "received": [], "failed": []} for c in children}
+    end = time.monotonic() + timeout
+    while True:
+        missing = sorted(n for n, (key, rid) in want.items() if rid not in seen[n][key])
+        if not missing:
+            return {n: [f"{k}:{i}" for k, ids in got.items() for i in ids] for n, got in seen.items()}
+        assert time.monotonic() < end, f"no {want[missing[0]]} from {missing}: {seen}"
+        for c, r in zip(children, step(children), strict=True):
+            for key in ("sent", "received", "failed"):
+                seen[c.name][key] += r[key]
+        time.sleep(0.02)
+
+
+def transfer(prefill: Child, decodes: list[Child], *, tokens: int, src: list[int], dst: list[int], port: int,
+             prefix: int = 0, dst_block: int, seed: int) -> None:
+    """One request: the decode ranks submit, the prefill's request finishes, the bytes land; all checked."""
+    room = room_of(f"req-{seed}")
+    prefill.call("fill", blocks=src, tokens=tokens, seed=seed)
+    step(decodes, recvs=[{"request_id": f"d{seed}", "room": room, "addresses": [f"127.0.0.1:{port}"],
+                          "blocks": dst[prefix // dst_block:], "prefix": prefix}])
+    step([prefill], sends=[{"request_id": f"p{seed}", "room": room, "blocks": src, "num_tokens": tokens,
+                            "lease_s": 30.0}], finished=[f"p{seed}"])
+    want = {d.name: ("received", f"d{seed}") for d in decodes}
+    seen = until([prefill, *decodes], {**want, prefill.name: ("sent", f"p{seed}")})
+    assert not any(i.startswith("failed:") for ids in seen.values() for i in ids), seen
+    for d in decodes:
+        got = d.call("check", blocks=dst, tokens=tokens, seed=seed, prefix=prefix)
+        assert got["checked"] > 0 and got["bad"] == 0, (d.name, got)
+        assert got["written"] == got["checked"], f"{d.name} has rows written outside the request: {got}"
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_mla_tp1_to_tp1(engine: str, model: str, tmp_path: Path) -> None:
+    """MLA, one prefill worker to one decode worker, the same block size: 200 tokens, 4 layers."""
+    port = free_port()
+    with started([("kv_producer", 1, {"port": port, "engine": engine}), ("kv_consumer", 1, {"engine": engine})],
+                 model, tmp_path) as (prefill, decode):
+        transfer(prefill[0], decode, tokens=200, src=[5, 9, 2, 7, 11, 3, 4, 6, 8, 10, 12, 13, 14],
+                 dst=[40, 3, 17, 8, 21, 30, 31, 32, 33, 34, 35, 36, 37], port=port, dst_block=16, seed=1)
+
+
+def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> None:
+    """Prefill blocks of 16 tokens to decode blocks of 64, the decode holding the first 64 tokens already."""
+    port = free_port()
+    with started([("kv_producer", 1, {"port": port, "engine": "nixl"}),
+                  ("kv_consumer", 1, {"engine": "nixl", "block_size": 64})], model, tmp_path) as (prefill, decode):
+        transfer(prefill[0], decode, tokens=230, src=list(range(20, 35)), dst=[9, 4, 12, 6], port=port,
+                 prefix=64, dst_block=64, seed=2)
+
+
+def test_dense_to_dcp4(model: str, tmp_path: Path) -> None:
+    """A dense prefill to a decode of TP 4 / DCP 4: token t lands on rank t % 4 at local row t // 4."""
+    port = free_port()
+    with started([("kv_producer", 1, {"port": port}), ("kv_consumer", 4, {"dcp": 4})],
+                 model, tmp_path) as (prefill, decodes):
+        # The decode's scheduler block is 16 x 4 = 64 tokens: 300 tokens take 5 of them.
+        transfer(prefill[0], decodes, tokens=300, src=list(range(30, 49)), dst=[7, 2, 9, 5, 11], port=port,
+                 dst_block=64, seed=3)
