@@ -15,6 +15,7 @@ order, on a step without a forward). Commands:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -36,10 +37,9 @@ def main() -> None:
     p.add_argument("--engine", default="mooncake")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     a = p.parse_args()
     out = redirect_stdout_to_stderr()
-
-    import json
 
     import numpy as np
     import torch
@@ -55,7 +55,7 @@ def main() -> None:
     from pdproto.integrations.vllm.worker import Recv, Send
 
     config = _rig.vllm_config(a.model, a.role, tp=a.tp, dcp=a.dcp, block_size=a.block_size, port=a.port,
-                              engine=a.engine, engine_id=f"{a.role}-{a.dist_port}")
+                              engine=a.engine, engine_id=f"{a.role}-{a.dist_port}", extra=json.loads(a.extra))
     cache_config = _rig.mla_cache_config(a.block_size, a.blocks)
     with set_current_vllm_config(config):
         ps.init_distributed_environment(world_size=a.tp, rank=a.rank, local_rank=a.rank, backend="gloo",

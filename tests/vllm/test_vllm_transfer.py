@@ -8,6 +8,7 @@ connector metadata of each step is what the scheduler-side connector builds
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ def started(groups: list[tuple[str, int, dict[str, Any]]], model: str, logs: Pat
             dist = free_port()
             args = ["--model", model, "--role", role, "--tp", str(n), "--dist-port", str(dist)]
             for k, v in opts.items():
-                args += [f"--{k.replace('_', '-')}", str(v)]
+                args += [f"--{k.replace('_', '-')}", json.dumps(v) if isinstance(v, dict) else str(v)]
             out.append([Child.spawn(f"{role}{g}-{r}", "tests.vllm._worker", [*args, "--rank", str(r)],
                                     log_dir=str(logs)) for r in range(n)])
         for child in (c for group in out for c in group):
@@ -129,3 +130,28 @@ def test_dense_to_dcp4(model: str, tmp_path: Path) -> None:
         # The decode's scheduler block is 16 x 4 = 64 tokens: 300 tokens take 5 of them.
         transfer(prefill[0], decodes, tokens=300, src=list(range(30, 49)), dst=[7, 2, 9, 5, 11], port=port,
                  dst_block=64, seed=3)
+
+
+def test_a_dead_peer_ends_the_transfer_on_the_other_side(model: str, tmp_path: Path) -> None:
+    """A decode killed mid-transfer: the prefill hands its blocks back to vLLM (finished_sending). A prefill
+    killed mid-transfer: the decode reports the request received and failed (failed_recving), for vLLM's
+    kv_load_failure_policy (test_vllm_scheduler.py: fail and recompute)."""
+    port = free_port()
+    waits = {"extra": {"recv_timeout_s": 10}}
+    with started([("kv_producer", 1, {"port": port}), ("kv_consumer", 1, {}), ("kv_consumer", 1, waits)],
+                 model, tmp_path) as ([prefill], [doomed], [decode]):
+        address = [f"127.0.0.1:{port}"]
+        for d, rid in ((doomed, "a"), (decode, "b")):
+            prefill.call("fill", blocks=[4, 5], tokens=20, seed=len(rid))
+            step([d], recvs=[{"request_id": f"d-{rid}", "room": room_of(f"req-{rid}"), "addresses": address,
+                              "blocks": [6, 7], "prefix": 0}])
+        until([prefill, doomed, decode], {})  # one step each: both submits are on their way
+        doomed.kill_and_reap()
+        step([prefill], sends=[{"request_id": "p-a", "room": room_of("req-a"), "blocks": [4, 5], "num_tokens": 20,
+                                "lease_s": 30.0}])
+        seen = until([prefill, decode], {prefill.name: ("sent", "p-a")}, timeout=120.0)
+        assert not any(i.endswith("d-b") for i in seen[decode.name]), seen  # b waits on: its prefill lives
+        prefill.kill_and_reap()
+        seen = until([decode], {decode.name: ("failed", "d-b")}, timeout=60.0)  # its 10 s deadline, then a probe
+        assert "received:d-b" in seen[decode.name]
+        assert decode.call("check", blocks=[6, 7], tokens=20, seed=1)["written"] == 0

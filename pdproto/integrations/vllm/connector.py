@@ -59,27 +59,43 @@ else:
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0
-"""Default lease of a finished prefill request's blocks (vLLM's NIXL ``kv_lease_duration`` too)."""
+TIMEOUTS = {"lease_s": 30.0, "recv_timeout_s": 300.0}
+"""``kv_connector_extra_config`` timeouts and their defaults (``Timeouts``)."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long each side waits for the other."""
+
+    lease_s: float
+    """Prefill: how long a finished request's blocks wait for its decode's submit (vLLM's NIXL lease is 30 s
+    too), and then for the transfer."""
+    recv_timeout_s: float
+    """Decode: how long a request waits for its bytes, prefill compute included (SGLang's own waiting
+    timeout is 300 s); then each silent prefill rank is asked once more, and the request fails."""
+
 EXTRA_SETTINGS = {"engine": "PDPROTO_ENGINE", "port": "PDPROTO_PORT", "staging_mb": "PDPROTO_STAGING_MB",
                   "rpc_timeout_s": "PDPROTO_RPC_TIMEOUT_S"}
 """``kv_connector_extra_config`` keys and the pdproto setting each overrides (the rest come from the
 environment, as for the SGLang backend: ``pdproto/integrations/sglang/settings.py``)."""
 
 
-def settings_of(extra: Mapping[str, Any]) -> tuple[BackendSettings, float]:
-    """The backend settings and the lease from ``kv_connector_extra_config`` over the environment."""
-    unknown = sorted(set(extra) - set(EXTRA_SETTINGS) - {"lease_s"})
+def settings_of(extra: Mapping[str, Any]) -> tuple[BackendSettings, Timeouts]:
+    """The backend settings and the timeouts from ``kv_connector_extra_config`` over the environment."""
+    unknown = sorted(set(extra) - set(EXTRA_SETTINGS) - set(TIMEOUTS))
     if unknown:
         raise ConfigError(f"kv_connector_extra_config has keys PdprotoConnector does not know: {unknown}; "
-                          f"known: {sorted([*EXTRA_SETTINGS, 'lease_s'])}", reason=Reason.CONFIG_INVALID,
+                          f"known: {sorted([*EXTRA_SETTINGS, *TIMEOUTS])}", reason=Reason.CONFIG_INVALID,
                           metadata={"setting": "kv_connector_extra_config", "value": ",".join(unknown)})
     env = {**os.environ, **{EXTRA_SETTINGS[k]: str(v) for k, v in extra.items() if k in EXTRA_SETTINGS}}
-    lease = extra.get("lease_s", LEASE_S)
-    if not isinstance(lease, int | float) or not 0 < lease <= 3600:
-        raise ConfigError(f"kv_connector_extra_config lease_s={lease!r} is not valid: expected seconds in (0, 3600]",
-                          reason=Reason.CONFIG_INVALID, metadata={"setting": "lease_s", "value": str(lease)})
-    return BackendSettings.from_env(env), float(lease)
+    seconds = {}
+    for key, default in TIMEOUTS.items():
+        value = extra.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+            raise ConfigError(f"kv_connector_extra_config {key}={value!r} is not valid: expected seconds in "
+                              "(0, 3600]", reason=Reason.CONFIG_INVALID, metadata={"setting": key, "value": str(value)})
+        seconds[key] = float(value)
+    return BackendSettings.from_env(env), Timeouts(**seconds)
 
 
 @dataclass
@@ -116,7 +132,7 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
                               metadata={"setting": "kv_role", "value": str(transfer.kv_role)})
         self.producer = transfer.kv_role == "kv_producer"
         self.engine_id = str(transfer.engine_id)
-        self.settings, self.lease_s = settings_of(dict(transfer.kv_connector_extra_config or {}))
+        self.settings, self.timeouts = settings_of(dict(transfer.kv_connector_extra_config or {}))
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError("PdprotoConnector does not serve pipeline parallelism yet (--pipeline-parallel-size "
@@ -138,6 +154,11 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         # Worker side.
         self._worker: PrefillWorker | DecodeWorker | None = None
         self._finished: set[str] = set()
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: sleep mode frees the KV cache a transfer engine has registered (vLLM refuses the pair)."""
+        return False
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -183,7 +204,7 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         transfer_id = _transfer_id(request, params)
         tokens = int(request.num_computed_tokens)
         self._meta.sends.append(Send(request.request_id, layout.room_of(transfer_id), tuple(block_ids[0]),
-                                     tokens, self.lease_s))
+                                     tokens, self.timeouts.lease_s))
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
                       "remote_host": self.host, "remote_port": self.settings.port, "remote_tp_size": self.tp_size,
@@ -213,7 +234,8 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
                                          gpu_id=gpu_id, port=self.settings.port + ranks.tp[1])
         else:
             self._worker = DecodeWorker(self.settings, self.cache, kv_caches, ranks, on_device=on_device,
-                                        gpu_id=gpu_id, engine_id=self.engine_id)
+                                        gpu_id=gpu_id, engine_id=self.engine_id,
+                                        timeout_s=self.timeouts.recv_timeout_s)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Hand this step's requests to the worker: submit the receives, hold the sends."""
@@ -258,4 +280,4 @@ def _worker_ranks() -> layout.Ranks:
                         pp=(pp.world_size, pp.rank_in_group))
 
 
-__all__ = ["EXTRA_SETTINGS", "LEASE_S", "PdprotoConnector", "PdprotoMeta", "settings_of"]
+__all__ = ["EXTRA_SETTINGS", "TIMEOUTS", "PdprotoConnector", "PdprotoMeta", "Timeouts", "settings_of"]

@@ -193,7 +193,7 @@ class DecodeWorker:
     """One decode worker's registered KV cache and decode peer (module docstring)."""
 
     def __init__(self, settings: BackendSettings, cache: layout.MlaCache, kv_caches: Mapping[str, Any],
-                 ranks: layout.Ranks, *, on_device: bool, gpu_id: int, engine_id: str) -> None:
+                 ranks: layout.Ranks, *, on_device: bool, gpu_id: int, engine_id: str, timeout_s: float) -> None:
         self.executor, buffers = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
             self.layout = layout.decode_layout(cache, ranks, notify_host=advertise_host(),
@@ -209,6 +209,9 @@ class DecodeWorker:
         """Terminal outcomes not yet reported (the peer's loop thread adds, the worker takes)."""
         self._rooms: dict[int, tuple[str, int | None]] = {}
         """Request id and generation of each room submitted and not yet reported."""
+        self.timeout_s = timeout_s
+        """How long a request waits for its bytes (then ``DecodePeer.wait`` probes its prefill ranks)."""
+        self._deadlines: dict[int, float] = {}
         self.peer = DecodePeer(self.registration, token=settings.token, root_cert=settings.tls_root,
                                timeout=settings.rpc_timeout_s, on_outcome=self._on_outcome)
 
@@ -220,6 +223,7 @@ class DecodeWorker:
         """Submit each request's blocks to its prefill ranks (a refusal fails the request, reported next step)."""
         for r in recvs:
             self._rooms[r.room] = (r.request_id, None)
+            self._deadlines[r.room] = time.monotonic() + self.timeout_s
 
             def info(rank: PrefillRank, r: Recv = r) -> transfer_pb2.TransferInfo:
                 return transfer_pb2.TransferInfo(peer_name=self.name, dst_kv_pages=list(r.blocks),
@@ -232,7 +236,16 @@ class DecodeWorker:
                 self._on_outcome(r.room, Outcome(common_pb2.TRANSFER_STATE_FAILED, exc.reason.name, exc.message))
 
     def step(self) -> Results:
-        """The requests whose bytes landed or failed since the last step."""
+        """The requests whose bytes landed or failed since the last step, or waited past their deadline."""
+        now = time.monotonic()
+        for room in [r for r, t in self._deadlines.items() if t <= now]:
+            del self._deadlines[room]
+            # A prefill rank that died keeps its status stream retrying; at the deadline the peer asks
+            # each silent rank once more and ends the room either way (on_outcome).
+            try:
+                self.peer.wait(room, 0.0)
+            except PdprotoError as exc:
+                self._on_outcome(room, Outcome(common_pb2.TRANSFER_STATE_FAILED, exc.reason.name, exc.message))
         with self._lock:
             done, self._outcomes = self._outcomes, {}
         out = Results()
@@ -241,6 +254,7 @@ class DecodeWorker:
             if known is None:
                 continue
             request_id, generation = known
+            self._deadlines.pop(room, None)
             if outcome.state != common_pb2.TRANSFER_STATE_SUCCESS:
                 log.warning("pdproto: request %s failed: %s: %s", request_id, outcome.failure_code,
                             outcome.failure_reason)
