@@ -26,6 +26,18 @@ from vllm.config import (
 )
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec
 
+PRELOAD = (
+    "vllm.distributed.parallel_state",
+    "vllm.distributed.kv_transfer.kv_transfer_state",
+    "vllm.v1.core.sched.output",
+    "vllm.v1.kv_cache_layout",
+    "vllm.v1.worker.kv_connector_model_runner_mixin",
+    "vllm.v1.worker.utils",
+    "pdproto.integrations.vllm.connector",
+)
+"""What the zygote of the worker processes imports once (``tests/sglang/_zygote.py``, ``command(preload=...)``):
+vLLM's import is about 10 s of CPU per process here."""
+
 LAYERS = 4
 ROW = 576
 """MLA row elements per token and layer: latent 512, then RoPE 64."""

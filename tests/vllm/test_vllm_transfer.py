@@ -9,7 +9,9 @@ connector metadata of each step is what the scheduler-side connector builds
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ import pytest
 
 from pdproto.integrations.vllm.layout import room_of
 from pdproto_demo.proc import Child, close_all
+from tests.sglang._zygote import command
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(600)]
 
@@ -40,6 +43,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _rig.model_dir(tmp_path_factory.mktemp("model"))
 
 
+def spawn(name: str, args: list[str], logs: Path) -> Child:
+    """One worker process, forked from the zygote that imported vLLM once (``_rig.PRELOAD``)."""
+    with open(logs / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(command("-m", "tests.vllm._worker", *args, preload="tests.vllm._rig"),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    return Child(name, proc)
+
+
 @contextmanager
 def started(groups: list[tuple[str, int, dict[str, Any]]], model: str, logs: Path) -> Iterator[list[list[Child]]]:
     """Start every group of worker processes (role, size, options) at once; yield them by group once ready."""
@@ -50,8 +62,7 @@ def started(groups: list[tuple[str, int, dict[str, Any]]], model: str, logs: Pat
             args = ["--model", model, "--role", role, "--tp", str(n), "--dist-port", str(dist)]
             for k, v in opts.items():
                 args += [f"--{k.replace('_', '-')}", json.dumps(v) if isinstance(v, dict) else str(v)]
-            out.append([Child.spawn(f"{role}{g}-{r}", "tests.vllm._worker", [*args, "--rank", str(r)],
-                                    log_dir=str(logs)) for r in range(n)])
+            out.append([spawn(f"{role}{g}-{r}", [*args, "--rank", str(r)], logs) for r in range(n)])
         for child in (c for group in out for c in group):
             assert child.recv(READY_S).get("ready"), child.name
         yield out
