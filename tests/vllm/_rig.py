@@ -24,7 +24,14 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 PRELOAD = (
     "vllm.distributed.parallel_state",
@@ -99,3 +106,26 @@ def rows(layer: int, tokens: np.ndarray, seed: int) -> np.ndarray:
     """The prefill's rows of ``tokens`` in ``layer``: int16 words, distinct per layer, token and request."""
     base = (layer * 1_000_003 + seed * 7_919 + tokens.astype(np.int64)[:, None] * 577 + np.arange(ROW)) % 32_749
     return (base + 1).astype(np.int16)  # never 0: a row left unwritten stays 0
+
+
+def scheduler(config: VllmConfig, block_size: int, num_blocks: int) -> Scheduler:
+    """vLLM's own scheduler over the model's KV cache config, with the config's connector."""
+    config.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=config, kv_cache_config=mla_cache_config(block_size, num_blocks),
+                     structured_output_manager=StructuredOutputManager(config), block_size=block_size)
+
+
+def request(request_id: str, tokens: int, params: dict[str, Any], block_size: int) -> Request:
+    """A greedy one-token request of ``tokens`` prompt tokens with these ``kv_transfer_params``."""
+    init_none_hash(sha256)
+    return Request(request_id, list(range(1, tokens + 1)),
+                   SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def runner_output(reqs: list[Request], **kv: set[str]) -> ModelRunnerOutput:
+    """What the model runner returns for a step: one sampled token per request, and the connector's sets."""
+    ids = [r.request_id for r in reqs]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[7] for _ in ids],
+                             kv_connector_output=KVConnectorOutput(**kv) if kv else None)

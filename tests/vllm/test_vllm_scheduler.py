@@ -19,14 +19,10 @@ from . import _rig  # noqa: I001 - sets VLLM_TARGET_DEVICE before vLLM is import
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from pdproto.errors import ConfigError, PdprotoError, Reason, TopologyError
 from pdproto.integrations.vllm.connector import PdprotoConnector, PdprotoMeta
@@ -98,25 +94,15 @@ def test_what_is_not_served_is_refused_at_start_up(model: str) -> None:
 
 
 def _scheduler(model: str, role: str, policy: str = "fail") -> Scheduler:
-    config = _rig.vllm_config(model, role, port=5758, policy=policy)
-    cache = _rig.mla_cache_config(BLOCK, BLOCKS)
-    config.cache_config.num_gpu_blocks = BLOCKS
-    return Scheduler(vllm_config=config, kv_cache_config=cache, structured_output_manager=StructuredOutputManager(config),
-                     block_size=BLOCK)
+    return _rig.scheduler(_rig.vllm_config(model, role, port=5758, policy=policy), BLOCK, BLOCKS)
 
 
 def _request(request_id: str, params: dict[str, Any]) -> Request:
-    init_none_hash(sha256)
-    return Request(request_id, list(range(1, PROMPT + 1)),
-                   SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}), None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return _rig.request(request_id, PROMPT, params, BLOCK)
 
 
-def _output(reqs: list[Request], *, sampled: bool = True, **kv: set[str]) -> ModelRunnerOutput:
-    ids = [r.request_id for r in reqs]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[7] if sampled else [] for _ in ids],
-                             kv_connector_output=KVConnectorOutput(**kv) if kv else None)
+def _output(reqs: list[Request], **kv: set[str]) -> ModelRunnerOutput:
+    return _rig.runner_output(reqs, **kv)
 
 
 def _receiving(model: str, policy: str = "fail") -> tuple[Scheduler, Request, PdprotoMeta]:

@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,60 @@ def test_a_dead_peer_ends_the_transfer_on_the_other_side(model: str, tmp_path: P
         seen = until([decode], {decode.name: ("failed", "d-b")}, timeout=60.0)  # its 10 s deadline, then a probe
         assert "received:d-b" in seen[decode.name]
         assert decode.call("check", blocks=[6, 7], tokens=20, seed=1)["written"] == 0
+
+
+def test_two_real_schedulers_drive_the_workers(model: str, tmp_path: Path) -> None:
+    """Both engines' own ``Scheduler`` pick the blocks and build each step's metadata; the workers' results go
+    back into them: the decode request runs once its bytes landed, the prefill's blocks are freed."""
+    from . import _rig
+
+    port = free_port()
+    tokens = 100
+    with started([("kv_producer", 1, {"port": port}), ("kv_consumer", 1, {})],
+                 model, tmp_path) as ([prefill], [decode]):
+        engines = {"p": (_rig.scheduler(_rig.vllm_config(model, "kv_producer", port=port), 16, 64), prefill),
+                   "d": (_rig.scheduler(_rig.vllm_config(model, "kv_consumer"), 16, 64), decode)}
+        params = {"p": {"do_remote_decode": True, "transfer_id": "chat-7"},
+                  "d": {"do_remote_prefill": True, "transfer_id": "chat-7", "remote_host": "127.0.0.1",
+                        "remote_port": port}}
+        reqs = {k: _rig.request(k, tokens, params[k], 16) for k in engines}
+        for k, (sched, _) in engines.items():
+            sched.add_request(reqs[k])
+        free = engines["p"][0].kv_cache_manager.block_pool.get_num_free_blocks()
+
+        def engine_step(k: str, *, forward: bool = False) -> Any:
+            """One step of engine ``k``: schedule, the worker's connector calls, the results back in."""
+            sched, worker = engines[k]
+            out = sched.schedule()
+            if k == "d" and out.num_scheduled_tokens:
+                return out  # the decode runs: its blocks are read before a forward would finish it
+            meta = out.kv_connector_metadata
+            if forward:  # the prefill's forward wrote the request's KV before the step ends
+                worker.call("fill", blocks=sched.kv_cache_manager.get_block_ids(k)[0], tokens=tokens, seed=7)
+            (got,) = step([worker], sends=[asdict(s) for s in meta.sends], recvs=[asdict(r) for r in meta.recvs],
+                          finished=sorted(out.finished_req_ids))
+            sched.update_from_output(out, _rig.runner_output([reqs[k]] if forward else [],
+                                                             finished_sending=set(got["sent"]),
+                                                             finished_recving=set(got["received"]),
+                                                             failed_recving=set(got["failed"])))
+            return out
+
+        engine_step("d")
+        assert reqs["d"].status.name == "WAITING_FOR_REMOTE_KVS"
+        engine_step("p", forward=True)
+        assert reqs["p"].status.name == "FINISHED_LENGTH_CAPPED"
+        end = time.monotonic() + 60
+        runs = None
+        while runs is None or engines["p"][0].connector.has_pending_push_work():
+            assert time.monotonic() < end, (reqs["d"].status, engines["p"][0].connector.has_pending_push_work())
+            engine_step("p")
+            if runs is None:
+                out = engine_step("d")
+                runs = out if out.num_scheduled_tokens else None
+            time.sleep(0.02)
+        assert reqs["d"].status.name == "RUNNING"
+        assert runs.num_scheduled_tokens == {"d": 1}  # vLLM recomputes the last prompt token itself
+        assert engines["p"][0].kv_cache_manager.block_pool.get_num_free_blocks() == free
+        got = decode.call("check", blocks=engines["d"][0].kv_cache_manager.get_block_ids("d")[0], tokens=tokens,
+                          seed=7)
+        assert got["checked"] == tokens * _rig.LAYERS and got["bad"] == 0 and got["written"] == got["checked"], got

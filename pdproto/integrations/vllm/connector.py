@@ -72,7 +72,8 @@ class Timeouts:
     too), and then for the transfer."""
     recv_timeout_s: float
     """Decode: how long a request waits for its bytes, prefill compute included (SGLang's own waiting
-    timeout is 300 s); then each silent prefill rank is asked once more, and the request fails."""
+    timeout is 300 s); then each silent prefill rank is asked once more, and the request fails.
+    Prefill: how long a decode's submit waits for the request to finish here."""
 
 EXTRA_SETTINGS = {"engine": "PDPROTO_ENGINE", "port": "PDPROTO_PORT", "staging_mb": "PDPROTO_STAGING_MB",
                   "rpc_timeout_s": "PDPROTO_RPC_TIMEOUT_S"}
@@ -231,7 +232,8 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         gpu_id = int(first.device.index or 0) if on_device else 0
         if self.producer:
             self._worker = PrefillWorker(self.settings, self.cache, kv_caches, ranks, on_device=on_device,
-                                         gpu_id=gpu_id, port=self.settings.port + ranks.tp[1])
+                                         gpu_id=gpu_id, port=self.settings.port + ranks.tp[1],
+                                         match_timeout_s=self.timeouts.recv_timeout_s)
         else:
             self._worker = DecodeWorker(self.settings, self.cache, kv_caches, ranks, on_device=on_device,
                                         gpu_id=gpu_id, engine_id=self.engine_id,

@@ -110,7 +110,8 @@ class PrefillWorker:
     """One prefill worker's registered KV cache, prefill engine and handshake service (module docstring)."""
 
     def __init__(self, settings: BackendSettings, cache: layout.MlaCache, kv_caches: Mapping[str, Any],
-                 ranks: layout.Ranks, *, on_device: bool, gpu_id: int, port: int) -> None:
+                 ranks: layout.Ranks, *, on_device: bool, gpu_id: int, port: int,
+                 match_timeout_s: float) -> None:
         self.cache = cache
         self.executor, buffers = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
@@ -122,7 +123,10 @@ class PrefillWorker:
                                   operator_token=settings.operator_token,
                                   allow_unauthenticated=settings.allow_unauthenticated,
                                   tls_cert=settings.tls_cert, tls_key=settings.tls_key)
-            self.service = ServiceThread(HandshakeCore(self.engine, limits=Limits()), config,
+            # A decode submits when vLLM may still be queueing or computing the request: its submit
+            # waits for the chunk as long as a decode waits for its bytes.
+            self.service = ServiceThread(HandshakeCore(self.engine, limits=Limits(match_timeout=match_timeout_s)),
+                                         config,
                                          name=f"pdproto-vllm-prefill-{ranks.tp[1]}")
             self.port = self.service.start()
         except BaseException:
