@@ -28,7 +28,13 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -61,10 +67,21 @@ MODEL = {
 }
 
 
-def model_dir(root: Path) -> str:
-    """A model directory holding only the config above."""
+MHA_HEADS = 4
+HEAD = 64
+MHA_MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": LAYERS, "num_attention_heads": MHA_HEADS, "num_key_value_heads": MHA_HEADS,
+    "head_dim": HEAD, "vocab_size": 1024, "max_position_embeddings": MAX_LEN, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False,
+}
+"""A Llama-shaped MHA model: 4 KV heads of 64."""
+
+
+def model_dir(root: Path, config: dict[str, Any] = MODEL) -> str:
+    """A model directory holding only ``config``."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(MODEL))
+    (root / "config.json").write_text(json.dumps(config))
     return str(root)
 
 
@@ -91,9 +108,13 @@ def layer_names() -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def mla_cache_config(block_size: int, num_blocks: int) -> KVCacheConfig:
-    """The KV cache config vLLM builds for the model: one MLA group, every layer in one allocation, layer-compact."""
-    spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=ROW, dtype=torch.bfloat16)
+def mla_cache_config(block_size: int, num_blocks: int, mha_heads: int = 0) -> KVCacheConfig:
+    """The KV cache config vLLM builds for the model: one MLA group (or MHA with ``mha_heads`` on this rank),
+    every layer in one allocation, layer-compact."""
+    spec: FullAttentionSpec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=ROW,
+                                               dtype=torch.bfloat16)
+    if mha_heads:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=mha_heads, head_size=HEAD, dtype=torch.bfloat16)
     page = spec.page_size_bytes
     names = layer_names()
     tensor = KVCacheTensor(size=page * num_blocks * len(names), layers=names, layer_stride=page * num_blocks,
@@ -102,9 +123,9 @@ def mla_cache_config(block_size: int, num_blocks: int) -> KVCacheConfig:
                          kv_cache_groups=[KVCacheGroupSpec(names, spec)], kv_cache_layout="LBNHC")
 
 
-def rows(layer: int, tokens: np.ndarray, seed: int) -> np.ndarray:
-    """The prefill's rows of ``tokens`` in ``layer``: int16 words, distinct per layer, token and request."""
-    base = (layer * 1_000_003 + seed * 7_919 + tokens.astype(np.int64)[:, None] * 577 + np.arange(ROW)) % 32_749
+def rows(layer: int, tokens: np.ndarray, seed: int, width: int = ROW) -> np.ndarray:
+    """The prefill's rows of ``tokens`` in ``layer``: ``width`` int16 words, distinct per layer, token and request."""
+    base = (layer * 1_000_003 + seed * 7_919 + tokens.astype(np.int64)[:, None] * 577 + np.arange(width)) % 32_749
     return (base + 1).astype(np.int16)  # never 0: a row left unwritten stays 0
 
 

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--engine", default="mooncake")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--dist-port", type=int, required=True)
+    p.add_argument("--mha-heads", type=int, default=0, help="MHA with this many KV heads on this rank (0: MLA)")
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     a = p.parse_args()
     out = redirect_stdout_to_stderr()
@@ -56,7 +57,7 @@ def main() -> None:
 
     config = _rig.vllm_config(a.model, a.role, tp=a.tp, dcp=a.dcp, block_size=a.block_size, port=a.port,
                               engine=a.engine, engine_id=f"{a.role}-{a.dist_port}", extra=json.loads(a.extra))
-    cache_config = _rig.mla_cache_config(a.block_size, a.blocks)
+    cache_config = _rig.mla_cache_config(a.block_size, a.blocks, a.mha_heads)
     with set_current_vllm_config(config):
         ps.init_distributed_environment(world_size=a.tp, rank=a.rank, local_rank=a.rank, backend="gloo",
                                         distributed_init_method=f"tcp://127.0.0.1:{a.dist_port}")
@@ -66,7 +67,15 @@ def main() -> None:
         kv_caches = allocate_kv_cache(cache_config, torch.device("cpu"), KVCacheLayout.LBNHC)
         connector.register_kv_caches(kv_caches)
     names = _rig.layer_names()
-    words = [kv_caches[n].view(torch.int16).reshape(a.blocks * a.block_size, _rig.ROW).numpy() for n in names]
+    width = cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes // a.block_size // 2
+    # vLLM's per-layer view is logical [blocks, heads, tokens, C]; LBNHC stores [blocks, tokens, heads, C]:
+    # that order is a view of the memory itself (a reshape of the logical one would copy it).
+    physical = [kv_caches[n].permute(0, 2, 1, 3) for n in names]
+    assert all(t.is_contiguous() for t in physical)
+    words = [t.view(torch.int16).reshape(a.blocks * a.block_size, width).numpy() for t in physical]
+    # MHA: this TP rank holds a slice of every row's heads; MLA: every rank the whole row.
+    heads_of = slice(a.rank * width, (a.rank + 1) * width) if a.mha_heads else slice(0, width)
+    full = width * a.tp if a.mha_heads else width
 
     def step(sends: list[dict[str, Any]] = (), recvs: list[dict[str, Any]] = (),  # type: ignore[assignment]
              finished: list[str] = ()) -> Reply:  # type: ignore[assignment]
@@ -87,7 +96,7 @@ def main() -> None:
         t = np.arange(tokens)
         at = np.asarray(blocks)[t // a.block_size] * a.block_size + t % a.block_size
         for layer, w in enumerate(words):
-            w[at] = _rig.rows(layer, t, seed)
+            w[at] = _rig.rows(layer, t, seed, full)[:, heads_of]
         return {"rows": int(tokens)}
 
     def check(blocks: list[int], tokens: int, seed: int, prefix: int = 0) -> Reply:
@@ -96,7 +105,8 @@ def main() -> None:
         t = t[t % a.dcp == ps.get_dcp_group().rank_in_group]
         local = t // a.dcp
         at = np.asarray(blocks)[local // a.block_size] * a.block_size + local % a.block_size
-        bad = sum(int((w[at] != _rig.rows(layer, t, seed)).any(axis=1).sum()) for layer, w in enumerate(words))
+        bad = sum(int((w[at] != _rig.rows(layer, t, seed, full)[:, heads_of]).any(axis=1).sum())
+                  for layer, w in enumerate(words))
         written = sum(int((w != 0).any(axis=1).sum()) for w in words)
         return {"checked": int(t.size) * len(words), "bad": bad, "written": written}
 

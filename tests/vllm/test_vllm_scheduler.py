@@ -71,12 +71,21 @@ def _refusal(model: str, cache: KVCacheConfig | None = None, role: str = "kv_con
     return info.value
 
 
-def test_what_is_not_served_is_refused_at_start_up(model: str) -> None:
+def test_what_is_not_served_is_refused_at_start_up(model: str, tmp_path: Path) -> None:
     """Each layout or setting the connector cannot move stops the engine at start-up, with a typed reason."""
     names = _rig.layer_names()
     mha = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-    e = _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, mha)]))
-    assert isinstance(e, ConfigError) and e.reason is Reason.CONFIG_INVALID and "MHA" in e.message
+    head_major = KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, mha)], kv_cache_layout="LBHNC")
+    e = _refusal(model, head_major)
+    assert isinstance(e, ConfigError) and e.reason is Reason.CONFIG_INVALID and "LBNHC" in e.message
+    e = _refusal(model, _rig.mla_cache_config(BLOCK, BLOCKS, mha_heads=2), tp=4, dcp=4)
+    assert e.metadata["setting"] == "decode_context_parallel_size"
+    gqa = _rig.model_dir(tmp_path / "gqa", {**_rig.MHA_MODEL, "num_attention_heads": 8, "num_key_value_heads": 2})
+    e = _refusal(gqa, _rig.mla_cache_config(BLOCK, BLOCKS, mha_heads=1), tp=4)  # 2 KV heads over 4 ranks
+    assert e.metadata["setting"] == "tensor_parallel_size"
+    window = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                               sliding_window=128)
+    assert "sliding" in _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, window)])).message
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32))
     e = _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names[:2], mha),
                                                    KVCacheGroupSpec(names[2:], mamba)]))

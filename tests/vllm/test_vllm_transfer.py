@@ -134,6 +134,19 @@ def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> N
                  prefix=64, dst_block=64, seed=2)
 
 
+def test_mha_tp1_to_tp2_slices_heads(tmp_path: Path) -> None:
+    """MHA (4 KV heads of 64, each head's K then V): one prefill worker to a TP 2 decode, each rank
+    getting its two heads of every token's row."""
+    from . import _rig
+
+    model = _rig.model_dir(tmp_path / "mha", _rig.MHA_MODEL)
+    port = free_port()
+    with started([("kv_producer", 1, {"port": port, "mha_heads": 4}), ("kv_consumer", 2, {"mha_heads": 2})],
+                 model, tmp_path) as ([prefill], decodes):
+        transfer(prefill, decodes, tokens=90, src=[3, 8, 1, 9, 12, 14], dst=[5, 2, 11, 7, 6, 4], port=port,
+                 dst_block=16, seed=4)
+
+
 def test_dense_to_dcp4(model: str, tmp_path: Path) -> None:
     """A dense prefill to a decode of TP 4 / DCP 4: token t lands on rank t % 4 at local row t // 4."""
     port = free_port()

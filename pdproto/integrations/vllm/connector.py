@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdproto import v1
 from pdproto.errors import ConfigError, Reason
 from pdproto.transfer.address import advertise_host
 
@@ -140,13 +141,23 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
                               f"{parallel.pipeline_parallel_size})", reason=Reason.CONFIG_INVALID,
                               metadata={"setting": "pipeline_parallel_size"})
         self.dcp_size = int(parallel.decode_context_parallel_size)
+        self.tp_size = int(parallel.tensor_parallel_size)
         layout.refuse_interleave(int(parallel.cp_kv_cache_interleave_size), self.dcp_size)
         if self.producer and not self.settings.port:
             raise ConfigError("a PdprotoConnector prefill needs a port its decodes can be told: set "
                               "kv_connector_extra_config port (or PDPROTO_PORT); TP rank r listens on port + r",
                               reason=Reason.CONFIG_INVALID, metadata={"setting": "port"})
         self.cache = None if kv_cache_config is None else layout.check_served(kv_cache_config)
-        self.tp_size = int(parallel.tensor_parallel_size)
+        total_heads = vllm_config.model_config.get_total_num_kv_heads() if vllm_config.model_config else 0
+        if self.cache is not None and self.cache.kind != v1.ATTENTION_KIND_MLA and total_heads < self.tp_size:
+            raise ConfigError(f"PdprotoConnector does not move MHA caches whose {total_heads} KV heads are replicated "
+                              f"over TP {self.tp_size} (pdproto's head slicing needs each rank to hold its own heads)",
+                              reason=Reason.CONFIG_INVALID,
+                              metadata={"setting": "tensor_parallel_size", "value": str(self.tp_size)})
+        if self.cache is not None and self.cache.kind != v1.ATTENTION_KIND_MLA and self.dcp_size > 1:
+            raise ConfigError(f"PdprotoConnector moves DCP (here {self.dcp_size}) for MLA caches only: pdproto shards "
+                              "a token's one latent row, not MHA heads", reason=Reason.CONFIG_INVALID,
+                              metadata={"setting": "decode_context_parallel_size", "value": str(self.dcp_size)})
         self.host = advertise_host()
         # Scheduler side.
         self._meta = PdprotoMeta()

@@ -21,10 +21,14 @@ reason, never a request at transfer time):
   interleave 1, which is pdproto's rule); pdproto's page is the physical block, its
   virtual page ``block_size * N``. A ``--cp-kv-cache-interleave-size`` other than 1 is
   refused (``refuse_interleave``).
-* Not served, refused with the reason named: MHA/GQA (``FullAttentionSpec``, K and V
-  interleaved per token and head: a relayout pdproto does not have), sliding-window,
-  Mamba and other state specs (hybrid models), more than one cache group, padded pages,
-  block-outermost layouts (BLNHC, ...) and sparse MLA (DeepSeek V3.2/V4 index caches).
+* **MHA/GQA** (``FullAttentionSpec``) in vLLM's default LBNHC layout: a token's row is its
+  heads one after the other, each head's K then V (``2 * head_size`` elements), so a TP
+  slice of heads is one contiguous part of the row, which is what pdproto's head slicing
+  cuts (``total_kv_heads``). No DCP with MHA (pdproto shards MLA rows only).
+* Not served, refused with the reason named: sliding-window, Mamba and other state specs
+  (hybrid models), more than one cache group, padded pages, block-outermost layouts
+  (BLNHC, ...), head-major MHA layouts (LBHNC), caches quantized with per-token scales,
+  and sparse MLA (DeepSeek V3.2/V4 index caches).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.errors import ConfigError, PdprotoError, Reason, TopologyError
 from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region
 from pdproto.negotiation.topology import PAGE_RELAYOUT
+from pdproto.v1 import common_pb2
 
 CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT)
 """What a decode rank of this connector announces: vLLM's block sizes differ between engines and
@@ -57,8 +62,8 @@ class Ranks:
 
 
 @dataclass(frozen=True)
-class MlaCache:
-    """The served KV cache: one cache group of MLA layers, each a region of ``num_blocks`` pages."""
+class KvCache:
+    """The served KV cache: one cache group of MLA or MHA layers, each a region of ``num_blocks`` pages."""
 
     layers: tuple[str, ...]
     """vLLM's layer names, in allocation order."""
@@ -72,6 +77,10 @@ class MlaCache:
     """Blocks every layer holds (block 0 is the null block)."""
     dtype: str
     """KV dtype as both engines name it ("bfloat16", or vLLM's cache dtype string: "fp8_e4m3", ...)."""
+    kind: common_pb2.AttentionKind.ValueType = v1.ATTENTION_KIND_MLA
+    """MLA (one latent row per token) or MHA (per token, this rank's heads, each head's K then V)."""
+    heads: int = 1
+    """KV heads this rank holds (MHA)."""
 
     @property
     def page_bytes(self) -> int:
@@ -98,7 +107,7 @@ def layer_ids(names: Sequence[str]) -> tuple[int | None, ...]:
     return tuple(ids)
 
 
-def check_served(kv_cache_config: Any) -> MlaCache:
+def check_served(kv_cache_config: Any) -> KvCache:
     """The MLA cache ``kv_cache_config`` describes; raises ``ConfigError``/``TopologyError`` for what is not served."""
     groups = list(kv_cache_config.kv_cache_groups)
     specs = [type(g.kv_cache_spec).__name__ for g in groups]
@@ -109,12 +118,21 @@ def check_served(kv_cache_config: Any) -> MlaCache:
                           "yet; use vLLM's NixlConnector or MooncakeConnector for them", reason, specs=specs)
     spec = groups[0].kv_cache_spec
     name = specs[0]
-    if name != "MLAAttentionSpec":
-        why = ("MHA/GQA caches interleave K and V per token and head (a relayout pdproto does not have yet)"
-               if name == "FullAttentionSpec" else "only MLA attention caches are moved")
+    if name not in ("MLAAttentionSpec", "FullAttentionSpec"):
         reason = Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED if "Mamba" in name else Reason.CONFIG_INVALID
-        raise _not_served(f"KV cache spec {name}", f"{why}; use vLLM's NixlConnector or MooncakeConnector", reason,
-                          spec=name)
+        raise _not_served(f"KV cache spec {name}", "only full-attention caches (MLA, MHA/GQA) are moved; use "
+                          "vLLM's NixlConnector or MooncakeConnector", reason, spec=name)
+    mha = name == "FullAttentionSpec"
+    if mha and getattr(spec, "sliding_window", None):
+        raise _not_served("sliding-window attention", "the window's blocks are not tracked", spec=name)
+    if mha and kv_cache_config.kv_cache_layout not in (None, "LBNHC"):
+        # LBNHC keeps a token's heads together (each head's K then V): a token is one row, and a
+        # TP slice of heads one contiguous part of it. Head-major layouts (LBHNC) are not rows.
+        raise _not_served(f"MHA KV cache layout {kv_cache_config.kv_cache_layout}",
+                          "a token's heads must be one row; set VLLM_KV_CACHE_LAYOUT=LBNHC", spec=name)
+    if int(getattr(getattr(spec, "kv_quant_mode", None), "value", 0) or 0) > 1:
+        raise _not_served("KV caches quantized with per-token or per-block scales", "the scales are not moved",
+                          spec=name, quant=getattr(spec.kv_quant_mode, "name", ""))
     if getattr(spec, "topk_buffer_width", None) or getattr(spec, "model_version", None):
         raise _not_served("sparse MLA (an index cache beside the latent cache)", "only dense MLA is moved",
                           spec=name)
@@ -136,7 +154,8 @@ def check_served(kv_cache_config: Any) -> MlaCache:
     if dtype == "auto":
         dtype = str(spec.dtype).removeprefix("torch.")
     block = int(spec.block_size)
-    return MlaCache(tuple(layers), layer_ids(layers), block, page // block, int(kv_cache_config.num_blocks), dtype)
+    return KvCache(tuple(layers), layer_ids(layers), block, page // block, int(kv_cache_config.num_blocks), dtype,
+                   v1.ATTENTION_KIND_MHA if mha else v1.ATTENTION_KIND_MLA, int(spec.num_kv_heads))
 
 
 def refuse_interleave(interleave: int, dcp_size: int) -> None:
@@ -147,7 +166,7 @@ def refuse_interleave(interleave: int, dcp_size: int) -> None:
                           "--cp-kv-cache-interleave-size 1", interleave=interleave)
 
 
-def regions(cache: MlaCache, kv_caches: Mapping[str, Any], *, on_device: bool) -> tuple[Region, ...]:
+def regions(cache: KvCache, kv_caches: Mapping[str, Any], *, on_device: bool) -> tuple[Region, ...]:
     """One region per layer of ``cache``, from the per-layer tensors vLLM handed ``register_kv_caches``."""
     missing = [n for n in cache.layers if n not in kv_caches]
     if missing:
@@ -158,7 +177,7 @@ def regions(cache: MlaCache, kv_caches: Mapping[str, Any], *, on_device: bool) -
                  for n in cache.layers)
 
 
-def server_info(cache: MlaCache, ranks: Ranks, *, host: str, port: int, backend: int) -> v1.PrefillServerInfo:
+def server_info(cache: KvCache, ranks: Ranks, *, host: str, port: int, backend: int) -> v1.PrefillServerInfo:
     """The ``PrefillServerInfo`` a vLLM prefill worker publishes."""
     info = v1.PrefillServerInfo(
         version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
@@ -167,23 +186,29 @@ def server_info(cache: MlaCache, ranks: Ranks, *, host: str, port: int, backend:
         pp=v1.ParallelGroup(size=ranks.pp[0], rank=ranks.pp[1]),
         dcp=v1.ParallelGroup(size=ranks.dcp[0], rank=ranks.dcp[1]),
         rank_endpoint=v1.Endpoint(host=host, port=port), page_size=cache.block_size, kv_cache_dtype=cache.dtype,
-        attention_kind=v1.ATTENTION_KIND_MLA, start_layer=min((i for i in cache.layer_ids if i is not None),
-                                                              default=0),
-        backends=[backend])  # type: ignore[list-item]
+        attention_kind=cache.kind, start_layer=min((i for i in cache.layer_ids if i is not None), default=0),
+        backends=[backend],  # type: ignore[list-item]
+        total_kv_heads=total_heads(cache, ranks))
     for layer_id in cache.layer_ids:
         info.kv_entries.add(item_len=cache.page_bytes, layer_id=layer_id)
     return info
 
 
-def decode_layout(cache: MlaCache, ranks: Ranks, *, notify_host: str, notify_port: int,
+def decode_layout(cache: KvCache, ranks: Ranks, *, notify_host: str, notify_port: int,
                   gpu_id: int) -> DecodeLayout:
     """The ``DecodeLayout`` of a vLLM decode worker."""
     return DecodeLayout(
         page_size=cache.block_size, kv=tuple(KvEntry(cache.row_bytes, i) for i in cache.layer_ids),
-        kv_cache_dtype=cache.dtype, attention_kind=v1.ATTENTION_KIND_MLA, attn_tp_size=ranks.tp[0],
+        kv_cache_dtype=cache.dtype, attention_kind=cache.kind, total_kv_heads=total_heads(cache, ranks),
+        attn_tp_size=ranks.tp[0],
         attn_tp_rank=ranks.tp[1], dcp_size=ranks.dcp[0], dcp_rank=ranks.dcp[1], pp_size=ranks.pp[0],
         pp_rank=ranks.pp[1], notify_host=notify_host, notify_port=notify_port, capabilities=CAPABILITIES,
         gpu_id=gpu_id)
+
+
+def total_heads(cache: KvCache, ranks: Ranks) -> int:
+    """The model's KV heads (MHA: what TP head slicing splits); 0 for MLA."""
+    return cache.heads * ranks.tp[0] if cache.kind == v1.ATTENTION_KIND_MHA else 0
 
 
 def room_of(transfer_id: str) -> int:
@@ -198,5 +223,5 @@ def notify_port(engine_id: str, tp_rank: int) -> int:
     return 1024 + int.from_bytes(digest, "big") % (65536 - 1024)
 
 
-__all__ = ["CAPABILITIES", "MlaCache", "Ranks", "check_served", "decode_layout", "layer_ids", "notify_port",
-           "refuse_interleave", "regions", "room_of", "server_info"]
+__all__ = ["CAPABILITIES", "KvCache", "Ranks", "check_served", "decode_layout", "layer_ids", "notify_port",
+           "refuse_interleave", "regions", "room_of", "server_info", "total_heads"]

@@ -84,7 +84,7 @@ class Results:
     """Receives that failed (also in ``received``, as vLLM wants them)."""
 
 
-def open_executor(settings: BackendSettings, cache: layout.MlaCache, kv_caches: Mapping[str, Any], *,
+def open_executor(settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any], *,
                   on_device: bool, gpu_id: int) -> tuple[TransferExecutor, tuple[Any, ...]]:
     """An executor of ``settings.engine`` with every layer of ``cache`` registered; the buffers in layer order."""
     executor = create_executor(settings.engine, staging_bytes=settings.staging_mb << 20,
@@ -109,7 +109,7 @@ class _Held:
 class PrefillWorker:
     """One prefill worker's registered KV cache, prefill engine and handshake service (module docstring)."""
 
-    def __init__(self, settings: BackendSettings, cache: layout.MlaCache, kv_caches: Mapping[str, Any],
+    def __init__(self, settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any],
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, port: int,
                  match_timeout_s: float) -> None:
         self.cache = cache
@@ -196,7 +196,7 @@ class PrefillWorker:
 class DecodeWorker:
     """One decode worker's registered KV cache and decode peer (module docstring)."""
 
-    def __init__(self, settings: BackendSettings, cache: layout.MlaCache, kv_caches: Mapping[str, Any],
+    def __init__(self, settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any],
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, engine_id: str, timeout_s: float) -> None:
         self.executor, buffers = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
