@@ -78,10 +78,10 @@ def main() -> None:
     full = width * a.tp if a.mha_heads else width
 
     def step(sends: list[dict[str, Any]] = (), recvs: list[dict[str, Any]] = (),  # type: ignore[assignment]
-             finished: list[str] = ()) -> Reply:  # type: ignore[assignment]
+             finished: list[str] = (), cancels: list[str] = ()) -> Reply:  # type: ignore[assignment]
         meta = PdprotoMeta(sends=[Send(**{**s, "blocks": tuple(s["blocks"])}) for s in sends],
                            recvs=[Recv(**{**r, "blocks": tuple(r["blocks"]), "addresses": tuple(r["addresses"])})
-                                  for r in recvs])
+                                  for r in recvs], cancels=list(cancels))
         so = SchedulerOutput.make_empty()
         so.kv_connector_metadata = meta
         so.finished_req_ids = set(finished)

@@ -142,6 +142,17 @@ def test_decode_waits_for_remote_kv_then_runs(model: str) -> None:
     assert out.num_scheduled_tokens["d1"] == 1
 
 
+def test_a_decode_aborted_while_receiving_keeps_its_blocks_until_the_receive_ends(model: str) -> None:
+    s, req, _ = _receiving(model)
+    free = s.kv_cache_manager.block_pool.get_num_free_blocks()
+    s.finish_requests("d1", RequestStatus.FINISHED_ABORTED)
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == free  # the prefill may still write them
+    out = s.schedule()
+    assert out.kv_connector_metadata.cancels == ["d1"]  # the workers abort the room on its prefill ranks
+    s.update_from_output(out, _output([], finished_recving={"d1"}, failed_recving={"d1"}))
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() > free
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_failed_receive_follows_the_load_failure_policy(model: str, policy: str) -> None:
     s, req, _ = _receiving(model, policy)

@@ -123,6 +123,14 @@ def test_mla_tp1_to_tp1(engine: str, model: str, tmp_path: Path) -> None:
                  model, tmp_path) as (prefill, decode):
         transfer(prefill[0], decode, tokens=200, src=[5, 9, 2, 7, 11, 3, 4, 6, 8, 10, 12, 13, 14],
                  dst=[40, 3, 17, 8, 21, 30, 31, 32, 33, 34, 35, 36, 37], port=port, dst_block=16, seed=1)
+        # vLLM aborts a decode request whose bytes are on the way (its prefill never finishes here): the
+        # room is aborted on the prefill, and the receive ends failed at once, long before its deadline.
+        step(decode, recvs=[{"request_id": "d-x", "room": room_of("req-x"), "addresses": [f"127.0.0.1:{port}"],
+                             "blocks": [50, 51], "prefix": 0}])
+        step([*prefill, *decode])
+        step(decode, cancels=["d-x"])
+        seen = until([*prefill, *decode], {decode[0].name: ("failed", "d-x")}, timeout=20.0)
+        assert "received:d-x" in seen[decode[0].name]
 
 
 def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> None:
@@ -170,7 +178,7 @@ def test_a_dead_peer_ends_the_transfer_on_the_other_side(model: str, tmp_path: P
             prefill.call("fill", blocks=[4, 5], tokens=20, seed=len(rid))
             step([d], recvs=[{"request_id": f"d-{rid}", "room": room_of(f"req-{rid}"), "addresses": address,
                               "blocks": [6, 7], "prefix": 0}])
-        until([prefill, doomed, decode], {})  # one step each: both submits are on their way
+        step([prefill, doomed, decode])  # one step each: both submits are on their way
         doomed.kill_and_reap()
         step([prefill], sends=[{"request_id": "p-a", "room": room_of("req-a"), "blocks": [4, 5], "num_tokens": 20,
                                 "lease_s": 30.0}])

@@ -102,10 +102,12 @@ def settings_of(extra: Mapping[str, Any]) -> tuple[BackendSettings, Timeouts]:
 
 @dataclass
 class PdprotoMeta(KVConnectorMetadata):
-    """One step's work for the workers: requests to hold for their decode, requests to receive."""
+    """One step's work for the workers: requests to hold for their decode, to receive, to stop receiving."""
 
     sends: list[Send] = field(default_factory=list)
     recvs: list[Recv] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    """Decode requests vLLM finished (aborted) while their bytes were on the way."""
 
 
 def _transfer_id(request: Any, params: Mapping[str, Any]) -> str:
@@ -163,6 +165,8 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         self._meta = PdprotoMeta()
         self._holding: set[str] = set()
         """Prefill: requests whose blocks wait for finished_sending."""
+        self._receiving: set[str] = set()
+        """Decode: requests handed to the workers and not yet reported received."""
         # Worker side.
         self._worker: PrefillWorker | DecodeWorker | None = None
         self._finished: set[str] = set()
@@ -195,6 +199,7 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         ids = blocks.get_block_ids()[0]
         self._meta.recvs.append(Recv(request.request_id, layout.room_of(_transfer_id(request, params)),
                                      _prefill_addresses(params), tuple(ids[prefix // block:]), prefix))
+        self._receiving.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> PdprotoMeta:
         """The work gathered since the last step."""
@@ -207,8 +212,13 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        """Prefill: hold a finished request's blocks for its decode; the params a decode needs."""
+        """Prefill: hold a finished request's blocks for its decode; the params a decode needs. Decode: a
+        request aborted while its bytes were on the way is aborted on its prefill ranks (vLLM itself keeps
+        its blocks until the receive is reported ended)."""
         params = request.kv_transfer_params
+        if request.request_id in self._receiving:
+            self._meta.cancels.append(request.request_id)
+            return False, None
         if not self.producer or not params or not params.get("do_remote_decode"):
             return False, None
         if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") or not block_ids[0]:
@@ -223,8 +233,9 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
                       "remote_num_tokens": tokens, "remote_block_size": self._vllm_config.cache_config.block_size}
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Prefill: requests whose blocks vLLM freed are no longer held."""
+        """Prefill: requests whose blocks vLLM freed are no longer held; decode: received ones no longer pending."""
         self._holding -= set(connector_output.finished_sending or ())
+        self._receiving -= set(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
         """Keep vLLM stepping while a prefill request's blocks are held (its workers report them freed)."""
@@ -253,8 +264,9 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Hand this step's requests to the worker: submit the receives, hold the sends."""
         meta = self._get_connector_metadata()
-        if isinstance(self._worker, DecodeWorker) and meta.recvs:
+        if isinstance(self._worker, DecodeWorker) and (meta.recvs or meta.cancels):
             self._worker.receive(meta.recvs)
+            self._worker.cancel(meta.cancels)
         elif isinstance(self._worker, PrefillWorker) and meta.sends:
             self._worker.hold(meta.sends)
 

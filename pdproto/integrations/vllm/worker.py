@@ -239,6 +239,12 @@ class DecodeWorker:
                 log.warning("pdproto: request %s: %s", r.request_id, exc)
                 self._on_outcome(r.room, Outcome(common_pb2.TRANSFER_STATE_FAILED, exc.reason.name, exc.message))
 
+    def cancel(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests' rooms on their prefill ranks (vLLM aborted them); each ends as failed."""
+        for room, (request_id, generation) in list(self._rooms.items()):
+            if request_id in request_ids and generation is not None:
+                self.peer.abort(room, generation)
+
     def step(self) -> Results:
         """The requests whose bytes landed or failed since the last step, or waited past their deadline."""
         now = time.monotonic()
