@@ -31,10 +31,19 @@ READY_S = 240.0
 """vLLM's import and process-group set-up take 10-20 s per process here, more under load."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(span: int = 1) -> int:
+    """A port free on loopback now, with the ``span - 1`` after it (prefill TP rank r listens on port + r)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            for extra in range(1, span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + extra))
+        except OSError:
+            continue
+        return port
 
 
 @pytest.fixture(scope="module")
@@ -97,17 +106,21 @@ def until(children: list[Child], want: dict[str, tuple[str, str]], timeout: floa
         time.sleep(0.02)
 
 
-def transfer(prefill: Child, decodes: list[Child], *, tokens: int, src: list[int], dst: list[int], port: int,
-             prefix: int = 0, dst_block: int, seed: int) -> None:
-    """One request: the decode ranks submit, the prefill's request finishes, the bytes land; all checked."""
+def transfer(prefill: Child | list[Child], decodes: list[Child], *, tokens: int, src: list[int], dst: list[int],
+             port: int, prefix: int = 0, dst_block: int, seed: int) -> None:
+    """One request: the decode ranks submit (to every prefill rank), the prefill's request finishes, the bytes
+    land; every row checked on every decode rank, and nothing written outside the request."""
+    prefills = prefill if isinstance(prefill, list) else [prefill]
     room = room_of(f"req-{seed}")
-    prefill.call("fill", blocks=src, tokens=tokens, seed=seed)
-    step(decodes, recvs=[{"request_id": f"d{seed}", "room": room, "addresses": [f"127.0.0.1:{port}"],
+    for p in prefills:  # MLA: every prefill TP rank holds the whole request
+        p.call("fill", blocks=src, tokens=tokens, seed=seed)
+    step(decodes, recvs=[{"request_id": f"d{seed}", "room": room,
+                          "addresses": [f"127.0.0.1:{port + r}" for r in range(len(prefills))],
                           "blocks": dst[prefix // dst_block:], "prefix": prefix}])
-    step([prefill], sends=[{"request_id": f"p{seed}", "room": room, "blocks": src, "num_tokens": tokens,
-                            "lease_s": 30.0}], finished=[f"p{seed}"])
-    want = {d.name: ("received", f"d{seed}") for d in decodes}
-    seen = until([prefill, *decodes], {**want, prefill.name: ("sent", f"p{seed}")})
+    step(prefills, sends=[{"request_id": f"p{seed}", "room": room, "blocks": src, "num_tokens": tokens,
+                           "lease_s": 30.0}], finished=[f"p{seed}"])
+    want = {**{d.name: ("received", f"d{seed}") for d in decodes}, **{p.name: ("sent", f"p{seed}") for p in prefills}}
+    seen = until([*prefills, *decodes], want)
     assert not any(i.startswith("failed:") for ids in seen.values() for i in ids), seen
     for d in decodes:
         got = d.call("check", blocks=dst, tokens=tokens, seed=seed, prefix=prefix)
@@ -140,6 +153,15 @@ def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> N
                   ("kv_consumer", 1, {"engine": "nixl", "block_size": 64})], model, tmp_path) as (prefill, decode):
         transfer(prefill[0], decode, tokens=230, src=list(range(20, 35)), dst=[9, 4, 12, 6], port=port,
                  prefix=64, dst_block=64, seed=2)
+
+
+def test_mla_tp2_prefill_to_tp1_decode(model: str, tmp_path: Path) -> None:
+    """An MLA prefill of TP 2 (each rank holds the whole latent cache): the decode registers with both, one
+    writes, the other is a dummy; both hand their blocks back."""
+    port = free_port(span=2)
+    with started([("kv_producer", 2, {"port": port}), ("kv_consumer", 1, {})], model, tmp_path) as (prefills, decode):
+        transfer(prefills, decode, tokens=120, src=[9, 10, 11, 12, 13, 14, 15, 16], dst=[2, 4, 6, 8, 10, 12, 14, 16],
+                 port=port, dst_block=16, seed=5)
 
 
 def test_mha_tp1_to_tp2_slices_heads(tmp_path: Path) -> None:
