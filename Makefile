@@ -51,4 +51,4 @@ baseline: setup
 	@.venv/bin/buf build --exclude-source-info -o '-#format=json' | $(PY) -m json.tool --indent 1 > compat/pdproto.v1.baseline.json
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .hypothesis
+	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .hypothesis

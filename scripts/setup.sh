@@ -49,3 +49,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m compileall -q -j 0 "$purelib" >.venv/compileall.log 2>&1 || true
   echo "$want" > "$stamp"
 fi
+# vLLM 0.33.0 in a virtualenv of its own, for pdproto.integrations.vllm and tests/vllm.
+bash scripts/setup_vllm.sh

@@ -12,6 +12,7 @@ from pdproto.dcp import DcpLayout
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.topology import (
+    PAGE_RELAYOUT,
     Decision,
     Mode,
     Rejection,
@@ -330,6 +331,13 @@ def test_rejection_metadata_names_offending_values() -> None:
     r = reject(example_server_info(page_size=16), example_registration(page_size=32),
                Reason.TOPOLOGY_PAGE_SIZE_MISMATCH)
     assert dict(r.metadata) == {"prefillPageSize": "16", "decodePageSize": "32"}
+
+
+def test_page_relayout_capability_lifts_the_page_size_rule() -> None:
+    reg = example_registration(page_size=64)
+    reg.capabilities.append(PAGE_RELAYOUT)
+    d = decide(example_server_info(page_size=16), reg)
+    assert (d.mode, d.src.page_size, d.dst.page_size) == (Mode.SAME_LAYOUT, 16, 64)
 
 
 def test_mixed_memory_kinds_are_fine_without_relayout() -> None:

@@ -20,7 +20,8 @@ Rules, checked in this order (the first failing rule is the one reported):
 10. decode PP equals prefill PP or is 1 ......................... TOPOLOGY_PP_MISMATCH
 11. layout: equal DCP sizes need equal ranks (SAME_LAYOUT); other
     sizes need ranks that share tokens (s = d mod gcd) .......... TOPOLOGY_DCP_RANK_MISMATCH
-12. SAME_LAYOUT needs equal page sizes (relayout does not) ....... TOPOLOGY_PAGE_SIZE_MISMATCH
+12. SAME_LAYOUT needs equal page sizes (relayout does not, nor a
+    decode announcing ``PAGE_RELAYOUT``) ........................ TOPOLOGY_PAGE_SIZE_MISMATCH
 13. entries resolve by layer id or position (pdproto.dcp.layers)  LAYER_METADATA_ONE_SIDED,
     LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
 14. per-entry bytes per token equal, with no remainder (MHA with
@@ -59,6 +60,12 @@ from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyErro
 from pdproto.negotiation.tpmap import TpPlan, plan_tp
 
 _MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
+
+
+PAGE_RELAYOUT = "page-relayout"
+"""Decode capability: its rows may be planned token by token into pages of another size, so equal DCP
+layouts need not share a page size (rule 12). The executors always move planned runs; the rule
+stays for decodes (SGLang's own) that copy whole pages."""
 
 
 class Mode(enum.IntEnum):
@@ -360,7 +367,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                       prefillPpSize=src_pp, decodePpSize=dst_pp)
 
     mode = _mode(src, dst)
-    if mode is Mode.SAME_LAYOUT and src.page_size != dst.page_size:
+    if mode is Mode.SAME_LAYOUT and src.page_size != dst.page_size and PAGE_RELAYOUT not in reg.capabilities:
         raise _reject(Reason.TOPOLOGY_PAGE_SIZE_MISMATCH,
                       f"same layout copies pages: page sizes must match (prefill {src.page_size},"
                       f" decode {dst.page_size})",

@@ -25,6 +25,10 @@ and not the child, and SIGSTOP (which no process can catch) stops only the launc
 that freezes a process or reads its CPU or memory starts it with ``sys.executable`` instead.
 
 ``PDPROTO_SGLANG_ZYGOTE=0`` starts plain interpreters instead.
+
+The vLLM tests use the same machinery with another preload (``command(..., preload=
+"tests.vllm._rig")``: that module's ``PRELOAD``, in .venv-vllm): one zygote per preload
+and test process, each started on first use.
 """
 
 from __future__ import annotations
@@ -67,36 +71,37 @@ PRELOAD = (
 """Imported once by the zygote: what the SGLang test processes import, short of pdproto itself."""
 
 _lock = threading.Lock()
-_started: tuple[subprocess.Popen[bytes], str] | None = None
+_started: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
 
 
-def command(*args: str) -> list[str]:
-    """The command line that runs ``python *args`` (``-c CODE ...`` or ``-m MODULE ...``) as a fork of the zygote."""
+def command(*args: str, preload: str = "") -> list[str]:
+    """The command line that runs ``python *args`` (``-c CODE ...`` or ``-m MODULE ...``) as a fork of the zygote
+    (``preload``: a module whose ``PRELOAD`` the zygote imports; default: SGLang's, above)."""
     if args[:1] not in (("-c",), ("-m",)) or len(args) < 2:
         raise ValueError(f"the zygote runs `-c CODE` or `-m MODULE` only, not {args[:2]}")
     if os.environ.get("PDPROTO_SGLANG_ZYGOTE") == "0":
         return [sys.executable, *args]
-    return [sys.executable, "-S", "-I", str(LAUNCH), _socket(), *args]
+    return [sys.executable, "-S", "-I", str(LAUNCH), _socket(preload), *args]
 
 
-def _socket() -> str:
-    """This process's zygote's socket, starting the zygote the first time."""
-    global _started
+def _socket(preload: str) -> str:
+    """The socket of this process's zygote for ``preload``, starting the zygote the first time."""
     with _lock:
-        if _started is not None and _started[0].poll() is None:
-            return _started[1]
+        started = _started.get(preload)
+        if started is not None and started[0].poll() is None:
+            return started[1]
         where = tempfile.mkdtemp(prefix="pdproto-zygote-")
         path = os.path.join(where, "socket")
         with open(os.path.join(where, "zygote.log"), "wb") as log:
             # Its stdin is how it learns this process ended: at EOF it stops.
-            proc = subprocess.Popen([sys.executable, "-m", "tests.sglang._zygote", path], cwd=REPO,
+            proc = subprocess.Popen([sys.executable, "-m", "tests.sglang._zygote", path, preload], cwd=REPO,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != b"listening":  # before its imports: callers queue meanwhile
             proc.kill()
-            raise RuntimeError(f"the SGLang test zygote did not start; see {where}/zygote.log")
+            raise RuntimeError(f"the test zygote did not start; see {where}/zygote.log")
         atexit.register(_stop, proc, where)
-        _started = (proc, path)
+        _started[preload] = (proc, path)
         return path
 
 
@@ -114,13 +119,18 @@ def _stop(proc: subprocess.Popen[bytes], where: str) -> None:
 # -- the zygote -----------------------------------------------------------------------------
 
 
-def _preload() -> None:
-    """Install the CPU stubs and import ``PRELOAD``; a failure is left for each child to meet itself."""
-    from tests.sglang import _stubs
-
-    _stubs.install()
+def _preload(preload: str) -> None:
+    """Install the CPU stubs and import ``PRELOAD`` (or import ``preload`` and its ``PRELOAD``); a failure is
+    left for each child to meet itself."""
     try:
-        for name in PRELOAD:
+        if preload:
+            names = tuple(importlib.import_module(preload).PRELOAD)
+        else:
+            from tests.sglang import _stubs
+
+            _stubs.install()
+            names = PRELOAD
+        for name in names:
             importlib.import_module(name)
     except BaseException:  # noqa: BLE001 - the child's own import raises it again, where a test sees it
         traceback.print_exc()
@@ -237,12 +247,12 @@ def _run(argv: list[str], cwd: str) -> None:
 
 
 def main() -> None:
-    """``python -m tests.sglang._zygote SOCKET``: listen, preload, fork on request."""
+    """``python -m tests.sglang._zygote SOCKET [PRELOAD]``: listen, preload, fork on request."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sys.argv[1])
     listener.listen(64)
     print("listening", flush=True)
-    _preload()
+    _preload(sys.argv[2] if len(sys.argv) > 2 else "")
     argv, cwd = _serve(listener)
     _run(argv, cwd)
 
