@@ -137,12 +137,13 @@ def test_mla_tp1_to_tp1(engine: str, model: str, tmp_path: Path) -> None:
         transfer(prefill[0], decode, tokens=200, src=[5, 9, 2, 7, 11, 3, 4, 6, 8, 10, 12, 13, 14],
                  dst=[40, 3, 17, 8, 21, 30, 31, 32, 33, 34, 35, 36, 37], port=port, dst_block=16, seed=1)
         # vLLM aborts a decode request whose bytes are on the way (its prefill never finishes here): the
-        # room is aborted on the prefill, and the receive ends failed at once, long before its deadline.
+        # room is aborted on the prefill, and the receive ends failed long before its 300 s deadline (the bound
+        # is 90 s: a clean-clone make test under load from other work once took over 20 s).
         step(decode, recvs=[{"request_id": "d-x", "room": room_of("req-x"), "addresses": [f"127.0.0.1:{port}"],
                              "blocks": [50, 51], "prefix": 0}])
         step([*prefill, *decode])
         step(decode, cancels=["d-x"])
-        seen = until([*prefill, *decode], {decode[0].name: ("failed", "d-x")}, timeout=20.0)
+        seen = until([*prefill, *decode], {decode[0].name: ("failed", "d-x")}, timeout=90.0)
         assert "received:d-x" in seen[decode[0].name]
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pdproto import backends
 from pdproto.client import DecodePeer, PrefillRank
-from pdproto.errors import PdprotoError
+from pdproto.errors import PdprotoError, Reason
 from pdproto.negotiation.fanin import Outcome
 from pdproto.negotiation.registration import make_registration
 from pdproto.transfer import TransferExecutor, at_address, create_executor
@@ -240,10 +240,25 @@ class DecodeWorker:
                 self._on_outcome(r.room, Outcome(common_pb2.TRANSFER_STATE_FAILED, exc.reason.name, exc.message))
 
     def cancel(self, request_ids: Sequence[str]) -> None:
-        """Abort these requests' rooms on their prefill ranks (vLLM aborted them); each ends as failed."""
+        """Abort these requests' rooms on their prefill ranks (vLLM aborted them); each ends as failed.
+
+        A room ends once every rank drained it: by the FAILED status a rank sends, or, where a rank
+        had nothing left to abort (and so sends none), when the last abort answered.
+        """
         for room, (request_id, generation) in list(self._rooms.items()):
             if request_id in request_ids and generation is not None:
-                self.peer.abort(room, generation)
+                futures = self.peer.abort(room, generation)
+                left = [len(futures)]
+
+                def drained(_: object, room: int = room, left: list[int] = left) -> None:
+                    with self._lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            self._outcomes.setdefault(room, Outcome(
+                                common_pb2.TRANSFER_STATE_FAILED, Reason.ABORTED.name,
+                                "vLLM aborted the request; every prefill rank drained it"))
+                for future in futures:
+                    future.add_done_callback(drained)
 
     def step(self) -> Results:
         """The requests whose bytes landed or failed since the last step, or waited past their deadline."""
