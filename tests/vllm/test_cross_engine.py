@@ -1,10 +1,10 @@
-"""The first cross-engine PD transfer: an SGLang 0.5.23 prefill (pdproto's SGLang backend) feeds a vLLM
-0.33.0 decode (``PdprotoConnector``), MLA, dense -> TP 1, every row checked.
+"""The first cross-engine PD transfer: an SGLang 0.5.23 prefill (pdproto's SGLang backend) feeds vLLM 0.33.0
+decodes (``PdprotoConnector``), MLA, dense -> TP 1 and dense -> DCP 4, every row checked.
 
 Two processes, two virtualenvs: the SGLang prefill rank of ``tests/sglang/pd_harness.py``
 (SGLang's own ``ServerArgs``, pools, bootstrap server, manager and senders, chunked sends) in
-SGLang's interpreter, and a vLLM decode worker (``_worker.py``: vLLM's own code from the
-process group to the step) in this one. Where the engines disagree, negotiation decides
+SGLang's interpreter, and vLLM decode workers (``_worker.py``: vLLM's own code from the
+process group to the step) in this one: one of TP 1, four of TP 4 / DCP 4. Where the engines disagree, negotiation decides
 (docs/protocol.md): SGLang's aux buffers (first token, logprobs) reach no vLLM decode, which
 registers none (rule 16b); the pages are 64 tokens on the prefill, 16 on the decode (the decode
 announces ``page-relayout``, rule 12); both publish the canonical dtype "bfloat16" (rule 6); the
@@ -38,10 +38,13 @@ REQUESTS = (
     pd_harness.Request(room=(1 << 58) + 101, tokens=300, chunk=128),  # chunked, last page partial
     pd_harness.Request(room=(1 << 58) + 102, tokens=5),  # shorter than a block
     pd_harness.Request(room=(1 << 58) + 103, tokens=1000, decode_prefix=256, chunk=256),  # with a decode prefix
+    pd_harness.Request(room=(1 << 58) + 104, tokens=700, chunk=256, decode=1),  # to the DCP 4 decode, chunked
+    pd_harness.Request(room=(1 << 58) + 105, tokens=131, decode_prefix=64, decode=1),  # to DCP 4, with a prefix
 )
-"""Rooms past 32 bits, passed through as they are (under 2**59: the harness seeds aux bytes with room * 16)."""
+"""Rooms past 32 bits, passed through as they are (under 2**59: the harness seeds aux bytes with room * 16);
+``decode`` 0 is the TP 1 decode, 1 the TP 4 / DCP 4 one."""
 BLOCK = 16
-"""The vLLM decode's block (SGLang's page is ``PAGE``, 64)."""
+"""The vLLM decodes' block (SGLang's page is ``PAGE``, 64); a DCP 4 decode's scheduler block is 64 tokens."""
 BLOCKS = 128
 
 
@@ -65,9 +68,10 @@ def prefill_rows(spec: pd_harness.Spec) -> list[np.ndarray]:
     return out
 
 
-def test_sglang_prefill_to_vllm_decode(tmp_path: Path) -> None:
-    """SGLang MLA prefill (page 64) -> vLLM MLA decode (block 16), three requests (one chunked, one with a
-    decode prefix): every decode row is the prefill's, nothing else written, every SGLang sender Success."""
+def test_sglang_prefill_to_vllm_decodes(tmp_path: Path) -> None:
+    """One SGLang MLA prefill rank (page 64) feeds a vLLM TP 1 decode (block 16: three requests, one chunked,
+    one with a decode prefix) and a vLLM TP 4 / DCP 4 decode (token t on rank t % 4 at local row t // 4: two
+    requests): every decode row is the prefill's, nothing else written, every SGLang sender Success."""
     from . import _rig
 
     model = _rig.model_dir(tmp_path / "vllm-mla")
@@ -80,47 +84,60 @@ def test_sglang_prefill_to_vllm_decode(tmp_path: Path) -> None:
     args = ["--role", "prefill", "--backend", "pdproto", "--prefill-backend", "pdproto", "--timeout", str(timeout),
             "--model-dir", str(write_config("mla", tmp_path / "sglang-mla")), "--spec", spec.to_json(),
             "--bootstrap-port", str(free_port()), "--dist-port", str(free_port())]
-    with open(tmp_path / "prefill.log", "wb") as log:
+    log = tmp_path / "prefill.log"
+    with open(log, "wb") as err:
         prefill = subprocess.Popen([sglang_python(), "-m", "tests.sglang.pd_harness", *args], cwd=REPO, env=env,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         lines = pd_harness._Lines(prefill)
-        with started([("kv_consumer", 1, {"block_size": BLOCK, "blocks": BLOCKS})], model, tmp_path) as [[decode]]:
-            assert (lines.next(120.0) or {}).get("ready"), (tmp_path / "prefill.log").read_text()[-3000:]
-            free = list(range(1, BLOCKS))
-            random.Random(SEED).shuffle(free)
-            dst = {}
-            for r in REQUESTS:
-                n = -(-r.tokens // BLOCK)
-                dst[r.room], free = free[:n], free[n:]
-            # The decode submits first, as a vLLM decode does once its router sent the request to both.
-            step([decode], recvs=[{"request_id": f"d{r.room}", "room": r.room, "addresses": [f"127.0.0.1:{port}"],
-                                   "blocks": dst[r.room][r.decode_prefix // BLOCK:], "prefix": r.decode_prefix}
-                                  for r in REQUESTS])
+        with started([("kv_consumer", 1, {"block_size": BLOCK, "blocks": BLOCKS}),
+                      ("kv_consumer", 4, {"dcp": 4, "block_size": BLOCK, "blocks": BLOCKS})],
+                     model, tmp_path) as groups:
+            assert (lines.next(120.0) or {}).get("ready"), log.read_text()[-3000:]
+            dst: dict[int, list[int]] = {}
+            for k, group in enumerate(groups):
+                free = list(range(1, BLOCKS))
+                random.Random(SEED + k).shuffle(free)
+                block = BLOCK * len(group)  # the decode's scheduler block: BLOCK rows on each DCP rank
+                mine = [r for r in REQUESTS if r.decode == k]
+                for r in mine:
+                    n = -(-r.tokens // block)
+                    dst[r.room], free = free[:n], free[n:]
+                # Each decode submits first, as a vLLM decode does once its router sent the request to both.
+                step(group, recvs=[{"request_id": f"d{r.room}", "room": r.room, "addresses": [f"127.0.0.1:{port}"],
+                                    "blocks": dst[r.room][r.decode_prefix // block:], "prefix": r.decode_prefix}
+                                   for r in mine])
             pd_harness._say(prefill, "go")
-            want, got = {f"d{r.room}" for r in REQUESTS}, {"received": set(), "failed": set()}
+            decodes = [c for group in groups for c in group]
+            want = {c.name: {f"d{r.room}" for r in REQUESTS if r.decode == k} for k, g in enumerate(groups) for c in g}
+            got = {c.name: {"received": set(), "failed": set()} for c in decodes}
             end = time.monotonic() + timeout
-            while not want <= got["received"]:
-                assert time.monotonic() < end, (got, (tmp_path / "prefill.log").read_text()[-3000:])
-                (reply,) = step([decode])
-                for key in got:
-                    got[key] |= set(reply[key])
+            while not all(want[n] <= got[n]["received"] for n in want):
+                assert time.monotonic() < end, (got, log.read_text()[-3000:])
+                for c, reply in zip(decodes, step(decodes), strict=True):
+                    for key in ("received", "failed"):
+                        got[c.name][key] |= set(reply[key])
                 time.sleep(0.02)
-            assert not got["failed"], got
+            assert not any(g["failed"] for g in got.values()), got
             report = lines.next(float(timeout))
-            assert report is not None, (tmp_path / "prefill.log").read_text()[-3000:]
+            assert report is not None, log.read_text()[-3000:]
             assert {int(room): r["poll"] for room, r in report["results"].items()} == \
                 {r.room: pd_harness.SUCCESS for r in REQUESTS}, report
             rows, src = prefill_rows(spec), pd_harness.prefill_pages(spec)
-            checked, written = 0, 0
             for r in REQUESTS:
                 t = np.arange(r.tokens)
                 slots = np.asarray(src[r.room])[t // PAGE] * PAGE + t % PAGE
                 np.save(tmp_path / f"{r.room}.npy", np.stack([layer[slots] for layer in rows]))
-                out = decode.call("check", blocks=dst[r.room], tokens=r.tokens, prefix=r.decode_prefix,
-                                  expected=str(tmp_path / f"{r.room}.npy"))
-                assert out["bad"] == 0 and out["checked"] == (r.tokens - r.decode_prefix) * LAYERS["mla"], (r, out)
-                checked, written = checked + out["checked"], out["written"]
-            assert written == checked, f"rows written outside the requests: {written} of {checked}"
+            for k, group in enumerate(groups):
+                for c in group:
+                    checked, written = 0, 0
+                    for r in (r for r in REQUESTS if r.decode == k):
+                        out = c.call("check", blocks=dst[r.room], tokens=r.tokens, prefix=r.decode_prefix,
+                                     expected=str(tmp_path / f"{r.room}.npy"))
+                        rank = int(c.name.rsplit("-", 1)[1])
+                        owned = sum(1 for i in range(r.decode_prefix, r.tokens) if i % len(group) == rank)
+                        assert out["bad"] == 0 and out["checked"] == owned * LAYERS["mla"], (c.name, r, out)
+                        checked, written = checked + out["checked"], out["written"]
+                    assert written == checked, f"{c.name}: rows written outside the requests: {written} of {checked}"
     finally:
         pd_harness._stop(prefill, quit_first=True)
