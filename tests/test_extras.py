@@ -57,6 +57,7 @@ def reason_of(fn: object, *args: object, **kwargs: object) -> Reason:
 def test_aux_pairs_by_position() -> None:
     assert pair_aux(info(aux=(8, 64)), reg(aux=(8, 64))) == (AuxPairing(0, 0, 8), AuxPairing(1, 1, 64))
     assert pair_aux(info(), reg(aux=(8,))) == ()  # a prefill without aux moves none
+    assert pair_aux(info(aux=(8, 64)), reg()) == ()  # nor does a decode without (vLLM samples its first token)
 
 
 def test_aux_sizes_default_to_the_prefill_when_the_decode_sends_none() -> None:

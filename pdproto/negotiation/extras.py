@@ -7,7 +7,8 @@ purely from ``PrefillServerInfo`` and ``KvRegistration``:
 
 * **aux**: buffers pair by position; the counts must be equal (SGLang transferred the
   shorter list and misaligned the rest) and, when the decode sends its sizes, so must the
-  bytes per slot.
+  bytes per slot. A decode that registers no aux buffers (vLLM samples the first token
+  itself) gets none.
 * **state entries** pair by position with the same count, the same kind and, when both sides
   name it, the same type name (SGLang's ``dsa`` and ``qsa_compressed`` are both paged, with
   other layouts). Inside an entry, tensors pair like KV entries (``pdproto.dcp.layers``): by
@@ -152,11 +153,12 @@ def _parallel(values: Sequence[int], n: int, field: str) -> None:
 
 def pair_aux(info: server_info_pb2.PrefillServerInfo,
              reg: registration_pb2.KvRegistration) -> tuple[AuxPairing, ...]:
-    """Pair aux buffers by position; the counts and (when sent) the slot sizes must agree."""
+    """Pair aux buffers by position; the counts and (when sent) the slot sizes must agree; none for a decode
+    that registers none."""
     n = len(reg.aux_ptrs)
     _parallel(reg.aux_item_lens, n, "registration.aux_item_lens")
     _parallel(reg.aux_data_lens, n, "registration.aux_data_lens")
-    if not info.aux_entries:
+    if not info.aux_entries or n == 0:
         return ()
     if len(info.aux_entries) != n:
         raise TopologyError(

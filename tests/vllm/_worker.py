@@ -99,14 +99,19 @@ def main() -> None:
             w[at] = _rig.rows(layer, t, seed, full)[:, heads_of]
         return {"rows": int(tokens)}
 
-    def check(blocks: list[int], tokens: int, seed: int, prefix: int = 0) -> Reply:
-        """Rows of tokens [prefix, tokens) this DCP rank owns (t % dcp == rank) at local row t // dcp."""
+    def check(blocks: list[int], tokens: int, seed: int = 0, prefix: int = 0, expected: str = "") -> Reply:
+        """Rows of tokens [prefix, tokens) this DCP rank owns (t % dcp == rank) at local row t // dcp, against
+        ``_rig.rows`` or the ``expected`` rows (an .npy file: [layer, token, word], from another engine)."""
         t = np.arange(prefix, tokens)
         t = t[t % a.dcp == ps.get_dcp_group().rank_in_group]
         local = t // a.dcp
         at = np.asarray(blocks)[local // a.block_size] * a.block_size + local % a.block_size
-        bad = sum(int((w[at] != _rig.rows(layer, t, seed, full)[:, heads_of]).any(axis=1).sum())
-                  for layer, w in enumerate(words))
+        given = np.load(expected) if expected else None
+
+        def want(layer: int) -> np.ndarray:
+            return given[layer][t] if given is not None else _rig.rows(layer, t, seed, full)[:, heads_of]
+
+        bad = sum(int((w[at] != want(layer)).any(axis=1).sum()) for layer, w in enumerate(words))
         written = sum(int((w != 0).any(axis=1).sum()) for w in words)
         return {"checked": int(t.size) * len(words), "bad": bad, "written": written}
 

@@ -186,3 +186,29 @@ def test_prefill_holds_its_blocks_until_sent(model: str) -> None:
     s.update_from_output(out, _output([], finished_sending={"p1"}))
     assert not s.connector.has_pending_push_work()
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_an_sglang_bootstrap_room_is_the_room_on_both_sides(model: str) -> None:
+    """Facing SGLang, ``kv_transfer_params`` carry its ``bootstrap_room``: the room its senders and receivers use,
+    taken as is by a decode and by a prefill (which hands it on to its decode)."""
+    room = (1 << 62) + 5
+    d = _scheduler(model, "kv_consumer")
+    d.add_request(_request("d1", {"do_remote_prefill": True, "remote_host": "10.1.2.3", "remote_port": 5758,
+                                  "transfer_id": "t-1", "bootstrap_room": room}))
+    (recv,) = d.schedule().kv_connector_metadata.recvs
+    assert recv.room == room
+    p = _scheduler(model, "kv_producer")
+    req = _request("p1", {"do_remote_decode": True, "transfer_id": "t-2", "bootstrap_room": str(room)})
+    p.add_request(req)
+    out = p.schedule()
+    results = p.update_from_output(out, _output([req]))
+    params = next(o for r in results.values() for o in r.outputs).kv_transfer_params
+    assert params is not None and params["bootstrap_room"] == room
+    (send,) = p.schedule().kv_connector_metadata.sends
+    assert send.room == room
+    bad = _scheduler(model, "kv_consumer")
+    bad.add_request(_request("d2", {"do_remote_prefill": True, "remote_host": "10.1.2.3", "remote_port": 5758,
+                                    "bootstrap_room": -3}))
+    with pytest.raises(ConfigError) as caught:
+        bad.schedule()
+    assert caught.value.metadata["setting"] == "kv_transfer_params.bootstrap_room"

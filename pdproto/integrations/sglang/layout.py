@@ -45,6 +45,8 @@ from pdproto.errors import ConfigError, Reason, TopologyError
 from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.v1 import common_pb2
 
+from ..dtypes import kv_dtype
+
 STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpPolicy.ValueType]] = {
     "mamba": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_UNSPECIFIED),  # sliced where dim > 0
     "swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_UNSPECIFIED),
@@ -243,7 +245,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
         attn_tp=_group(ranks.attn_tp), attn_cp=_group(ranks.attn_cp), attn_dp=_group(ranks.attn_dp),
         system_dp=_group(ranks.system_dp), pp=_group(ranks.pp), dcp=_group(ranks.dcp),
         rank_endpoint=v1.Endpoint(host=host, port=port), page_size=int(kv_args.page_size),
-        kv_cache_dtype=str(kv_args.kv_cache_dtype_str), kv_layout=str(getattr(kv_args, "kv_layout", None) or ""),
+        kv_cache_dtype=kv_dtype(kv_args.kv_cache_dtype_str), kv_layout=str(getattr(kv_args, "kv_layout", None) or ""),
         attention_kind=attention_kind(is_mla_backend, hybrid),
         start_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),
         backends=[backend],  # type: ignore[list-item]
@@ -276,7 +278,7 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
                                          for t in tensors), type_name=name)
                   for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0]))
     return DecodeLayout(
-        page_size=page, kv=kv, kv_cache_dtype=str(kv_args.kv_cache_dtype_str),
+        page_size=page, kv=kv, kv_cache_dtype=kv_dtype(kv_args.kv_cache_dtype_str),
         attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
         attn_tp_size=ranks.attn_tp[0], attn_tp_rank=ranks.attn_tp[1], dcp_size=dcp, dcp_rank=ranks.dcp[1],
         pp_size=ranks.pp[0], pp_rank=ranks.pp[1], notify_host=notify_host, notify_port=notify_port,

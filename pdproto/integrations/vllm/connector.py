@@ -12,6 +12,7 @@ submit its blocks; the prefill writes them. Discovery is the request's ``kv_tran
 (``params``), as with vLLM's own connectors: the router gives both sides one ``transfer_id``,
 and the decode the prefill's ``remote_host``/``remote_port`` (and ``remote_tp_size``), which
 the prefill also returns from ``request_finished`` for a router that sends the two in turn.
+Facing an SGLang peer the router also gives SGLang's ``bootstrap_room``, which is then the room.
 """
 
 from __future__ import annotations
@@ -114,6 +115,20 @@ def _transfer_id(request: Any, params: Mapping[str, Any]) -> str:
     return str(params.get("transfer_id") or request.request_id)
 
 
+def _room(request: Any, params: Mapping[str, Any]) -> int:
+    """The request's pdproto room: an SGLang peer's ``bootstrap_room`` as is (its senders and receivers use
+    that room), else one derived from the ``transfer_id`` both engines were given."""
+    if params.get("bootstrap_room") is None:
+        return layout.room_of(_transfer_id(request, params))
+    room = params["bootstrap_room"]
+    if isinstance(room, bool) or not isinstance(room, int | str) or not str(room).isdigit() \
+            or int(room) >= 1 << 63:
+        raise ConfigError(f"kv_transfer_params bootstrap_room={room!r} is not valid: expected SGLang's room, an "
+                          "integer in [0, 2**63)", reason=Reason.CONFIG_INVALID,
+                          metadata={"setting": "kv_transfer_params.bootstrap_room", "value": str(room)})
+    return int(room)
+
+
 def _prefill_addresses(params: Mapping[str, Any]) -> tuple[str, ...]:
     """host:port of every prefill rank the request names (rank r listens on ``remote_port + r``)."""
     try:
@@ -197,7 +212,7 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         prefix = len(request.prompt_token_ids or ()) - num_external_tokens
         block = self._vllm_config.cache_config.block_size * self.dcp_size
         ids = blocks.get_block_ids()[0]
-        self._meta.recvs.append(Recv(request.request_id, layout.room_of(_transfer_id(request, params)),
+        self._meta.recvs.append(Recv(request.request_id, _room(request, params),
                                      _prefill_addresses(params), tuple(ids[prefix // block:]), prefix))
         self._receiving.add(request.request_id)
 
@@ -225,12 +240,13 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         transfer_id = _transfer_id(request, params)
         tokens = int(request.num_computed_tokens)
-        self._meta.sends.append(Send(request.request_id, layout.room_of(transfer_id), tuple(block_ids[0]),
-                                     tokens, self.timeouts.lease_s))
+        room = _room(request, params)
+        self._meta.sends.append(Send(request.request_id, room, tuple(block_ids[0]), tokens, self.timeouts.lease_s))
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
                       "remote_host": self.host, "remote_port": self.settings.port, "remote_tp_size": self.tp_size,
-                      "remote_num_tokens": tokens, "remote_block_size": self._vllm_config.cache_config.block_size}
+                      "remote_num_tokens": tokens, "remote_block_size": self._vllm_config.cache_config.block_size,
+                      **({} if params.get("bootstrap_room") is None else {"bootstrap_room": room})}
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Prefill: requests whose blocks vLLM freed are no longer held; decode: received ones no longer pending."""

@@ -44,6 +44,8 @@ from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region
 from pdproto.negotiation.topology import PAGE_RELAYOUT
 from pdproto.v1 import common_pb2
 
+from ..dtypes import kv_dtype
+
 CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT)
 """What a decode rank of this connector announces: vLLM's block sizes differ between engines and
 backends (16, 64, 128), so its blocks take rows planned per token from any prefill page size."""
@@ -76,7 +78,7 @@ class KvCache:
     num_blocks: int
     """Blocks every layer holds (block 0 is the null block)."""
     dtype: str
-    """KV dtype as both engines name it ("bfloat16", or vLLM's cache dtype string: "fp8_e4m3", ...)."""
+    """KV dtype in the canonical spelling (``pdproto.integrations.dtypes``: "bfloat16", "fp8_e4m3", ...)."""
     kind: common_pb2.AttentionKind.ValueType = v1.ATTENTION_KIND_MLA
     """MLA (one latent row per token) or MHA (per token, this rank's heads, each head's K then V)."""
     heads: int = 1
@@ -150,9 +152,7 @@ def check_served(kv_cache_config: Any) -> KvCache:
                 f" layer stride {t.layer_stride} B); set VLLM_KV_CACHE_LAYOUT=LBNHC",
                 blockStride=t.block_stride, page=page)
         layers.extend(t.layers)
-    dtype = str(getattr(spec, "cache_dtype_str", None) or "auto")
-    if dtype == "auto":
-        dtype = str(spec.dtype).removeprefix("torch.")
+    dtype = kv_dtype(getattr(spec, "cache_dtype_str", None)) or kv_dtype(spec.dtype)  # vLLM's auto: the torch dtype
     block = int(spec.block_size)
     return KvCache(tuple(layers), layer_ids(layers), block, page // block, int(kv_cache_config.num_blocks), dtype,
                    v1.ATTENTION_KIND_MHA if mha else v1.ATTENTION_KIND_MLA, int(spec.num_kv_heads))

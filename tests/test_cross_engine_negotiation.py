@@ -1,0 +1,62 @@
+"""An SGLang prefill rank and a vLLM decode worker as each adapter describes them: where the engines disagree,
+negotiation decides (docs/protocol.md). Pure: both adapters' layout modules import no engine; the bytes
+moving between the two real engines are tests/vllm/test_cross_engine.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdproto import v1
+from pdproto.errors import Reason
+from pdproto.integrations.dtypes import kv_dtype
+from pdproto.integrations.sglang import layout as sglang
+from pdproto.integrations.vllm import layout as vllm
+from pdproto.negotiation.registration import Region, make_registration
+from pdproto.negotiation.topology import Decision, Mode, Rejection, negotiate
+
+from .test_sglang_layout import kv_args
+
+
+def _vllm_decode(dtype: object, block: int = 16, dcp: int = 1, rank: int = 0) -> v1.KvRegistration:
+    """A vLLM MLA decode worker of 4 layers, its cache dtype as vLLM names it."""
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
+    cache = vllm.KvCache(names, vllm.layer_ids(names), block, 1152, 64, kv_dtype(dtype))
+    ranks = vllm.Ranks(tp=(dcp, rank), dcp=(dcp, rank))
+    dec = vllm.decode_layout(cache, ranks, notify_host="10.0.0.2", notify_port=7000, gpu_id=0)
+    regions = [Region(0x10_0000 * (i + 1), 64 * block * 1152, v1.MEMORY_KIND_VRAM) for i in range(4)]
+    return make_registration(dec, v1.MooncakeEndpoint(session_id="10.0.0.2:15000"), regions)
+
+
+def _sglang_prefill(dtype: str) -> v1.PrefillServerInfo:
+    args = kv_args()
+    args.kv_cache_dtype_str = dtype
+    return sglang.server_info(args, sglang.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="10.0.0.1", port=50051,
+                              backend=v1.BACKEND_MOONCAKE)
+
+
+def test_engine_spellings_of_one_dtype_are_one_name() -> None:
+    assert {kv_dtype(s) for s in ("bf16", "bfloat16", "torch.bfloat16", "BFloat16")} == {"bfloat16"}
+    assert {kv_dtype(s) for s in ("fp8", "fp8_e4m3", "torch.float8_e4m3fn")} == {"fp8_e4m3"}
+    assert {kv_dtype(s) for s in ("fp16", "half", "torch.float16")} == {"float16"}
+    assert kv_dtype("auto") == kv_dtype(None) == ""  # the model's dtype, unnamed: not compared (rule 6)
+    assert kv_dtype("fp8_ds_mla") == "fp8_ds_mla"  # a layout of its own stays as its engine names it
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_an_sglang_prefill_serves_a_vllm_decode_without_aux_in_blocks_of_16(dcp: int) -> None:
+    """SGLang page 64, aux buffers, "bf16"; vLLM block 16 (page-relayout), no aux, torch's bfloat16."""
+    info = _sglang_prefill("bf16")
+    assert info.kv_cache_dtype == "bfloat16" and len(info.aux_entries) > 0
+    for rank in range(dcp):
+        decision = negotiate(info, _vllm_decode("torch.bfloat16", dcp=dcp, rank=rank))
+        assert isinstance(decision, Decision), decision
+        assert decision.mode is (Mode.DENSE_TO_DCP if dcp > 1 else Mode.SAME_LAYOUT)
+        assert decision.tp is not None and decision.tp.aux == ()  # no aux reaches a decode that has none
+        assert [(p.src_entry, p.dst_entry, p.src_token_bytes) for p in decision.pairings] == [
+            (i, i, 1152) for i in range(4)]
+
+
+def test_different_dtypes_are_refused_whatever_the_spelling() -> None:
+    rejection = negotiate(_sglang_prefill("bf16"), _vllm_decode("fp8"))
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_KV_DTYPE_MISMATCH
