@@ -20,6 +20,7 @@ the setting, so a decode pointed at it fails at once instead of waiting for its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -82,6 +83,10 @@ class _Decode:
         """Rooms whose end the decode is not told: dummies (SGLang's prefill tells only real destinations)."""
         self.told: OrderedDict[int, int] = OrderedDict()
         """room -> generation whose end was sent (each end once, however it arrives)."""
+        self.order = asyncio.Lock()
+        """Held by each TransferInfo and ABORT of this decode in turn: they are handled in the order they
+        came (one PUSH socket), so an ABORT never overtakes the TransferInfo it follows while that one
+        waits for the registration."""
 
     @property
     def attached(self) -> bool:
@@ -309,6 +314,11 @@ class LegacyListener:
     async def _submit(self, info: transfer_pb2.TransferInfo, codec: Codec) -> None:
         """M2 (``TransferInfo``): SubmitTransfer for the decode's peer; a refusal answers Failed with why."""
         endpoint = (info.notify_endpoint.host, info.notify_endpoint.port)
+        known = self.decodes.get(endpoint)
+        async with known.order if known is not None else contextlib.nullcontext():
+            await self._submit_in_order(endpoint, info, codec)
+
+    async def _submit_in_order(self, endpoint: Endpoint, info: transfer_pb2.TransferInfo, codec: Codec) -> None:
         try:
             decode, peer = await self._peer(endpoint)
             self._claim(info, peer)
@@ -365,6 +375,11 @@ class LegacyListener:
             raise error_for(Reason.INVALID_FIELD, "an ABORT without a return address names no decode",
                             violations=[("decode_ip", "required")])
         endpoint = (note.reply_endpoint.host, note.reply_endpoint.port)
+        known = self.decodes.get(endpoint)
+        async with known.order if known is not None else contextlib.nullcontext():
+            await self._abort_in_order(endpoint, note)
+
+    async def _abort_in_order(self, endpoint: Endpoint, note: transfer_pb2.AbortNotification) -> None:
         decode = self.decodes.get(endpoint)
         peer = decode.peer.result() if decode is not None and decode.peer.done() and \
             not decode.peer.exception() else None
