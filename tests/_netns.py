@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,11 +82,27 @@ def netns_pair() -> Iterator[NetnsPair]:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", dev, "up")
+        _until_up((pair.a, veth_a), (pair.b, veth_b))
         yield pair
     finally:
         for ns in (pair.a, pair.b):
             _ip("netns", "del", ns, check=False)
         _ip("link", "del", veth_a, check=False)  # only if it never made it into a namespace
+
+
+def _until_up(*links: tuple[str, str], tries: int = 100) -> None:
+    """Wait (at most ``tries`` x 50 ms) until each veth end's operational state is UP.
+
+    The kernel reports a veth's carrier asynchronously (linkwatch, up to a second later); an engine
+    that lists its interfaces before then leaves the veth out, and its peer across the pair then
+    finds no transport the two share (NIXL: its agent metadata cannot be loaded).
+    """
+    for _ in range(tries):
+        states = [_ip("-n", ns, "-o", "link", "show", "dev", dev).stdout for ns, dev in links]
+        if all("state UP" in out for out in states):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"veth pair not up after {tries * 0.05:.0f} s: {states}")
 
 
 def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
