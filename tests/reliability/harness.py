@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdproto import v1
 from pdproto.v1 import common_pb2, transfer_pb2
 from pdproto.client import HandshakeClient
-from pdproto_demo.cluster import Cluster, Geometry, RequestResult, Topology
+from pdproto_demo.cluster import Cluster, Flight, Geometry, RequestResult, Topology
 
 # Fault runs use a small model: 8 MLA layers, requests up to 8K tokens.
 FAULT_GEOMETRY = Geometry(layers=8, page_size=64, max_tokens=8192, max_prefix=256)
@@ -101,6 +101,14 @@ def wait_until(probe: Callable[[], Any], timeout: float, interval: float = 0.2) 
         time.sleep(interval)
         value = probe()
     return value
+
+
+def put_in_flight(c: Cluster, tokens: int, prefix: int, decodes: Sequence[int], slot: int) -> Flight:
+    """Lay out a request, report all its chunks and have its decode ranks wait for it (``finish_collect`` next)."""
+    f = c.begin(tokens, prefix, decodes=decodes, slot=slot)
+    c.send_chunks(f)
+    c.finish_start(f)
+    return f
 
 
 def small_cluster(backend: str, *, decodes: int = 2, geometry: Geometry = FAULT_GEOMETRY,

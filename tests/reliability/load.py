@@ -14,7 +14,7 @@ import numpy as np
 
 from pdproto_demo.cluster import Cluster, Geometry, Topology
 
-from .harness import LOG_DIR, Outcome, prefill_stats
+from .harness import LOG_DIR, Outcome, prefill_stats, put_in_flight
 
 PROMPTS = (63, 64, 65, 255, 256, 257, 1000, 2048, 4095, 4096)
 GROUPS = 4
@@ -38,10 +38,7 @@ def load(backend: str, requests_per_peer: int = 200, seed: int = 1) -> Outcome:
             for g in range(GROUPS):
                 tokens = rng.choice(PROMPTS)
                 prefix = 256 if tokens >= 1000 and rng.random() < 0.5 else 0
-                f = c.begin(tokens, prefix, decodes=range(g * DCP, (g + 1) * DCP), slot=g)
-                c.send_chunks(f)
-                c.finish_start(f)
-                flights.append(f)
+                flights.append(put_in_flight(c, tokens, prefix, range(g * DCP, (g + 1) * DCP), g))
             for f in flights:
                 res = c.finish_collect(f)
                 out.count(res)

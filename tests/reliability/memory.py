@@ -35,6 +35,9 @@ GROWTH_LIMIT = 32 << 20
 """Resident growth allowed per phase: allocator slack, not what was kept (1,000 kept requests were about 1 GB)."""
 REQUESTS, BATCH, INFO_PAGES = 1000, 50, 1 << 16
 CYCLES = 30
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+"""glibc otherwise raises its mmap threshold after the first big free and keeps later ones in
+the heap: a row would measure the allocator's slack, not what the process keeps."""
 SUCCESS, FAILED = common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED
 
 
@@ -135,9 +138,7 @@ def _gone_peers(out: Outcome, client: HandshakeClient, pid: int) -> None:
 def memory_limits(backend: str = "local") -> Outcome:
     """The memory row (see the module doc)."""
     out = Outcome("memory under the limits", backend)
-    # glibc otherwise raises its mmap threshold after the first big free and keeps later
-    # ones in the heap: the row would measure the allocator, not what the server keeps.
-    env = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+    env = FIXED_MMAP_THRESHOLD
     resident = DecodeRank.for_spec(SPEC, pages=64)
     try:
         with running_server(*SERVE_ARGS, "--backend", backend, "--max-peers", str(MAX_PEERS),

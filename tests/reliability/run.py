@@ -1,7 +1,7 @@
 """`make reliability`: fault injection, version skew, limits and load; prints one table.
 
-Usage: python -m tests.reliability.run [--backends mooncake,nixl] [--requests 200] [--only NAME ...]
-[--write-doc]. Exit status 0 only when every row passes (0 lost, 0 corrupted, every fault
+Usage: python -m tests.reliability.run [--backends mooncake,nixl] [--requests 200] [--soak-s 60]
+[--only NAME ...] [--write-doc]. Exit status 0 only when every row passes (0 lost, 0 corrupted, every fault
 reported with a reason, the server healthy afterwards).
 """
 
@@ -15,13 +15,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import busy, crash, exactly_once, faults, flood, hostile, limits, load, memory, mixed, skew, stuck
+from . import busy, crash, exactly_once, faults, flood, hostile, limits, load, memory, mixed, skew, soak, stuck
 from .harness import HEADER, LOG_DIR, Outcome, row
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reliability.md")
 
 
-def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[], Outcome]]]:
+def plan(backends: list[str], requests: int, soak_s: float = 60.0) -> list[tuple[str, str, Callable[[], Outcome]]]:
     """(name, backend, thunk) for every row, in table order."""
     rows: list[tuple[str, str, Callable[[], Outcome]]] = []
     for b in backends:
@@ -47,6 +47,8 @@ def plan(backends: list[str], requests: int) -> list[tuple[str, str, Callable[[]
             rows.append(("busy", b, lambda b=b, n=n: busy.busy_sessions(b, n)))  # type: ignore[misc]
     for b in backends:
         rows.append(("load", b, lambda b=b: load.load(b, requests)))  # type: ignore[misc]
+    for b in [b for b in backends if b in ("mooncake", "nixl")]:
+        rows.append(("soak", b, lambda b=b: soak.soak(b, soak_s)))  # type: ignore[misc]
     return rows
 
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backends", default="mooncake,nixl")
     ap.add_argument("--requests", type=int, default=200, help="load: requests per decode peer")
+    ap.add_argument("--soak-s", type=float, default=60.0,
+                    help="soak: seconds of traffic per engine, warm-up included (600 for the 10-minute soak)")
     ap.add_argument("--only", nargs="*", default=None, help="row names to run (e.g. decode_killed load)")
     ap.add_argument("--write-doc", action="store_true", help="record the table in docs/reliability.md")
     args = ap.parse_args(argv)
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # (the multi-host row drops it for the processes it starts in its namespaces).
     os.environ.setdefault("PDPROTO_ADVERTISE_HOST", "127.0.0.1")
     backends = [b for b in args.backends.split(",") if b]
-    rows = [r for r in plan(backends, args.requests) if args.only is None or r[0] in args.only]
+    rows = [r for r in plan(backends, args.requests, args.soak_s) if args.only is None or r[0] in args.only]
     print(f"process logs: {LOG_DIR}", file=sys.stderr)
     t0 = time.monotonic()
     outcomes: list[Outcome] = []
