@@ -127,6 +127,7 @@ def multihost(backend: str, requests: int = 3) -> dict[str, Any]:
     report: dict[str, Any] = {"backend": backend}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PDPROTO_ADVERTISE_HOST", None)
+    env.pop("UCX_NET_DEVICES", None)  # names this host's interfaces, which the namespaces do not have
     with netns_pair() as pair, open(os.path.join(tmp, "serve.log"), "w") as log:
         serve = subprocess.Popen(
             pair.command(pair.a, [sys.executable, "-m", "pdproto_server.cli", "serve", "--listen",

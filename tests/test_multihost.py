@@ -13,6 +13,10 @@ Run only these: ``.venv/bin/python -m pytest tests/test_multihost.py -q`` (as ro
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pdproto.client import HandshakeClient
@@ -64,3 +68,17 @@ def test_prefill_and_decodes_in_two_network_namespaces(backend: str) -> None:
     assert refused["reason"] == "INVALID_FIELD", r["loopback"]
     assert "PDPROTO_ADVERTISE_HOST" in refused["message"], refused
     assert r["serve_alive"], r
+
+
+def test_an_advertised_address_limits_this_nixl_agent_only_not_the_processes_started_after() -> None:
+    # A NIXL executor kept to loopback once left UCX_NET_DEVICES=lo in os.environ, so a process
+    # started afterwards (a decode in another namespace) could only offer loopback to its peer.
+    probe = ("import os, json\n"
+             "from pdproto.transfer import create_executor\n"
+             "ex = create_executor('nixl', host='127.0.0.1')\n"
+             "print(json.dumps({'left': os.environ.get('UCX_NET_DEVICES')}))\n"
+             "ex.close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == '{"left": null}', done.stdout

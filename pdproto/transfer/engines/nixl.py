@@ -93,8 +93,12 @@ def _skip_verbs_modules() -> None:
         os.environ["UCX_MODULES"] = "^ib,ib_efa,ib_mlx5,ib_mlx5_ext,rdmacm"
 
 
-def _make_agent(api: Any, name: str, delay_us: int) -> Any:
+def _make_agent(api: Any, name: str, delay_us: int, net_device: str | None = None) -> Any:
     """Build a UCX agent whose progress thread sleeps ``delay_us`` between polls.
+
+    ``net_device``, unless ``UCX_NET_DEVICES`` is set, keeps the agent's UCX context to
+    that interface; UCX reads the variable when the agent creates its backend, and the
+    environment is restored right after.
 
     ``nixl_agent.__init__`` sets ``pthrDelay = 0`` on a fresh native config. A
     config subclass turns that 0 into ``delay_us``, and it is swapped in for the
@@ -125,6 +129,9 @@ def _make_agent(api: Any, name: str, delay_us: int) -> Any:
         _skip_verbs_modules()  # UCX reads it when the agent creates its backend
         if prop is not None and delay_us > 0:
             api.nixlBind = _Bind()
+        scoped = net_device is not None and "UCX_NET_DEVICES" not in os.environ
+        if scoped:
+            os.environ["UCX_NET_DEVICES"] = net_device
         try:
             # RW sync: the server runs jobs for different peers on several threads at once;
             # transfers may proceed together, metadata changes (add/remove peer) are exclusive.
@@ -133,6 +140,8 @@ def _make_agent(api: Any, name: str, delay_us: int) -> Any:
             return api.nixl_agent(name, conf)
         finally:
             api.nixlBind = bind
+            if scoped:
+                os.environ.pop("UCX_NET_DEVICES", None)
 
 
 class NixlExecutor(EngineExecutor):
@@ -152,18 +161,18 @@ class NixlExecutor(EngineExecutor):
 
         UCX advertises every usable interface itself. When an address is set (``host``, or
         ``PDPROTO_ADVERTISE_HOST``), UCX's network transports are kept to the interface that
-        holds it (``UCX_NET_DEVICES``, unless set).
+        holds it (``UCX_NET_DEVICES``, unless set), for this agent only: the variable is
+        set while UCX reads its configuration and restored after, so processes this one
+        starts later still see every interface.
         """
         super().__init__(staging_bytes=staging_bytes, device=device, transfer_timeout_s=transfer_timeout_s,
                          inline_bytes=inline_bytes)
         advertised = host or os.environ.get(ADVERTISE_ENV, "").strip()
         device_name = interface_of(advertised) if advertised else None
-        if device_name is not None:
-            os.environ.setdefault("UCX_NET_DEVICES", device_name)
         self._api = _import_api()
         self._name = name or f"pdproto-{uuid.uuid4()}"
         try:
-            self._agent = _make_agent(self._api, self._name, progress_delay_us)
+            self._agent = _make_agent(self._api, self._name, progress_delay_us, device_name)
         except Exception as exc:  # noqa: BLE001 - the binding raises bare RuntimeErrors
             raise TransferError("NIXL agent failed to start", reason=Reason.TRANSFER_FAILED,
                                 metadata={"name": self._name, "error": exc}) from exc
