@@ -47,7 +47,7 @@ from pdproto.client import DecodePeer, PrefillRank
 from pdproto.errors import PdprotoError, Reason, error_for
 from pdproto.negotiation.fanin import KindTotals
 from pdproto.negotiation.registration import make_registration
-from pdproto.transfer import VRAM, Buffer, Notification, TransferExecutor, create_executor
+from pdproto.transfer import DRAM, VRAM, Buffer, CredentialSlot, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
@@ -181,6 +181,8 @@ class DecodeRank:
         self.state = [[self.executor.allocate(t.item_len * n) for t in e.tensors]
                       for n, e in zip(items, layout.state, strict=True)]
         self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
+        self.credential = CredentialSlot(self.executor, kind=VRAM if vram else DRAM, device=device)
+        """Where each prefill writes its part of this rank's peer credential (``connect`` binds it)."""
         self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
         """Host views of the buffers, one (rows x row_bytes) array per layer; empty for VRAM."""
         self._free_slots = list(range(c.slots - 1, 0, -1))
@@ -204,15 +206,19 @@ class DecodeRank:
 
     # -- what tests driving their own client use ---------------------------------------
 
-    def registration(self, minor: int = PROTOCOL_MINOR) -> registration_pb2.KvRegistration:
-        """This rank's ``KvRegistration`` (call again after a restart of the engine: endpoints change)."""
+    def registration(self, minor: int = PROTOCOL_MINOR, bound: bool = False) -> registration_pb2.KvRegistration:
+        """This rank's ``KvRegistration`` (call again after a restart of the engine: endpoints change);
+        ``bound``: with its ``credential_buffer`` (then Register needs ``self.credential.read``)."""
         c = self.config
         layout = self.model.decode_layout(
             tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size, dcp_size=c.dcp_size, dcp_rank=c.dcp_rank,
             layer_ids=c.layer_ids, kv_cache_dtype=c.kv_dtype, model_id=c.model_id,
             notify_host="127.0.0.1", notify_port=self.notify_port, capabilities=("dcp-relayout", "packed"),
             gpu_id=self.buffers[0].device, minor=minor)
-        return make_registration(layout, self.executor.endpoint(), self.buffers, aux=self.aux, state=self.state)
+        reg = make_registration(layout, self.executor.endpoint(), self.buffers, aux=self.aux, state=self.state)
+        if bound:
+            reg.credential_buffer.CopyFrom(self.credential.proto())
+        return reg
 
     def pages_for(self, tokens: int, first_page: int = 0) -> list[int]:
         """Destination pages this rank needs for ``tokens`` global tokens (reversed, to be non-trivial)."""
@@ -298,11 +304,11 @@ class DecodeRank:
         """
         if self.peer is not None:
             self.peer.close(deregister=False)
-        reg = self.registration(minor)
+        reg = self.registration(minor, bound=True)
         if unknown_field:
             reg.MergeFromString(data.FUTURE_FIELD)
         self.peer = DecodePeer(reg, token=token, root_cert=root_cert, timeout=min(timeout, 5.0),
-                               server_name="localhost" if root_cert else None)
+                               server_name="localhost" if root_cert else None, read_credential=self.credential.read)
         self.addresses = list(targets)
         ranks = [self.peer.connect(address, timeout=timeout) for address in targets]
         return {"peers": [r.peer_id for r in ranks], "modes": [int(r.result.mode) for r in ranks],

@@ -19,6 +19,7 @@ from pdproto.errors import IdentityInUseError, NotFoundError, PdprotoError, Reas
 from pdproto.negotiation.topology import Decision, Rejection, negotiate
 from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2
 
+from .credential import ENGINE_BYTES, RESPONSE_BYTES, EngineCredentials
 from .engine import PrefillEngine
 from .expiry import Deadlines
 from .metrics import ServiceMetrics
@@ -62,6 +63,7 @@ class Admission:
         self.deadlines = deadlines
         self.life = life
         runner.on_peer_gone = self._peer_gone
+        self.credentials = EngineCredentials(engine.executor)
         self._registering = 0
         self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
@@ -140,18 +142,21 @@ class Admission:
     async def _admit(self, reg: registration_pb2.KvRegistration, verdict: Decision) -> hs.RegisterResponse:
         """Connect the executor (on the peer's worker) and add the peer, as ``verdict`` says."""
         identity = identity_of(reg)
+        bound = reg.HasField("credential_buffer")
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
         async with self.registry.serialized(identity):
             self.life.accepting()
             stale = self.registry.stale_for(identity)
-            await self._refuse_live(stale, identity)
+            await self._refuse_live(stale, identity, bound)
             self.life.accepting()  # a drain may have begun while it waited for a closing client's streams
             self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
-                # Same notify endpoint or engine identity: the decode restarted. Its old
-                # requests can never complete; fail them and drop its engine connection.
+                # Same notify endpoint or engine identity: the decode restarted (or one that binds its
+                # credential to the engine replaces a holder that did not). The old peer's requests can
+                # never complete; fail them and drop its engine connection.
                 log.info("peer %s re-registered as a new peer; dropping stale state", old.peer_id)
-                await self.drop(old, Reason.PEER_GONE, "the decode re-registered (restart)")
+                await self.drop(old, Reason.PEER_GONE, "the decode re-registered (restart)" if old.bound or not bound
+                                else "a registration whose credential went through this engine took its identity")
             self.registry.check_capacity(self._registering)
             self._registering += 1
             try:
@@ -160,11 +165,15 @@ class Admission:
                 result.peer_id = peer_id
                 peer = Peer(peer_id=peer_id, registration=reg, decision=verdict, result=result,
                             identity=identity, worker=self.engine.executor.worker(peer_id),
-                            credential=self.registry.new_credential())
+                            credential=self.registry.new_credential(), bound=bound)
                 peer.page_limit = page_limit(peer)
                 try:
                     await asyncio.wrap_future(peer.worker.submit(self.engine.executor.connect, peer_id, reg,
                                                                  what=f"connect {peer_id}"))
+                    if bound:
+                        tail = await asyncio.wrap_future(peer.worker.submit(
+                            self.credentials.write, peer_id, reg, what=f"credential of {peer_id}"))
+                        peer.credential = peer.credential[:RESPONSE_BYTES] + tail
                 except BaseException:
                     # Never admitted; its connect (maybe still running) is undone in the background.
                     self.registry.remove(peer)
@@ -173,19 +182,24 @@ class Admission:
                 self.registry.add(peer)
             finally:
                 self._registering -= 1
+        if bound:
+            return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential[:RESPONSE_BYTES],
+                                       credential_bytes_in_engine=ENGINE_BYTES)
         return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
 
     @staticmethod
-    async def _refuse_live(stale: list[Peer], identity: tuple[str, ...]) -> None:
+    async def _refuse_live(stale: list[Peer], identity: tuple[str, ...], bound: bool) -> None:
         """Refuse to replace a peer whose decode still reads a stream: that is a live decode, not a restart.
 
         A decode's exit closes its streams, so a restarted one finds them closed; one that
         is still reading them is alive, and whoever names its endpoint or engine is not it
         (docs/security.md). Streams a client has just closed may take a moment to end
-        here, so the check waits up to ``IDENTITY_GRACE_S`` for them.
+        here, so the check waits up to ``IDENTITY_GRACE_S`` for them. A registration that
+        binds its credential to its engine (``bound``) is refused only by a live peer that
+        did too: one that did not never proved the engine is its own.
         """
         for poll in range(IDENTITY_POLLS + 1):
-            live = [p for p in stale if not p.closed and p.gone_at is None and p.attached()]
+            live = [p for p in stale if not p.closed and p.gone_at is None and p.attached() and (p.bound or not bound)]
             if not live:
                 return
             if poll < IDENTITY_POLLS:

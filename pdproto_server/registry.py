@@ -226,6 +226,8 @@ class Peer:
     executor's deadline (``pdproto/transfer/worker.py``)."""
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
+    bound: bool = False
+    """Part of its credential went through its transfer engine (``credential.py``): it owns that engine."""
     open: dict[int, Request] = field(default_factory=dict)
     """Open (non-terminal) requests by room."""
     finished: dict[int, Finished] = field(default_factory=dict)
@@ -323,12 +325,16 @@ class Peer:
 
 
 def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...]:
-    """Keys that name the same decode rank across restarts: notify endpoint and engine identity."""
+    """Keys that name the same decode rank across restarts: notify endpoint and engine identity.
+
+    A registration that binds its credential to its engine (``credential_buffer``) is named by
+    its engine alone: that is what it proves, and a notify endpoint is an address anyone can name.
+    """
     keys: list[str] = []
-    ep = registration.notify_endpoint
-    if ep.host or ep.port:
-        keys.append(f"notify:{ep.host}:{ep.port}")
     engine = backends.identity_key(registration)
+    ep = registration.notify_endpoint
+    if (ep.host or ep.port) and not (engine is not None and registration.HasField("credential_buffer")):
+        keys.append(f"notify:{ep.host}:{ep.port}")
     if engine is not None:
         keys.append(engine)
     return tuple(keys)

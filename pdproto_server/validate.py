@@ -21,6 +21,7 @@ from pdproto.negotiation.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
+from .credential import ENGINE_BYTES
 from .engine import page_extent
 from .registry import Peer
 
@@ -176,6 +177,12 @@ def check_registration(request: hs.RegisterRequest, origin: str = "") -> registr
         length, item_len = buf.length, buf.item_len
         if length and item_len and length < item_len:
             bad.append((f"registration.kv_buffers[{i}].length", "smaller than one page (item_len)"))
+    if reg.HasField("credential_buffer"):
+        cb = reg.credential_buffer
+        if cb.length < ENGINE_BYTES:
+            bad.append(("registration.credential_buffer.length", f"must be at least {ENGINE_BYTES} bytes"))
+        if kv and cb.memory_kind != kv[0].memory_kind:
+            bad.append(("registration.credential_buffer.memory_kind", "must be the KV buffers' memory kind"))
     bad += unreachable(reg, origin)
     _sanity(reg, groups, transport, bad)
     if bad:

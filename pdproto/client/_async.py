@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from pdproto.errors import ConfigError, Reason
 from pdproto.rpc import ChannelConfig
 from pdproto.session import StatusBook
 from pdproto.v1 import (
@@ -25,6 +26,7 @@ from pdproto.v1 import (
 
 from ._rpc import (
     TERMINAL_STATES,
+    CredentialReader,
     Credentials,
     RetryConfig,
     Tries,
@@ -128,12 +130,22 @@ class AsyncHandshakeClient:
         return int(resp.failed_requests)
 
     async def register(self, registration: registration_pb2.KvRegistration, *,
-                       timeout: float | None = None) -> server_info_pb2.NegotiationResult:
+                       timeout: float | None = None,
+                       read_credential: CredentialReader | None = None) -> server_info_pb2.NegotiationResult:
         """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class)
-        on rejection."""
+        on rejection.
+
+        A registration with a ``credential_buffer`` needs ``read_credential``: the part of the
+        credential the prefill wrote there through the engine is read back with it.
+        """
+        if registration.HasField("credential_buffer") and read_credential is None:
+            raise ConfigError("this registration names a credential_buffer: pass read_credential, which reads "
+                              "it back (pdproto.transfer.CredentialSlot.read)", reason=Reason.CONFIG_INVALID)
         resp: hs.RegisterResponse = await self._call(self._stub.Register, hs.RegisterRequest(registration=registration),
                                                      timeout)
-        return self._creds.keep(resp)
+        n = resp.credential_bytes_in_engine
+        tail = read_credential(n) if n and read_credential is not None else b""
+        return self._creds.keep(resp, tail)
 
     async def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
                               timeout: float | None = None,

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +28,9 @@ from pdproto.v1 import server_info_pb2, transfer_pb2
 from ._auth import Metadata, Proof
 
 TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
+
+CredentialReader = Callable[[int], bytes]
+"""Reads the first n bytes of the decode's ``credential_buffer`` (``pdproto.transfer.CredentialSlot.read``)."""
 
 
 @dataclass(frozen=True)
@@ -201,9 +204,9 @@ class Credentials:
     def __init__(self) -> None:
         self._by_peer: dict[str, bytes] = {}
 
-    def keep(self, response: hs.RegisterResponse) -> server_info_pb2.NegotiationResult:
-        """Remember the credential of a Register answer; returns its result."""
-        self._by_peer[response.result.peer_id] = response.peer_credential
+    def keep(self, response: hs.RegisterResponse, tail: bytes = b"") -> server_info_pb2.NegotiationResult:
+        """Remember the credential of a Register answer (``tail``: its part read from the engine); returns its result."""
+        self._by_peer[response.result.peer_id] = response.peer_credential + tail
         return response.result
 
     def of(self, peer_id: str, given: bytes | None) -> bytes:

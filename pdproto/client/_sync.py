@@ -12,7 +12,7 @@ from pdproto.rpc.loop import LoopThread
 from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2, server_info_pb2, transfer_pb2
 
 from ._async import AsyncHandshakeClient
-from ._rpc import RetryConfig
+from ._rpc import CredentialReader, RetryConfig
 
 _T = TypeVar("_T")
 
@@ -59,11 +59,11 @@ class HandshakeClient:
         """Drop another peer, as the operator; returns how many open requests failed (``pdproto evict``)."""
         return self._loop.run(self._async.evict(peer_id, timeout=timeout))
 
-    def register(self, registration: registration_pb2.KvRegistration, *,
-                 timeout: float | None = None) -> server_info_pb2.NegotiationResult:
+    def register(self, registration: registration_pb2.KvRegistration, *, timeout: float | None = None,
+                 read_credential: CredentialReader | None = None) -> server_info_pb2.NegotiationResult:
         """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class)
-        on rejection."""
-        return self._loop.run(self._async.register(registration, timeout=timeout))
+        on rejection (``read_credential``: as ``AsyncHandshakeClient.register``)."""
+        return self._loop.run(self._async.register(registration, timeout=timeout, read_credential=read_credential))
 
     def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
                         timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.TransferStatus:

@@ -44,7 +44,7 @@ from pdproto.rpc.loop import LoopThread
 from pdproto.v1 import registration_pb2, server_info_pb2, transfer_pb2
 
 from ._async import AsyncHandshakeClient
-from ._rpc import TERMINAL_STATES
+from ._rpc import TERMINAL_STATES, CredentialReader
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,11 @@ class DecodePeer:
 
     def __init__(self, registration: registration_pb2.KvRegistration, *, token: str | None = None,
                  root_cert: bytes | str | Path | None = None, server_name: str | None = None,
-                 timeout: float = 5.0, on_outcome: OutcomeHandler | None = None) -> None:
+                 timeout: float = 5.0, on_outcome: OutcomeHandler | None = None,
+                 read_credential: CredentialReader | None = None) -> None:
         self.registration = registration
+        self.read_credential = read_credential
+        """Reads back the credential part a prefill rank wrote into ``registration.credential_buffer``."""
         self.timeout = timeout
         """Default deadline of each call to a prefill rank."""
         self.on_outcome = on_outcome
@@ -163,7 +166,7 @@ class DecodePeer:
         await self._released(address, timeout=self.timeout)
         client = self._client(address)
         try:
-            result = await client.register(self.registration, timeout=timeout)
+            result = await client.register(self.registration, timeout=timeout, read_credential=self.read_credential)
         except BaseException:
             await client.close()
             raise

@@ -29,7 +29,7 @@ from .base import (
     encode_notification,
 )
 from .engines._paths import INLINE_BYTES
-from .memory import aligned_dram, allocate, at_address, external
+from .memory import CredentialSlot, aligned_dram, allocate, at_address, external
 
 
 def create_executor(backend: str, *, name: str | None = None, **options: Any) -> TransferExecutor:
@@ -60,6 +60,7 @@ def create_executor(backend: str, *, name: str | None = None, **options: Any) ->
 __all__ = [
     "DRAM",
     "INLINE_BYTES",
+    "CredentialSlot",
     "VRAM",
     "Buffer",
     "Endpoint",

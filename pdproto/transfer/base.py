@@ -364,7 +364,7 @@ def require_transport(registration: registration_pb2.KvRegistration, transport: 
 
 
 def remote_regions(registration: registration_pb2.KvRegistration) -> Regions:
-    """Every base a peer registered for KV, aux and state, with the length that bounds writes from it.
+    """Every base a peer registered for KV, aux, state and its credential, with the length that bounds writes from it.
 
     Built once per connection, not per job: a registration may list tens of thousands of
     state tensors. Two regions at one base: the looser bound wins (0, unknown, is the loosest).
@@ -374,6 +374,9 @@ def remote_regions(registration: registration_pb2.KvRegistration) -> Regions:
     for b in registration.kv_buffers:  # one pass: each step through a repeated message costs a microsecond
         bases.append(b.ptr)
         lengths.append(b.length)
+    if registration.HasField("credential_buffer"):
+        bases.append(registration.credential_buffer.ptr)
+        lengths.append(registration.credential_buffer.length)
     # Scalar lists convert through numpy at once; indexing them one by one costs a microsecond each.
     for ptrs, lens in ((registration.aux_ptrs, registration.aux_data_lens),
                        *((s.data_ptrs, s.data_lens) for s in registration.state_buffers)):

@@ -11,6 +11,8 @@ import numpy.typing as npt
 
 from pdproto.errors import EngineUnavailableError
 
+from pdproto.v1 import registration_pb2
+
 from .base import DRAM, VRAM, Buffer, MemoryKind
 
 
@@ -90,4 +92,27 @@ def at_address(addr: int, nbytes: int, *, kind: MemoryKind = DRAM, device: int =
     return Buffer(addr=addr, length=nbytes, ptr=addr, kind=DRAM, device=0, array=host_view(addr, nbytes))
 
 
-__all__ = ["aligned_dram", "allocate", "array_addr", "at_address", "external", "host_view", "torch_module"]
+class CredentialSlot:
+    """Engine-registered memory a prefill writes part of this decode's peer credential into.
+
+    Set ``KvRegistration.credential_buffer`` to ``proto()`` and hand ``read`` to Register
+    (``read_credential``); create it before the engine's endpoint (NIXL's metadata lists the
+    registered memory). One slot per client that registers: a read follows each Register.
+    """
+
+    def __init__(self, executor: Any, *, kind: MemoryKind = DRAM, device: int = 0, nbytes: int = 64) -> None:
+        self.buffer: Buffer = executor.allocate(nbytes, kind=kind, device=device)
+        executor.register_memory([self.buffer])
+
+    def proto(self) -> registration_pb2.CredentialBuffer:
+        """The ``credential_buffer`` of the registration."""
+        b = self.buffer
+        return registration_pb2.CredentialBuffer(ptr=b.ptr, length=b.length, memory_kind=b.kind)
+
+    def read(self, n: int) -> bytes:
+        """The first ``n`` bytes (what the prefill wrote during the last Register)."""
+        head = self.buffer.array[:n]
+        return bytes(head if isinstance(head, np.ndarray) else head.cpu().numpy())
+
+
+__all__ = ["CredentialSlot", "aligned_dram", "allocate", "array_addr", "at_address", "external", "host_view", "torch_module"]

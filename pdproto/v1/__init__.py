@@ -168,6 +168,7 @@ from pdproto.v1.handshake_service_pb2 import (
     WatchStatusResponse,
 )
 from pdproto.v1.registration_pb2 import (
+    CredentialBuffer,
     KvBuffer,
     KvRegistration,
     LocalEndpoint,
@@ -282,6 +283,7 @@ __all__ = [
     "ChunkReady",
     "CommandError",
     "CommandResult",
+    "CredentialBuffer",
     "DeregisterRequest",
     "DeregisterResponse",
     "DescribeRequest",

@@ -30,7 +30,7 @@ from pdproto.v1 import session_pb2 as pdproto_dot_v1_dot_session__pb2
 from pdproto.v1 import transfer_pb2 as pdproto_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdproto/v1/handshake_service.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x19pdproto/v1/describe.proto\x1a\x1dpdproto/v1/registration.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x18pdproto/v1/session.proto\x1a\x19pdproto/v1/transfer.proto\"D\n\x14GetServerInfoRequest\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.PrefillServerInfo\"C\n\x0fRegisterRequest\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.KvRegistration\"Z\n\x10RegisterResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"m\n\x15SubmitTransferRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12*\n\x08transfer\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfo\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"D\n\x16SubmitTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"M\n\x12WatchStatusRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"A\n\x13WatchStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotification\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"2\n\rAbortResponse\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.pdproto.v1.AbortAck\"=\n\x11\x44\x65registerRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"-\n\x12\x44\x65registerResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"x\n\x0eSessionRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x17.pdproto.v1.SessionOpen\x12,\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1a.pdproto.v1.SessionCommand\x12\x11\n\tevent_ack\x18\x03 \x01(\x04\"q\n\x0fSessionResponse\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x19.pdproto.v1.SessionOpened\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pdproto.v1.SessionEventJ\x04\x08\x03\x10\x04R\x03\x65nd\"l\n\x0f\x44\x65scribeRequest\x12\x15\n\rrequest_limit\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x18\n\x10include_finished\x18\x03 \x01(\x08\x12\x17\n\x0fpeer_credential\x18\x04 \x01(\x0c\"\x1f\n\x0c\x45victRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"N\n\x13\x41uthenticateRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08operator\x18\x03 \x01(\x08\"B\n\x14\x41uthenticateResponse\x12\x14\n\x0cserver_nonce\x18\x01 \x01(\x0c\x12\x14\n\x0cserver_proof\x18\x02 \x01(\x0c\"(\n\rEvictResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"\xd1\x03\n\x10\x44\x65scribeResponse\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\x12\x14\n\x0cprefill_rank\x18\x02 \x01(\r\x12$\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x13.pdproto.v1.Backend\x12\x11\n\tuptime_ms\x18\x04 \x01(\x04\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12#\n\x05peers\x18\x06 \x03(\x0b\x32\x14.pdproto.v1.PeerView\x12$\n\x06limits\x18\x07 \x03(\x0b\x32\x14.pdproto.v1.LimitUse\x12\x15\n\ropen_requests\x18\x08 \x01(\r\x12<\n\x08outcomes\x18\t \x03(\x0b\x32*.pdproto.v1.DescribeResponse.OutcomesEntry\x12\r\n\x05rooms\x18\n \x01(\r\x12\x14\n\x0c\x65ngine_calls\x18\x0b \x01(\r\x12\x1a\n\x12\x65ngine_calls_stuck\x18\x0c \x01(\r\x12\x1c\n\x14registrations_judged\x18\r \x01(\r\x1a/\n\rOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x85\x06\n\x10HandshakeService\x12T\n\rGetServerInfo\x12 .pdproto.v1.GetServerInfoRequest\x1a!.pdproto.v1.GetServerInfoResponse\x12\x45\n\x08Register\x12\x1b.pdproto.v1.RegisterRequest\x1a\x1c.pdproto.v1.RegisterResponse\x12W\n\x0eSubmitTransfer\x12!.pdproto.v1.SubmitTransferRequest\x1a\".pdproto.v1.SubmitTransferResponse\x12P\n\x0bWatchStatus\x12\x1e.pdproto.v1.WatchStatusRequest\x1a\x1f.pdproto.v1.WatchStatusResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdproto.v1.AbortRequest\x1a\x19.pdproto.v1.AbortResponse\x12K\n\nDeregister\x12\x1d.pdproto.v1.DeregisterRequest\x1a\x1e.pdproto.v1.DeregisterResponse\x12\x46\n\x07Session\x12\x1a.pdproto.v1.SessionRequest\x1a\x1b.pdproto.v1.SessionResponse(\x01\x30\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.pdproto.v1.DescribeRequest\x1a\x1c.pdproto.v1.DescribeResponse\x12<\n\x05\x45vict\x12\x18.pdproto.v1.EvictRequest\x1a\x19.pdproto.v1.EvictResponse\x12Q\n\x0c\x41uthenticate\x12\x1f.pdproto.v1.AuthenticateRequest\x1a .pdproto.v1.AuthenticateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdproto/v1/handshake_service.proto\x12\npdproto.v1\x1a\x17pdproto/v1/common.proto\x1a\x19pdproto/v1/describe.proto\x1a\x1dpdproto/v1/registration.proto\x1a\x1cpdproto/v1/server_info.proto\x1a\x18pdproto/v1/session.proto\x1a\x19pdproto/v1/transfer.proto\"D\n\x14GetServerInfoRequest\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.PrefillServerInfo\"C\n\x0fRegisterRequest\x12\x30\n\x0cregistration\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.KvRegistration\"~\n\x10RegisterResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.pdproto.v1.NegotiationResult\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\x12\"\n\x1a\x63redential_bytes_in_engine\x18\x03 \x01(\r\"m\n\x15SubmitTransferRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12*\n\x08transfer\x18\x02 \x01(\x0b\x32\x18.pdproto.v1.TransferInfo\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"D\n\x16SubmitTransferResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"M\n\x12WatchStatusRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05rooms\x18\x02 \x03(\x04\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"A\n\x13WatchStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.pdproto.v1.TransferStatus\"f\n\x0c\x41\x62ortRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1d.pdproto.v1.AbortNotification\x12\x17\n\x0fpeer_credential\x18\x03 \x01(\x0c\"2\n\rAbortResponse\x12!\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x14.pdproto.v1.AbortAck\"=\n\x11\x44\x65registerRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x17\n\x0fpeer_credential\x18\x02 \x01(\x0c\"-\n\x12\x44\x65registerResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"x\n\x0eSessionRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x17.pdproto.v1.SessionOpen\x12,\n\x08\x63ommands\x18\x02 \x03(\x0b\x32\x1a.pdproto.v1.SessionCommand\x12\x11\n\tevent_ack\x18\x03 \x01(\x04\"q\n\x0fSessionResponse\x12)\n\x06opened\x18\x01 \x01(\x0b\x32\x19.pdproto.v1.SessionOpened\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.pdproto.v1.SessionEventJ\x04\x08\x03\x10\x04R\x03\x65nd\"l\n\x0f\x44\x65scribeRequest\x12\x15\n\rrequest_limit\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x18\n\x10include_finished\x18\x03 \x01(\x08\x12\x17\n\x0fpeer_credential\x18\x04 \x01(\x0c\"\x1f\n\x0c\x45victRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"N\n\x13\x41uthenticateRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08operator\x18\x03 \x01(\x08\"B\n\x14\x41uthenticateResponse\x12\x14\n\x0cserver_nonce\x18\x01 \x01(\x0c\x12\x14\n\x0cserver_proof\x18\x02 \x01(\x0c\"(\n\rEvictResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"\xd1\x03\n\x10\x44\x65scribeResponse\x12,\n\x07version\x18\x01 \x01(\x0b\x32\x1b.pdproto.v1.ProtocolVersion\x12\x14\n\x0cprefill_rank\x18\x02 \x01(\r\x12$\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x13.pdproto.v1.Backend\x12\x11\n\tuptime_ms\x18\x04 \x01(\x04\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12#\n\x05peers\x18\x06 \x03(\x0b\x32\x14.pdproto.v1.PeerView\x12$\n\x06limits\x18\x07 \x03(\x0b\x32\x14.pdproto.v1.LimitUse\x12\x15\n\ropen_requests\x18\x08 \x01(\r\x12<\n\x08outcomes\x18\t \x03(\x0b\x32*.pdproto.v1.DescribeResponse.OutcomesEntry\x12\r\n\x05rooms\x18\n \x01(\r\x12\x14\n\x0c\x65ngine_calls\x18\x0b \x01(\r\x12\x1a\n\x12\x65ngine_calls_stuck\x18\x0c \x01(\r\x12\x1c\n\x14registrations_judged\x18\r \x01(\r\x1a/\n\rOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x85\x06\n\x10HandshakeService\x12T\n\rGetServerInfo\x12 .pdproto.v1.GetServerInfoRequest\x1a!.pdproto.v1.GetServerInfoResponse\x12\x45\n\x08Register\x12\x1b.pdproto.v1.RegisterRequest\x1a\x1c.pdproto.v1.RegisterResponse\x12W\n\x0eSubmitTransfer\x12!.pdproto.v1.SubmitTransferRequest\x1a\".pdproto.v1.SubmitTransferResponse\x12P\n\x0bWatchStatus\x12\x1e.pdproto.v1.WatchStatusRequest\x1a\x1f.pdproto.v1.WatchStatusResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdproto.v1.AbortRequest\x1a\x19.pdproto.v1.AbortResponse\x12K\n\nDeregister\x12\x1d.pdproto.v1.DeregisterRequest\x1a\x1e.pdproto.v1.DeregisterResponse\x12\x46\n\x07Session\x12\x1a.pdproto.v1.SessionRequest\x1a\x1b.pdproto.v1.SessionResponse(\x01\x30\x01\x12\x45\n\x08\x44\x65scribe\x12\x1b.pdproto.v1.DescribeRequest\x1a\x1c.pdproto.v1.DescribeResponse\x12<\n\x05\x45vict\x12\x18.pdproto.v1.EvictRequest\x1a\x19.pdproto.v1.EvictResponse\x12Q\n\x0c\x41uthenticate\x12\x1f.pdproto.v1.AuthenticateRequest\x1a .pdproto.v1.AuthenticateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,41 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=356
   _globals['_REGISTERREQUEST']._serialized_end=423
   _globals['_REGISTERRESPONSE']._serialized_start=425
-  _globals['_REGISTERRESPONSE']._serialized_end=515
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_start=517
-  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=626
-  _globals['_SUBMITTRANSFERRESPONSE']._serialized_start=628
-  _globals['_SUBMITTRANSFERRESPONSE']._serialized_end=696
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=698
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=775
-  _globals['_WATCHSTATUSRESPONSE']._serialized_start=777
-  _globals['_WATCHSTATUSRESPONSE']._serialized_end=842
-  _globals['_ABORTREQUEST']._serialized_start=844
-  _globals['_ABORTREQUEST']._serialized_end=946
-  _globals['_ABORTRESPONSE']._serialized_start=948
-  _globals['_ABORTRESPONSE']._serialized_end=998
-  _globals['_DEREGISTERREQUEST']._serialized_start=1000
-  _globals['_DEREGISTERREQUEST']._serialized_end=1061
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1063
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1108
-  _globals['_SESSIONREQUEST']._serialized_start=1110
-  _globals['_SESSIONREQUEST']._serialized_end=1230
-  _globals['_SESSIONRESPONSE']._serialized_start=1232
-  _globals['_SESSIONRESPONSE']._serialized_end=1345
-  _globals['_DESCRIBEREQUEST']._serialized_start=1347
-  _globals['_DESCRIBEREQUEST']._serialized_end=1455
-  _globals['_EVICTREQUEST']._serialized_start=1457
-  _globals['_EVICTREQUEST']._serialized_end=1488
-  _globals['_AUTHENTICATEREQUEST']._serialized_start=1490
-  _globals['_AUTHENTICATEREQUEST']._serialized_end=1568
-  _globals['_AUTHENTICATERESPONSE']._serialized_start=1570
-  _globals['_AUTHENTICATERESPONSE']._serialized_end=1636
-  _globals['_EVICTRESPONSE']._serialized_start=1638
-  _globals['_EVICTRESPONSE']._serialized_end=1678
-  _globals['_DESCRIBERESPONSE']._serialized_start=1681
-  _globals['_DESCRIBERESPONSE']._serialized_end=2146
-  _globals['_DESCRIBERESPONSE_OUTCOMESENTRY']._serialized_start=2099
-  _globals['_DESCRIBERESPONSE_OUTCOMESENTRY']._serialized_end=2146
-  _globals['_HANDSHAKESERVICE']._serialized_start=2149
-  _globals['_HANDSHAKESERVICE']._serialized_end=2922
+  _globals['_REGISTERRESPONSE']._serialized_end=551
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_start=553
+  _globals['_SUBMITTRANSFERREQUEST']._serialized_end=662
+  _globals['_SUBMITTRANSFERRESPONSE']._serialized_start=664
+  _globals['_SUBMITTRANSFERRESPONSE']._serialized_end=732
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=734
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=811
+  _globals['_WATCHSTATUSRESPONSE']._serialized_start=813
+  _globals['_WATCHSTATUSRESPONSE']._serialized_end=878
+  _globals['_ABORTREQUEST']._serialized_start=880
+  _globals['_ABORTREQUEST']._serialized_end=982
+  _globals['_ABORTRESPONSE']._serialized_start=984
+  _globals['_ABORTRESPONSE']._serialized_end=1034
+  _globals['_DEREGISTERREQUEST']._serialized_start=1036
+  _globals['_DEREGISTERREQUEST']._serialized_end=1097
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1099
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1144
+  _globals['_SESSIONREQUEST']._serialized_start=1146
+  _globals['_SESSIONREQUEST']._serialized_end=1266
+  _globals['_SESSIONRESPONSE']._serialized_start=1268
+  _globals['_SESSIONRESPONSE']._serialized_end=1381
+  _globals['_DESCRIBEREQUEST']._serialized_start=1383
+  _globals['_DESCRIBEREQUEST']._serialized_end=1491
+  _globals['_EVICTREQUEST']._serialized_start=1493
+  _globals['_EVICTREQUEST']._serialized_end=1524
+  _globals['_AUTHENTICATEREQUEST']._serialized_start=1526
+  _globals['_AUTHENTICATEREQUEST']._serialized_end=1604
+  _globals['_AUTHENTICATERESPONSE']._serialized_start=1606
+  _globals['_AUTHENTICATERESPONSE']._serialized_end=1672
+  _globals['_EVICTRESPONSE']._serialized_start=1674
+  _globals['_EVICTRESPONSE']._serialized_end=1714
+  _globals['_DESCRIBERESPONSE']._serialized_start=1717
+  _globals['_DESCRIBERESPONSE']._serialized_end=2182
+  _globals['_DESCRIBERESPONSE_OUTCOMESENTRY']._serialized_start=2135
+  _globals['_DESCRIBERESPONSE_OUTCOMESENTRY']._serialized_end=2182
+  _globals['_HANDSHAKESERVICE']._serialized_start=2185
+  _globals['_HANDSHAKESERVICE']._serialized_end=2958
 # @@protoc_insertion_point(module_scope)

@@ -104,9 +104,15 @@ class RegisterResponse(_message.Message):
 
     RESULT_FIELD_NUMBER: _builtins.int
     PEER_CREDENTIAL_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_BYTES_IN_ENGINE_FIELD_NUMBER: _builtins.int
     peer_credential: _builtins.bytes
     """Secret capability of this peer (32 random bytes): every later call for result.peer_id
-    must carry it in its peer_credential field. Only this response reveals it.
+    must carry it in its peer_credential field. Only this response reveals it, except the
+    last credential_bytes_in_engine bytes.
+    """
+    credential_bytes_in_engine: _builtins.int
+    """How many bytes follow peer_credential in the credential: the prefill wrote them through
+    the transfer engine into KvRegistration.credential_buffer (0 when that is unset).
     """
     @_builtins.property
     def result(self) -> _server_info_pb2.NegotiationResult:
@@ -117,10 +123,11 @@ class RegisterResponse(_message.Message):
         *,
         result: _server_info_pb2.NegotiationResult | None = ...,
         peer_credential: _builtins.bytes = ...,
+        credential_bytes_in_engine: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_credential", b"peer_credential", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credential_bytes_in_engine", b"credential_bytes_in_engine", "peer_credential", b"peer_credential", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

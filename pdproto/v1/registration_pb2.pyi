@@ -275,6 +275,38 @@ class StagingRegion(_message.Message):
 Global___StagingRegion: _TypeAlias = StagingRegion  # noqa: Y015
 
 @_typing.final
+class CredentialBuffer(_message.Message):
+    """CredentialBuffer is memory of the decode's transfer engine that the prefill writes part of
+    the peer credential into, so only the process that owns that engine holds the whole credential.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PTR_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    MEMORY_KIND_FIELD_NUMBER: _builtins.int
+    ptr: _builtins.int
+    """Peer address, as KvBuffer.ptr (an offset for the local backend)."""
+    length: _builtins.int
+    """Registered bytes at ptr; at least 16."""
+    memory_kind: _common_pb2.MemoryKind.ValueType
+    """Where the memory lives; it must be the KV buffers' kind."""
+    def __init__(
+        self,
+        *,
+        ptr: _builtins.int = ...,
+        length: _builtins.int = ...,
+        memory_kind: _common_pb2.MemoryKind.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "memory_kind", b"memory_kind", "ptr", b"ptr"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CredentialBuffer: _TypeAlias = CredentialBuffer  # noqa: Y015
+
+@_typing.final
 class KvRegistration(_message.Message):
     """KvRegistration is what a decode rank tells a prefill rank once per connection:
     where its KV memory is, its topology, and how to reach its transfer engine.
@@ -306,6 +338,7 @@ class KvRegistration(_message.Message):
     AUX_ITEM_LENS_FIELD_NUMBER: _builtins.int
     AUX_DATA_LENS_FIELD_NUMBER: _builtins.int
     TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
+    CREDENTIAL_BUFFER_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Decode physical page size in tokens."""
     kv_cache_dtype: _builtins.str
@@ -390,6 +423,12 @@ class KvRegistration(_message.Message):
         an empty list or 0 is not bounded.
         """
 
+    @_builtins.property
+    def credential_buffer(self) -> Global___CredentialBuffer:
+        """Where the prefill writes the engine-bound part of the peer credential
+        (RegisterResponse.credential_bytes_in_engine); unset: the whole credential is in the response.
+        """
+
     def __init__(
         self,
         *,
@@ -417,10 +456,11 @@ class KvRegistration(_message.Message):
         aux_item_lens: _abc.Iterable[_builtins.int] | None = ...,
         aux_data_lens: _abc.Iterable[_builtins.int] | None = ...,
         total_kv_heads: _builtins.int = ...,
+        credential_buffer: Global___CredentialBuffer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attn_tp", b"attn_tp", "dcp", b"dcp", "legacy", b"legacy", "local", b"local", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "pp", b"pp", "staging", b"staging", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attn_tp", b"attn_tp", "credential_buffer", b"credential_buffer", "dcp", b"dcp", "legacy", b"legacy", "local", b"local", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "pp", b"pp", "staging", b"staging", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attention_kind", b"attention_kind", "attn_tp", b"attn_tp", "aux_data_lens", b"aux_data_lens", "aux_item_lens", b"aux_item_lens", "aux_ptrs", b"aux_ptrs", "capabilities", b"capabilities", "dcp", b"dcp", "gpu_id", b"gpu_id", "kv_buffers", b"kv_buffers", "kv_cache_dtype", b"kv_cache_dtype", "kv_item_len", b"kv_item_len", "legacy", b"legacy", "local", b"local", "model_id", b"model_id", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "page_size", b"page_size", "pp", b"pp", "staging", b"staging", "state_buffers", b"state_buffers", "total_kv_heads", b"total_kv_heads", "transport", b"transport", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots", "attention_kind", b"attention_kind", "attn_tp", b"attn_tp", "aux_data_lens", b"aux_data_lens", "aux_item_lens", b"aux_item_lens", "aux_ptrs", b"aux_ptrs", "capabilities", b"capabilities", "credential_buffer", b"credential_buffer", "dcp", b"dcp", "gpu_id", b"gpu_id", "kv_buffers", b"kv_buffers", "kv_cache_dtype", b"kv_cache_dtype", "kv_item_len", b"kv_item_len", "legacy", b"legacy", "local", b"local", "model_id", b"model_id", "mooncake", b"mooncake", "nixl", b"nixl", "notify_endpoint", b"notify_endpoint", "num_slots", b"num_slots", "page_size", b"page_size", "pp", b"pp", "staging", b"staging", "state_buffers", b"state_buffers", "total_kv_heads", b"total_kv_heads", "transport", b"transport", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_slots: _TypeAlias = _typing.Literal["num_slots"]  # noqa: Y015
     _WhichOneofArgType__num_slots: _TypeAlias = _typing.Literal["_num_slots", b"_num_slots"]  # noqa: Y015

@@ -130,7 +130,7 @@ def _make_agent(api: Any, name: str, delay_us: int, net_device: str | None = Non
         if prop is not None and delay_us > 0:
             api.nixlBind = _Bind()
         scoped = net_device is not None and "UCX_NET_DEVICES" not in os.environ
-        if scoped:
+        if net_device is not None and scoped:
             os.environ["UCX_NET_DEVICES"] = net_device
         try:
             # RW sync: the server runs jobs for different peers on several threads at once;
