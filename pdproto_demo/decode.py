@@ -197,9 +197,9 @@ class DecodeRank:
 
     @classmethod
     def for_spec(cls, spec: SyntheticSpec, *, pages: int, dcp_size: int = 1, dcp_rank: int = 0,
-                 backend: str = "local", kv_dtype: str | None = None) -> DecodeRank:
+                 backend: str = "local", kv_dtype: str | None = None, name: str = "") -> DecodeRank:
         """A rank shaped for the synthetic prefill of ``pdproto serve`` and checked against it."""
-        return cls(DecodeConfig(backend=backend, layers=spec.layers, pages=pages, page_size=spec.page_size,
+        return cls(DecodeConfig(name=name, backend=backend, layers=spec.layers, pages=pages, page_size=spec.page_size,
                                 row_bytes=spec.row_bytes, dcp_size=dcp_size, dcp_rank=dcp_rank,
                                 kv_dtype=kv_dtype or spec.kv_cache_dtype, model_id=spec.model_id,
                                 layer_ids=False), reference=spec)

@@ -48,6 +48,10 @@ sent: unbounded, a token holder sending them concurrently grew the queue (and me
 IDENTITY_GRACE_S = 1.0
 """How long a registration naming a live peer waits for that peer's streams to end (a client closing them)."""
 IDENTITY_POLLS = 20
+PROVE_S = 10.0
+"""How long a bound peer that has made no call with its whole credential keeps unbound registrations of its
+identity out: its decode's first call follows its Register at once; a squatter that named another decode's
+engine never makes one."""
 
 
 class Admission:
@@ -194,19 +198,29 @@ class Admission:
         A decode's exit closes its streams, so a restarted one finds them closed; one that
         is still reading them is alive, and whoever names its endpoint or engine is not it
         (docs/security.md). Streams a client has just closed may take a moment to end
-        here, so the check waits up to ``IDENTITY_GRACE_S`` for them. A registration that
-        binds its credential to its engine (``bound``) is refused only by a live peer that
-        did too: one that did not never proved the engine is its own.
+        here, so the check waits up to ``IDENTITY_GRACE_S`` for them. Binding the credential to
+        the engine (``bound``) proves the engine: a bound registration is refused only by a live
+        peer that was bound too, and an unbound one by any peer that was bound, until it is gone
+        (one that never made a call with its whole credential, for ``PROVE_S`` only).
         """
         for poll in range(IDENTITY_POLLS + 1):
-            live = [p for p in stale if not p.closed and p.gone_at is None and p.attached() and (p.bound or not bound)]
+            here = [p for p in stale if not p.closed and p.gone_at is None]
+            now = time.monotonic()
+            owner = [p for p in here if p.bound and not bound and (p.proven or now - p.registered_at < PROVE_S)]
+            live = owner or [p for p in here if p.attached() and (p.bound or not bound)]
             if not live:
                 return
-            if poll < IDENTITY_POLLS:
-                await asyncio.sleep(IDENTITY_GRACE_S / IDENTITY_POLLS)
+            if owner or poll == IDENTITY_POLLS:
+                break
+            await asyncio.sleep(IDENTITY_GRACE_S / IDENTITY_POLLS)
         old = live[0]
         keys = sorted(set(identity) & set(old.identity))
         log.warning("refused a registration naming %s of live peer %s", ", ".join(keys), old.peer_id)
+        if owner:
+            raise IdentityInUseError(
+                f"a registered decode with {', '.join(keys)} proved it owns that engine (its credential went "
+                "through it): only a registration that proves it too (credential_buffer) replaces it",
+                reason=Reason.IDENTITY_IN_USE, metadata={"identity": ",".join(keys)})
         raise IdentityInUseError(
             f"a registered decode with {', '.join(keys)} still reads its status stream: it is alive, so this "
             "is not its restart. A restarted decode can register once its old process is gone (its streams "

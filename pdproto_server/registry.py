@@ -227,7 +227,9 @@ class Peer:
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
     bound: bool = False
-    """Part of its credential went through its transfer engine (``credential.py``): it owns that engine."""
+    """Part of its credential went through its transfer engine (``credential.py``)."""
+    proven: bool = False
+    """A call carried its whole credential; for a bound peer, proof that it owns its engine."""
     open: dict[int, Request] = field(default_factory=dict)
     """Open (non-terminal) requests by room."""
     finished: dict[int, Finished] = field(default_factory=dict)
@@ -434,7 +436,10 @@ class PeerRegistry:
         peer = self.peers.get(peer_id)
         expected = peer.credential if peer is not None else self._decoy
         match = hmac.compare_digest(credential, expected)
-        return peer if match and peer is not None else None
+        if not match or peer is None:
+            return None
+        peer.proven = True
+        return peer
 
     def peer(self, peer_id: str, credential: bytes) -> Peer:
         """The registered peer whose credential this is; NOT_FOUND otherwise.

@@ -316,3 +316,110 @@ def hostile_peer(backend: str = "local") -> Outcome:
         bystander.close()
         attacker.close()
     return out
+
+
+def identity_squat(backend: str, rounds: int = 3) -> Outcome:
+    """Token holders squat decodes' engine identities; the decodes that bind their credentials win.
+
+    Each round, against two fresh victims: a squatter registers the first victim's registration
+    with its ``credential_buffer`` (the engine's half lands in the victim's memory: its stream and
+    submit are refused ``PEER_NOT_FOUND``), and the victim registers over it; then claims on the
+    victim, bound and unbound, are refused ``IDENTITY_IN_USE``. Another squatter registers the second
+    victim's registration unbound and reads a status stream; that victim registers over it too (the
+    squatter's stream ends, its credential dies). Both victims' requests land byte-exact.
+    """
+    out = Outcome("identity squat", backend)
+    with running_server(*SERVE_ARGS, "--backend", backend, token=TOKEN) as srv:
+        for r in range(rounds):
+            victims = [DecodeRank.for_spec(SPEC, pages=32, backend=backend, name=f"victim-{r}-{i}-{os.getpid()}")
+                       for i in range(2)]
+            try:
+                with HandshakeClient(srv.target, token=TOKEN, timeout=10) as squatter:
+                    _bound_squat(out, srv.target, victims[0], squatter)
+                    _unbound_squat(out, srv.target, victims[1], squatter)
+                for i, victim in enumerate(victims):
+                    _served(out, victim, room=500 + 2 * r + i)
+            except Exception as exc:  # noqa: BLE001 - a crashed round is a problem, never a skip
+                out.problems.append(f"round {r} crashed: {type(exc).__name__}: {exc}")
+            finally:
+                for victim in victims:
+                    victim.close()
+    return out
+
+
+def _streaming(client: HandshakeClient, peer_id: str, credential: bytes | None = None) -> bool:
+    """Whether the server counts a status stream (``WatchStatus`` or ``Session``) of the peer, within 5 s."""
+    for _ in range(100):
+        if any(p.watch_streams + p.sessions_connected
+               for p in client.describe(peer_id=peer_id, credential=credential).peers if p.peer_id == peer_id):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _bound_squat(out: Outcome, target: str, victim: DecodeRank, squatter: HandshakeClient) -> None:
+    """A squatter names the victim's engine with its credential_buffer; then claims the live victim."""
+    before = victim.credential.read(16)
+    sid = squatter.register(victim.registration(bound=True), read_credential=lambda n: bytes(n)).peer_id
+    if victim.credential.read(16) == before:
+        out.problems.append("the engine's half of the squatter's credential did not land in the victim's memory")
+    _expect_error(out, "bound squatter watches", NOT_FOUND, lambda: list(squatter.watch_status(sid, timeout=5)))
+    _expect_error(out, "bound squatter submits", NOT_FOUND,
+                  lambda: squatter.submit_transfer(sid, victim.transfer_info(1, victim.pages_for(64))))
+    victim.connect([target], token=TOKEN)
+    assert victim.peer is not None
+    rank = victim.peer.ranks[0]
+    if not _streaming(squatter, rank.peer_id, rank.client.credential(rank.peer_id)):
+        out.problems.append("the victim's status stream never opened")
+    for what, claim, reader in (("unbound", victim.registration(), None),
+                                ("bound", victim.registration(bound=True), lambda n: bytes(n))):
+        _expect_error(out, f"{what} claim on the live victim", {Reason.IDENTITY_IN_USE},
+                      lambda claim=claim, reader=reader: squatter.register(claim, read_credential=reader))
+
+
+def _unbound_squat(out: Outcome, target: str, victim: DecodeRank, squatter: HandshakeClient) -> None:
+    """A squatter registers the victim's identity unbound and reads a stream; the victim takes it over."""
+    uid = squatter.register(victim.registration()).peer_id
+    ended = threading.Event()
+
+    def watch() -> None:
+        try:
+            for _ in squatter.watch_status(uid, timeout=60):
+                pass
+        except E.PdprotoError:
+            pass
+        ended.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    if not _streaming(squatter, uid):
+        out.problems.append("the unbound squatter's status stream never opened")
+    victim.connect([target], token=TOKEN)
+    out.runs += 1
+    out.faults += 1
+    if ended.wait(30):
+        out.failed_expected += 1
+        out.notes.append("live unbound squatter: displaced by the decode that proved its engine")
+    else:
+        out.problems.append("the unbound squatter's stream did not end when the victim took the identity over")
+    _expect_error(out, "displaced squatter submits", NOT_FOUND,
+                  lambda: squatter.submit_transfer(uid, victim.transfer_info(2, victim.pages_for(64))))
+
+
+def _served(out: Outcome, victim: DecodeRank, room: int) -> None:
+    """One request of the victim through its own decode peer: SUCCESS and byte-exact."""
+    pages = victim.pages_for(SPEC.prompt_tokens)
+    victim.request(room, 0, SPEC.prompt_tokens, [], pages)
+    assert victim.peer is not None
+    outcome = victim.peer.wait(room, timeout=60)
+    out.runs += 1
+    if outcome.state != SUCCESS:
+        out.lost += 1
+        out.problems.append(f"victim's room {room}: {outcome}")
+        return
+    out.ok += 1
+    try:
+        out.bytes_verified += victim.verify({room: pages}, SPEC.prompt_tokens)
+    except AssertionError as exc:
+        out.ok -= 1
+        out.corrupted += 1
+        out.problems.append(f"bytes differ: {str(exc)[:200]}")

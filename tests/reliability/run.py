@@ -34,6 +34,8 @@ def plan(backends: list[str], requests: int, soak_s: float = 60.0) -> list[tuple
     rows.append(("tls", "local", lambda: limits.tls("local")))
     rows.append(("hostile_peer", "local", lambda: hostile.hostile_peer("local")))
     rows.append(("call_flood", "local", lambda: flood.call_flood("local")))
+    for b in [b for b in backends if b in ("mooncake", "nixl")]:
+        rows.append(("identity_squat", b, lambda b=b: hostile.identity_squat(b)))  # type: ignore[misc]
     rows.append(("memory", "local", lambda: memory.memory_limits("local")))
     rows.append(("exactly_once", "local", lambda: exactly_once.exactly_once("local")))
     for b in dict.fromkeys(["local", *backends]):

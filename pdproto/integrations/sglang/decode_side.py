@@ -27,6 +27,7 @@ from pdproto import backends
 from pdproto.client import DecodePeer, PrefillRank
 from pdproto.client.peer import OutcomeHandler
 from pdproto.negotiation.registration import make_registration
+from pdproto.transfer import CredentialSlot
 from pdproto.v1 import transfer_pb2
 
 from . import layout
@@ -44,15 +45,19 @@ class DecodeSide:
         try:
             self.layout = layout.decode_layout(kv_args, ranks, is_mla_backend=is_mla_backend, notify_host=host,
                                                notify_port=notify_port)
+            # Before the endpoint: NIXL's metadata lists the registered memory.
+            self.credential = CredentialSlot(self.executor, kind=memory.kv[0].kind, device=memory.kv[0].device)
             self.registration = make_registration(self.layout, self.executor.endpoint(), memory.kv,
                                                   aux=memory.aux, state=memory.state)
+            self.registration.credential_buffer.CopyFrom(self.credential.proto())
         except BaseException:
             self.executor.close()
             raise
         self.name = backends.by_name(settings.engine).identity_of(self.registration)
         """This rank's engine identity (``TransferInfo.peer_name``)."""
         self.peer = DecodePeer(self.registration, token=settings.token, root_cert=settings.tls_root,
-                               timeout=settings.rpc_timeout_s, on_outcome=on_outcome)
+                               timeout=settings.rpc_timeout_s, on_outcome=on_outcome,
+                               read_credential=self.credential.read)
 
     def submit(self, room: int, addresses: Sequence[str], kv_pages: Any, aux_index: int | None,
                state_indices: Sequence[Any] | None, prefix_len: int | None) -> int:
