@@ -201,7 +201,7 @@ def require_token_policy(address: str, token: str | None, *, allow_insecure: boo
     if token or allow_insecure or is_loopback(address):
         return
     raise ConfigError(
-        f"refusing to listen on {address} without a bearer token; pass --token-file "
+        f"refusing to listen on {address} without a deployment token; pass --token-file "
         "(or --allow-unauthenticated on a trusted network)",
         metadata={"listen": address},
     )

@@ -62,7 +62,7 @@ def test_serve_refuses_public_address_without_token() -> None:
                            "--pages", "4", "--layers", "1"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "refusing to listen on 0.0.0.0:0 without a bearer token" in proc.stderr
+    assert "refusing to listen on 0.0.0.0:0 without a deployment token" in proc.stderr
 
 
 class _Exploding(HandshakeServicer):
