@@ -544,7 +544,7 @@ def run_decode(args: argparse.Namespace) -> None:
             receiver.clear()  # _commit_transfer_to_req, decode.py:2774
     indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
     if spec.dump:
-        _dump(spec.dump, pools, metadata)
+        _dump(f"{spec.dump}/{args.rank}-", pools, metadata)
         report["aux_index"] = indices
     else:
         report["mismatches"] = _check(args, pools, metadata, indices)
@@ -584,14 +584,15 @@ def run_decode(args: argparse.Namespace) -> None:
             receivers, group, decode_reqs=gated, metadata_buffers=metadata))})
 
 
-def _dump(where: str, pools: Any, metadata: Any) -> None:
-    """This rank's KV pool (int16 words, [layer, slot, word]) and metadata buffers (bytes per slot), as .npy."""
+def _dump(prefix: str, pools: Any, metadata: Any) -> None:
+    """This rank's KV pool (int16 words, [layer, slot, word]) and metadata buffers (bytes per slot), as .npy
+    files whose paths start with ``prefix``."""
     import numpy as np
     import torch
 
-    np.save(f"{where}/kv.npy", torch.stack([layer.view(torch.int16) for layer in pools.kv]).numpy())
+    np.save(f"{prefix}kv.npy", torch.stack([layer.view(torch.int16) for layer in pools.kv]).numpy())
     for k, buf in enumerate(_aux_tensors(metadata)):
-        np.save(f"{where}/aux{k}.npy", buf.view(torch.uint8).reshape(buf.shape[0], -1).numpy())
+        np.save(f"{prefix}aux{k}.npy", buf.view(torch.uint8).reshape(buf.shape[0], -1).numpy())
 
 
 def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callable[..., Any],

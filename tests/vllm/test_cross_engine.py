@@ -62,6 +62,14 @@ def sglang_python() -> str:
     return path
 
 
+def sglang_env(timeout: int, **more: str) -> dict[str, str]:
+    """The environment of an SGLang rank on loopback: Mooncake over TCP, the harness's timeouts."""
+    return {**os.environ, "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1", "PDPROTO_ENGINE": "mooncake",
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(timeout),
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(timeout),
+            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000", **more}
+
+
 def prefill_rows(spec: pd_harness.Spec) -> list[np.ndarray]:
     """The prefill's KV pool, layer by layer, as int16 words per token slot: ``fill_prefill``'s seeded bytes
     over SGLang's ``MLATokenToKVPool`` buffers (``pool_pages * PAGE`` slots and the padding page)."""
@@ -82,10 +90,7 @@ def test_sglang_prefill_to_vllm_decodes(tmp_path: Path) -> None:
     model = _rig.model_dir(tmp_path / "vllm-mla")
     spec = pd_harness.Spec("mla", REQUESTS)
     port, timeout = free_port(), 60
-    env = {**os.environ, "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1", "PDPROTO_PORT": str(port),
-           "PDPROTO_ENGINE": "mooncake", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(timeout),
-           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(timeout),
-           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"}
+    env = sglang_env(timeout, PDPROTO_PORT=str(port))
     args = ["--role", "prefill", "--backend", "pdproto", "--prefill-backend", "pdproto", "--timeout", str(timeout),
             "--model-dir", str(write_config("mla", tmp_path / "sglang-mla")), "--spec", spec.to_json(),
             "--bootstrap-port", str(free_port()), "--dist-port", str(free_port())]
@@ -151,16 +156,18 @@ def test_sglang_prefill_to_vllm_decodes(tmp_path: Path) -> None:
 REVERSE = (
     pd_harness.Request(room=(1 << 58) + 201, tokens=300),  # the decode's last page partial (300 = 4 * 64 + 44)
     pd_harness.Request(room=(1 << 58) + 202, tokens=5),  # shorter than a block on either side
-    pd_harness.Request(room=(1 << 58) + 203, tokens=700, decode_prefix=128),  # the decode holds two pages
+    pd_harness.Request(room=(1 << 58) + 203, tokens=700, decode_prefix=256),  # the decode holds a prefix
 )
 """Requests of the reverse direction: a vLLM prefill (block 16) to an SGLang decode (page 64)."""
 
 
-def test_vllm_prefill_to_an_sglang_decode(tmp_path: Path) -> None:
-    """A vLLM MLA prefill worker (block 16, ``sglang_bootstrap_port``) feeds an SGLang decode rank (page 64,
-    SGLang's own receivers, poll and metadata gate): the decode finds the prefill through the bootstrap server
-    the prefill's scheduler-side connector runs, every decode row is the prefill's and nothing else is written,
-    the metadata row holds the first token vLLM sampled and the room, and every request ends Success there."""
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_vllm_prefill_to_an_sglang_decode(tmp_path: Path, dcp: int) -> None:
+    """A vLLM MLA prefill worker (block 16, ``sglang_bootstrap_port``) feeds an SGLang decode of TP 1 or of TP 4 /
+    DCP 4 (page 64, SGLang's own receivers, poll and metadata gate): each decode rank finds the prefill through
+    the bootstrap server the prefill's scheduler-side connector runs, every decode row is the prefill's (token t
+    on rank t % dcp at local row t // dcp) and nothing else is written, each rank's metadata row holds the first
+    token vLLM sampled and the room, and every request ends Success there."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.request import RequestStatus
 
@@ -177,27 +184,29 @@ def test_vllm_prefill_to_an_sglang_decode(tmp_path: Path) -> None:
     dump = tmp_path / "decode"
     dump.mkdir()
     spec = pd_harness.Spec("mla", REVERSE, dump=str(dump))
-    env = {**os.environ, "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1", "PDPROTO_ENGINE": "mooncake",
-           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(timeout),
-           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(timeout),
-           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"}
+    # CPU ranks beyond the NUMA node count are told where their threads go (pd_harness.run says why).
+    env = sglang_env(timeout, SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp))
     args = ["--role", "decode", "--backend", "pdproto", "--prefill-backend", "pdproto", "--timeout", str(timeout),
             "--model-dir", str(write_config("mla", tmp_path / "sglang-mla")), "--spec", spec.to_json(),
-            "--bootstrap-port", str(bootstrap_port), "--dist-port", str(free_port())]
-    log = tmp_path / "decode.log"
-    decode = None
+            "--bootstrap-port", str(bootstrap_port), "--dist-port", str(free_port()), "--dcp", str(dcp)]
+    logs = [tmp_path / f"decode{r}.log" for r in range(dcp)]
+    decodes: list[subprocess.Popen[str]] = []
+
+    def tails() -> str:
+        return "\n".join(log.read_text()[-2000:] for log in logs)
+
     try:
         with started([("kv_producer", 1, {"block_size": BLOCK, "blocks": BLOCKS, "port": port, "extra": extra})],
                      model, tmp_path) as [[prefill]]:
-            # The decode registers with the prefill rank its bootstrap record names, as soon as it is up.
-            with open(log, "wb") as err:
-                decode = subprocess.Popen([sglang_python(), "-m", "tests.sglang.pd_harness", *args], cwd=REPO,
-                                          env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                          text=True)
-            lines = pd_harness._Lines(decode)
+            # Each decode rank registers with the prefill rank its bootstrap record names, as soon as it is up.
+            for rank, log in enumerate(logs):
+                with open(log, "wb") as err:
+                    decodes.append(subprocess.Popen(
+                        [sglang_python(), "-m", "tests.sglang.pd_harness", *args, "--rank", str(rank)], cwd=REPO,
+                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True))
+            lines = [pd_harness._Lines(d) for d in decodes]
             free = list(range(1, BLOCKS))
             random.Random(SEED).shuffle(free)
-            sends = []
             for k, r in enumerate(REVERSE):
                 n = -(-r.tokens // BLOCK)
                 src, free = free[:n], free[n:]
@@ -211,37 +220,39 @@ def test_vllm_prefill_to_an_sglang_decode(tmp_path: Path) -> None:
             sends = [asdict(s) for s in scheduler.build_connector_meta(None).sends]
             assert [s["first_token"] for s in sends] == [100, 101, 102]
             # Held from when the decode is up (SGLang's start-up is not counted against the prefill's lease).
-            assert (lines.next(240.0) or {}).get("up") == 0, log.read_text()[-3000:]
+            assert [(line.next(240.0) or {}).get("up") for line in lines] == list(range(dcp)), tails()
             step([prefill], sends=sends)
             sent: set[str] = set()
             end = time.monotonic() + timeout
             while len(sent) < len(REVERSE):
-                assert time.monotonic() < end and decode.poll() is None, (sent, log.read_text()[-3000:])
+                assert time.monotonic() < end and all(d.poll() is None for d in decodes), (sent, tails())
                 sent |= set(step([prefill])[0]["sent"])
                 time.sleep(0.05)
-            report = lines.next(float(timeout))
-            assert report is not None and "polls" in report, (report, log.read_text()[-3000:])
-            assert report["polls"] == [pd_harness.SUCCESS] * len(REVERSE), report
-            assert report["protocols"] == {f"127.0.0.1:{port}": "pdproto"}, report
+            reports = [line.next(float(timeout)) for line in lines]
+            for report in reports:
+                assert report is not None and "polls" in report, (report, tails())
+                assert report["polls"] == [pd_harness.SUCCESS] * len(REVERSE), report
+                assert report["protocols"] == {f"127.0.0.1:{port}": "pdproto"}, report
     finally:
         scheduler.shutdown()
-        if decode is not None:
-            pd_harness._stop(decode, quit_first=True)
-    kv = np.load(dump / "kv.npy").reshape(LAYERS["mla"], -1, _rig.ROW)
-    want = np.zeros_like(kv)
-    dst = pd_harness.decode_pages(spec, 1)
-    for k, r in enumerate(REVERSE):
-        t = np.arange(r.decode_prefix, r.tokens)
-        slots = np.asarray(dst[r.room])[t // PAGE] * PAGE + t % PAGE
-        for layer in range(LAYERS["mla"]):
-            want[layer, slots] = _rig.rows(layer, t, k)
-    bad = [(layer, int(row)) for layer in range(LAYERS["mla"])
-           for row in np.flatnonzero((kv[layer] != want[layer]).any(1))]
-    assert not bad, f"{len(bad)} decode rows differ from what they must hold, first {bad[:5]}"
-    aux = [np.load(dump / f"aux{i}.npy") for i in range(len(list(dump.glob("aux*.npy"))))]
-    expected = [np.zeros_like(a) for a in aux]
-    for k, r in enumerate(REVERSE):
-        index = report["aux_index"][str(r.room)]
-        expected[OUTPUT_IDS][index].view(np.int32)[0] = 100 + k
-        expected[BOOTSTRAP_ROOM][index].view(np.uint64)[0] = r.room
-    assert [i for i, (a, e) in enumerate(zip(aux, expected, strict=True)) if not np.array_equal(a, e)] == []
+        pd_harness._stop(*decodes, quit_first=True)
+    dst = pd_harness.decode_pages(spec, dcp)
+    for rank, report in enumerate(reports):
+        kv = np.load(dump / f"{rank}-kv.npy").reshape(LAYERS["mla"], -1, _rig.ROW)
+        want = np.zeros_like(kv)
+        for k, r in enumerate(REVERSE):
+            t = np.arange(r.decode_prefix, r.tokens)
+            t = t[t % dcp == rank]
+            slots = np.asarray(dst[r.room])[t // (PAGE * dcp)] * PAGE + (t // dcp) % PAGE
+            for layer in range(LAYERS["mla"]):
+                want[layer, slots] = _rig.rows(layer, t, k)
+        bad = [(layer, int(row)) for layer in range(LAYERS["mla"])
+               for row in np.flatnonzero((kv[layer] != want[layer]).any(1))]
+        assert not bad, f"rank {rank}: {len(bad)} rows differ from what they must hold, first {bad[:5]}"
+        aux = [np.load(dump / f"{rank}-aux{i}.npy") for i in range(len(list(dump.glob(f"{rank}-aux*.npy"))))]
+        expected = [np.zeros_like(a) for a in aux]
+        for k, r in enumerate(REVERSE):
+            index = report["aux_index"][str(r.room)]
+            expected[OUTPUT_IDS][index].view(np.int32)[0] = 100 + k
+            expected[BOOTSTRAP_ROOM][index].view(np.uint64)[0] = r.room
+        assert [i for i, (a, e) in enumerate(zip(aux, expected, strict=True)) if not np.array_equal(a, e)] == [], rank
