@@ -6,6 +6,7 @@ transfer (VLLM_TARGET_DEVICE=cpu, a tiny local MLA model config).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -104,6 +105,12 @@ def test_what_is_not_served_is_refused_at_start_up(model: str, tmp_path: Path) -
     assert e.metadata["setting"] == "sglang_bootstrap_port" and "kv_producer" in e.message
     assert _refusal(model, role="kv_producer", port=5758,
                     extra={"sglang_bootstrap_port": "8998"}).metadata["setting"] == "sglang_bootstrap_port"
+    with socket.socket() as taken:  # a port another server holds: refused with the port named
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        e = _refusal(model, role="kv_producer", port=5758, extra={"sglang_bootstrap_port": busy})
+    assert e.metadata == {"setting": "sglang_bootstrap_port", "value": str(busy)}, e
 
 
 def _scheduler(model: str, role: str, policy: str = "fail") -> Scheduler:

@@ -30,6 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 
 from pdproto import v1
+from pdproto.errors import ConfigError, Reason
 from pdproto.transfer import TransferExecutor
 
 from ..sglang.layout import host_port
@@ -129,7 +130,12 @@ class BootstrapServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
                 """Quiet: a decode's heartbeat asks /health every few seconds."""
 
-        self._server = ThreadingHTTPServer((rank_host, listen), Handler)
+        try:
+            self._server = ThreadingHTTPServer((rank_host, listen), Handler)
+        except OSError as exc:
+            raise ConfigError(f"kv_connector_extra_config sglang_bootstrap_port={listen}: SGLang's bootstrap server "
+                              f"cannot listen on {host_port(rank_host, listen)}: {exc}", reason=Reason.CONFIG_INVALID,
+                              metadata={"setting": "sglang_bootstrap_port", "value": str(listen)}) from exc
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self.address = host_port(rank_host, self.port)

@@ -151,6 +151,9 @@ class PrefillWorker:
         """Take finished requests' blocks until their decode has them (or their lease ends)."""
         now = time.monotonic()
         for s in sends:
+            earlier = self._held.get(s.room)
+            if earlier is not None and earlier.slot is not None and self.rows is not None:
+                self.rows.free(earlier.slot)  # the room's request again: its row is rewritten below
             held = self._held[s.room] = _Held(s, now + s.lease_s)
             if self.rows is not None and s.first_token is not None:
                 held.slot = self.rows.write(s.room, s.first_token)
