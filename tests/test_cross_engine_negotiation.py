@@ -12,6 +12,7 @@ from pdproto.errors import Reason
 from pdproto.integrations.dtypes import kv_dtype
 from pdproto.integrations.sglang import layout as sglang
 from pdproto.integrations.vllm import layout as vllm
+from pdproto.integrations.vllm.sglang_peer import METADATA_ITEM_LENS
 from pdproto.negotiation.registration import Region, make_registration
 from pdproto.negotiation.topology import Decision, Mode, Rejection, negotiate
 
@@ -26,6 +27,52 @@ def _vllm_decode(dtype: object, block: int = 16, dcp: int = 1, rank: int = 0) ->
     dec = vllm.decode_layout(cache, ranks, notify_host="10.0.0.2", notify_port=7000, gpu_id=0)
     regions = [Region(0x10_0000 * (i + 1), 64 * block * 1152, v1.MEMORY_KIND_VRAM) for i in range(4)]
     return make_registration(dec, v1.MooncakeEndpoint(session_id="10.0.0.2:15000"), regions)
+
+
+def _vllm_prefill(*, sglang_rows: bool) -> v1.PrefillServerInfo:
+    """A vLLM MLA prefill worker of 4 layers, block 16, with SGLang's metadata rows or none."""
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
+    cache = vllm.KvCache(names, vllm.layer_ids(names), 16, 1152, 64, kv_dtype("torch.bfloat16"))
+    info = vllm.server_info(cache, vllm.Ranks(), host="10.0.0.1", port=50051, backend=v1.BACKEND_MOONCAKE)
+    if sglang_rows:
+        info.aux_entries.extend(v1.AuxEntryInfo(item_len=n) for n in METADATA_ITEM_LENS)
+    return info
+
+
+def _sglang_decode(aux: list[int]) -> v1.KvRegistration:
+    """An SGLang MLA decode rank (page 64) with metadata buffers of these bytes per slot."""
+    args = kv_args()
+    args.aux_item_lens, args.aux_data_lens = aux, [n * 16 for n in aux]
+    args.aux_data_ptrs = [0x8000_0000 + i * 0x1_0000 for i in range(len(aux))]
+    dec = sglang.decode_layout(args, sglang.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="10.0.0.2",
+                               notify_port=7000)
+    regions = sglang.regions(args, on_device=True)
+    return make_registration(dec, v1.MooncakeEndpoint(session_id="10.0.0.2:15000"), list(regions.kv),
+                             aux=list(regions.aux))
+
+
+def test_a_vllm_prefill_serves_an_sglang_decode_its_metadata_row_in_pages_of_64() -> None:
+    """vLLM block 16 -> SGLang page 64 (the decode announces page-relayout); the vLLM prefill's metadata rows
+    pair with SGLang's default ones (no speculative decoding) buffer for buffer."""
+    decision = negotiate(_vllm_prefill(sglang_rows=True), _sglang_decode(list(METADATA_ITEM_LENS)))
+    assert isinstance(decision, Decision), decision
+    assert decision.mode is Mode.SAME_LAYOUT and decision.tp is not None
+    assert [(a.src_entry, a.dst_entry, a.item_len) for a in decision.tp.aux] == [
+        (i, i, n) for i, n in enumerate(METADATA_ITEM_LENS)]
+
+
+def test_an_sglang_decode_is_refused_a_prefill_that_writes_no_metadata_row() -> None:
+    """Without ``sglang_bootstrap_port`` a vLLM prefill has no aux: an SGLang decode would wait for its row."""
+    rejection = negotiate(_vllm_prefill(sglang_rows=False), _sglang_decode(list(METADATA_ITEM_LENS)))
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_AUX_COUNT_MISMATCH
+    assert "sglang_bootstrap_port" in rejection.message
+
+
+def test_an_sglang_decode_with_draft_hidden_states_is_refused_by_size() -> None:
+    """A speculative-decoding SGLang decode's hidden-state buffer is wider than the padding a vLLM prefill has."""
+    aux = [*METADATA_ITEM_LENS[:8], 7168 * 2, METADATA_ITEM_LENS[9]]
+    rejection = negotiate(_vllm_prefill(sglang_rows=True), _sglang_decode(aux))
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_AUX_SIZE_MISMATCH
 
 
 def _sglang_prefill(dtype: str) -> v1.PrefillServerInfo:

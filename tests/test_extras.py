@@ -56,8 +56,12 @@ def reason_of(fn: object, *args: object, **kwargs: object) -> Reason:
 
 def test_aux_pairs_by_position() -> None:
     assert pair_aux(info(aux=(8, 64)), reg(aux=(8, 64))) == (AuxPairing(0, 0, 8), AuxPairing(1, 1, 64))
-    assert pair_aux(info(), reg(aux=(8,))) == ()  # a prefill without aux moves none
-    assert pair_aux(info(aux=(8, 64)), reg()) == ()  # nor does a decode without (vLLM samples its first token)
+    assert pair_aux(info(aux=(8, 64)), reg()) == ()  # none for a decode without (vLLM samples its first token)
+
+
+def test_a_decode_waiting_for_aux_is_refused_by_a_prefill_without() -> None:
+    """An SGLang decode gates each request on its aux row: a prefill that writes none would hang it."""
+    assert reason_of(pair_aux, info(), reg(aux=(8,))) is Reason.TOPOLOGY_AUX_COUNT_MISMATCH
 
 
 def test_aux_sizes_default_to_the_prefill_when_the_decode_sends_none() -> None:

@@ -154,16 +154,19 @@ def _parallel(values: Sequence[int], n: int, field: str) -> None:
 def pair_aux(info: server_info_pb2.PrefillServerInfo,
              reg: registration_pb2.KvRegistration) -> tuple[AuxPairing, ...]:
     """Pair aux buffers by position; the counts and (when sent) the slot sizes must agree; none for a decode
-    that registers none."""
+    that registers none. A decode that registers aux waits for its row (SGLang gates each request on it), so a
+    prefill that publishes none is refused."""
     n = len(reg.aux_ptrs)
     _parallel(reg.aux_item_lens, n, "registration.aux_item_lens")
     _parallel(reg.aux_data_lens, n, "registration.aux_data_lens")
-    if not info.aux_entries or n == 0:
+    if n == 0:
         return ()
     if len(info.aux_entries) != n:
         raise TopologyError(
             f"the prefill has {len(info.aux_entries)} aux buffers, the decode registered {n}"
-            " (optional metadata buffers enabled on one side only?)",
+            + (" and would wait for an aux row that never comes (a vLLM prefill writes SGLang's only with"
+               " kv_connector_extra_config sglang_bootstrap_port)" if not info.aux_entries
+               else " (optional metadata buffers enabled on one side only?)"),
             reason=Reason.TOPOLOGY_AUX_COUNT_MISMATCH,
             metadata={"prefillAuxBuffers": len(info.aux_entries), "decodeAuxBuffers": n})
     out = []

@@ -136,13 +136,16 @@ def _legacy(manager: Any) -> dict[str, int]:
             for m in metric.collect() for s in m.samples if s.name.endswith("_total")}
 
 
-def _metadata() -> tuple[Any, Any]:
+def _metadata(spec: Spec | None = None) -> tuple[Any, Any]:
     import torch
 
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
 
+    # Draft hidden states as a speculative decoding server sends them, or SGLang's padding without
+    # (scheduler.py:1555), which a vLLM prefill writes (``Spec.dump``).
+    hidden = (16, torch.float32) if spec is not None and spec.dump else (256, torch.bfloat16)
     buffers = MetadataBuffers(
-        AUX_SLOTS, hidden_size=256, hidden_states_dtype=torch.bfloat16,
+        AUX_SLOTS, hidden_size=hidden[0], hidden_states_dtype=hidden[1],
         max_sampling_mask_tokens=16,
     )  # fmt: skip
     return buffers, ReqToMetadataIdxAllocator(AUX_SLOTS)
@@ -467,7 +470,7 @@ def run_decode(args: argparse.Namespace) -> None:
 
     spec: Spec = args.spec
     pools = build_pools(spec.model, spec.pool_pages, args.model_dir)
-    metadata, allocator = _metadata()
+    metadata, allocator = _metadata(spec)
     manager = _manager(server_args, "decode", pools.pool, metadata, LAYERS[spec.model])
     backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
     receiver_class = get_kv_class(backend, KVClassType.RECEIVER)  # decode.py:905
@@ -540,7 +543,11 @@ def run_decode(args: argparse.Namespace) -> None:
         elif state == SUCCESS:
             receiver.clear()  # _commit_transfer_to_req, decode.py:2774
     indices = {req.room: g.metadata_buffer_index for req, g in zip(requests, gated)}
-    report["mismatches"] = _check(args, pools, metadata, indices)
+    if spec.dump:
+        _dump(f"{spec.dump}/{args.rank}-", pools, metadata)
+        report["aux_index"] = indices
+    else:
+        report["mismatches"] = _check(args, pools, metadata, indices)
     if args.decode_backend == "pdproto":
         report["protocols"] = manager.peer_protocols()
         report["legacy_counts"] = dict(manager.legacy.counts)
@@ -575,6 +582,17 @@ def run_decode(args: argparse.Namespace) -> None:
         sys.stdin.readline()  # the driver kills this rank here (or the prefill), mid-transfer
         _emit({"killed": _until_concluded(args, receivers[0], lambda: poll_and_all_reduce(
             receivers, group, decode_reqs=gated, metadata_buffers=metadata))})
+
+
+def _dump(prefix: str, pools: Any, metadata: Any) -> None:
+    """This rank's KV pool (int16 words, [layer, slot, word]) and metadata buffers (bytes per slot), as .npy
+    files whose paths start with ``prefix``."""
+    import numpy as np
+    import torch
+
+    np.save(f"{prefix}kv.npy", torch.stack([layer.view(torch.int16) for layer in pools.kv]).numpy())
+    for k, buf in enumerate(_aux_tensors(metadata)):
+        np.save(f"{prefix}aux{k}.npy", buf.view(torch.uint8).reshape(buf.shape[0], -1).numpy())
 
 
 def _dropped(args: argparse.Namespace, manager: Any, addr: str, prepare: Callable[..., Any],

@@ -140,6 +140,10 @@ class Spec:
     extra_pages: int = 8
     instances: int = 1
     """Decode servers, each its own DCP group and maybe its own backend (``Request.decode`` picks one)."""
+    dump: str = ""
+    """A decode rank fed by a vLLM prefill (tests/vllm/test_cross_engine.py) writes its KV pool and metadata
+    buffers here for that driver to check, and builds the metadata buffers SGLang builds without speculative
+    decoding (the ones a vLLM prefill writes)."""
 
     def mine(self, instance: int) -> list[Request]:
         """The requests of decode server ``instance``."""

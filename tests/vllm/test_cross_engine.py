@@ -9,6 +9,10 @@ process group to the step) in this one: one of TP 1, four of TP 4 / DCP 4. Where
 registers none (rule 16b); the pages are 64 tokens on the prefill, 16 on the decode (the decode
 announces ``page-relayout``, rule 12); both publish the canonical dtype "bfloat16" (rule 6); the
 room is SGLang's ``bootstrap_room``, which the decode's ``kv_transfer_params`` carry.
+
+And back: a vLLM prefill worker (``sglang_bootstrap_port``) feeds an SGLang decode rank of the same
+harness, which finds it through the bootstrap server the prefill's scheduler-side connector runs and
+gates each request on the metadata row the prefill writes (the first token, the room).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import random
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +62,14 @@ def sglang_python() -> str:
     return path
 
 
+def sglang_env(timeout: int, **more: str) -> dict[str, str]:
+    """The environment of an SGLang rank on loopback: Mooncake over TCP, the harness's timeouts."""
+    return {**os.environ, "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1", "PDPROTO_ENGINE": "mooncake",
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(timeout),
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(timeout),
+            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000", **more}
+
+
 def prefill_rows(spec: pd_harness.Spec) -> list[np.ndarray]:
     """The prefill's KV pool, layer by layer, as int16 words per token slot: ``fill_prefill``'s seeded bytes
     over SGLang's ``MLATokenToKVPool`` buffers (``pool_pages * PAGE`` slots and the padding page)."""
@@ -77,10 +90,7 @@ def test_sglang_prefill_to_vllm_decodes(tmp_path: Path) -> None:
     model = _rig.model_dir(tmp_path / "vllm-mla")
     spec = pd_harness.Spec("mla", REQUESTS)
     port, timeout = free_port(), 60
-    env = {**os.environ, "MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1", "PDPROTO_PORT": str(port),
-           "PDPROTO_ENGINE": "mooncake", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(timeout),
-           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(timeout),
-           "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1000"}
+    env = sglang_env(timeout, PDPROTO_PORT=str(port))
     args = ["--role", "prefill", "--backend", "pdproto", "--prefill-backend", "pdproto", "--timeout", str(timeout),
             "--model-dir", str(write_config("mla", tmp_path / "sglang-mla")), "--spec", spec.to_json(),
             "--bootstrap-port", str(free_port()), "--dist-port", str(free_port())]
@@ -141,3 +151,108 @@ def test_sglang_prefill_to_vllm_decodes(tmp_path: Path) -> None:
                     assert written == checked, f"{c.name}: rows written outside the requests: {written} of {checked}"
     finally:
         pd_harness._stop(prefill, quit_first=True)
+
+
+REVERSE = (
+    pd_harness.Request(room=(1 << 58) + 201, tokens=300),  # the decode's last page partial (300 = 4 * 64 + 44)
+    pd_harness.Request(room=(1 << 58) + 202, tokens=5),  # shorter than a block on either side
+    pd_harness.Request(room=(1 << 58) + 203, tokens=700, decode_prefix=256),  # the decode holds a prefix
+)
+"""Requests of the reverse direction: a vLLM prefill (block 16) to an SGLang decode (page 64)."""
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_vllm_prefill_to_an_sglang_decode(tmp_path: Path, dcp: int) -> None:
+    """A vLLM MLA prefill worker (block 16, ``sglang_bootstrap_port``) feeds an SGLang decode of TP 1 or of TP 4 /
+    DCP 4 (page 64, SGLang's own receivers, poll and metadata gate): each decode rank finds the prefill through
+    the bootstrap server the prefill's scheduler-side connector runs, every decode row is the prefill's (token t
+    on rank t % dcp at local row t // dcp) and nothing else is written, each rank's metadata row holds the first
+    token vLLM sampled and the room, and every request ends Success there."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    from pdproto.integrations.vllm.connector import PdprotoConnector
+    from pdproto.integrations.vllm.sglang_peer import BOOTSTRAP_ROOM, OUTPUT_IDS
+
+    from . import _rig
+
+    model = _rig.model_dir(tmp_path / "vllm-mla")
+    port, bootstrap_port, timeout = free_port(), free_port(), 60
+    extra = {"sglang_bootstrap_port": bootstrap_port}
+    scheduler = PdprotoConnector(_rig.vllm_config(model, "kv_producer", port=port, extra=extra),
+                                 KVConnectorRole.SCHEDULER, _rig.mla_cache_config(BLOCK, BLOCKS))
+    dump = tmp_path / "decode"
+    dump.mkdir()
+    spec = pd_harness.Spec("mla", REVERSE, dump=str(dump))
+    # CPU ranks beyond the NUMA node count are told where their threads go (pd_harness.run says why).
+    env = sglang_env(timeout, SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp))
+    args = ["--role", "decode", "--backend", "pdproto", "--prefill-backend", "pdproto", "--timeout", str(timeout),
+            "--model-dir", str(write_config("mla", tmp_path / "sglang-mla")), "--spec", spec.to_json(),
+            "--bootstrap-port", str(bootstrap_port), "--dist-port", str(free_port()), "--dcp", str(dcp)]
+    logs = [tmp_path / f"decode{r}.log" for r in range(dcp)]
+    decodes: list[subprocess.Popen[str]] = []
+
+    def tails() -> str:
+        return "\n".join(log.read_text()[-2000:] for log in logs)
+
+    try:
+        with started([("kv_producer", 1, {"block_size": BLOCK, "blocks": BLOCKS, "port": port, "extra": extra})],
+                     model, tmp_path) as [[prefill]]:
+            # Each decode rank registers with the prefill rank its bootstrap record names, as soon as it is up.
+            for rank, log in enumerate(logs):
+                with open(log, "wb") as err:
+                    decodes.append(subprocess.Popen(
+                        [sglang_python(), "-m", "tests.sglang.pd_harness", *args, "--rank", str(rank)], cwd=REPO,
+                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True))
+            lines = [pd_harness._Lines(d) for d in decodes]
+            free = list(range(1, BLOCKS))
+            random.Random(SEED).shuffle(free)
+            for k, r in enumerate(REVERSE):
+                n = -(-r.tokens // BLOCK)
+                src, free = free[:n], free[n:]
+                prefill.call("fill", blocks=src, tokens=r.tokens, seed=k)
+                # What vLLM's scheduler holds when the prefill request ends: its one sampled token.
+                req = _rig.request(f"p{r.room}", r.tokens, {"do_remote_decode": True, "bootstrap_room": r.room}, BLOCK)
+                req.append_output_token_ids(100 + k)
+                req.num_computed_tokens, req.status = r.tokens, RequestStatus.FINISHED_LENGTH_CAPPED
+                delay, params = scheduler.request_finished(req, src)
+                assert delay and params is not None and params["bootstrap_room"] == r.room
+            sends = [asdict(s) for s in scheduler.build_connector_meta(None).sends]
+            assert [s["first_token"] for s in sends] == [100, 101, 102]
+            # Held from when the decode is up (SGLang's start-up is not counted against the prefill's lease).
+            assert [(line.next(240.0) or {}).get("up") for line in lines] == list(range(dcp)), tails()
+            step([prefill], sends=sends)
+            sent: set[str] = set()
+            end = time.monotonic() + timeout
+            while len(sent) < len(REVERSE):
+                assert time.monotonic() < end and all(d.poll() is None for d in decodes), (sent, tails())
+                sent |= set(step([prefill])[0]["sent"])
+                time.sleep(0.05)
+            reports = [line.next(float(timeout)) for line in lines]
+            for report in reports:
+                assert report is not None and "polls" in report, (report, tails())
+                assert report["polls"] == [pd_harness.SUCCESS] * len(REVERSE), report
+                assert report["protocols"] == {f"127.0.0.1:{port}": "pdproto"}, report
+    finally:
+        scheduler.shutdown()
+        pd_harness._stop(*decodes, quit_first=True)
+    dst = pd_harness.decode_pages(spec, dcp)
+    for rank, report in enumerate(reports):
+        kv = np.load(dump / f"{rank}-kv.npy").reshape(LAYERS["mla"], -1, _rig.ROW)
+        want = np.zeros_like(kv)
+        for k, r in enumerate(REVERSE):
+            t = np.arange(r.decode_prefix, r.tokens)
+            t = t[t % dcp == rank]
+            slots = np.asarray(dst[r.room])[t // (PAGE * dcp)] * PAGE + (t // dcp) % PAGE
+            for layer in range(LAYERS["mla"]):
+                want[layer, slots] = _rig.rows(layer, t, k)
+        bad = [(layer, int(row)) for layer in range(LAYERS["mla"])
+               for row in np.flatnonzero((kv[layer] != want[layer]).any(1))]
+        assert not bad, f"rank {rank}: {len(bad)} rows differ from what they must hold, first {bad[:5]}"
+        aux = [np.load(dump / f"{rank}-aux{i}.npy") for i in range(len(list(dump.glob(f"{rank}-aux*.npy"))))]
+        expected = [np.zeros_like(a) for a in aux]
+        for k, r in enumerate(REVERSE):
+            index = report["aux_index"][str(r.room)]
+            expected[OUTPUT_IDS][index].view(np.int32)[0] = 100 + k
+            expected[BOOTSTRAP_ROOM][index].view(np.uint64)[0] = r.room
+        assert [i for i, (a, e) in enumerate(zip(aux, expected, strict=True)) if not np.array_equal(a, e)] == [], rank

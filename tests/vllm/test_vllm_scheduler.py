@@ -6,6 +6,7 @@ transfer (VLLM_TARGET_DEVICE=cpu, a tiny local MLA model config).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -100,6 +101,16 @@ def test_what_is_not_served_is_refused_at_start_up(model: str, tmp_path: Path) -
     assert _refusal(model, role="kv_both").metadata["setting"] == "kv_role"
     assert _refusal(model, extra={"lease": 3}).metadata["setting"] == "kv_connector_extra_config"
     assert _refusal(model, extra={"engine": "carrier-pigeon"}).metadata["setting"] == "PDPROTO_ENGINE"
+    e = _refusal(model, extra={"sglang_bootstrap_port": 8998})  # a decode answers no SGLang decode
+    assert e.metadata["setting"] == "sglang_bootstrap_port" and "kv_producer" in e.message
+    assert _refusal(model, role="kv_producer", port=5758,
+                    extra={"sglang_bootstrap_port": "8998"}).metadata["setting"] == "sglang_bootstrap_port"
+    with socket.socket() as taken:  # a port another server holds: refused with the port named
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        e = _refusal(model, role="kv_producer", port=5758, extra={"sglang_bootstrap_port": busy})
+    assert e.metadata == {"setting": "sglang_bootstrap_port", "value": str(busy)}, e
 
 
 def _scheduler(model: str, role: str, policy: str = "fail") -> Scheduler:
@@ -182,6 +193,7 @@ def test_prefill_holds_its_blocks_until_sent(model: str) -> None:
     out = s.schedule()
     (send,) = out.kv_connector_metadata.sends
     assert (send.request_id, send.room, list(send.blocks), send.num_tokens) == ("p1", room_of("t-2"), blocks, PROMPT)
+    assert send.first_token == 7  # what the model runner sampled: an SGLang decode's metadata row carries it
     assert s.kv_cache_manager.block_pool.get_num_free_blocks() < free  # held for the decode
     s.update_from_output(out, _output([], finished_sending={"p1"}))
     assert not s.connector.has_pending_push_work()

@@ -43,6 +43,7 @@ from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import ConfigError, Reason, TopologyError
 from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
+from pdproto.negotiation.topology import PAGE_RELAYOUT
 from pdproto.v1 import common_pb2
 
 from ..dtypes import kv_dtype
@@ -70,8 +71,10 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
 PP_REFUSED = frozenset({"minimax_index_k", "minimax_dense_kv"})
 """State types SGLang moves only between servers without pipeline parallelism (compacted layer lists)."""
 
-CAPABILITIES = ("dcp-relayout", "packed")
-"""What a decode rank of this backend announces."""
+CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT)
+"""What a decode rank of this backend announces: its pages take rows planned per token, so a prefill of
+another page size (a vLLM prefill's block of 16) may feed it; SGLang's own bootstrap check still keeps
+two SGLang servers to one ``--page-size``."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ submit its blocks; the prefill writes them. Discovery is the request's ``kv_tran
 and the decode the prefill's ``remote_host``/``remote_port`` (and ``remote_tp_size``), which
 the prefill also returns from ``request_finished`` for a router that sends the two in turn.
 Facing an SGLang peer the router also gives SGLang's ``bootstrap_room``, which is then the room.
+A prefill with ``sglang_bootstrap_port`` also serves SGLang decodes: SGLang's bootstrap server
+and metadata rows (``sglang_peer.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pdproto.transfer.address import advertise_host
 from ..sglang.layout import host_port
 from ..sglang.settings import BackendSettings
 from . import layout
+from .sglang_peer import BootstrapServer
 from .worker import DecodeWorker, PrefillWorker, Recv, Send
 
 if TYPE_CHECKING:  # the main virtualenv has no vLLM: the type gate checks against these stand-ins
@@ -77,6 +80,9 @@ class Timeouts:
     timeout is 300 s); then each silent prefill rank is asked once more, and the request fails.
     Prefill: how long a decode's submit waits for the request to finish here."""
 
+SGLANG_BOOTSTRAP = "sglang_bootstrap_port"
+"""``kv_connector_extra_config`` key: a prefill serves SGLang decodes, its bootstrap server on this port."""
+
 EXTRA_SETTINGS = {"engine": "PDPROTO_ENGINE", "port": "PDPROTO_PORT", "staging_mb": "PDPROTO_STAGING_MB",
                   "rpc_timeout_s": "PDPROTO_RPC_TIMEOUT_S"}
 """``kv_connector_extra_config`` keys and the pdproto setting each overrides (the rest come from the
@@ -85,10 +91,10 @@ environment, as for the SGLang backend: ``pdproto/integrations/sglang/settings.p
 
 def settings_of(extra: Mapping[str, Any]) -> tuple[BackendSettings, Timeouts]:
     """The backend settings and the timeouts from ``kv_connector_extra_config`` over the environment."""
-    unknown = sorted(set(extra) - set(EXTRA_SETTINGS) - set(TIMEOUTS))
+    unknown = sorted(set(extra) - set(EXTRA_SETTINGS) - set(TIMEOUTS) - {SGLANG_BOOTSTRAP})
     if unknown:
         raise ConfigError(f"kv_connector_extra_config has keys PdprotoConnector does not know: {unknown}; "
-                          f"known: {sorted([*EXTRA_SETTINGS, *TIMEOUTS])}", reason=Reason.CONFIG_INVALID,
+                          f"known: {sorted([*EXTRA_SETTINGS, *TIMEOUTS, SGLANG_BOOTSTRAP])}", reason=Reason.CONFIG_INVALID,
                           metadata={"setting": "kv_connector_extra_config", "value": ",".join(unknown)})
     env = {**os.environ, **{EXTRA_SETTINGS[k]: str(v) for k, v in extra.items() if k in EXTRA_SETTINGS}}
     seconds = {}
@@ -176,6 +182,12 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
                               "a token's one latent row, not MHA heads", reason=Reason.CONFIG_INVALID,
                               metadata={"setting": "decode_context_parallel_size", "value": str(self.dcp_size)})
         self.host = advertise_host()
+        self.sglang_port = _sglang_port(transfer.kv_connector_extra_config or {}, self.producer)
+        self.bootstrap = None
+        """SGLang's bootstrap server for this prefill (the scheduler's connector runs it)."""
+        if self.sglang_port is not None and getattr(role, "name", "") == "SCHEDULER":
+            self.bootstrap = BootstrapServer(self.sglang_port, rank_host=self.host, pdproto_port=self.settings.port,
+                                             tp_size=self.tp_size)
         # Scheduler side.
         self._meta = PdprotoMeta()
         self._holding: set[str] = set()
@@ -241,7 +253,9 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         transfer_id = _transfer_id(request, params)
         tokens = int(request.num_computed_tokens)
         room = _room(request, params)
-        self._meta.sends.append(Send(request.request_id, room, tuple(block_ids[0]), tokens, self.timeouts.lease_s))
+        first = request.output_token_ids[0] if request.output_token_ids else None
+        self._meta.sends.append(Send(request.request_id, room, tuple(block_ids[0]), tokens, self.timeouts.lease_s,
+                                     first))
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
                       "remote_host": self.host, "remote_port": self.settings.port, "remote_tp_size": self.tp_size,
@@ -271,7 +285,8 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         if self.producer:
             self._worker = PrefillWorker(self.settings, self.cache, kv_caches, ranks, on_device=on_device,
                                          gpu_id=gpu_id, port=self.settings.port + ranks.tp[1],
-                                         match_timeout_s=self.timeouts.recv_timeout_s)
+                                         match_timeout_s=self.timeouts.recv_timeout_s,
+                                         sglang_rows=self.sglang_port is not None)
         else:
             self._worker = DecodeWorker(self.settings, self.cache, kv_caches, ranks, on_device=on_device,
                                         gpu_id=gpu_id, engine_id=self.engine_id,
@@ -304,10 +319,26 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
                                           failed_recving=done.failed)
 
     def shutdown(self) -> None:
-        """Stop the worker's service or peer and release its engine."""
+        """Stop the worker's service or peer and release its engine; stop the SGLang bootstrap server."""
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.close()
+        bootstrap, self.bootstrap = self.bootstrap, None
+        if bootstrap is not None:
+            bootstrap.close()
+
+
+def _sglang_port(extra: Mapping[str, Any], producer: bool) -> int | None:
+    """``sglang_bootstrap_port``: where a prefill answers SGLang decodes; None when not set."""
+    port = extra.get(SGLANG_BOOTSTRAP)
+    if port is None:
+        return None
+    if not producer or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"kv_connector_extra_config {SGLANG_BOOTSTRAP}={port!r} is not valid: "
+                          + ("only a prefill (kv_producer) serves SGLang decodes" if not producer
+                             else "expected a TCP port"), reason=Reason.CONFIG_INVALID,
+                          metadata={"setting": SGLANG_BOOTSTRAP, "value": str(port)})
+    return port
 
 
 def _worker_ranks() -> layout.Ranks:
@@ -321,4 +352,4 @@ def _worker_ranks() -> layout.Ranks:
                         pp=(pp.world_size, pp.rank_in_group))
 
 
-__all__ = ["EXTRA_SETTINGS", "TIMEOUTS", "PdprotoConnector", "PdprotoMeta", "Timeouts", "settings_of"]
+__all__ = ["EXTRA_SETTINGS", "SGLANG_BOOTSTRAP", "TIMEOUTS", "PdprotoConnector", "PdprotoMeta", "Timeouts", "settings_of"]

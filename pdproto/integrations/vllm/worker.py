@@ -40,6 +40,7 @@ from pdproto_server.registry import Limits
 from ..sglang.layout import host_port
 from ..sglang.settings import BackendSettings
 from . import layout
+from .sglang_peer import MetadataRows
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Send:
     """Tokens computed (what the decode loads)."""
     lease_s: float
     """How long the blocks wait for a decode to submit."""
+    first_token: int | None = None
+    """The token vLLM sampled at the end of the prefill (an SGLang decode's metadata row carries it)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class _Held:
     send: Send
     until: float
     submitted: bool = False
+    slot: int | None = None
+    """Its SGLang metadata row (``MetadataRows``)."""
 
 
 class PrefillWorker:
@@ -111,14 +116,19 @@ class PrefillWorker:
 
     def __init__(self, settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any],
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, port: int,
-                 match_timeout_s: float) -> None:
+                 match_timeout_s: float, sglang_rows: bool = False) -> None:
         self.cache = cache
         self.executor, buffers = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
             host = advertise_host()
             info = layout.server_info(cache, ranks, host=host, port=port,
                                       backend=backends.by_name(settings.engine).enum)
-            self.engine = PrefillEngine(KvSource(buffers, info), self.executor, prefill_rank=ranks.tp[1])
+            self.rows = MetadataRows(self.executor) if sglang_rows else None
+            """SGLang decodes' metadata rows (``sglang_peer``), when this prefill serves them."""
+            if self.rows is not None:
+                info.aux_entries.extend(self.rows.entries())
+            self.engine = PrefillEngine(KvSource(buffers, info, aux=() if self.rows is None else self.rows.buffers),
+                                        self.executor, prefill_rank=ranks.tp[1])
             config = ServerConfig(listen=host_port(host, port), token=settings.token,
                                   operator_token=settings.operator_token,
                                   allow_unauthenticated=settings.allow_unauthenticated,
@@ -141,7 +151,12 @@ class PrefillWorker:
         """Take finished requests' blocks until their decode has them (or their lease ends)."""
         now = time.monotonic()
         for s in sends:
-            self._held[s.room] = _Held(s, now + s.lease_s)
+            earlier = self._held.get(s.room)
+            if earlier is not None and earlier.slot is not None and self.rows is not None:
+                self.rows.free(earlier.slot)  # the room's request again: its row is rewritten below
+            held = self._held[s.room] = _Held(s, now + s.lease_s)
+            if self.rows is not None and s.first_token is not None:
+                held.slot = self.rows.write(s.room, s.first_token)
 
     def step(self) -> Results:
         """Report the chunks whose decode submitted; the requests whose blocks are free again.
@@ -164,6 +179,8 @@ class PrefillWorker:
                     "its transfer did not end" if held.submitted else "no decode submitted for it")
                     + f" within its {held.send.lease_s:g} s lease")
             out.sent.add(held.send.request_id)
+            if held.slot is not None and self.rows is not None:
+                self.rows.free(held.slot)
             self.engine.release_room(room)
             del self._held[room]
         return out
@@ -176,9 +193,15 @@ class PrefillWorker:
             self.engine.abort(s.room, f"the decode's prefix of {prefix} tokens is not a multiple of this "
                                       f"prefill's block of {self.virtual_page} tokens")
             return
+        if self.rows is not None and held.slot is None:
+            self.engine.abort(s.room, f"request {s.request_id}: " + (
+                "no first token to write into its SGLang metadata row" if s.first_token is None
+                else f"all {self.rows.slots} SGLang metadata rows are taken"))
+            return
         skip = prefix // self.virtual_page
         try:
-            self.engine.submit_chunk(s.room, list(s.blocks[skip:]), max(s.num_tokens - prefix, 0), True)
+            self.engine.submit_chunk(s.room, list(s.blocks[skip:]), max(s.num_tokens - prefix, 0), True,
+                                     aux_slot=held.slot)
         except PdprotoError as exc:
             self.engine.abort(s.room, f"{exc.reason.name}: {exc.message}")
 
