@@ -29,7 +29,7 @@ from pdproto.client import DecodePeer, PrefillRank
 from pdproto.errors import PdprotoError, Reason
 from pdproto.negotiation.fanin import Outcome
 from pdproto.negotiation.registration import make_registration
-from pdproto.transfer import TransferExecutor, at_address, create_executor
+from pdproto.transfer import CredentialSlot, TransferExecutor, at_address, create_executor
 from pdproto.transfer.address import advertise_host
 from pdproto.v1 import common_pb2, transfer_pb2
 from pdproto_server.app import ServerConfig, ServiceThread
@@ -226,7 +226,10 @@ class DecodeWorker:
             self.layout = layout.decode_layout(cache, ranks, notify_host=advertise_host(),
                                                notify_port=layout.notify_port(engine_id, ranks.tp[1]),
                                                gpu_id=gpu_id)
+            # Before the endpoint: NIXL's metadata lists the registered memory.
+            self.credential = CredentialSlot(self.executor, kind=buffers[0].kind, device=buffers[0].device)
             self.registration = make_registration(self.layout, self.executor.endpoint(), buffers)
+            self.registration.credential_buffer.CopyFrom(self.credential.proto())
         except BaseException:
             self.executor.close()
             raise
@@ -240,7 +243,8 @@ class DecodeWorker:
         """How long a request waits for its bytes (then ``DecodePeer.wait`` probes its prefill ranks)."""
         self._deadlines: dict[int, float] = {}
         self.peer = DecodePeer(self.registration, token=settings.token, root_cert=settings.tls_root,
-                               timeout=settings.rpc_timeout_s, on_outcome=self._on_outcome)
+                               timeout=settings.rpc_timeout_s, on_outcome=self._on_outcome,
+                               read_credential=self.credential.read)
 
     def _on_outcome(self, room: int, outcome: Outcome) -> None:
         with self._lock:
