@@ -221,7 +221,7 @@ def _mamba_group(kv_cache_config: Any, index: int) -> MambaGroup:
     spec = group.kv_cache_spec
     mode = str(spec.mamba_cache_mode)
     if mode != "none":
-        # align/all keep a state per block position, and vLLM's P/D hands over the running state only.
+        # align keeps a state per block position; vLLM's P/D hands over the running state only.
         raise _not_served(f"Mamba state in cache mode {mode} (prefix caching of Mamba state)",
                           "only mode none (one state block per request) is moved; run the prefill and the decode "
                           "with --no-enable-prefix-caching", Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, mode=mode)
