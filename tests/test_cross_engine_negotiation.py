@@ -16,7 +16,7 @@ from pdproto.integrations.vllm.sglang_peer import METADATA_ITEM_LENS
 from pdproto.negotiation.registration import Region, make_registration
 from pdproto.negotiation.topology import Decision, Mode, Rejection, negotiate
 
-from .test_sglang_layout import kv_args
+from .test_sglang_layout import kimi_state, kv_args
 
 
 def _vllm_decode(dtype: object, block: int = 16, dcp: int = 1, rank: int = 0) -> v1.KvRegistration:
@@ -107,3 +107,42 @@ def test_an_sglang_prefill_serves_a_vllm_decode_without_aux_in_blocks_of_16(dcp:
 def test_different_dtypes_are_refused_whatever_the_spelling() -> None:
     rejection = negotiate(_sglang_prefill("bf16"), _vllm_decode("fp8"))
     assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_KV_DTYPE_MISMATCH
+
+
+MAMBA2 = "vllm mamba2 conv SD: bfloat16(3, 288), float32(8, 32, 16)"
+
+
+def _vllm_hybrid() -> vllm.KvCache:
+    """A vLLM Mamba2/MLA hybrid rank: MLA layers 0 and 2, Mamba2 layers 1 and 3 (padded pages of 18,432 B)."""
+    names, mixers = ("model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"), \
+        ("model.layers.1.mixer", "model.layers.3.mixer")
+    group = vllm.MambaGroup(1, mixers, vllm.layer_ids(mixers), 16 * 1152, MAMBA2)
+    return vllm.KvCache(names, vllm.layer_ids(names), 16, 1152, 64, "bfloat16", group=0, mamba=(group,))
+
+
+def _vllm_hybrid_decode(cache: vllm.KvCache, tp: int = 1, rank: int = 0) -> v1.KvRegistration:
+    dec = vllm.decode_layout(cache, vllm.Ranks(tp=(tp, rank)), notify_host="10.0.0.2", notify_port=7000, gpu_id=0)
+    # Mamba layer l overlays MLA layer l's region (vLLM's groups share one allocation).
+    regions = [Region(0x10_0000 * (i + 1), 64 * cache.page_bytes, v1.MEMORY_KIND_VRAM) for i in range(2)]
+    return make_registration(dec, v1.MooncakeEndpoint(session_id="10.0.0.2:15000"), regions, state=[regions])
+
+
+def test_a_vllm_hybrid_moves_its_mamba_pages_whole_between_equal_tp_sizes_only() -> None:
+    """vLLM to vLLM: each Mamba layer's padded page is one item, paired by layer id; TP 1 to TP 2 is refused at
+    Register (the page packs conv and temporal state: no slicing by head)."""
+    info = vllm.server_info(_vllm_hybrid(), vllm.Ranks(), host="10.0.0.1", port=50051, backend=v1.BACKEND_MOONCAKE)
+    decision = negotiate(info, _vllm_hybrid_decode(_vllm_hybrid()))
+    assert isinstance(decision, Decision) and decision.tp is not None, decision
+    (entry,) = decision.tp.state
+    assert [(t.src_tensor, t.dst_tensor, t.src_item_len) for t in entry.tensors] == [(0, 0, 18432), (1, 1, 18432)]
+    rejection = negotiate(info, _vllm_hybrid_decode(_vllm_hybrid(), tp=2))
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+
+
+def test_an_sglang_hybrid_prefill_and_a_vllm_hybrid_decode_are_refused() -> None:
+    """SGLang's Mamba state (conv and temporal apart, all N tokens computed) is not vLLM's padded page after N-1
+    tokens: the pair is refused at Register (SGLang's hybrid pool kind says so first), never moved."""
+    info = sglang.server_info(kv_args(layers=2, state=[kimi_state(1)], hybrid=True), sglang.Ranks(attn_tp=(1, 0)),
+                              is_mla_backend=True, host="10.0.0.1", port=50051, backend=v1.BACKEND_MOONCAKE)
+    rejection = negotiate(info, _vllm_hybrid_decode(_vllm_hybrid()))
+    assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_ATTENTION_KIND_MISMATCH, rejection

@@ -26,13 +26,16 @@ from vllm.config import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -123,17 +126,45 @@ def mla_cache_config(block_size: int, num_blocks: int, mha_heads: int = 0) -> KV
                          kv_cache_groups=[KVCacheGroupSpec(names, spec)], kv_cache_layout="LBNHC")
 
 
+def hybrid_layer_names() -> tuple[list[str], list[str]]:
+    """A Mamba2/MLA hybrid's attention layers (0, 2) and Mamba2 mixers (1, 3)."""
+    return ([f"model.layers.{i}.self_attn.attn" for i in range(0, LAYERS, 2)],
+            [f"model.layers.{i}.mixer" for i in range(1, LAYERS, 2)])
+
+
+def hybrid_cache_config(config: VllmConfig, num_blocks: int, ssm_dtype: str = "float32") -> KVCacheConfig:
+    """The KV cache config vLLM builds (``get_kv_cache_config_from_groups``) for a small Mamba2/MLA hybrid in
+    ``--mamba-cache-mode none``: an MLA group and a Mamba2 group (per-rank state shapes from vLLM's calculator,
+    the conv layout per ``VLLM_SSM_CONV_STATE_LAYOUT``), the Mamba page padded to the MLA page of 16 tokens."""
+    block = config.cache_config.block_size
+    mla = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=ROW, dtype=torch.bfloat16)
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(tp_world_size=config.parallel_config.tensor_parallel_size,
+                                                          intermediate_size=256, n_groups=1, num_heads=8,
+                                                          head_dim=32, state_size=16, conv_kernel=4)
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(torch.bfloat16, "auto", ssm_dtype)
+    mamba = MambaSpec(block_size=MAX_LEN, shapes=shapes, dtypes=dtypes, page_size_padded=mla.page_size_bytes,
+                      mamba_cache_mode=config.cache_config.mamba_cache_mode)
+    attention, mixers = hybrid_layer_names()
+    config.cache_config.kv_cache_layout = "LBNHC"
+    config.cache_config.num_gpu_blocks_override = num_blocks
+    return get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(attention, mla), KVCacheGroupSpec(mixers, mamba)],
+                                           mla.page_size_bytes * len(attention) * num_blocks)
+
+
 def rows(layer: int, tokens: np.ndarray, seed: int, width: int = ROW) -> np.ndarray:
     """The prefill's rows of ``tokens`` in ``layer``: ``width`` int16 words, distinct per layer, token and request."""
     base = (layer * 1_000_003 + seed * 7_919 + tokens.astype(np.int64)[:, None] * 577 + np.arange(width)) % 32_749
     return (base + 1).astype(np.int16)  # never 0: a row left unwritten stays 0
 
 
-def scheduler(config: VllmConfig, block_size: int, num_blocks: int) -> Scheduler:
-    """vLLM's own scheduler over the model's KV cache config, with the config's connector."""
+def scheduler(config: VllmConfig, block_size: int, num_blocks: int, *, hybrid: bool = False) -> Scheduler:
+    """vLLM's own scheduler over the model's KV cache config (or the hybrid's), with the config's connector."""
     config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=config, kv_cache_config=mla_cache_config(block_size, num_blocks),
-                     structured_output_manager=StructuredOutputManager(config), block_size=block_size)
+    cache = hybrid_cache_config(config, num_blocks) if hybrid else mla_cache_config(block_size, num_blocks)
+    block, hashed = resolve_kv_cache_block_sizes(cache, config)  # the hybrid's: lcm(16, Mamba's MAX_LEN), 16
+    return Scheduler(vllm_config=config, kv_cache_config=cache,
+                     structured_output_manager=StructuredOutputManager(config), block_size=block,
+                     hash_block_size=hashed)
 
 
 def request(request_id: str, tokens: int, params: dict[str, Any], block_size: int) -> Request:

@@ -8,8 +8,9 @@ cache as vLLM lays it out), the connector's ``register_kv_caches``, and each ste
 order, on a step without a forward). Commands:
 
   step      one step with the given connector metadata; answers what finished
-  fill      prefill: write the rows of a request's tokens into its blocks
-  check     decode: compare the rows this rank holds of a request's tokens with the prefill's
+  fill      prefill: write the rows of a request's tokens into its blocks (and its Mamba state pages)
+  check     decode: compare the rows this rank holds of a request's tokens (and its state) with the prefill's
+  connect   decode: register with a prefill rank; answers the refusal's reason, if any
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ def main() -> None:
     p.add_argument("--dist-port", type=int, required=True)
     p.add_argument("--mha-heads", type=int, default=0, help="MHA with this many KV heads on this rank (0: MLA)")
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
+    p.add_argument("--hybrid", default="", help="a Mamba2/MLA hybrid with this temporal state dtype (float32, ...)")
+    p.add_argument("--conv-layout", default="SD", help="VLLM_SSM_CONV_STATE_LAYOUT of the hybrid")
     a = p.parse_args()
     out = redirect_stdout_to_stderr()
+    os.environ["VLLM_SSM_CONV_STATE_LAYOUT"] = a.conv_layout
 
     import numpy as np
     import torch
@@ -52,12 +56,14 @@ def main() -> None:
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    from pdproto.errors import PdprotoError
     from pdproto.integrations.vllm.connector import PdprotoMeta
     from pdproto.integrations.vllm.worker import Recv, Send
 
     config = _rig.vllm_config(a.model, a.role, tp=a.tp, dcp=a.dcp, block_size=a.block_size, port=a.port,
                               engine=a.engine, engine_id=f"{a.role}-{a.dist_port}", extra=json.loads(a.extra))
-    cache_config = _rig.mla_cache_config(a.block_size, a.blocks, a.mha_heads)
+    cache_config = (_rig.hybrid_cache_config(config, a.blocks, a.hybrid) if a.hybrid
+                    else _rig.mla_cache_config(a.block_size, a.blocks, a.mha_heads))
     with set_current_vllm_config(config):
         ps.init_distributed_environment(world_size=a.tp, rank=a.rank, local_rank=a.rank, backend="gloo",
                                         distributed_init_method=f"tcp://127.0.0.1:{a.dist_port}")
@@ -66,7 +72,7 @@ def main() -> None:
         connector = get_kv_transfer_group()
         kv_caches = allocate_kv_cache(cache_config, torch.device("cpu"), KVCacheLayout.LBNHC)
         connector.register_kv_caches(kv_caches)
-    names = _rig.layer_names()
+    names, mixers = _rig.hybrid_layer_names() if a.hybrid else (_rig.layer_names(), [])
     width = cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes // a.block_size // 2
     # vLLM's per-layer view is logical [blocks, heads, tokens, C]; LBNHC stores [blocks, tokens, heads, C]:
     # that order is a view of the memory itself (a reshape of the logical one would copy it).
@@ -76,6 +82,11 @@ def main() -> None:
     # MHA: this TP rank holds a slice of every row's heads; MLA: every rank the whole row.
     heads_of = slice(a.rank * width, (a.rank + 1) * width) if a.mha_heads else slice(0, width)
     full = width * a.tp if a.mha_heads else width
+    # A Mamba layer's page per block (conv bytes, then temporal, then the padding to the MLA page), as int16
+    # words: vLLM's [blocks, 1, 1, C] view holds the state bytes, a page's stride the padded page.
+    page = cache_config.kv_cache_groups[-1].kv_cache_spec.page_size_bytes // 2
+    pages = [torch.as_strided(kv_caches[n].view(torch.int8), (a.blocks, page * 2), (page * 2, 1)).view(torch.int16)
+             .numpy() for n in mixers]
 
     def step(sends: list[dict[str, Any]] = (), recvs: list[dict[str, Any]] = (),  # type: ignore[assignment]
              finished: list[str] = (), cancels: list[str] = ()) -> Reply:  # type: ignore[assignment]
@@ -92,16 +103,24 @@ def main() -> None:
         return {"sent": sorted(output.finished_sending or ()), "received": sorted(output.finished_recving or ()),
                 "failed": sorted(output.failed_recving or ())}
 
-    def fill(blocks: list[int], tokens: int, seed: int) -> Reply:
+    def state(layer: int, seed: int) -> np.ndarray:
+        return _rig.rows(100 + layer, np.arange(1), seed, page)[0]  # every word of the page, never 0
+
+    def fill(blocks: list[int], tokens: int, seed: int, state_block: int = 0) -> Reply:
         t = np.arange(tokens)
         at = np.asarray(blocks)[t // a.block_size] * a.block_size + t % a.block_size
         for layer, w in enumerate(words):
             w[at] = _rig.rows(layer, t, seed, full)[:, heads_of]
+        for layer, pg in enumerate(pages):
+            pg[state_block] = state(layer, seed)
         return {"rows": int(tokens)}
 
-    def check(blocks: list[int], tokens: int, seed: int = 0, prefix: int = 0, expected: str = "") -> Reply:
+    def check(blocks: list[int], tokens: int, seed: int = 0, prefix: int = 0, expected: str = "",
+              state_block: int = 0) -> Reply:
         """Rows of tokens [prefix, tokens) this DCP rank owns (t % dcp == rank) at local row t // dcp, against
-        ``_rig.rows`` or the ``expected`` rows (an .npy file: [layer, token, word], from another engine)."""
+        ``_rig.rows`` or the ``expected`` rows (an .npy file: [layer, token, word], from another engine), and a
+        hybrid's Mamba pages of ``state_block``. ``written``: nonzero rows anywhere, state pages included (they
+        overlay the attention layers' memory, a page per block)."""
         t = np.arange(prefix, tokens)
         t = t[t % a.dcp == ps.get_dcp_group().rank_in_group]
         local = t // a.dcp
@@ -113,7 +132,16 @@ def main() -> None:
 
         bad = sum(int((w[at] != want(layer)).any(axis=1).sum()) for layer, w in enumerate(words))
         written = sum(int((w != 0).any(axis=1).sum()) for w in words)
-        return {"checked": int(t.size) * len(words), "bad": bad, "written": written}
+        state_bad = sum(int((pg[state_block] != state(layer, seed)).sum()) for layer, pg in enumerate(pages))
+        return {"checked": int(t.size) * len(words), "bad": bad, "written": written, "state_bad": state_bad,
+                "state_words": page * len(pages), "state_rows": a.block_size * len(pages)}
+
+    def connect(address: str) -> Reply:
+        try:
+            connector._worker.peer.connect(address)
+        except PdprotoError as exc:
+            return {"reason": exc.reason.name, "message": exc.message}
+        return {"reason": ""}
 
     def zero() -> Reply:
         for w in words:
@@ -122,7 +150,7 @@ def main() -> None:
 
     out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     out.flush()
-    serve_commands({"step": step, "fill": fill, "check": check, "zero": zero}, out)
+    serve_commands({"step": step, "fill": fill, "check": check, "zero": zero, "connect": connect}, out)
     connector.shutdown()
 
 

@@ -87,12 +87,16 @@ def test_what_is_not_served_is_refused_at_start_up(model: str, tmp_path: Path) -
     window = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                                sliding_window=128)
     assert "sliding" in _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, window)])).message
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32))
     e = _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names[:2], mha),
-                                                   KVCacheGroupSpec(names[2:], mamba)]))
+                                                   KVCacheGroupSpec(names[2:], window)]))
+    assert e.reason is Reason.CONFIG_INVALID and "sliding-window" in e.message  # a hybrid of attention kinds
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32))
+    e = _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, mamba)]))  # no attention group
     assert isinstance(e, TopologyError) and e.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
-    e = _refusal(model, KVCacheConfig(BLOCKS, [], [KVCacheGroupSpec(names, mamba)]))
-    assert e.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
+    config = _rig.vllm_config(model, "kv_consumer")
+    config.cache_config.mamba_cache_mode = "align"
+    e = _refusal(model, _rig.hybrid_cache_config(config, BLOCKS))  # a state per block position
+    assert e.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED and e.metadata["mode"] == "align"
     blocky = _rig.mla_cache_config(BLOCK, BLOCKS)
     blocky.kv_cache_tensors[0].layer_stride = blocky.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     blocky.kv_cache_tensors[0].block_stride *= _rig.LAYERS  # BLNHC: a block holds every layer's page
@@ -113,8 +117,8 @@ def test_what_is_not_served_is_refused_at_start_up(model: str, tmp_path: Path) -
     assert e.metadata == {"setting": "sglang_bootstrap_port", "value": str(busy)}, e
 
 
-def _scheduler(model: str, role: str, policy: str = "fail") -> Scheduler:
-    return _rig.scheduler(_rig.vllm_config(model, role, port=5758, policy=policy), BLOCK, BLOCKS)
+def _scheduler(model: str, role: str, policy: str = "fail", *, hybrid: bool = False) -> Scheduler:
+    return _rig.scheduler(_rig.vllm_config(model, role, port=5758, policy=policy), BLOCK, BLOCKS, hybrid=hybrid)
 
 
 def _request(request_id: str, params: dict[str, Any]) -> Request:
@@ -224,3 +228,32 @@ def test_an_sglang_bootstrap_room_is_the_room_on_both_sides(model: str) -> None:
     with pytest.raises(ConfigError) as caught:
         bad.schedule()
     assert caught.value.metadata["setting"] == "kv_transfer_params.bootstrap_room"
+
+
+def test_a_hybrid_prefill_computes_n_minus_1_tokens_and_the_decode_the_last(model: str) -> None:
+    """A Mamba2/MLA hybrid (mode none), as vLLM's NixlConnector does it: the prefill computes the prompt but its
+    last token, whose state it hands over with the rows; the decode loads those N-1 and computes token N from
+    that state. Each side names its Mamba group's one block (the state slot) beside the MLA blocks."""
+    p = _scheduler(model, "kv_producer", hybrid=True)
+    req = _request("p1", {"do_remote_decode": True, "transfer_id": "t-3"})
+    p.add_request(req)
+    out = p.schedule()
+    assert out.num_scheduled_tokens["p1"] == PROMPT - 1
+    attention, (state,) = p.kv_cache_manager.get_block_ids("p1")
+    results = p.update_from_output(out, _output([req]))
+    params = next(o for r in results.values() for o in r.outputs).kv_transfer_params
+    assert params is not None and params["remote_num_tokens"] == PROMPT - 1
+    (send,) = p.schedule().kv_connector_metadata.sends
+    assert (list(send.blocks), send.state, send.num_tokens) == (attention, (state,), PROMPT - 1)
+    d = _scheduler(model, "kv_consumer", hybrid=True)
+    dreq = _request("d1", {"do_remote_prefill": True, "remote_host": "10.1.2.3", "remote_port": 5758,
+                           "transfer_id": "t-3"})
+    d.add_request(dreq)
+    (recv,) = d.schedule().kv_connector_metadata.recvs
+    attention, (state,) = d.kv_cache_manager.get_block_ids("d1")
+    assert (list(recv.blocks), recv.state, recv.prefix) == (attention, (state,), 0)
+    out = d.schedule()
+    d.update_from_output(out, _output([], finished_recving={"d1"}))
+    out = d.schedule()
+    assert dreq.status is RequestStatus.RUNNING and out.num_scheduled_tokens == {"d1": 1}
+    assert dreq.num_computed_tokens == PROMPT  # 99 loaded, the 100th computed here

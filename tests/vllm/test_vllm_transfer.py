@@ -107,25 +107,30 @@ def until(children: list[Child], want: dict[str, tuple[str, str]], timeout: floa
 
 
 def transfer(prefill: Child | list[Child], decodes: list[Child], *, tokens: int, src: list[int], dst: list[int],
-             port: int, prefix: int = 0, dst_block: int, seed: int) -> None:
+             port: int, prefix: int = 0, dst_block: int, seed: int, state: tuple[int, int] | None = None) -> None:
     """One request: the decode ranks submit (to every prefill rank), the prefill's request finishes, the bytes
-    land; every row checked on every decode rank, and nothing written outside the request."""
+    land; every row checked on every decode rank, and nothing written outside the request. ``state``: a hybrid's
+    Mamba state block on the prefill and on the decode, every byte of every Mamba layer's page checked too."""
     prefills = prefill if isinstance(prefill, list) else [prefill]
     room = room_of(f"req-{seed}")
+    src_state, dst_state = state or (0, 0)
+    blocks = {"state": [dst_state]} if state else {}
     for p in prefills:  # MLA: every prefill TP rank holds the whole request
-        p.call("fill", blocks=src, tokens=tokens, seed=seed)
+        p.call("fill", blocks=src, tokens=tokens, seed=seed, state_block=src_state)
     step(decodes, recvs=[{"request_id": f"d{seed}", "room": room,
                           "addresses": [f"127.0.0.1:{port + r}" for r in range(len(prefills))],
-                          "blocks": dst[prefix // dst_block:], "prefix": prefix}])
+                          "blocks": dst[prefix // dst_block:], "prefix": prefix, **blocks}])
     step(prefills, sends=[{"request_id": f"p{seed}", "room": room, "blocks": src, "num_tokens": tokens,
-                           "lease_s": 30.0}], finished=[f"p{seed}"])
+                           "lease_s": 30.0, **({"state": [src_state]} if state else {})}], finished=[f"p{seed}"])
     want = {**{d.name: ("received", f"d{seed}") for d in decodes}, **{p.name: ("sent", f"p{seed}") for p in prefills}}
     seen = until([*prefills, *decodes], want)
     assert not any(i.startswith("failed:") for ids in seen.values() for i in ids), seen
     for d in decodes:
-        got = d.call("check", blocks=dst, tokens=tokens, seed=seed, prefix=prefix)
-        assert got["checked"] > 0 and got["bad"] == 0, (d.name, got)
-        assert got["written"] == got["checked"], f"{d.name} has rows written outside the request: {got}"
+        got = d.call("check", blocks=dst, tokens=tokens, seed=seed, prefix=prefix, state_block=dst_state)
+        assert got["checked"] > 0 and got["bad"] == 0 and got["state_bad"] == 0, (d.name, got)
+        assert got["state_words"] > 0 or not state, (d.name, got)  # the state pages were compared
+        state_rows = got["state_rows"] if state else 0
+        assert got["written"] == got["checked"] + state_rows, f"{d.name} has rows written outside the request: {got}"
 
 
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
@@ -145,6 +150,37 @@ def test_mla_tp1_to_tp1(engine: str, model: str, tmp_path: Path) -> None:
         step(decode, cancels=["d-x"])
         seen = until([*prefill, *decode], {decode[0].name: ("failed", "d-x")}, timeout=90.0)
         assert "received:d-x" in seen[decode[0].name]
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_mamba_hybrid_request(engine: str, model: str, tmp_path: Path) -> None:
+    """A Mamba2/MLA hybrid in vLLM's own KV cache config (an MLA group and a Mamba2 group overlaying it, mode
+    none): the MLA rows of the 99 tokens its prefill computed (of a 100-token prompt: vLLM's N-1) and the state
+    page of each Mamba layer (conv, then temporal, padded to the MLA page) land byte for byte in the decode's
+    blocks and its state block, and nothing else is written."""
+    port = free_port()
+    hybrid = {"engine": engine, "hybrid": "float32"}
+    with started([("kv_producer", 1, {"port": port, **hybrid}), ("kv_consumer", 1, hybrid)],
+                 model, tmp_path) as ([prefill], decode):
+        transfer(prefill, decode, tokens=99, src=[5, 9, 2, 7, 11, 3, 4], dst=[40, 3, 17, 8, 21, 30, 31], port=port,
+                 dst_block=16, seed=6, state=(12, 22))
+
+
+def test_a_mamba_state_laid_out_differently_is_refused_at_registration(model: str, tmp_path: Path) -> None:
+    """Decodes whose Mamba conv state is DS where the prefill's is SD, or whose temporal state is bf16 where the
+    prefill's is fp32 (the same padded page size), are refused at Register, naming the state entry and both
+    descriptions; a decode laid out as the prefill registers."""
+    port = free_port()
+    with started([("kv_producer", 1, {"port": port, "hybrid": "float32"}),
+                  ("kv_consumer", 1, {"hybrid": "float32", "conv_layout": "DS"}),
+                  ("kv_consumer", 1, {"hybrid": "bfloat16"}), ("kv_consumer", 1, {"hybrid": "float32"})],
+                 model, tmp_path) as (_, [ds], [bf16], [same]):
+        address = f"127.0.0.1:{port}"
+        for decode, differs in ((ds, "conv DS"), (bf16, "bfloat16(8, 32, 16)")):
+            got = decode.call("connect", address=address)
+            assert got["reason"] == "TOPOLOGY_STATE_KIND_MISMATCH", got
+            assert differs in got["message"] and "conv SD: bfloat16(3, 288), float32(8, 32, 16)" in got["message"]
+        assert same.call("connect", address=address) == {"reason": ""}
 
 
 def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> None:
@@ -213,17 +249,22 @@ def test_a_dead_peer_ends_the_transfer_on_the_other_side(model: str, tmp_path: P
         assert decode.call("check", blocks=[6, 7], tokens=20, seed=1)["written"] == 0
 
 
-def test_two_real_schedulers_drive_the_workers(model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["mla", "mamba-hybrid"])
+def test_two_real_schedulers_drive_the_workers(hybrid: bool, model: str, tmp_path: Path) -> None:
     """Both engines' own ``Scheduler`` pick the blocks and build each step's metadata; the workers' results go
-    back into them: the decode request runs once its bytes landed, the prefill's blocks are freed."""
+    back into them: the decode request runs once its bytes landed, the prefill's blocks are freed. A Mamba
+    hybrid's prefill computes the prompt but its last token, and its decode that last token from the state the
+    prefill held after the others (vLLM's N-1)."""
     from . import _rig
 
     port = free_port()
     tokens = 100
-    with started([("kv_producer", 1, {"port": port}), ("kv_consumer", 1, {})],
+    opts = {"hybrid": "float32"} if hybrid else {}
+    with started([("kv_producer", 1, {"port": port, **opts}), ("kv_consumer", 1, opts)],
                  model, tmp_path) as ([prefill], [decode]):
-        engines = {"p": (_rig.scheduler(_rig.vllm_config(model, "kv_producer", port=port), 16, 64), prefill),
-                   "d": (_rig.scheduler(_rig.vllm_config(model, "kv_consumer"), 16, 64), decode)}
+        engines = {"p": (_rig.scheduler(_rig.vllm_config(model, "kv_producer", port=port), 16, 64, hybrid=hybrid),
+                         prefill),
+                   "d": (_rig.scheduler(_rig.vllm_config(model, "kv_consumer"), 16, 64, hybrid=hybrid), decode)}
         params = {"p": {"do_remote_decode": True, "transfer_id": "chat-7"},
                   "d": {"do_remote_prefill": True, "transfer_id": "chat-7", "remote_host": "127.0.0.1",
                         "remote_port": port}}
@@ -239,8 +280,10 @@ def test_two_real_schedulers_drive_the_workers(model: str, tmp_path: Path) -> No
             if k == "d" and out.num_scheduled_tokens:
                 return out  # the decode runs: its blocks are read before a forward would finish it
             meta = out.kv_connector_metadata
-            if forward:  # the prefill's forward wrote the request's KV before the step ends
-                worker.call("fill", blocks=sched.kv_cache_manager.get_block_ids(k)[0], tokens=tokens, seed=7)
+            if forward:  # the prefill's forward wrote the request's KV (and state) before the step ends
+                ids = sched.kv_cache_manager.get_block_ids(k)
+                worker.call("fill", blocks=ids[0], tokens=out.num_scheduled_tokens[k], seed=7,
+                            state_block=ids[1][0] if hybrid else 0)
             (got,) = step([worker], sends=[asdict(s) for s in meta.sends], recvs=[asdict(r) for r in meta.recvs],
                           finished=sorted(out.finished_req_ids))
             sched.update_from_output(out, _rig.runner_output([reqs[k]] if forward else [],
@@ -265,6 +308,10 @@ def test_two_real_schedulers_drive_the_workers(model: str, tmp_path: Path) -> No
         assert reqs["d"].status.name == "RUNNING"
         assert runs.num_scheduled_tokens == {"d": 1}  # vLLM recomputes the last prompt token itself
         assert engines["p"][0].kv_cache_manager.block_pool.get_num_free_blocks() == free
-        got = decode.call("check", blocks=engines["d"][0].kv_cache_manager.get_block_ids("d")[0], tokens=tokens,
-                          seed=7)
-        assert got["checked"] == tokens * _rig.LAYERS and got["bad"] == 0 and got["written"] == got["checked"], got
+        ids = engines["d"][0].kv_cache_manager.get_block_ids("d")
+        loaded = tokens - 1 if hybrid else tokens
+        assert reqs["p"].num_computed_tokens == loaded
+        got = decode.call("check", blocks=ids[0], tokens=loaded, seed=7, state_block=ids[1][0] if hybrid else 0)
+        layers = len(_rig.hybrid_layer_names()[0]) if hybrid else _rig.LAYERS
+        assert got["checked"] == loaded * layers and got["bad"] == 0 and got["state_bad"] == 0, got
+        assert got["written"] == got["checked"] + (got["state_rows"] if hybrid else 0), got

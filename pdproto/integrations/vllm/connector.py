@@ -205,13 +205,40 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ---------------------------------------------------------------------
 
+    @property
+    def _backoff(self) -> int:
+        """Prompt tokens the prefill leaves to the decode: with Mamba state the last one (vLLM's P/D convention,
+        ``nixl/base_scheduler.py`` ``_prefill_backoff``): the prefill hands over the state after N-1 tokens and
+        the decode computes token N from it."""
+        return 1 if self.cache is not None and self.cache.mamba else 0
+
+    def on_new_request(self, request: Any) -> None:
+        """Prefill of a hybrid model: drop the prompt's last token (``_backoff``), once, as vLLM's NixlConnector
+        does (``_truncate_request_for_prefill``); the decode recomputes it from the state after the others."""
+        params = request.kv_transfer_params
+        if not (self.producer and self._backoff and params and params.get("do_remote_decode")) \
+                or params.get("_p_side_truncated") or request.num_prompt_tokens <= self._backoff \
+                or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-self._backoff:]
+        del request._all_token_ids[-self._backoff:]
+        request.num_prompt_tokens -= self._backoff
+        request.max_tokens = 1
+        params["_p_side_truncated"] = True
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Decode: the prompt tokens after the local prefix, loaded asynchronously; otherwise none."""
+        """Decode: the prompt tokens after the local prefix (and before the ``_backoff``), loaded asynchronously;
+        otherwise none."""
         params = request.kv_transfer_params
         if self.producer or not params or not params.get("do_remote_prefill"):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._loaded(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _loaded(self, request: Any) -> int:
+        """Decode: the prompt tokens that come from the prefill (all but the ``_backoff``)."""
+        prompt = len(request.prompt_token_ids or ())
+        return prompt - self._backoff if prompt > self._backoff else prompt
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Decode: the request's blocks after its prefix go to the workers, to submit (once)."""
@@ -221,12 +248,19 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
         params["do_remote_prefill"] = False  # a re-entry (preemption) must not submit again
         if num_external_tokens <= 0:
             return
-        prefix = len(request.prompt_token_ids or ()) - num_external_tokens
+        prefix = self._loaded(request) - num_external_tokens
         block = self._vllm_config.cache_config.block_size * self.dcp_size
-        ids = blocks.get_block_ids()[0]
+        ids, state = self._blocks(blocks.get_block_ids())
         self._meta.recvs.append(Recv(request.request_id, _room(request, params),
-                                     _prefill_addresses(params), tuple(ids[prefix // block:]), prefix))
+                                     _prefill_addresses(params), ids[prefix // block:], prefix, state))
         self._receiving.add(request.request_id)
+
+    def _blocks(self, block_ids: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A request's attention blocks, and per Mamba group its running-state block, from its ids per group."""
+        if self.cache is None:
+            return tuple(block_ids[0]), ()
+        return (tuple(block_ids[self.cache.group]),
+                tuple(g.state_block(block_ids[g.index]) for g in self.cache.mamba if block_ids[g.index]))
 
     def build_connector_meta(self, scheduler_output: Any) -> PdprotoMeta:
         """The work gathered since the last step."""
@@ -248,14 +282,15 @@ class PdprotoConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         if not self.producer or not params or not params.get("do_remote_decode"):
             return False, None
-        if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") or not block_ids[0]:
+        blocks, state = self._blocks(block_ids)
+        if request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED") or not blocks:
             return False, None
         transfer_id = _transfer_id(request, params)
         tokens = int(request.num_computed_tokens)
         room = _room(request, params)
         first = request.output_token_ids[0] if request.output_token_ids else None
-        self._meta.sends.append(Send(request.request_id, room, tuple(block_ids[0]), tokens, self.timeouts.lease_s,
-                                     first))
+        self._meta.sends.append(Send(request.request_id, room, blocks, tokens, self.timeouts.lease_s, state=state,
+                                     first_token=first))
         self._holding.add(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": transfer_id,
                       "remote_host": self.host, "remote_port": self.settings.port, "remote_tp_size": self.tp_size,

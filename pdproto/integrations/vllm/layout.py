@@ -25,22 +25,35 @@ reason, never a request at transfer time):
   heads one after the other, each head's K then V (``2 * head_size`` elements), so a TP
   slice of heads is one contiguous part of the row, which is what pdproto's head slicing
   cuts (``total_kv_heads``). No DCP with MHA (pdproto shards MLA rows only).
-* Not served, refused with the reason named: sliding-window, Mamba and other state specs
-  (hybrid models), more than one cache group, padded pages, block-outermost layouts
-  (BLNHC, ...), head-major MHA layouts (LBHNC), caches quantized with per-token scales,
-  and sparse MLA (DeepSeek V3.2/V4 index caches).
+* **Mamba-family state** (``MambaSpec`` groups beside the one attention group: Mamba2, GDN,
+  KDA hybrids) in Mamba cache mode ``none`` (``--no-enable-prefix-caching``: vLLM derives the
+  mode from it): per layer and block one raw page, conv bytes
+  then temporal, padded to the attention page (``model_executor/layers/mamba/abstract.py``).
+  Each Mamba group is one pdproto ``RECURRENT`` state entry, a layer one tensor whose item
+  is that page, and a request's slot its running-state block of the group (``MambaGroup``).
+  Groups overlay the attention group's memory (``KVCacheTensor``): a layer's region is
+  registered once. The state's description (kind, conv layout per
+  ``VLLM_SSM_CONV_STATE_LAYOUT``, dtypes and per-rank shapes) is the entry's type name, so
+  a decode that lays it out differently is refused at Register (``TOPOLOGY_STATE_KIND_MISMATCH``);
+  the state moves between equal TP sizes only (``STATE_TP_POLICY_REFUSED``).
+* Not served, refused with the reason named: sliding-window and other state specs, Mamba
+  caches in mode ``align`` (prefix caching of Mamba state), a model without one
+  full-attention group (pure Mamba), padded attention pages, block-outermost layouts (BLNHC, ...), head-major MHA
+  layouts (LBHNC), caches quantized with per-token scales, and sparse MLA (DeepSeek V3.2/V4
+  index caches).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.errors import ConfigError, PdprotoError, Reason, TopologyError
-from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region
+from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.negotiation.topology import PAGE_RELAYOUT
 from pdproto.v1 import common_pb2
 
@@ -64,8 +77,32 @@ class Ranks:
 
 
 @dataclass(frozen=True)
+class MambaGroup:
+    """One Mamba cache group: per layer one page per block (conv bytes, then temporal, padded to the attention
+    page); a request's state is its running-state block of the group (Mamba cache mode ``none``)."""
+
+    index: int
+    """Its index in ``kv_cache_groups`` (vLLM hands a request's block ids per group)."""
+    layers: tuple[str, ...]
+    """vLLM's layer names, in allocation order."""
+    layer_ids: tuple[int | None, ...]
+    """Global layer id of each (``layer_ids``)."""
+    page_bytes: int
+    """Bytes of one block of one layer (the padded page: a block's stride)."""
+    type_name: str
+    """What both sides must agree on: kind, conv layout, dtypes and per-rank shapes."""
+    spec_blocks: int = 0
+    """Speculative scratch blocks after the running-state block."""
+
+    def state_block(self, blocks: Sequence[int]) -> int:
+        """The block holding a request's running state (vLLM's ``clip_ssm_state_blocks``)."""
+        return int(blocks[len(blocks) - 1 - min(self.spec_blocks, len(blocks) - 1)])
+
+
+@dataclass(frozen=True)
 class KvCache:
-    """The served KV cache: one cache group of MLA or MHA layers, each a region of ``num_blocks`` pages."""
+    """The served KV cache: one cache group of MLA or MHA layers, each a region of ``num_blocks`` pages, and the
+    hybrid model's Mamba groups."""
 
     layers: tuple[str, ...]
     """vLLM's layer names, in allocation order."""
@@ -83,6 +120,10 @@ class KvCache:
     """MLA (one latent row per token) or MHA (per token, this rank's heads, each head's K then V)."""
     heads: int = 1
     """KV heads this rank holds (MHA)."""
+    group: int = 0
+    """The attention group's index in ``kv_cache_groups``."""
+    mamba: tuple[MambaGroup, ...] = ()
+    """Mamba groups (hybrid models), each one state entry."""
 
     @property
     def page_bytes(self) -> int:
@@ -109,21 +150,28 @@ def layer_ids(names: Sequence[str]) -> tuple[int | None, ...]:
     return tuple(ids)
 
 
+ATTENTION_SPECS = ("MLAAttentionSpec", "FullAttentionSpec")
+
+
 def check_served(kv_cache_config: Any) -> KvCache:
-    """The MLA cache ``kv_cache_config`` describes; raises ``ConfigError``/``TopologyError`` for what is not served."""
+    """The MLA or MHA cache ``kv_cache_config`` describes, with its Mamba groups; raises ``ConfigError``/
+    ``TopologyError`` for what is not served."""
     groups = list(kv_cache_config.kv_cache_groups)
     specs = [type(g.kv_cache_spec).__name__ for g in groups]
-    if len(groups) != 1:
-        reason = Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED if any("Mamba" in s for s in specs) else Reason.CONFIG_INVALID
+    attention = [i for i, s in enumerate(specs) if s in ATTENTION_SPECS]
+    if len(groups) == 1 and not attention:
+        reason = Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED if "Mamba" in specs[0] else Reason.CONFIG_INVALID
+        raise _not_served(f"KV cache spec {specs[0]}", "only full-attention caches (MLA, MHA/GQA), and Mamba state "
+                          "beside one, are moved; use vLLM's NixlConnector or MooncakeConnector", reason, spec=specs[0])
+    if len(attention) != 1 or any(s not in ATTENTION_SPECS and s != "MambaSpec" for s in specs):
+        reason = Reason.CONFIG_INVALID if attention else Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
         raise _not_served(f"a model with {len(groups)} KV cache groups ({', '.join(specs)})",
-                          "hybrid models (sliding window, Mamba and other state beside attention) are not moved "
-                          "yet; use vLLM's NixlConnector or MooncakeConnector for them", reason, specs=specs)
-    spec = groups[0].kv_cache_spec
-    name = specs[0]
-    if name not in ("MLAAttentionSpec", "FullAttentionSpec"):
-        reason = Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED if "Mamba" in name else Reason.CONFIG_INVALID
-        raise _not_served(f"KV cache spec {name}", "only full-attention caches (MLA, MHA/GQA) are moved; use "
-                          "vLLM's NixlConnector or MooncakeConnector", reason, spec=name)
+                          "hybrid models move one full-attention group and Mamba groups; sliding-window and other "
+                          "state groups are not moved; use vLLM's NixlConnector or MooncakeConnector", reason,
+                          specs=specs)
+    (index,) = attention
+    spec = groups[index].kv_cache_spec
+    name = specs[index]
     mha = name == "FullAttentionSpec"
     if mha and getattr(spec, "sliding_window", None):
         raise _not_served("sliding-window attention", "the window's blocks are not tracked", spec=name)
@@ -142,9 +190,21 @@ def check_served(kv_cache_config: Any) -> KvCache:
     if page != int(spec.real_page_size_bytes) or page % int(spec.block_size):
         raise _not_served("padded KV pages", f"page {page} B holds {spec.real_page_size_bytes} B of rows",
                           page=page)
-    tensors = list(kv_cache_config.kv_cache_tensors)
+    layers = _compact_layers(kv_cache_config, groups[index].layer_names, page)
+    dtype = kv_dtype(getattr(spec, "cache_dtype_str", None)) or kv_dtype(spec.dtype)  # vLLM's auto: the torch dtype
+    block = int(spec.block_size)
+    return KvCache(tuple(layers), layer_ids(layers), block, page // block, int(kv_cache_config.num_blocks), dtype,
+                   v1.ATTENTION_KIND_MHA if mha else v1.ATTENTION_KIND_MLA, int(spec.num_kv_heads), index,
+                   tuple(_mamba_group(kv_cache_config, i) for i, s in enumerate(specs) if s == "MambaSpec"))
+
+
+def _compact_layers(kv_cache_config: Any, names: Sequence[str], page: int) -> list[str]:
+    """The layers ``names`` of the config's tensors, in allocation order; refused unless each block of a layer is one
+    contiguous page."""
     layers: list[str] = []
-    for t in tensors:
+    for t in kv_cache_config.kv_cache_tensors:
+        if set(t.layers).isdisjoint(names):
+            continue  # another group's tensor
         if int(t.block_stride) != page or int(t.layer_stride) < page * int(kv_cache_config.num_blocks):
             raise _not_served(
                 f"KV cache layout {kv_cache_config.kv_cache_layout or '(default)'}",
@@ -152,10 +212,28 @@ def check_served(kv_cache_config: Any) -> KvCache:
                 f" layer stride {t.layer_stride} B); set VLLM_KV_CACHE_LAYOUT=LBNHC",
                 blockStride=t.block_stride, page=page)
         layers.extend(t.layers)
-    dtype = kv_dtype(getattr(spec, "cache_dtype_str", None)) or kv_dtype(spec.dtype)  # vLLM's auto: the torch dtype
-    block = int(spec.block_size)
-    return KvCache(tuple(layers), layer_ids(layers), block, page // block, int(kv_cache_config.num_blocks), dtype,
-                   v1.ATTENTION_KIND_MHA if mha else v1.ATTENTION_KIND_MLA, int(spec.num_kv_heads))
+    return layers
+
+
+def _mamba_group(kv_cache_config: Any, index: int) -> MambaGroup:
+    """Mamba group ``index`` as a state entry; refused in a cache mode other than ``none``."""
+    group = kv_cache_config.kv_cache_groups[index]
+    spec = group.kv_cache_spec
+    mode = str(spec.mamba_cache_mode)
+    if mode != "none":
+        # align keeps a state per block position; vLLM's P/D hands over the running state only.
+        raise _not_served(f"Mamba state in cache mode {mode} (prefix caching of Mamba state)",
+                          "only mode none (one state block per request) is moved; run the prefill and the decode "
+                          "with --no-enable-prefix-caching", Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, mode=mode)
+    layers = _compact_layers(kv_cache_config, group.layer_names, int(spec.page_size_bytes))
+    # vLLM's conv layout (model_executor/layers/mamba/mamba_utils.py: get_conv_state_layout) is also in the
+    # shapes, but a square conv state would hide it.
+    conv = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") or "SD"
+    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type)).lower()
+    states = ", ".join(f"{kv_dtype(d) or d}{tuple(int(n) for n in shape)}"
+                       for shape, d in zip(spec.shapes, spec.dtypes, strict=True))
+    return MambaGroup(index, tuple(layers), layer_ids(layers), int(spec.page_size_bytes),
+                      f"vllm {kind} conv {conv}: {states}", int(spec.num_speculative_blocks))
 
 
 def refuse_interleave(interleave: int, dcp_size: int) -> None:
@@ -166,15 +244,20 @@ def refuse_interleave(interleave: int, dcp_size: int) -> None:
                           "--cp-kv-cache-interleave-size 1", interleave=interleave)
 
 
-def regions(cache: KvCache, kv_caches: Mapping[str, Any], *, on_device: bool) -> tuple[Region, ...]:
-    """One region per layer of ``cache``, from the per-layer tensors vLLM handed ``register_kv_caches``."""
-    missing = [n for n in cache.layers if n not in kv_caches]
+def regions(cache: KvCache, kv_caches: Mapping[str, Any], *,
+            on_device: bool) -> tuple[tuple[Region, ...], tuple[tuple[Region, ...], ...]]:
+    """One region per layer of ``cache``, and per Mamba group one per layer, from the per-layer tensors vLLM
+    handed ``register_kv_caches``."""
+    missing = [n for n in (*cache.layers, *(n for g in cache.mamba for n in g.layers)) if n not in kv_caches]
     if missing:
         raise ConfigError(f"register_kv_caches was not handed layers {missing[:3]} of the KV cache config",
                           reason=Reason.CONFIG_INVALID, metadata={"missing": ",".join(missing[:3])})
     kind = v1.MEMORY_KIND_VRAM if on_device else v1.MEMORY_KIND_DRAM
-    return tuple(Region(int(kv_caches[n].data_ptr()), cache.num_blocks * cache.page_bytes, kind)
-                 for n in cache.layers)
+
+    def of(names: Sequence[str], page: int) -> tuple[Region, ...]:
+        return tuple(Region(int(kv_caches[n].data_ptr()), cache.num_blocks * page, kind) for n in names)
+
+    return of(cache.layers, cache.page_bytes), tuple(of(g.layers, g.page_bytes) for g in cache.mamba)
 
 
 def server_info(cache: KvCache, ranks: Ranks, *, host: str, port: int, backend: int) -> v1.PrefillServerInfo:
@@ -191,6 +274,11 @@ def server_info(cache: KvCache, ranks: Ranks, *, host: str, port: int, backend: 
         total_kv_heads=total_heads(cache, ranks))
     for layer_id in cache.layer_ids:
         info.kv_entries.add(item_len=cache.page_bytes, layer_id=layer_id)
+    for g in cache.mamba:
+        entry = info.state_entries.add(kind=v1.STATE_KIND_RECURRENT, type_name=g.type_name,
+                                       tp_policy=v1.STATE_TP_POLICY_REFUSED)
+        for layer_id in g.layer_ids:
+            entry.tensors.add(item_len=g.page_bytes, layer_id=layer_id)
     return info
 
 
@@ -203,7 +291,9 @@ def decode_layout(cache: KvCache, ranks: Ranks, *, notify_host: str, notify_port
         attn_tp_size=ranks.tp[0],
         attn_tp_rank=ranks.tp[1], dcp_size=ranks.dcp[0], dcp_rank=ranks.dcp[1], pp_size=ranks.pp[0],
         pp_rank=ranks.pp[1], notify_host=notify_host, notify_port=notify_port, capabilities=CAPABILITIES,
-        gpu_id=gpu_id)
+        gpu_id=gpu_id, state=tuple(StateEntry(v1.STATE_KIND_RECURRENT, tuple(StateTensor(g.page_bytes, None, i)
+                                                                            for i in g.layer_ids), g.type_name)
+                                   for g in cache.mamba))
 
 
 def total_heads(cache: KvCache, ranks: Ranks) -> int:
@@ -223,5 +313,5 @@ def notify_port(engine_id: str, tp_rank: int) -> int:
     return 1024 + int.from_bytes(digest, "big") % (65536 - 1024)
 
 
-__all__ = ["CAPABILITIES", "KvCache", "Ranks", "check_served", "decode_layout", "layer_ids", "notify_port",
-           "refuse_interleave", "regions", "room_of", "server_info", "total_heads"]
+__all__ = ["ATTENTION_SPECS", "CAPABILITIES", "KvCache", "MambaGroup", "Ranks", "check_served", "decode_layout",
+           "layer_ids", "notify_port", "refuse_interleave", "regions", "room_of", "server_info", "total_heads"]

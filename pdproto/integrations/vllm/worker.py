@@ -54,13 +54,15 @@ class Send:
     request_id: str
     room: int
     blocks: tuple[int, ...]
-    """Its blocks (the one cache group's), in token order."""
+    """Its blocks (the attention group's), in token order."""
     num_tokens: int
     """Tokens computed (what the decode loads)."""
     lease_s: float
     """How long the blocks wait for a decode to submit."""
     first_token: int | None = None
     """The token vLLM sampled at the end of the prefill (an SGLang decode's metadata row carries it)."""
+    state: tuple[int, ...] = ()
+    """Per Mamba group, the block holding its running state."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class Recv:
     """The blocks allocated for the tokens after the prefix, in token order."""
     prefix: int
     """Tokens this decode computed itself (local prefix-cache hits)."""
+    state: tuple[int, ...] = ()
+    """Per Mamba group, the block its running state goes to."""
 
 
 @dataclass
@@ -87,19 +91,21 @@ class Results:
     """Receives that failed (also in ``received``, as vLLM wants them)."""
 
 
-def open_executor(settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any], *,
-                  on_device: bool, gpu_id: int) -> tuple[TransferExecutor, tuple[Any, ...]]:
-    """An executor of ``settings.engine`` with every layer of ``cache`` registered; the buffers in layer order."""
+def open_executor(settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any], *, on_device: bool,
+                  gpu_id: int) -> tuple[TransferExecutor, tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
+    """An executor of ``settings.engine`` with every layer of ``cache`` registered; the buffers in layer order,
+    and per Mamba group its layers' (a region its group overlays with the attention group's is registered once)."""
     executor = create_executor(settings.engine, staging_bytes=settings.staging_mb << 20,
                                device=f"cuda:{gpu_id}" if on_device else "cpu")
     try:
-        buffers = tuple(at_address(r.ptr, r.length, kind=r.kind, device=gpu_id)
-                        for r in layout.regions(cache, kv_caches, on_device=on_device))
-        executor.register_memory(buffers)
+        kv, state = layout.regions(cache, kv_caches, on_device=on_device)
+        unique = {r: at_address(r.ptr, r.length, kind=r.kind, device=gpu_id)
+                  for r in (*kv, *(r for g in state for r in g))}
+        executor.register_memory(tuple(unique.values()))
     except BaseException:
         executor.close()
         raise
-    return executor, buffers
+    return executor, tuple(unique[r] for r in kv), tuple(tuple(unique[r] for r in g) for g in state)
 
 
 @dataclass
@@ -118,7 +124,7 @@ class PrefillWorker:
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, port: int,
                  match_timeout_s: float, sglang_rows: bool = False) -> None:
         self.cache = cache
-        self.executor, buffers = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
+        self.executor, buffers, state = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
             host = advertise_host()
             info = layout.server_info(cache, ranks, host=host, port=port,
@@ -127,8 +133,8 @@ class PrefillWorker:
             """SGLang decodes' metadata rows (``sglang_peer``), when this prefill serves them."""
             if self.rows is not None:
                 info.aux_entries.extend(self.rows.entries())
-            self.engine = PrefillEngine(KvSource(buffers, info, aux=() if self.rows is None else self.rows.buffers),
-                                        self.executor, prefill_rank=ranks.tp[1])
+            self.engine = PrefillEngine(KvSource(buffers, info, aux=() if self.rows is None else self.rows.buffers,
+                                                 state=state), self.executor, prefill_rank=ranks.tp[1])
             config = ServerConfig(listen=host_port(host, port), token=settings.token,
                                   operator_token=settings.operator_token,
                                   allow_unauthenticated=settings.allow_unauthenticated,
@@ -201,7 +207,8 @@ class PrefillWorker:
         skip = prefix // self.virtual_page
         try:
             self.engine.submit_chunk(s.room, list(s.blocks[skip:]), max(s.num_tokens - prefix, 0), True,
-                                     aux_slot=held.slot)
+                                     aux_slot=held.slot,
+                                     state_slots=[(b,) for b in s.state] if self.cache.mamba else None)
         except PdprotoError as exc:
             self.engine.abort(s.room, f"{exc.reason.name}: {exc.message}")
 
@@ -221,14 +228,14 @@ class DecodeWorker:
 
     def __init__(self, settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any],
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, engine_id: str, timeout_s: float) -> None:
-        self.executor, buffers = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
+        self.executor, buffers, state = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
             self.layout = layout.decode_layout(cache, ranks, notify_host=advertise_host(),
                                                notify_port=layout.notify_port(engine_id, ranks.tp[1]),
                                                gpu_id=gpu_id)
             # Before the endpoint: NIXL's metadata lists the registered memory.
             self.credential = CredentialSlot(self.executor, kind=buffers[0].kind, device=buffers[0].device)
-            self.registration = make_registration(self.layout, self.executor.endpoint(), buffers)
+            self.registration = make_registration(self.layout, self.executor.endpoint(), buffers, state=state)
             self.registration.credential_buffer.CopyFrom(self.credential.proto())
         except BaseException:
             self.executor.close()
@@ -259,7 +266,9 @@ class DecodeWorker:
             def info(rank: PrefillRank, r: Recv = r) -> transfer_pb2.TransferInfo:
                 return transfer_pb2.TransferInfo(peer_name=self.name, dst_kv_pages=list(r.blocks),
                                                   notify_endpoint=self.registration.notify_endpoint,
-                                                  decode_prefix_len=r.prefix)
+                                                  decode_prefix_len=r.prefix,
+                                                  dst_state_indices=[transfer_pb2.StateIndices(indices=[b])
+                                                                     for b in r.state])
             try:
                 self._rooms[r.room] = (r.request_id, self.peer.submit(r.room, list(r.addresses), info))
             except PdprotoError as exc:
