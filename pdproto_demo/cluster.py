@@ -7,8 +7,10 @@ is laid out here (pages, chunks) and its bytes are checked by each decode rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import secrets
 import socket
 import time
 from collections.abc import Sequence
@@ -119,11 +121,33 @@ class Flight:
     """The prefill's aux and state slot for the request (hybrid models)."""
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port free on 127.0.0.1 now, with the ``span - 1`` after it.
+
+    Drawn below the kernel's ephemeral range: every engine, UCX listener and client socket takes
+    its port from that range, and one did take a port found free there before the server meant
+    for it started (a vLLM prefill failed to bind). A random draw keeps parallel tests apart.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    for _ in range(1000):
+        port = secrets.randbelow(high - low - span) + low
+        try:
+            with contextlib.ExitStack() as held:
+                for p in range(port, port + span):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {span} free ports in a row between {low} and {high} on 127.0.0.1")
 
 
 def chunk_bounds(n: int, quantum: int, *, parts: int = 4, cap: int = 4096) -> list[tuple[int, int]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import socket
 import time
 from collections.abc import Iterator
 
@@ -15,6 +14,7 @@ from pdproto.client import AsyncHandshakeClient, HandshakeClient, RetryConfig, U
 from pdproto.client._rpc import make_settings
 from pdproto.errors import Reason
 from pdproto.v1 import common_pb2
+from pdproto_demo.cluster import free_port
 from pdproto_demo.decode import DecodeRank
 
 from ._server_harness import SERVE_ARGS, SPEC, ServerProcess, running_server
@@ -26,14 +26,8 @@ def server() -> Iterator[ServerProcess]:
         yield srv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_unavailable_is_retried_then_raised_typed() -> None:
-    target = f"127.0.0.1:{_free_port()}"
+    target = f"127.0.0.1:{free_port()}"
     with HandshakeClient(target, timeout=1.0, retry=RetryConfig(attempts=3, initial_backoff=0.01)) as client:
         with pytest.raises(UnavailableError) as info:
             client.get_server_info()
@@ -84,7 +78,7 @@ def test_a_session_opening_against_a_down_prefill_backs_off(monkeypatch: pytest.
     retry = RetryConfig(initial_backoff=0.1, max_backoff=0.1, jitter=0.25)
 
     async def run() -> float:
-        async with AsyncHandshakeClient(f"127.0.0.1:{_free_port()}", timeout=1.0, retry=retry) as client:
+        async with AsyncHandshakeClient(f"127.0.0.1:{free_port()}", timeout=1.0, retry=retry) as client:
             started = asyncio.get_running_loop().time()
             with pytest.raises(UnavailableError, match="opening the session"):
                 await client.wait_for("p-0000000000000000", [1], credential=bytes(32))
@@ -209,7 +203,7 @@ def test_a_call_made_before_the_server_starts_succeeds_within_its_deadline() -> 
     """A decode that reaches a (re)starting prefill keeps retrying UNAVAILABLE until the deadline."""
     import threading
 
-    port = _free_port()
+    port = free_port()
     results: list[object] = []
     with HandshakeClient(f"127.0.0.1:{port}", timeout=20.0) as client:
         caller = threading.Thread(target=lambda: results.append(_info_or_error(client)))

@@ -47,7 +47,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pdproto_demo.cluster import free_port
 from tests.sglang._models import LAYERS, PAGE, ROW_BYTES, SEED, write_config
 from tests.sglang._zygote import command
 
@@ -165,13 +165,6 @@ class Spec:
     def from_json(cls, text: str) -> Spec:
         raw = json.loads(text)
         return cls(**{**raw, "requests": tuple(Request(**r) for r in raw["requests"])})
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------- layout (pure)

@@ -22,11 +22,11 @@ import pytest
 
 from pdproto.errors import ConfigError, Reason
 from pdproto.integrations.sglang import layout
+from pdproto_demo.cluster import free_port
 from tests.sglang._models import write_config
 from tests.sglang._prefill_group import BOTH, FAILED, STAGE1_FAILS, STAGE1_REASON, WAITING
 from tests.sglang._run import REPO, run_sglang
 from tests.sglang._zygote import command
-from tests.sglang.pd_harness import free_port
 
 TIMEOUT_S = 60
 """SGLang's bootstrap timeout in the PP run: only a room nobody's state reached would see it."""
@@ -117,6 +117,7 @@ from types import SimpleNamespace
 from pdproto.client import HandshakeClient
 from pdproto.errors import ConfigError
 from pdproto.integrations.sglang import layout
+from pdproto_demo.cluster import free_port
 from pdproto.integrations.sglang.manager import rank_address
 from pdproto.integrations.sglang.prefill_side import PrefillSide
 from pdproto.integrations.sglang.settings import BackendSettings

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from pdproto.integrations.vllm.layout import room_of
+from pdproto_demo.cluster import free_port
 from pdproto_demo.proc import Child, close_all
 from tests.sglang._zygote import command
 
@@ -31,19 +31,6 @@ READY_S = 240.0
 """vLLM's import and process-group set-up take 10-20 s per process here, more under load."""
 
 
-def free_port(span: int = 1) -> int:
-    """A port free on loopback now, with the ``span - 1`` after it (prefill TP rank r listens on port + r)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        try:
-            for extra in range(1, span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + extra))
-        except OSError:
-            continue
-        return port
 
 
 @pytest.fixture(scope="module")
