@@ -102,7 +102,7 @@ def transfer(prefill: Child | list[Child], decodes: list[Child], *, tokens: int,
     room = room_of(f"req-{seed}")
     src_state, dst_state = state or (0, 0)
     blocks = {"state": [dst_state]} if state else {}
-    for p in prefills:  # MLA: every prefill TP rank holds the whole request
+    for p in prefills:  # each prefill TP rank fills what it holds: MLA the whole row, MHA its heads
         p.call("fill", blocks=src, tokens=tokens, seed=seed, state_block=src_state)
     step(decodes, recvs=[{"request_id": f"d{seed}", "room": room,
                           "addresses": [f"127.0.0.1:{port + r}" for r in range(len(prefills))],
@@ -199,6 +199,19 @@ def test_mha_tp1_to_tp2_slices_heads(tmp_path: Path) -> None:
                  model, tmp_path) as ([prefill], decodes):
         transfer(prefill, decodes, tokens=90, src=[3, 8, 1, 9, 12, 14], dst=[5, 2, 11, 7, 6, 4], port=port,
                  dst_block=16, seed=4)
+
+
+def test_mha_tp2_to_tp4_slices_heads(tmp_path: Path) -> None:
+    """MHA from a TP 2 prefill (two of the 4 KV heads each) to a TP 4 decode (one each): every decode rank
+    registers with both prefill ranks, and the one that holds its head writes it."""
+    from . import _rig
+
+    model = _rig.model_dir(tmp_path / "mha", _rig.MHA_MODEL)
+    port = free_port(span=2)
+    with started([("kv_producer", 2, {"port": port, "mha_heads": 2}), ("kv_consumer", 4, {"mha_heads": 1})],
+                 model, tmp_path) as (prefills, decodes):
+        transfer(prefills, decodes, tokens=70, src=[6, 1, 9, 4, 13], dst=[8, 3, 12, 2, 10], port=port,
+                 dst_block=16, seed=6)
 
 
 def test_dense_to_dcp4(model: str, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from pdproto.client import DecodePeer, PrefillRank
 from pdproto.errors import PdprotoError, Reason
 from pdproto.negotiation.fanin import Outcome
 from pdproto.negotiation.registration import make_registration
+from pdproto.negotiation.senders import target_tp_ranks
 from pdproto.transfer import CredentialSlot, TransferExecutor, at_address, create_executor
 from pdproto.transfer.address import advertise_host
 from pdproto.v1 import common_pb2, transfer_pb2
@@ -228,6 +229,7 @@ class DecodeWorker:
 
     def __init__(self, settings: BackendSettings, cache: layout.KvCache, kv_caches: Mapping[str, Any],
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, engine_id: str, timeout_s: float) -> None:
+        self.ranks = ranks
         self.executor, buffers, state = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
         try:
             self.layout = layout.decode_layout(cache, ranks, notify_host=advertise_host(),
@@ -270,7 +272,10 @@ class DecodeWorker:
                                                   dst_state_indices=[transfer_pb2.StateIndices(indices=[b])
                                                                      for b in r.state])
             try:
-                self._rooms[r.room] = (r.request_id, self.peer.submit(r.room, list(r.addresses), info))
+                # Only the prefill ranks that feed this rank (vLLM's TP rule, as SGLang's decode asks): another
+                # refuses the registration (TOPOLOGY_NOT_A_SENDER), and each frees its blocks on its own decodes' submits.
+                senders = target_tp_ranks(len(r.addresses), *self.ranks.tp)
+                self._rooms[r.room] = (r.request_id, self.peer.submit(r.room, [r.addresses[i] for i in senders], info))
             except PdprotoError as exc:
                 log.warning("pdproto: request %s: %s", r.request_id, exc)
                 self._on_outcome(r.room, Outcome(common_pb2.TRANSFER_STATE_FAILED, exc.reason.name, exc.message))
