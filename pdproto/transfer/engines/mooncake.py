@@ -27,6 +27,7 @@ worker (measured: with the descriptor fetched at connect, a second peer's transf
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import os
 import threading
@@ -52,7 +53,10 @@ from ..address import advertise_host
 from ..base import VRAM, Buffer, Endpoint, MemoryKind, require_transport
 from ..packing import Descs
 
+log = logging.getLogger(__name__)
 _INIT_LOCK = threading.Lock()
+INIT_TRIES = 4
+"""Engine starts tried when the port it drew is taken (each draws a new one)."""
 MAX_PENDING_PROBES = 16
 """Probes that may wait on silent sessions at once; past that, registrations are refused at once."""
 
@@ -135,8 +139,20 @@ class MooncakeExecutor(EngineExecutor):
         # should end it.
         os.environ.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", str(seconds * 1000))
         with _INIT_LOCK:
-            self._engine = engine_cls()
-            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+            for attempt in range(INIT_TRIES):
+                self._engine = engine_cls()
+                try:
+                    rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+                    break
+                except RuntimeError as exc:
+                    # The engine draws its RPC port at random and its TCP transport then binds the port after
+                    # it (Mooncake issue 601): another engine on this host may hold that one. A new engine
+                    # draws again.
+                    if "Address already in use" not in str(exc) or attempt == INIT_TRIES - 1:
+                        raise TransferError("Mooncake engine failed to initialize", reason=Reason.TRANSFER_FAILED,
+                                            metadata={"host": host, "protocol": protocol, "tries": attempt + 1,
+                                                      "error": exc}) from exc
+                    log.warning("Mooncake engine could not bind its port (%s); starting it again", exc)
         if rc != 0:
             raise TransferError("Mooncake engine failed to initialize", reason=Reason.TRANSFER_FAILED,
                                 metadata={"rc": rc, "host": host, "protocol": protocol})
