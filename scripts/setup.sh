@@ -39,6 +39,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
   pip_install "torch==2.13.0"
   pip_install -e ".[dev,engines,sglang]"
+  # .venv-vllm builds meanwhile (about 100 s of mostly downloads and unpacking): after pdproto's own
+  # editable build above, which both would otherwise write in this checkout at once.
+  bash scripts/setup_vllm.sh &
+  vllm_setup=$!
   # SGLang for the integration tests, without its requirements (a CUDA torch, GPU
   # kernels): the "sglang" extra above holds the ones its disaggregation modules import.
   pip_install --no-deps "sglang==$SGLANG_VERSION"
@@ -50,4 +54,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # vLLM 0.33.0 in a virtualenv of its own, for pdproto.integrations.vllm and tests/vllm.
-bash scripts/setup_vllm.sh
+if [ -n "${vllm_setup:-}" ]; then
+  wait "$vllm_setup"
+else
+  bash scripts/setup_vllm.sh
+fi
