@@ -150,8 +150,7 @@ class Admission:
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
         async with self.registry.serialized(identity):
             self.life.accepting()
-            stale = self.registry.stale_for(identity)
-            await self._refuse_live(stale, identity, bound)
+            stale = await self._replaced(self.registry.stale_for(identity), identity, bound)
             self.life.accepting()  # a drain may have begun while it waited for a closing client's streams
             self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
@@ -192,25 +191,33 @@ class Admission:
         return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
 
     @staticmethod
-    async def _refuse_live(stale: list[Peer], identity: tuple[str, ...], bound: bool) -> None:
-        """Refuse to replace a peer whose decode still reads a stream: that is a live decode, not a restart.
+    async def _replaced(stale: list[Peer], identity: tuple[str, ...], bound: bool) -> list[Peer]:
+        """The peers sharing ``identity`` that this registration replaces; IDENTITY_IN_USE if one is live.
 
         A decode's exit closes its streams, so a restarted one finds them closed; one that
         is still reading them is alive, and whoever names its endpoint or engine is not it
         (docs/security.md). Streams a client has just closed may take a moment to end
         here, so the check waits up to ``IDENTITY_GRACE_S`` for them. Binding the credential to
-        the engine (``bound``) proves the engine: a bound registration is refused only by a live
-        peer that was bound too, and an unbound one by any peer that was bound, until it is gone
-        (one that never made a call with its whole credential, for ``PROVE_S`` only).
+        the engine (``bound``) proves the engine, not the notify endpoint (an address anyone can
+        name): a bound registration is refused only by a live bound peer of its engine, replaces
+        an unbound one of its engine even while it reads a stream, and leaves a live peer that
+        shares only its notify endpoint alone. An unbound registration is refused by any peer
+        that was bound, until it is gone (one that never made a call with its whole credential,
+        for ``PROVE_S`` only).
         """
+        engine = {k for k in identity if not k.startswith("notify:")}
         for poll in range(IDENTITY_POLLS + 1):
             here = [p for p in stale if not p.closed and p.gone_at is None]
             now = time.monotonic()
             owner = [p for p in here if p.bound and not bound and (p.proven or now - p.registered_at < PROVE_S)]
-            live = owner or [p for p in here if p.attached() and (p.bound or not bound)]
-            if not live:
-                return
-            if owner or poll == IDENTITY_POLLS:
+            if bound:
+                live = [p for p in here if p.attached() and p.bound and engine & set(p.identity)]
+                kept = [p for p in here if p.attached() and not engine & set(p.identity)]
+            else:
+                live, kept = owner or [p for p in here if p.attached()], []
+            if not live and (not kept or poll == IDENTITY_POLLS):
+                return [p for p in stale if all(p is not k for k in kept)]
+            if owner or (live and poll == IDENTITY_POLLS):
                 break
             await asyncio.sleep(IDENTITY_GRACE_S / IDENTITY_POLLS)
         old = live[0]

@@ -327,16 +327,12 @@ class Peer:
 
 
 def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...]:
-    """Keys that name the same decode rank across restarts: notify endpoint and engine identity.
-
-    A registration that binds its credential to its engine (``credential_buffer``) is named by
-    its engine alone: that is what it proves, and a notify endpoint is an address anyone can name.
-    """
+    """Keys that name the same decode rank across restarts: notify endpoint and engine identity."""
     keys: list[str] = []
-    engine = backends.identity_key(registration)
     ep = registration.notify_endpoint
-    if (ep.host or ep.port) and not (engine is not None and registration.HasField("credential_buffer")):
+    if ep.host or ep.port:
         keys.append(f"notify:{ep.host}:{ep.port}")
+    engine = backends.identity_key(registration)
     if engine is not None:
         keys.append(engine)
     return tuple(keys)

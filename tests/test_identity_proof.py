@@ -35,10 +35,11 @@ def test_squatters_never_hold_the_identity_of_a_decode_that_binds_its_credential
     out = identity_squat(backend, rounds=1)
     assert out.passed and not out.problems, out
     # Refused: the bound squatter's stream and submit, the displaced one's submit, both claims on the
-    # live victim; and the live unbound squatter was displaced.
-    assert (out.faults, out.failed_expected) == (6, 6), out
+    # live victim; the live unbound squatter was displaced; the notify-endpoint squatter kept no one out.
+    assert (out.faults, out.failed_expected) == (7, 7), out
     assert "live unbound squatter: displaced by the decode that proved its engine" in out.notes
-    assert out.ok == 2 and out.bytes_verified > 0 and (out.lost, out.corrupted) == (0, 0), out
+    assert "notify-endpoint squatter: the victim registered beside it" in out.notes
+    assert out.ok == 3 and out.bytes_verified > 0 and (out.lost, out.corrupted) == (0, 0), out
 
 
 def test_a_bound_registration_refuses_a_credential_buffer_of_another_memory_kind_or_too_small() -> None:

@@ -24,6 +24,7 @@ the bystander's requests must land byte-exact, as must the attacker's own reques
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import tempfile
@@ -326,19 +327,22 @@ def identity_squat(backend: str, rounds: int = 3) -> Outcome:
     submit are refused ``PEER_NOT_FOUND``), and the victim registers over it; then claims on the
     victim, bound and unbound, are refused ``IDENTITY_IN_USE``. Another squatter registers the second
     victim's registration unbound and reads a status stream; that victim registers over it too (the
-    squatter's stream ends, its credential dies). Both victims' requests land byte-exact.
+    squatter's stream ends, its credential dies). A third squatter binds its own engine under a third
+    victim's notify endpoint and reads a stream: the victim still registers (a notify endpoint is an
+    address, proof of nothing). Every victim's request lands byte-exact.
     """
     out = Outcome("identity squat", backend)
     with running_server(*SERVE_ARGS, "--backend", backend, token=TOKEN) as srv:
         for r in range(rounds):
             victims = [DecodeRank.for_spec(SPEC, pages=32, backend=backend, name=f"victim-{r}-{i}-{os.getpid()}")
-                       for i in range(2)]
+                       for i in range(3)]
             try:
                 with HandshakeClient(srv.target, token=TOKEN, timeout=10) as squatter:
+                    _notify_squat(out, srv.target, victims[2], squatter, backend)
                     _bound_squat(out, srv.target, victims[0], squatter)
                     _unbound_squat(out, srv.target, victims[1], squatter)
                 for i, victim in enumerate(victims):
-                    _served(out, victim, room=500 + 2 * r + i)
+                    _served(out, victim, room=500 + 3 * r + i)
             except Exception as exc:  # noqa: BLE001 - a crashed round is a problem, never a skip
                 out.problems.append(f"round {r} crashed: {type(exc).__name__}: {exc}")
             finally:
@@ -355,6 +359,36 @@ def _streaming(client: HandshakeClient, peer_id: str, credential: bytes | None =
             return True
         time.sleep(0.05)
     return False
+
+
+def _notify_squat(out: Outcome, target: str, victim: DecodeRank, squatter: HandshakeClient, backend: str) -> None:
+    """A squatter binds its own engine under the victim's notify endpoint and reads a stream: both are served."""
+    own = DecodeRank.for_spec(SPEC, pages=8, backend=backend, name=f"notify-squatter-{os.getpid()}")
+    try:
+        reg = own.registration(bound=True)
+        reg.notify_endpoint.CopyFrom(victim.registration().notify_endpoint)
+        sid = squatter.register(reg, read_credential=own.credential.read).peer_id
+
+        def watch() -> None:
+            with contextlib.suppress(E.PdprotoError):
+                for _ in squatter.watch_status(sid, timeout=30):
+                    pass
+
+        threading.Thread(target=watch, daemon=True).start()
+        if not _streaming(squatter, sid):
+            out.problems.append("the notify-endpoint squatter's status stream never opened")
+        out.runs += 1
+        out.faults += 1
+        try:
+            victim.connect([target], token=TOKEN)  # a notify endpoint is an address: it keeps no one out
+        except E.PdprotoError as exc:
+            out.problems.append(f"a live peer under the victim's notify endpoint kept it out: {exc}")
+            return
+        out.failed_expected += 1
+        out.notes.append("notify-endpoint squatter: the victim registered beside it")
+        squatter.deregister(sid)
+    finally:
+        own.close()
 
 
 def _bound_squat(out: Outcome, target: str, victim: DecodeRank, squatter: HandshakeClient) -> None:
