@@ -47,7 +47,7 @@ from pdproto.client import DecodePeer, PrefillRank
 from pdproto.errors import PdprotoError, Reason, error_for
 from pdproto.negotiation.fanin import KindTotals
 from pdproto.negotiation.registration import make_registration
-from pdproto.transfer import DRAM, VRAM, Buffer, CredentialSlot, Notification, TransferExecutor, create_executor
+from pdproto.transfer import VRAM, Buffer, CredentialSlot, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
@@ -181,7 +181,7 @@ class DecodeRank:
         self.state = [[self.executor.allocate(t.item_len * n) for t in e.tensors]
                       for n, e in zip(items, layout.state, strict=True)]
         self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
-        self.credential = CredentialSlot(self.executor, kind=VRAM if vram else DRAM, device=device)
+        self.credential = CredentialSlot(self.executor, self.buffers[0])
         """Where each prefill writes its part of this rank's peer credential (``connect`` binds it)."""
         self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
         """Host views of the buffers, one (rows x row_bytes) array per layer; empty for VRAM."""

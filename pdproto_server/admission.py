@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from pdproto import backends
 from pdproto.errors import IdentityInUseError, NotFoundError, PdprotoError, Reason, ResourceLimitError
 from pdproto.negotiation.topology import Decision, Rejection, negotiate
 from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2
@@ -147,10 +148,11 @@ class Admission:
         """Connect the executor (on the peer's worker) and add the peer, as ``verdict`` says."""
         identity = identity_of(reg)
         bound = reg.HasField("credential_buffer")
+        engine = backends.identity_key(reg)
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
         async with self.registry.serialized(identity):
             self.life.accepting()
-            stale = await self._replaced(self.registry.stale_for(identity), identity, bound)
+            stale = await self._replaced(self.registry.stale_for(identity), identity, engine if bound else None)
             self.life.accepting()  # a drain may have begun while it waited for a closing client's streams
             self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
@@ -191,28 +193,27 @@ class Admission:
         return hs.RegisterResponse(result=peer.result, peer_credential=peer.credential)
 
     @staticmethod
-    async def _replaced(stale: list[Peer], identity: tuple[str, ...], bound: bool) -> list[Peer]:
+    async def _replaced(stale: list[Peer], identity: tuple[str, ...], bound: str | None) -> list[Peer]:
         """The peers sharing ``identity`` that this registration replaces; IDENTITY_IN_USE if one is live.
 
         A decode's exit closes its streams, so a restarted one finds them closed; one that
         is still reading them is alive, and whoever names its endpoint or engine is not it
         (docs/security.md). Streams a client has just closed may take a moment to end
         here, so the check waits up to ``IDENTITY_GRACE_S`` for them. Binding the credential to
-        the engine (``bound``) proves the engine, not the notify endpoint (an address anyone can
+        the engine (``bound``: the engine's identity key, for a bound registration) proves the engine, not the notify endpoint (an address anyone can
         name): a bound registration is refused only by a live bound peer of its engine, replaces
         an unbound one of its engine even while it reads a stream, and leaves a live peer that
         shares only its notify endpoint alone. An unbound registration is refused by any peer
         that was bound, until it is gone (one that never made a call with its whole credential,
         for ``PROVE_S`` only).
         """
-        engine = {k for k in identity if not k.startswith("notify:")}
         for poll in range(IDENTITY_POLLS + 1):
             here = [p for p in stale if not p.closed and p.gone_at is None]
             now = time.monotonic()
             owner = [p for p in here if p.bound and not bound and (p.proven or now - p.registered_at < PROVE_S)]
             if bound:
-                live = [p for p in here if p.attached() and p.bound and engine & set(p.identity)]
-                kept = [p for p in here if p.attached() and not engine & set(p.identity)]
+                live = [p for p in here if p.attached() and p.bound and bound in p.identity]
+                kept = [p for p in here if p.attached() and bound not in p.identity]
             else:
                 live, kept = owner or [p for p in here if p.attached()], []
             if not live and (not kept or poll == IDENTITY_POLLS):

@@ -20,6 +20,8 @@ from pdproto.errors import InvalidFieldError, PdprotoError, Reason, ResourceLimi
 from pdproto.transfer import Buffer, LayerSpan, TransferExecutor, TransferJob
 from pdproto.v1 import registration_pb2
 
+from .registry import retry_after_ms
+
 ENGINE_BYTES = 16
 """Credential bytes written through the engine (128 bits: what the issue asks of a credential)."""
 RESPONSE_BYTES = 16
@@ -46,7 +48,7 @@ class EngineCredentials:
             if not self._free:
                 raise ResourceLimitError(
                     f"{SLOTS} registrations are writing their credentials at once; retry shortly",
-                    reason=Reason.TOO_MANY_REGISTRATIONS, metadata={"retryAfterMs": "1000"})
+                    reason=Reason.TOO_MANY_REGISTRATIONS, metadata={"retryAfterMs": retry_after_ms(1.0)})
             return self._source, self._free.pop()
 
     def write(self, peer_id: str, registration: registration_pb2.KvRegistration) -> bytes:

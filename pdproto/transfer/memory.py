@@ -10,10 +10,9 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto.errors import EngineUnavailableError
-
 from pdproto.v1 import registration_pb2
 
-from .base import DRAM, VRAM, Buffer, MemoryKind
+from .base import DRAM, VRAM, Buffer, MemoryKind, TransferExecutor
 
 
 def aligned_dram(nbytes: int) -> npt.NDArray[np.uint8]:
@@ -97,11 +96,13 @@ class CredentialSlot:
 
     Set ``KvRegistration.credential_buffer`` to ``proto()`` and hand ``read`` to Register
     (``read_credential``); create it before the engine's endpoint (NIXL's metadata lists the
-    registered memory). One slot per client that registers: a read follows each Register.
+    registered memory). It lives where ``kv`` (one of the KV buffers) does: a prefill refuses a
+    credential buffer of another memory kind. One slot per client that registers: a read follows
+    each Register.
     """
 
-    def __init__(self, executor: Any, *, kind: MemoryKind = DRAM, device: int = 0, nbytes: int = 64) -> None:
-        self.buffer: Buffer = executor.allocate(nbytes, kind=kind, device=device)
+    def __init__(self, executor: TransferExecutor, kv: Buffer, *, nbytes: int = 64) -> None:
+        self.buffer: Buffer = executor.allocate(nbytes, kind=kv.kind, device=kv.device)
         executor.register_memory([self.buffer])
 
     def proto(self) -> registration_pb2.CredentialBuffer:

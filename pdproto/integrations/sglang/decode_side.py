@@ -46,7 +46,7 @@ class DecodeSide:
             self.layout = layout.decode_layout(kv_args, ranks, is_mla_backend=is_mla_backend, notify_host=host,
                                                notify_port=notify_port)
             # Before the endpoint: NIXL's metadata lists the registered memory.
-            self.credential = CredentialSlot(self.executor, kind=memory.kv[0].kind, device=memory.kv[0].device)
+            self.credential = CredentialSlot(self.executor, memory.kv[0])
             self.registration = make_registration(self.layout, self.executor.endpoint(), memory.kv,
                                                   aux=memory.aux, state=memory.state)
             self.registration.credential_buffer.CopyFrom(self.credential.proto())

@@ -236,7 +236,7 @@ class DecodeWorker:
                                                notify_port=layout.notify_port(engine_id, ranks.tp[1]),
                                                gpu_id=gpu_id)
             # Before the endpoint: NIXL's metadata lists the registered memory.
-            self.credential = CredentialSlot(self.executor, kind=buffers[0].kind, device=buffers[0].device)
+            self.credential = CredentialSlot(self.executor, buffers[0])
             self.registration = make_registration(self.layout, self.executor.endpoint(), buffers, state=state)
             self.registration.credential_buffer.CopyFrom(self.credential.proto())
         except BaseException:

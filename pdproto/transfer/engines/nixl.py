@@ -129,9 +129,9 @@ def _make_agent(api: Any, name: str, delay_us: int, net_device: str | None = Non
         _skip_verbs_modules()  # UCX reads it when the agent creates its backend
         if prop is not None and delay_us > 0:
             api.nixlBind = _Bind()
-        scoped = net_device is not None and "UCX_NET_DEVICES" not in os.environ
-        if net_device is not None and scoped:
-            os.environ["UCX_NET_DEVICES"] = net_device
+        scoped = None if "UCX_NET_DEVICES" in os.environ else net_device
+        if scoped is not None:
+            os.environ["UCX_NET_DEVICES"] = scoped
         try:
             # RW sync: the server runs jobs for different peers on several threads at once;
             # transfers may proceed together, metadata changes (add/remove peer) are exclusive.
@@ -140,7 +140,7 @@ def _make_agent(api: Any, name: str, delay_us: int, net_device: str | None = Non
             return api.nixl_agent(name, conf)
         finally:
             api.nixlBind = bind
-            if scoped:
+            if scoped is not None:
                 os.environ.pop("UCX_NET_DEVICES", None)
 
 
