@@ -192,7 +192,10 @@ def _serve(listener: socket.socket) -> tuple[list[str], str]:
                     child_of[conn], conn_of[pid] = pid, conn
                     conn.sendall(f"P {pid}\n".encode())
                     continue
-                data = conn.recv(4096)
+                try:
+                    data = conn.recv(4096)
+                except ConnectionResetError:  # killed before it read our "P" line: Linux resets, not EOF
+                    data = b""
                 if not data:  # the launcher was killed: so is its child
                     os.kill(pid, signal.SIGKILL)
                     drop(conn)
@@ -209,8 +212,8 @@ def _serve(listener: socket.socket) -> tuple[list[str], str]:
                 break
             if pid == 0:
                 break
-            conn = conn_of.pop(pid)
-            if child_of.pop(conn, None) is not None:
+            conn = conn_of.pop(pid, None)  # None: a process the preload started, not a child of ours
+            if conn is not None and child_of.pop(conn, None) is not None:
                 try:
                     conn.sendall(f"X {os.waitstatus_to_exitcode(status)}\n".encode())
                 except OSError:

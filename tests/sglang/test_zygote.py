@@ -8,10 +8,12 @@ loaded and no pdproto module imported.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import textwrap
 import time
@@ -101,6 +103,38 @@ def test_killing_the_launcher_kills_its_child() -> None:
             break
         time.sleep(0.05)
     assert _gone(child)
+
+
+def test_a_launcher_killed_before_it_read_the_pid_line_still_takes_its_child_and_spares_the_zygote() -> None:
+    """Closing with the zygote's "P" line unread makes Linux reset the connection instead of an EOF: the child
+    dies all the same and the zygote goes on serving (it once died there, leaving the child running)."""
+    path = command("-c", "pass")[4]
+    out_r, out_w = os.pipe()
+    body = json.dumps({"argv": ["-c", SLEEPER], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_err:
+        conn.sendmsg([len(body).to_bytes(4, "big") + body],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (null_in.fileno(), out_w,
+                                                                                null_err.fileno())).tobytes())])
+    os.close(out_w)
+    with os.fdopen(out_r) as out:
+        child = int(out.readline())
+    for _ in range(600):  # bounded: 30 s for the "P" line to arrive, so the close below resets
+        try:
+            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                break
+        except BlockingIOError:
+            pass
+        time.sleep(0.05)
+    conn.close()
+    for _ in range(1200):  # bounded: 60 s
+        if _gone(child):
+            break
+        time.sleep(0.05)
+    assert _gone(child)
+    proc = _spawn("-c", "print('still serving')")
+    assert proc.communicate(timeout=120)[0].strip() == "still serving"
 
 
 def test_signals_reach_the_child_and_its_ending_comes_back() -> None:
