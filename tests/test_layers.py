@@ -51,6 +51,37 @@ def test_pp2_to_pp2_without_ids_is_identity() -> None:
     assert m.dst_indices == (0, 1, 2) and m.offset == 0
 
 
+def test_pp2_to_pp2_decode_stage_without_ids_pairs_a_plain_stage_by_position() -> None:
+    # SGLang's plain pool: the prefill stage numbers its layers (and its draft after them),
+    # the decode stage sends none; the stages hold the same layers, so position i -> i.
+    src = refs([3, 4, 5, 6], [T, T, T, D])
+    m = resolve_entries(src, refs([None] * 4, [T, T, T, D]), src_pp_size=2, dst_pp_size=2,
+                        src_start_layer=3)
+    assert m.dst_indices == (0, 1, 2, 3)
+    assert not m.by_layer_id and m.offset == 0
+
+
+@pytest.mark.parametrize(("src", "dst", "dst_pp", "reason"), [
+    # Decode PP 1 holds every layer: without ids, which entry is layer 3 is a guess.
+    (refs([3, 4, 5]), refs([None] * 6), 1, Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED),
+    # A decode stage that sends ids, against a prefill stage that sends none.
+    (refs([None] * 3), refs([3, 4, 5]), 2, Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED),
+    # A hybrid pool's ids (not the stage's layers in order): position would be a guess.
+    (refs([3, 5, 7]), refs([None] * 3), 2, Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED),
+    # Ids on the prefill's draft only.
+    (refs([None, None, 6], [T, T, D]), refs([None] * 3, [T, T, D]), 2,
+     Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED),
+    (refs([3, None, 5]), refs([None] * 3), 2, Reason.TOPOLOGY_LAYER_METADATA_PARTIAL),
+    # Some ids on the decode stage: not the no-id pool this pairing is for.
+    (refs([3, 4, 5]), refs([None, 4, None]), 2, Reason.TOPOLOGY_LAYER_METADATA_PARTIAL),
+])
+def test_other_one_sided_stages_stay_refused(src: list[EntryRef], dst: list[EntryRef], dst_pp: int,
+                                              reason: Reason) -> None:
+    with pytest.raises(TopologyError) as exc:
+        resolve_entries(src, dst, src_pp_size=2, dst_pp_size=dst_pp, src_start_layer=3)
+    assert exc.value.reason is reason
+
+
 def test_pp2_to_pp1_by_layer_id_with_draft() -> None:
     src = refs([3, 4, 5, 6], [T, T, T, D])
     dst = refs([0, 1, 2, 3, 4, 5, 6], [T] * 6 + [D])

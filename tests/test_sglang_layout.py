@@ -85,6 +85,19 @@ def test_a_plain_pool_numbers_its_layers_from_its_stage_so_pp_stages_pair() -> N
     assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(0, 2), (1, 3)]
 
 
+def test_a_pp2_decode_stage_sends_no_layer_ids_and_pairs_its_prefill_stage_by_position() -> None:
+    # Stage 1 of 2 on both sides, with a draft entry: SGLang gives the decode stage no ids.
+    stage, ranks = kv_args(layers=2, start=2, draft=1, draft_item=PAGE * 1152), layout.Ranks(attn_tp=(1, 0), pp=(2, 1))
+    dec = layout.decode_layout(stage, ranks, is_mla_backend=True, notify_host="h", notify_port=1)
+    assert [e.layer_id for e in dec.kv] == [None] * 3
+    decision = _pair(stage, ranks, stage, ranks)
+    assert isinstance(decision, Decision), decision
+    assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(0, 0), (1, 1), (2, 2)]
+    # Stage 0 of the prefill does not feed decode stage 1.
+    refused = _pair(kv_args(layers=2), layout.Ranks(attn_tp=(1, 0), pp=(2, 0)), stage, ranks)
+    assert isinstance(refused, Rejection) and refused.reason is Reason.TOPOLOGY_NOT_A_SENDER, refused
+
+
 def test_draft_entries_keep_virtual_pages_on_a_dcp_decode() -> None:
     # The draft pool is never DCP-sharded: its decode page holds PAGE * dcp rows.
     prefill = kv_args(draft=1, draft_item=PAGE * 1152)

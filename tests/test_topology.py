@@ -101,6 +101,19 @@ def test_pp2_to_pp2_stage1_pairs_locally() -> None:
     assert [p.dst_entry for p in decide(info, reg).pairings] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("num_draft", [0, 1])
+def test_pp2_decode_stage_without_layer_ids_pairs_its_own_stage_by_position(num_draft: int) -> None:
+    # SGLang's plain pools: the prefill stage numbers its layers, the decode stage sends none.
+    info = example_server_info(pp_size=2, pp_rank=1, num_layers=6, num_draft=num_draft, layer_ids=True)
+    reg = example_registration(pp_size=2, pp_rank=1, num_layers=6, num_draft=num_draft)
+    assert [p.dst_entry for p in decide(info, reg).pairings] == list(range(3 + num_draft))
+    # Stage 0 does not feed decode stage 1: the pairing by position never reaches it.
+    other = example_server_info(pp_size=2, pp_rank=0, num_layers=6, layer_ids=True)
+    reject(other, reg, Reason.TOPOLOGY_NOT_A_SENDER)
+    # A decode that holds every layer, without ids, still cannot be paired with a stage's ids.
+    reject(info, example_registration(num_layers=6, num_draft=num_draft), Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED)
+
+
 @pytest.mark.parametrize("backend", [v1.BACKEND_MOONCAKE, v1.BACKEND_NIXL, v1.BACKEND_LOCAL])
 def test_backend_from_transport(backend: int) -> None:
     reg = example_registration(backend=backend)

@@ -12,8 +12,12 @@ target, draft with draft):
   the decode holds the whole model. SGLang's NIXL DCP path used the bare identity and
   mapped every stage onto decode entries ``0..n-1``; the offset applies on every
   backend here. Draft entries pair by position among drafts;
-* one side only: rejected, because guessing would silently move a layer's rows into
-  another layer.
+* the decode of an equal PP size > 1 carries none, the prefill's targets ``start_layer + i``:
+  pair by position, offset 0. SGLang sends a plain pool's decode stage no ids
+  (``build_kv_layer_ids``) and pairs stage r with prefill stage r only, so the stages hold
+  the same layers; negotiation checks that this prefill is that stage (rule 16);
+* any other one-sided case: rejected, because guessing would silently move a layer's rows
+  into another layer.
 
 Every failure is a ``TopologyError`` with a specific ``Reason``; nothing is trimmed.
 """
@@ -167,6 +171,9 @@ def resolve_entries(
     # Layer metadata is a property of the pool, so judge it over all of a side's entries.
     src_has = any(e.layer_id is not None for e in src)
     dst_has = any(e.layer_id is not None for e in dst)
+    if src_has and not dst_has and src_pp_size == dst_pp_size > 1:
+        src = _stage_by_position(src, src_start_layer)
+        src_has = False
     if src_has != dst_has:
         raise TopologyError(
             "layer metadata must be sent by both peers or neither"
@@ -205,6 +212,28 @@ def resolve_entries(
         by_layer_id=by_id,
         offset=0 if by_id else offset,
     )
+
+
+def _stage_by_position(src: Sequence[EntryRef], start_layer: int) -> list[EntryRef]:
+    """A prefill stage's entries without their ids, once they show it holds its layers in order.
+
+    Only a plain pool's stage (targets ``start_layer + i``) holds what a decode stage without
+    ids holds at the same positions; any other ids (a hybrid pool's) would be paired by guess.
+    """
+    for role in (EntryRole.TARGET, EntryRole.DRAFT):
+        _ids_present(src, role, "prefill")
+    targets = [e.layer_id for e in src if e.role == EntryRole.TARGET]
+    plain = list(range(start_layer, start_layer + len(targets)))
+    if targets and targets != plain:
+        raise TopologyError(
+            f"the decode stage sends no layer ids, and the prefill stage's target ids {targets}"
+            f" are not its layers {start_layer}.. in order, so entries cannot pair by position;"
+            " send layer ids from the decode too",
+            reason=Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED,
+            metadata={"prefillHasLayerIds": True, "decodeHasLayerIds": False,
+                      "prefillStartLayer": start_layer},
+        )
+    return [EntryRef(None, e.role) for e in src]
 
 
 def _layer(entry: EntryRef) -> int:

@@ -22,7 +22,9 @@ Rules, checked in this order (the first failing rule is the one reported):
     sizes need ranks that share tokens (s = d mod gcd) .......... TOPOLOGY_DCP_RANK_MISMATCH
 12. SAME_LAYOUT needs equal page sizes (relayout does not, nor a
     decode announcing ``PAGE_RELAYOUT``) ........................ TOPOLOGY_PAGE_SIZE_MISMATCH
-13. entries resolve by layer id or position (pdproto.dcp.layers)  LAYER_METADATA_ONE_SIDED,
+13. entries resolve by layer id or position (pdproto.dcp.layers;
+    a decode stage of an equal PP size > 1 that sends no ids pairs
+    a plain prefill stage's entries by position) ............... LAYER_METADATA_ONE_SIDED,
     LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
 14. per-entry bytes per token equal, with no remainder (MHA with
     different attention TP sizes: bytes per head, rule 16) ....... TOPOLOGY_ROW_SIZE_MISMATCH
