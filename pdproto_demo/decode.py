@@ -98,6 +98,10 @@ class DecodeConfig:
     """Attention TP size of the decode."""
     tp_rank: int = 0
     """This rank's attention TP index."""
+    pp_size: int = 1
+    """Pipeline stages of the decode (``mla``, ``mha``); a stage registers only its layers."""
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
     slots: int = 8
     """Aux and state slots (hybrid); slot 0 is never used, as in SGLang."""
     replicated_bytes: int = 0
@@ -160,7 +164,8 @@ class DecodeRank:
         self.notify_port = c.notify_port or next(_notify_ports)
         self.model = m = ModelShape(kind=c.model, layers=c.layers, row_bytes=c.row_bytes,
                                     replicated_bytes=c.replicated_bytes, kda_heads=c.kda_heads,
-                                    kda_head_dim=c.kda_head_dim, window_pages=c.window_pages, page_size=c.page_size)
+                                    kda_head_dim=c.kda_head_dim, window_pages=c.window_pages, page_size=c.page_size,
+                                    pp_size=c.pp_size, pp_rank=c.pp_rank)
         self.reference = reference or m.kv_reference(c.tp_size, c.tp_rank)
         rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
         layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)

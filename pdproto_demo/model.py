@@ -23,6 +23,9 @@ run holds, so a decode rank checks every byte it received against first principl
   page, so on a DCP rank each KV page stands for ``dcp`` index pages.
 * **Aux.** Buffers whose slot bytes are a function of (room, buffer): every prefill rank
   holds the same (the first output token is not split by TP).
+* **Pipeline stages** (``pp_size`` > 1; ``mla`` and ``mha`` only). A rank holds the KV entries
+  of its stage's layers (``pdproto.dcp.layers.stage_layer_range``), whose rows are those of
+  the same layers in the whole model.
 
 Layers follow Kimi Linear's ratio: every fourth layer (3, 7, ...) is MLA, the other three KDA.
 """
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdproto.dcp.layers import stage_layer_range
+from pdproto.errors import ConfigError, Reason
 from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, StateEntry, StateTensor
 from pdproto.negotiation.shards import Layout, SplitAxis, Whole, head_axis, local_bytes, local_width
 from pdproto.negotiation.topology import example_server_info
@@ -93,6 +98,21 @@ class ModelShape:
     """DSA: tokens per KV page, and so per index page."""
     index_row_bytes: int = 132
     """DSA: index-K bytes per token (128 fp8 + 4 scale bytes)."""
+    pp_size: int = 1
+    """Pipeline stages the layers are split over (``mla`` and ``mha`` only)."""
+    pp_rank: int = 0
+    """The stage this rank holds."""
+
+    def __post_init__(self) -> None:
+        # Aux and state per stage (which stage writes them) are not modelled here.
+        if self.pp_size > 1 and self.kind not in ("mla", "mha"):
+            raise ConfigError(f"pipeline stages are modelled for mla and mha only, not {self.kind}",
+                              reason=Reason.CONFIG_INVALID, metadata={"setting": "pp_size", "value": self.pp_size})
+
+    @property
+    def start_layer(self) -> int:
+        """The first layer of this rank's stage (0 without PP)."""
+        return stage_layer_range(self.layers, self.pp_size, self.pp_rank)[0]
 
     @property
     def hybrid(self) -> bool:
@@ -100,10 +120,10 @@ class ModelShape:
         return self.kind == "hybrid"
 
     def kv_layers(self) -> tuple[int, ...]:
-        """Global layer ids of the KV (attention) layers."""
+        """Global layer ids of the KV (attention) layers this rank's stage holds."""
         if self.hybrid:
             return tuple(layer for layer in range(self.layers) if layer % 4 == 3)
-        return tuple(range(self.layers))
+        return tuple(range(*stage_layer_range(self.layers, self.pp_size, self.pp_rank)))
 
     def kda_layers(self) -> tuple[int, ...]:
         """Global layer ids of the linear-attention (state) layers."""
@@ -213,7 +233,8 @@ class ModelShape:
                     backend: int = common_pb2.BACKEND_UNSPECIFIED, port: int = 0) -> server_info_pb2.PrefillServerInfo:
         """The ``PrefillServerInfo`` of prefill TP rank ``rank`` of ``tp``."""
         info = example_server_info(page_size=page_size, dcp_size=dcp_size, dcp_rank=dcp_rank, tp_size=tp,
-                                   tp_rank=rank, num_layers=self.layers, attention=self.attention_kind(),
+                                   tp_rank=rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
+                                   num_layers=self.layers, attention=self.attention_kind(),
                                    backends=[backend] if backend else (), layer_ids=True, port=port)
         del info.kv_entries[:]
         for layer in self.kv_layers():
@@ -232,6 +253,7 @@ class ModelShape:
         return DecodeLayout(
             page_size=page_size, kv=kv, kv_cache_dtype=kv_cache_dtype, attention_kind=self.attention_kind(),
             attn_tp_size=tp, attn_tp_rank=rank, dcp_size=dcp_size, dcp_rank=dcp_rank,
+            pp_size=self.pp_size, pp_rank=self.pp_rank,
             aux=tuple(AuxEntry(n) for n in self.aux_lens if self.hybrid), state=self.decode_state(tp),
             total_kv_heads=self.total_kv_heads(), **options)  # type: ignore[arg-type]
 
@@ -266,8 +288,9 @@ class HeadReference:
     rank: int
 
     def rows(self, layer: int, room: int, tokens: I64) -> U8:
-        """Rows of ``tokens`` of KV entry ``layer`` as this rank holds them."""
+        """Rows of ``tokens`` of KV entry ``layer`` as this rank holds them (its stage's layer ``layer``)."""
         s = self.shape
+        layer += s.start_layer
         if s.kind != "mha":
             return token_rows(layer, tokens, s.row_bytes)
         full = token_rows(layer, tokens, s.kv_heads * s.head_bytes)

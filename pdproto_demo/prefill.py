@@ -2,7 +2,8 @@
 
 Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``
 (``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group,
-``--model dsa`` for MLA rows with a DeepSeek-V3.2 index).
+``--model dsa`` for MLA rows with a DeepSeek-V3.2 index, ``--pp-size 2 --pp-rank 1`` for the
+second pipeline stage, which holds and numbers only its own layers).
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
 the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
@@ -40,7 +41,8 @@ class PrefillRank:
         self.shard = data.Shard(args.dcp_size, args.dcp_rank)
         self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes,
                                 kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim,
-                                window_pages=args.window_pages, page_size=args.page_size)
+                                window_pages=args.window_pages, page_size=args.page_size,
+                                pp_size=args.pp_size, pp_rank=args.pp_rank)
         m, tp = self.model, args.tp_size
         rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
         self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
@@ -170,6 +172,8 @@ def parser() -> argparse.ArgumentParser:
                     " DeepSeek-V3.2-shaped (dsa)")
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--pp-size", type=int, default=1, help="pipeline stages (mla, mha)")
+    ap.add_argument("--pp-rank", type=int, default=0)
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
     ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
     ap.add_argument("--window-pages", type=int, default=0, help="pages of a sliding-window state entry (hybrid)")
