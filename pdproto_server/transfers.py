@@ -101,23 +101,24 @@ def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification:
     Mooncake cost a 32K DeepSeek-V3.2-shaped request about half its time (``bench_dsa``).
     """
     reg = peer.registration
-    segments = []
-    runs_of: dict[int, run_arith.I64] = {}  # by id(c.items): an entry's tensors share its items
+    # One segment per distinct item list (an entry's tensors, or every aux buffer, share one),
+    # holding all of its layers: descriptors are then cut once per segment and shape, not once
+    # per tensor, which was most of a request's aux and state time.
+    layers_of: dict[int, tuple[run_arith.I64, list[LayerSpan]]] = {}  # by id(c.items)
     for c in copies:
         if c.kind == "aux":
             src, dst = source.aux[c.src_entry].addr, reg.aux_ptrs[c.dst_entry]
         else:
             src = source.state[c.src_entry][c.src_tensor].addr
             dst = reg.state_buffers[c.dst_entry].data_ptrs[c.dst_tensor]
-        runs = runs_of.get(id(c.items))
-        if runs is None:
+        if id(c.items) not in layers_of:
             pairs = np.array(c.items, dtype=np.int64).reshape(-1, 2)
-            runs = runs_of[id(c.items)] = run_arith.from_rows(pairs[:, 0], pairs[:, 1])
-        segments += [Segment(runs, (LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=c.src_item_len,
-                                              dst_row_bytes=c.dst_item_len, src_offset=g.src_offset,
-                                              dst_offset=g.dst_offset, width=g.length),))
-                     for g in c.segments]
-    return TransferJob(segments=tuple(segments), pack=True, notification=notification)
+            layers_of[id(c.items)] = (run_arith.from_rows(pairs[:, 0], pairs[:, 1]), [])
+        layers_of[id(c.items)][1].extend(
+            LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=c.src_item_len, dst_row_bytes=c.dst_item_len,
+                      src_offset=g.src_offset, dst_offset=g.dst_offset, width=g.length) for g in c.segments)
+    segments = tuple(Segment(runs, tuple(layers)) for runs, layers in layers_of.values())
+    return TransferJob(segments=segments, pack=True, notification=notification)
 
 
 def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> list[TransferResult]:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import pdproto.negotiation.slots as slots
 from pdproto.errors import DestinationOutOfBoundsError, InvalidFieldError, PdprotoError, Reason
-from pdproto.negotiation.extras import StatePairing, StateTensorPairing
+from pdproto.negotiation.extras import AuxPairing, StatePairing, StateTensorPairing
 from pdproto.negotiation.shards import Segment
 from pdproto.negotiation.slots import check_destination, state_copies
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
@@ -192,6 +192,19 @@ def test_slot_job_converts_each_entry_once(monkeypatch: pytest.MonkeyPatch) -> N
     job = transfers.slot_job(source, peer, copies, None)  # type: ignore[arg-type]
     assert calls == [PAGES]  # one entry, however many tensors it holds
     expected = from_rows(np.array(src), np.array(dst))
-    assert len(job.segments) == TENSORS
-    assert all(np.array_equal(s.runs, expected) for s in job.segments)
-    assert [s.layers[0].dst_ptr for s in job.segments] == [0x1000 * (t + 1) for t in range(TENSORS)]
+    (segment,) = job.segments  # the entry's tensors share its items: one row set, a layer per tensor
+    assert np.array_equal(segment.runs, expected)
+    assert [layer.dst_ptr for layer in segment.layers] == [0x1000 * (t + 1) for t in range(TENSORS)]
+
+
+def test_slot_job_moves_every_aux_buffer_as_one_row_set() -> None:
+    """The aux buffers share the request's one slot: one segment, a layer per buffer, each to its own region."""
+    lens = (8, 4096, 64)
+    copies = slots.aux_copies([AuxPairing(i, i, n) for i, n in enumerate(lens)], src_slot=3, dst_slot=5)
+    source = SimpleNamespace(aux=[SimpleNamespace(addr=0x9000 * (i + 1)) for i in range(len(lens))])
+    reg = registration_pb2.KvRegistration(aux_ptrs=[0x1000 * (i + 1) for i in range(len(lens))])
+    job = transfers.slot_job(source, SimpleNamespace(registration=reg), copies, None)  # type: ignore[arg-type]
+    (segment,) = job.segments
+    assert segment.runs.tolist() == [[3, 1, 5, 1, 1]]
+    assert [(la.src_ptr, la.dst_ptr, la.nbytes) for la in segment.layers] == [
+        (0x9000 * (i + 1), 0x1000 * (i + 1), n) for i, n in enumerate(lens)]

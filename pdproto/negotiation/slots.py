@@ -151,8 +151,9 @@ def check_destination(aux: Sequence[AuxPairing], state: Sequence[StatePairing],
 
 def aux_copies(pairings: Sequence[AuxPairing], *, src_slot: int, dst_slot: int) -> list[SlotCopy]:
     """The copies that move prefill aux slot ``src_slot`` into the decode's ``dst_slot``."""
+    items = ((_index(src_slot, "aux_slot"), dst_slot),)  # one object: the buffers move as one row set
     return [SlotCopy("aux", p.src_entry, 0, p.dst_entry, 0, p.item_len, p.item_len,
-                     (Segment(0, 0, p.item_len),), ((_index(src_slot, "aux_slot"), dst_slot),))
+                     (Segment(0, 0, p.item_len),), items)
             for p in pairings]
 
 
