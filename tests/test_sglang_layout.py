@@ -16,7 +16,7 @@ import pytest
 
 from pdproto import v1
 from pdproto.errors import ConfigError, InvalidFieldError, Reason, TopologyError
-from pdproto.integrations.sglang import layout
+from pdproto.integrations.sglang import layout, legacy_decode
 from pdproto.integrations.sglang.settings import BackendSettings
 from pdproto.negotiation.registration import make_registration
 from pdproto.negotiation.slots import state_copies
@@ -398,6 +398,20 @@ def test_dsa_tail_without_live_tokens_moves_nothing_and_a_count_mismatch_is_refu
     with pytest.raises(InvalidFieldError) as caught:  # SGLang's tuple on one side only
         _tail_copies([3, 0, 3, 0, 0, 4], [])
     assert "dsa_tail" in caught.value.message
+
+
+def test_sglangs_own_mooncake_decode_registers_whole_tail_rows_and_a_pdproto_prefill_refuses_it() -> None:
+    # Its M1 carries the rows SGLang registers (legacy_decode.registration is byte for byte SGLang's) and its
+    # M2 the raw 6-tuple, which no pdproto prefill could pair: refused at registration, naming the sizes.
+    args = kv_args(state=[component("dsa_tail", [4 * 256] * 8, 0xC000_0000)], layer_ids=[0, 1, 2, 3])
+    info = layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                              backend=v1.BACKEND_MOONCAKE)
+    m1 = legacy_decode.registration(SimpleNamespace(**vars(args), engine_rank=0), host="h", port=2,
+                                    session_id="h:3", attn_tp_size=1, dcp=(1, 0))
+    rejection = negotiate(info, m1)
+    assert isinstance(rejection, Rejection), rejection
+    assert rejection.reason is Reason.TOPOLOGY_STATE_SIZE_MISMATCH and "256 bytes per item on the prefill, 1024" \
+        in rejection.message
 
 
 @pytest.mark.parametrize(("indices", "says"), [
