@@ -81,8 +81,8 @@ def slot_copies(source: KvSource, peer: Peer, request: Request, chunk: Chunk) ->
             raise InvalidFieldError("state_slots", f"room {request.room}: the prefill engine's last chunk"
                                     " named no state slots, and this rank writes state")
         # The repeated fields as they are: state_copies reads only the entries this rank writes.
-        state = state_copies(tp.state, src_slots=chunk.state_slots,
-                             dst_slots=[s.indices for s in t.dst_state_indices])
+        state = state_copies(tp.state, src_slots=chunk.state_slots, dst_slots=[s.indices for s in t.dst_state_indices],
+                             names=[e.type_name for e in source.info.state_entries])
     aux: list[SlotCopy] = []
     if tp.aux:
         if chunk.aux_slot is None:

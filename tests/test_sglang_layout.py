@@ -11,13 +11,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pdproto import v1
-from pdproto.errors import ConfigError, Reason, TopologyError
-from pdproto.integrations.sglang import layout
+from pdproto.errors import ConfigError, InvalidFieldError, Reason, TopologyError
+from pdproto.integrations.sglang import layout, legacy_decode
 from pdproto.integrations.sglang.settings import BackendSettings
 from pdproto.negotiation.registration import make_registration
+from pdproto.negotiation.slots import state_copies
 from pdproto.negotiation.topology import Decision, Mode, Rejection, negotiate
 
 PAGE = 64
@@ -323,12 +325,107 @@ def test_deepseek_v4_compressed_kv_is_refused_on_both_sides() -> None:
 
 
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:
-    tail = {**kimi_state(1), "type": SimpleNamespace(value="dsa_tail")}
+    ring = {**kimi_state(1), "type": SimpleNamespace(value="swa_ring")}
     with pytest.raises(TopologyError) as info:
-        layout.server_info(kv_args(state=[tail]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
+        layout.server_info(kv_args(state=[ring]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
                            port=1, backend=v1.BACKEND_MOONCAKE)
     assert info.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
-    assert "'dsa_tail'" in info.value.message and "mooncake" in info.value.message
+    assert "'swa_ring'" in info.value.message and "mooncake" in info.value.message
+
+
+def tail_state(ring: int) -> dict[str, Any]:
+    """DSATokenToKVPool's ``dsa_tail`` component as ``get_compress_tail_buf_infos`` gives it (memory_pool.py:
+    5473-5486): the K-tail of layers 0-3, then their score-tail, each ``[rows, ring, 128]`` bf16, so one
+    request row is ``ring * 256`` bytes; layer 2 shares layer 1's top-k and has 0 rows (item 0)."""
+    rows = [ring * 256, ring * 256, 0, ring * 256]
+    return component("dsa_tail", rows + rows, 0xC000_0000)
+
+
+def _tail_copies(prefill: list[int], decode: list[int], *, rings: tuple[int, int] = (4, 5)) -> list[Any]:
+    """One request's ``dsa_tail`` copies as the prefill's service builds them from both sides' 6-tuples."""
+    src_args, dst_args = kv_args(state=[tail_state(rings[0])]), kv_args(state=[tail_state(rings[1])])
+    decision = _pair(src_args, layout.Ranks(attn_tp=(1, 0)), dst_args, layout.Ranks(attn_tp=(1, 0)))
+    assert isinstance(decision, Decision) and decision.tp, decision
+    src = layout.state_items(layout.ring_sizes(src_args), [np.array(prefill, dtype=np.int64)])
+    dst = layout.state_items(layout.ring_sizes(dst_args), [decode])
+    return state_copies(decision.tp.state, src_slots=src, dst_slots=dst, names=["dsa_tail"])
+
+
+def test_dsa_tail_rings_register_as_paged_replicated_slots_of_256_bytes() -> None:
+    args = kv_args(state=[tail_state(5)])
+    (entry,) = layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                                  backend=v1.BACKEND_MOONCAKE).state_entries
+    assert (entry.kind, entry.type_name, entry.tp_policy) == (v1.STATE_KIND_PAGED, "dsa_tail",
+                                                              v1.STATE_TP_POLICY_REPLICATED)
+    assert [t.item_len for t in entry.tensors] == [layout.TAIL_SLOT_BYTES] * 6  # layer 2's K and score left out
+    (regions,) = layout.regions(args, on_device=True).state
+    assert [r.length for r in regions] == [5 * 256 * 5] * 6  # whole buffers: kv_args' lengths are 5 rows
+    assert layout.ring_sizes(kv_args(state=[kimi_state(1), tail_state(5)])) == (None, 5)
+    # Replicated (MLA): of the two prefill ranks feeding a decode rank of TP 1, one writes every slot.
+    written = []
+    for p_rank in range(2):
+        decision = _pair(args, layout.Ranks(attn_tp=(2, p_rank)), args, layout.Ranks(attn_tp=(1, 0)))
+        assert isinstance(decision, Decision) and decision.tp, decision
+        written.append([sum(s.length for s in t.segments) for t in decision.tp.state[0].tensors])
+    assert sorted(written) == [[0] * 6, [256] * 6], written
+    # Rows that are not whole 256-byte slots (another index head width) are refused, naming the type.
+    odd = component("dsa_tail", [5 * 200] * 2, 0xC000_0000)
+    with pytest.raises(TopologyError) as refused:
+        layout.ring_sizes(kv_args(state=[odd]))
+    assert refused.value.reason is Reason.TOPOLOGY_STATE_SIZE_MISMATCH and "'dsa_tail'" in refused.value.message
+
+
+def test_dsa_tail_live_slots_land_in_order_in_the_decode_ring_of_another_size() -> None:
+    # seq 519, index_kpool 4: 3 live tokens at logical 516..518. The prefill's ring of 4 holds them at slots
+    # 0-2 of row 3; the decode's ring of 5 (one extra speculative slot) at slot 4, then wrapped to 0-1 of row 6
+    # (get_dsa_tail_state_indices: start = 516 % tail_size).
+    copies = _tail_copies([3, 0, 3, 0, 0, 4], [6, 4, 1, 0, 2, 5])
+    assert len(copies) == 6 and {c.src_item_len for c in copies} == {256}
+    assert {c.items for c in copies} == {((12, 34), (13, 30), (14, 31))}
+    assert sum(c.nbytes for c in copies) == 6 * 3 * 256
+    # The other way: the prefill's ring wraps (slots 4, 0, 1 of a ring of 5), the decode's of 4 does not.
+    (first, *_) = _tail_copies([2, 4, 1, 0, 2, 5], [1, 0, 3, 0, 0, 4], rings=(5, 4))
+    assert first.items == ((14, 4), (10, 5), (11, 6))
+
+
+def test_dsa_tail_without_live_tokens_moves_nothing_and_a_count_mismatch_is_refused_naming_it() -> None:
+    # seq % index_kpool == 0: SGLang passes [] on both sides (utils.py:1286-1287).
+    assert all(c.items == () for c in _tail_copies([], []))
+    assert layout.state_items([4], [None]) == [[]]
+    with pytest.raises(InvalidFieldError) as caught:  # 3 live tokens on the prefill, 2 on the decode
+        _tail_copies([3, 0, 3, 0, 0, 4], [6, 1, 2, 0, 0, 5])
+    assert "dsa_tail" in caught.value.message and caught.value.metadata["typeName"] == "dsa_tail"
+    with pytest.raises(InvalidFieldError) as caught:  # SGLang's tuple on one side only
+        _tail_copies([3, 0, 3, 0, 0, 4], [])
+    assert "dsa_tail" in caught.value.message
+
+
+def test_sglangs_own_mooncake_decode_registers_whole_tail_rows_and_a_pdproto_prefill_refuses_it() -> None:
+    # Its M1 carries the rows SGLang registers (legacy_decode.registration is byte for byte SGLang's) and its
+    # M2 the raw 6-tuple, which no pdproto prefill could pair: refused at registration, naming the sizes.
+    args = kv_args(state=[component("dsa_tail", [4 * 256] * 8, 0xC000_0000)], layer_ids=[0, 1, 2, 3])
+    info = layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                              backend=v1.BACKEND_MOONCAKE)
+    m1 = legacy_decode.registration(SimpleNamespace(**vars(args), engine_rank=0), host="h", port=2,
+                                    session_id="h:3", attn_tp_size=1, dcp=(1, 0))
+    rejection = negotiate(info, m1)
+    assert isinstance(rejection, Rejection), rejection
+    assert rejection.reason is Reason.TOPOLOGY_STATE_SIZE_MISMATCH and "256 bytes per item on the prefill, 1024" \
+        in rejection.message
+
+
+@pytest.mark.parametrize(("indices", "says"), [
+    ([3, 0, 3, 0, 0], "is [row, start, n1, start2, n2, tail_size]"),
+    ([3, 0, 3, 0, 0, 6], "ring of 6 slots, but the pool's rows hold 4"),
+    ([3, 2, 3, 0, 0, 4], "inside the ring of 4 slots"),
+    ([3, 0, 1, 3, 2, 4], "inside the ring of 4 slots"),
+    ([-1, 0, 1, 0, 0, 4], "must be >= 0"),
+])
+def test_a_malformed_dsa_tail_index_is_refused_naming_it(indices: list[int], says: str) -> None:
+    with pytest.raises(InvalidFieldError) as caught:
+        layout.state_items([None, 4], [[7], indices])
+    assert caught.value.field == "state_indices[1]" and "'dsa_tail'" in caught.value.message
+    assert says in caught.value.message
 
 
 def test_layer_ids_that_do_not_cover_every_entry_are_refused() -> None:

@@ -86,16 +86,18 @@ def _check_dst(length: int, item: int, item_len: int, *, kind: str, field: str, 
                       "end": (item + 1) * item_len, "registered": length})
 
 
-def _pairs(p: StatePairing, src: Sequence[int], dst: Sequence[int], field: str) -> tuple[tuple[int, int], ...]:
-    """(prefill item, decode item) per index of one entry, checked against its kind."""
+def _pairs(p: StatePairing, src: Sequence[int], dst: Sequence[int], field: str,
+           name: str = "") -> tuple[tuple[int, int], ...]:
+    """(prefill item, decode item) per index of one entry (type ``name``), checked against its kind."""
+    named = f" ({name})" if name else ""
     if p.kind == common_pb2.STATE_KIND_RECURRENT and (len(src) != 1 or len(dst) != 1):
-        raise InvalidFieldError(field, f"recurrent state entry {p.dst_entry} takes one slot per request"
+        raise InvalidFieldError(field, f"recurrent state entry {p.dst_entry}{named} takes one slot per request"
                                 f" on each side, got {len(src)} and {len(dst)}",
-                                metadata={"prefillSlots": len(src), "decodeSlots": len(dst)})
+                                metadata={"prefillSlots": len(src), "decodeSlots": len(dst), "typeName": name})
     if len(src) != len(dst):
-        raise InvalidFieldError(field, f"paged state entry {p.dst_entry}: {len(src)} prefill pages for"
+        raise InvalidFieldError(field, f"paged state entry {p.dst_entry}{named}: {len(src)} prefill pages for"
                                 f" {len(dst)} decode pages",
-                                metadata={"prefillPages": len(src), "decodePages": len(dst)})
+                                metadata={"prefillPages": len(src), "decodePages": len(dst), "typeName": name})
     src_items, dst_items = _items(src), _items(dst)
     if src_items.size and min(src_items.min(), dst_items.min()) < 0:
         at = int(np.flatnonzero((src_items < 0) | (dst_items < 0))[0])
@@ -158,10 +160,11 @@ def aux_copies(pairings: Sequence[AuxPairing], *, src_slot: int, dst_slot: int) 
 
 
 def state_copies(pairings: Sequence[StatePairing], *, src_slots: Sequence[Sequence[int]],
-                 dst_slots: Sequence[Sequence[int]]) -> list[SlotCopy]:
+                 dst_slots: Sequence[Sequence[int]], names: Sequence[str] = ()) -> list[SlotCopy]:
     """The copies that move every state tensor this prefill rank writes for one request.
 
-    ``src_slots[e]`` and ``dst_slots[e]`` are the items of entry ``e`` on each side.
+    ``src_slots[e]`` and ``dst_slots[e]`` are the items of entry ``e`` on each side; ``names[e]``, when
+    given, its type name, for the errors.
     """
     out = []
     for p in pairings:
@@ -172,7 +175,8 @@ def state_copies(pairings: Sequence[StatePairing], *, src_slots: Sequence[Sequen
             raise InvalidFieldError("state_slots", f"the prefill named no slot for state entry {p.src_entry}")
         if p.dst_entry >= len(dst_slots):
             raise InvalidFieldError(field, f"the request names no slot for state entry {p.dst_entry}")
-        items = _pairs(p, src_slots[p.src_entry], dst_slots[p.dst_entry], field)
+        name = names[p.src_entry] if p.src_entry < len(names) else ""
+        items = _pairs(p, src_slots[p.src_entry], dst_slots[p.dst_entry], field, name)
         out += [SlotCopy("state", p.src_entry, t.src_tensor, p.dst_entry, t.dst_tensor, t.src_item_len,
                          t.dst_item_len, t.segments, items)
                 for t in p.tensors if t.segments]

@@ -28,12 +28,21 @@
   layers 0-2 and 4-6, MLA at 3 and 7), its ``HybridLinearKVPool(use_mla=True)`` over a
   ``MambaPool`` built from the config's own ``mamba2_cache_params`` (conv state
   ``[K-1, q|k|v]`` bf16, temporal state ``[H, hd, hd]`` fp32 per KDA layer), aux buffers.
+* ``glm5next``: a GLM-5-Next-shaped hybrid (KDA + DSA): the ``kimi`` config and Mamba pool, and its
+  ``HybridLinearKVPool(use_mla=True, use_dsa=True)`` with a compressed index kpool of 4 as
+  ``_build_hybrid_linear_kv_pool`` builds it (``kv_cache_configurator.py:2623-2655``): 256-token
+  pages (DSA keeps 64-token index pages, ``memory_pool.py:5366-5374``), state ``mamba``, ``dsa``
+  and ``dsa_tail`` (per request row and MLA layer a K-tail and a score-tail ring of
+  ``4 + tail_extra_slots`` slots of 128 bf16). The decode's ring has one speculative slot more than
+  the prefill's (``TAIL_EXTRA``), so SGLang's 6-tuples differ on the two sides; the harness stands
+  in for boot flags SGLang resolves only on a GPU (a DSA config, ``--speculative-*``).
 
 Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every aux
 buffer and every state tensor against what it must hold: the prefill's bytes where they belong,
 projected onto the rank's share under TP (computed here by plain slicing of SGLang's layouts, not
-by pdproto), zeros elsewhere. State components other than ``mamba`` and ``dsa`` are read and
-checked generically (``GENERIC``): every registered buffer by the address and item size
+by pdproto), zeros elsewhere. ``dsa_tail`` rings are checked by SGLang's own remap (``check_tail``);
+state components other than ``mamba``, ``dsa`` and ``dsa_tail`` are read and checked generically
+(``GENERIC``): every registered buffer by the address and item size
 ``setup_state_kv_args`` gives, the i-th prefill item of a component landing in the i-th decode
 item, with the indices ``state_indices`` computes as ``prefill.py``/``decode.py`` do.
 """
@@ -52,7 +61,9 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4, "glm5next": 8}
+INDEX_KPOOL = 4  # glm5next: index keys compressed 4:1, so 64-token index pages need 256-token KV pages
+TAIL_EXTRA = {"prefill": 0, "decode": 1}  # glm5next: max_speculative_num_draft_tokens on each side
 SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
 GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed", "minimax_index_k",
                      "minimax_dense_kv"})
@@ -124,9 +135,14 @@ def write_config(model: str, directory: Path) -> Path:
     return directory
 
 
+def page_of(model: str) -> int:
+    """Tokens per physical page of ``model``'s pools."""
+    return PAGE * INDEX_KPOOL if model == "glm5next" else PAGE
+
+
 def server_flags(model: str, role: str) -> list[str]:
     """Flags a rank of ``model`` needs on this CPU machine beyond the common ones."""
-    if model in ("kimi", "qwen4") and role == "prefill":
+    if model in ("kimi", "qwen4", "glm5next") and role == "prefill":
         # The prefill's Mamba radix cache needs state snapshots SGLang supports only on GPUs
         # (arg_groups/mamba_hook.py:120); the transfer path does not use it.
         return ["--disable-radix-cache"]
@@ -170,19 +186,20 @@ def _with_state(pools: Pools, layers: int) -> Pools:
     return pools
 
 
-def build_pools(model: str, pool_pages: int, config_dir: str, *, tp: int | None = None) -> Pools:
+def build_pools(model: str, pool_pages: int, config_dir: str, *, tp: int | None = None,
+                role: str = "prefill") -> Pools:
     """The rank's pools as SGLang builds them; ``tp`` overrides the state TP size (references)."""
-    pools = _build(model, pool_pages, config_dir, tp)
+    pools = _build(model, pool_pages, config_dir, tp, role)
     pools.pages = pool_pages
     return _with_state(pools, LAYERS[model])
 
 
-def _build(model: str, pool_pages: int, config_dir: str, tp: int | None) -> Pools:
+def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: str) -> Pools:
     import torch
 
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridLinearKVPool, MambaPool, MLATokenToKVPool
 
-    size = pool_pages * PAGE
+    size = pool_pages * page_of(model)
     if model == "gptoss":  # kv_cache_configurator.py:2500-2546 (_build_hybrid_swa_kv_pool) with mxfp8
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -257,12 +274,17 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None) -> Pool
         cache = KimiLinearCacheParams(shape=shape, layers=config.linear_layer_ids)
     mamba = MambaPool(size=STATE_SLOTS, spec_state_size=0, cache_params=cache,
                       mamba_layer_ids=config.linear_layer_ids, device="cpu")
-    pool = HybridLinearKVPool(
-        size=size, dtype=torch.bfloat16, page_size=PAGE, head_num=1, head_dim=KV_LORA_RANK + ROPE_DIM,
-        full_attention_layer_ids=config.full_attention_layer_ids, device="cpu", mamba_pool=mamba, use_mla=True,
-        kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM,
+    dsa = {} if model != "glm5next" else dict(
+        use_dsa=True, index_head_dim=128, kv_cache_dim=KV_LORA_RANK + ROPE_DIM, index_kpool=INDEX_KPOOL,
+        index_kpool_compress=True, tail_extra_slots=TAIL_EXTRA[role], max_running_requests=STATE_SLOTS,
     )  # fmt: skip
-    return Pools(pool, list(pool.full_kv_pool.kv_buffer), mamba, config)
+    pool = HybridLinearKVPool(
+        size=size, dtype=torch.bfloat16, page_size=page_of(model), head_num=1, head_dim=KV_LORA_RANK + ROPE_DIM,
+        full_attention_layer_ids=config.full_attention_layer_ids, device="cpu", mamba_pool=mamba, use_mla=True,
+        kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, **dsa,
+    )  # fmt: skip
+    index = list(pool.full_kv_pool.index_key_cache.buffer) if dsa else None
+    return Pools(pool, list(pool.full_kv_pool.kv_buffer), mamba, config, index=index)
 
 
 def fill_random(tensor: Any, seed: int) -> None:
@@ -301,7 +323,7 @@ def fill_prefill(pools: Pools) -> None:
         for k, (_, tensor) in enumerate(_state_tensors(pools)):
             fill_random(tensor, SEED * 7 + k)
     for k, (name, tensors) in enumerate(zip(pools.types, pools.state)):
-        for i, tensor in enumerate(tensors if name in GENERIC else ()):
+        for i, tensor in enumerate(tensors if name in GENERIC or name == "dsa_tail" else ()):
             fill_random(tensor, SEED * 13 + k * 100 + i)
 
 
@@ -313,7 +335,7 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
     (``_dsa_pages_payload``: ``suffix_page_indices`` at the pool's page size), ``block_scale`` every
     KV page of ``[0, tokens)`` (``_full_kv_pages_payload``), and so do ``qsa_compressed`` and
     ``minimax_dense_kv``; ``minimax_index_k`` the pages of ``[prefix, tokens)``; ``qsa_pending``
-    the request's row, ``swa`` and ``block_scale_swa`` the
+    the request's row, ``dsa_tail`` its 6-tuple, ``swa`` and ``block_scale_swa`` the
     SWA-pool pages of the window ``[max(prefix, tokens - window), tokens)`` floored to a page
     (``_swa_payload``).
     """
@@ -322,6 +344,7 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
     import torch
 
     from sglang.srt.disaggregation.minimax import minimax_index_transfer_pages
+    from sglang.srt.disaggregation.utils import get_dsa_tail_state_indices
     from sglang.srt.mem_cache.common import kv_to_page_indices, suffix_page_indices
 
     page = pools.pool.page_size
@@ -346,6 +369,9 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
         "block_scale": lambda: kv_to_page_indices(row[:tokens], page),
         "swa": swa,
         "block_scale_swa": swa,
+        # _dsa_tail_payload (prefill.py:1640-1645, decode.py:1716-1721): the live tail of the request's row,
+        # here the qsa_pending row, in the side's own ring.
+        "dsa_tail": lambda: get_dsa_tail_state_indices(pools.pool, STATE_SLOTS + 1 - slot, tokens),
     }
     return [payloads[name]() for name in pools.types]
 
@@ -390,13 +416,14 @@ def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any
     page where the decode's page of those tokens is, zeros everywhere else (the prefix included).
 
     ``rows`` maps room -> (prefill req_to_token row, decode req_to_token row, decode prefix, tokens);
-    the prefill's buffers hold ``prefill_pages`` pages. Pages follow token slots // 64 (index pages
-    are 64 tokens of the side's own slot space), with no SGLang helper in the way.
+    the prefill's buffers hold ``prefill_pages`` pages. Pages follow token slots // page (an index page
+    per KV page of the side's own slot space), with no SGLang helper in the way.
     """
     if pools.index is None:
         return []
-    pairs = [(int(src[p]) // 64, int(dst[p]) // 64)
-             for src, dst, prefix, tokens in rows.values() for p in range(prefix, tokens, 64)]
+    page = pools.pool.page_size
+    pairs = [(int(src[p]) // page, int(dst[p]) // page)
+             for src, dst, prefix, tokens in rows.values() for p in range(prefix, tokens, page)]
     mismatches = []
     for layer, got in enumerate(pools.index):
         if not got.shape[0]:
@@ -405,6 +432,35 @@ def check_index(pools: Pools, prefill_pages: int, rows: dict[int, tuple[Any, Any
             mismatches.append(f"DSA index layer {layer}: pages {bad[:8]} differ ({len(bad)})")
     if not pairs:
         mismatches.append("no DSA index page was expected to move")
+    return mismatches
+
+
+def check_tail(pools: Pools, reference: Pools, rows: dict[int, tuple[Any, Any, int, int]],
+               slots: dict[int, tuple[int, int]]) -> list[str]:
+    """Every byte of a decode rank's ``dsa_tail`` rings: each room's live slots where SGLang's own remap
+    between the two rings puts them (``build_dsa_tail_transfer_blocks``, utils.py:1331-1451, on byte
+    offsets), every other byte zero. Arguments as ``check_paged``'s."""
+    import torch
+
+    from sglang.srt.disaggregation.utils import build_dsa_tail_transfer_blocks
+
+    mismatches, live = [], 0
+    for k, (name, tensors, sources) in enumerate(zip(pools.types, pools.state, reference.state)):
+        if name != "dsa_tail":
+            continue
+        for i, (got, source) in enumerate(zip(tensors, sources)):
+            want = torch.zeros_like(got).reshape(-1)
+            for room, (src_row, dst_row, prefix, tokens) in rows.items():
+                src = state_indices(reference, slots[room][0], src_row, prefix, tokens)[k]
+                dst = state_indices(pools, slots[room][1], dst_row, prefix, tokens)[k]
+                for s, d, n in build_dsa_tail_transfer_blocks([0], [source.shape[1]], [0], src, dst, [got.shape[1]]):
+                    want[d:d + n] = source.reshape(-1)[s:s + n]
+                    live += n
+            if not torch.equal(got.reshape(-1), want):
+                bad = (got.reshape(-1) != want).nonzero().flatten().tolist()
+                mismatches.append(f"dsa_tail tensor {i}: {len(bad)} bytes differ, first {bad[:8]}")
+    if "dsa_tail" in pools.types and not live:
+        mismatches.append("no dsa_tail slot was expected to move")
     return mismatches
 
 
@@ -447,5 +503,5 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
 
 
 __all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
-           "check_index", "check_paged", "check_state", "fill_prefill", "fill_random", "server_flags", "state_indices",
-           "write_config"]
+           "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "page_of",
+           "server_flags", "state_indices", "write_config"]

@@ -20,12 +20,12 @@ from typing import Any, Callable
 from tests.sglang._models import (
     AUX_SLOTS,
     LAYERS,
-    PAGE,
     SEED,
     build_pools,
     check_index,
     check_paged,
     check_state,
+    check_tail,
     fill_prefill,
     fill_random,
     server_flags,
@@ -64,7 +64,7 @@ def _boot(args: argparse.Namespace, role: str, tp: int, rank: int) -> Any:
     load_plugins()  # launch_server.py:79; again in each scheduler (scheduler.py:6323)
     argv = [
         "--model-path", args.model_dir, "--device", "cpu", "--host", "127.0.0.1",
-        "--skip-tokenizer-init", "--page-size", str(PAGE),
+        "--skip-tokenizer-init", "--page-size", str(args.spec.page),
         "--disaggregation-mode", role,
         "--disaggregation-transfer-backend", args.prefill_backend if role == "prefill" else args.decode_backend,
         "--disaggregation-bootstrap-port", str(args.bootstrap_port),
@@ -278,7 +278,7 @@ class _Prefill:
         """finalize_bootstrap (prefill.py:429-444), once the poll said WaitingForInput."""
         prefix = sender.pop_decode_prefix_len()  # prefill.py:437
         index = self.allocator.alloc()  # ensure_metadata_buffer, prefill.py:424
-        sender.init(-(-(req.tokens - prefix) // PAGE), index)  # prefill.py:442, 446-450
+        sender.init(-(-(req.tokens - prefix) // self.args.spec.page), index)  # prefill.py:442, 446-450
         return {"prefix": prefix, "aux_index": index}
 
     def send(self, req: Request, sender: Any, started: dict[str, Any], upto: int | None = None) -> None:
@@ -286,14 +286,14 @@ class _Prefill:
         tokens, or to its end; the last one carries the aux row and the state."""
         from sglang.srt.mem_cache.common import kv_to_page_indices
 
-        slots = _token_slots(self.src_pages[req.room], req.tokens, PAGE)
+        slots = _token_slots(self.src_pages[req.room], req.tokens, self.args.spec.page)
         start = started.setdefault("sent", started["prefix"])  # req.start_send_idx, prefill.py:438
         stop = req.tokens if upto is None else upto
         while start < stop:
             end = min(start + (req.chunk or req.tokens), req.tokens)
             last = end == req.tokens
             if not last:
-                end -= end % PAGE  # a partial page waits for the next send, prefill.py:1546
+                end -= end % self.args.spec.page  # a partial page waits for the next send, prefill.py:1546
             else:
                 _write_aux_row(self.metadata, started["aux_index"], req.room)  # set_buf, prefill.py:1568
             # One entry per kv_args.state_types on the last chunk only (prefill.py:1577-1709).
@@ -301,7 +301,8 @@ class _Prefill:
             if last:
                 state = state_indices(self.pools, state_slots(self.args.spec)[req.room][0], slots, started["prefix"],
                                       req.tokens)
-            _send_kv_chunk(sender, slots, start, end, last, state, started["prefix"], kv_to_page_indices)
+            _send_kv_chunk(sender, slots, start, end, last, state, started["prefix"], kv_to_page_indices,
+                           self.args.spec.page)
             started["sent"] = start = end
 
 
@@ -420,7 +421,7 @@ def _killed_mid_transfer(args: argparse.Namespace, rank: _Prefill) -> dict[str, 
 
 
 def _send_kv_chunk(
-    sender: Any, slots: Any, start: int, end: int, last: bool, state: Any, prefix: int, to_pages: Any
+    sender: Any, slots: Any, start: int, end: int, last: bool, state: Any, prefix: int, to_pages: Any, page: int
 ) -> None:
     """_send_kv_chunk (prefill.py:1528-1786): split at the sender's limit, send each segment."""
     from sglang.srt.disaggregation.common.staging_buffer import compute_grid_segments
@@ -433,7 +434,7 @@ def _send_kv_chunk(
     else:
         segments = compute_grid_segments(start, end, prefix, limit)  # prefill.py:1723
     for seg_start, seg_end in segments:
-        pages = to_pages(slots[seg_start:seg_end], PAGE)  # prefill.py:1763
+        pages = to_pages(slots[seg_start:seg_end], page)  # prefill.py:1763
         segment_is_last = last and seg_end == end
         if not sender.should_send_kv_chunk(len(pages), segment_is_last):  # prefill.py:1765
             continue
@@ -469,7 +470,7 @@ def run_decode(args: argparse.Namespace) -> None:
     from sglang.srt.runtime_context import get_disagg, get_parallel
 
     spec: Spec = args.spec
-    pools = build_pools(spec.model, spec.pool_pages, args.model_dir)
+    pools = build_pools(spec.model, spec.pool_pages, args.model_dir, role="decode")
     metadata, allocator = _metadata(spec)
     manager = _manager(server_args, "decode", pools.pool, metadata, LAYERS[spec.model])
     backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
@@ -509,10 +510,10 @@ def run_decode(args: argparse.Namespace) -> None:
         for req, receiver in zip(requests, receivers):  # pop_preallocated (decode.py:1333-1842)
             from sglang.srt.mem_cache.common import kv_to_page_indices
 
-            slots = _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp)
+            slots = _token_slots(dst_pages[req.room], req.tokens, spec.page * args.dcp)
             index = allocator.alloc()  # _send_kv_metadata, decode.py:1847-1848
             # only the pages after the prefix go to the prefill (decode.py:1640-1660, 2231-2235)
-            pages = kv_to_page_indices(slots[req.decode_prefix :], PAGE * args.dcp)
+            pages = kv_to_page_indices(slots[req.decode_prefix :], spec.page * args.dcp)
             # decode.py:1660-1786
             state = state_indices(pools, state_slots(spec)[req.room][1], slots, req.decode_prefix, req.tokens)
             receiver.send_metadata(pages, index, state, decode_prefix_len=req.decode_prefix)  # :1863
@@ -636,11 +637,11 @@ def _frames_as_sglang(args: argparse.Namespace, manager: Any, pools: Any, dst_pa
     same = (MooncakeKVManager.build_receiver_registration_message(sglang)
             == manager.build_receiver_registration_message())
     req = args.spec.requests[-1]
-    slots = _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp)
+    slots = _token_slots(dst_pages[req.room], req.tokens, args.spec.page * args.dcp)
     state = state_indices(pools, state_slots(args.spec)[req.room][1], slots, req.decode_prefix, req.tokens)
     for dummy in (False, True):
         kw = dict(bootstrap_room=req.room, required_dst_info_num=args.dcp, is_dummy=dummy, aux_index=3,
-                  kv_indices=kv_to_page_indices(slots[req.decode_prefix:], PAGE * args.dcp), state_indices=state,
+                  kv_indices=kv_to_page_indices(slots[req.decode_prefix:], args.spec.page * args.dcp), state_indices=state,
                   decode_prefix_len=req.decode_prefix)
         same = same and MooncakeKVManager.build_receiver_metadata_message(sglang, **kw) == (
             manager.build_receiver_metadata_message(**kw))
@@ -706,7 +707,7 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
         for req in requests
         if not req.abort
         for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank,
-                                  whole_pages=args.prefill_backend != "pdproto")
+                                  whole_pages=args.prefill_backend != "pdproto", page=spec.page)
     ]
     src_rows = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
     dst_rows = torch.tensor([d for _, d in pairs], dtype=torch.int64)
@@ -728,8 +729,10 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
             mismatches.append(f"aux buffer {k} differs")
     moved = {req.room for req in requests if not req.abort}
     slots = {room: pair for room, pair in state_slots(spec).items() if room in moved}
-    rows = {req.room: (_token_slots(src_pages[req.room], req.tokens, PAGE),
-                       _token_slots(dst_pages[req.room], req.tokens, PAGE * args.dcp), req.decode_prefix, req.tokens)
+    rows = {req.room: (_token_slots(src_pages[req.room], req.tokens, spec.page),
+                       _token_slots(dst_pages[req.room], req.tokens, spec.page * args.dcp), req.decode_prefix,
+                       req.tokens)
             for req in requests if not req.abort}
     return (mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)
-            + check_index(pools, spec.pool_pages + 1, rows) + check_paged(pools, src_pools, rows, slots))
+            + check_index(pools, spec.pool_pages + 1, rows) + check_paged(pools, src_pools, rows, slots)
+            + check_tail(pools, src_pools, rows, slots))

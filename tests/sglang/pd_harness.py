@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from pdproto_demo.cluster import free_port
-from tests.sglang._models import LAYERS, PAGE, ROW_BYTES, SEED, write_config
+from tests.sglang._models import LAYERS, PAGE, ROW_BYTES, SEED, page_of, write_config
 from tests.sglang._zygote import command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,9 +154,14 @@ class Spec:
         return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *killed]
 
     @property
+    def page(self) -> int:
+        """Tokens per (physical) page of the model's pools."""
+        return page_of(self.model)
+
+    @property
     def pool_pages(self) -> int:
         """Usable pages per pool (page 0 is the pool's padding page): every request fits."""
-        return sum(-(-r.tokens // PAGE) for r in self.all_requests()) + self.extra_pages
+        return sum(-(-r.tokens // self.page) for r in self.all_requests()) + self.extra_pages
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "requests": [asdict(r) for r in self.requests]})
@@ -184,14 +189,14 @@ def _pages(requests: list[Request], tokens_per_page: int, seed: int, pool_pages:
 
 
 def prefill_pages(spec: Spec) -> dict[int, list[int]]:
-    """The prefill's req_to_token, page by page: PAGE tokens per page."""
-    return _pages(spec.all_requests(), PAGE, SEED, spec.pool_pages)
+    """The prefill's req_to_token, page by page: ``spec.page`` tokens per page."""
+    return _pages(spec.all_requests(), spec.page, SEED, spec.pool_pages)
 
 
 def decode_pages(spec: Spec, dcp: int) -> dict[int, list[int]]:
-    """The decode's pages: virtual pages of PAGE * dcp tokens, the same ids on every DCP rank
+    """The decode's pages: virtual pages of ``spec.page * dcp`` tokens, the same ids on every DCP rank
     (mem_cache/kv_cache_builder.py:393-400; each rank's physical page k holds its shard)."""
-    return _pages(spec.all_requests(), PAGE * dcp, SEED + 1, spec.pool_pages)
+    return _pages(spec.all_requests(), spec.page * dcp, SEED + 1, spec.pool_pages)
 
 
 def state_slots(spec: Spec) -> dict[int, tuple[int, int]]:
@@ -201,7 +206,7 @@ def state_slots(spec: Spec) -> dict[int, tuple[int, int]]:
 
 
 def expected_rows(req: Request, src: list[int], dst: list[int], dcp: int, rank: int,
-                  whole_pages: bool = False) -> list[tuple[int, int]]:
+                  whole_pages: bool = False, page: int = PAGE) -> list[tuple[int, int]]:
     """(prefill row, decode row) pairs one decode rank must receive for ``req``.
 
     SGLang's Mooncake backend without DCP moves whole pages, a partial last page included
@@ -210,12 +215,12 @@ def expected_rows(req: Request, src: list[int], dst: list[int], dcp: int, rank: 
     """
     if whole_pages and dcp == 1:
         return [
-            (s * PAGE + i, d * PAGE + i)
-            for s, d in zip(src[req.decode_prefix // PAGE :], dst[req.decode_prefix // PAGE :])
-            for i in range(PAGE)
+            (s * page + i, d * page + i)
+            for s, d in zip(src[req.decode_prefix // page :], dst[req.decode_prefix // page :])
+            for i in range(page)
         ]
     return [
-        (src[p // PAGE] * PAGE + p % PAGE, dst[p // (PAGE * dcp)] * PAGE + (p // dcp) % PAGE)
+        (src[p // page] * page + p % page, dst[p // (page * dcp)] * page + (p // dcp) % page)
         for p in range(req.decode_prefix, req.tokens)
         if p % dcp == rank
     ]

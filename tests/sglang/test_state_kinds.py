@@ -10,7 +10,9 @@ partial and sub-page prompts:
 * a Qwen4-Exp-shaped hybrid (``QSATokenToKVPool``: ``mamba``, ``qsa_pending``, ``qsa_compressed``),
   on both engines;
 * a MiniMax-M3-sparse-shaped model (``MiniMaxSparseKVPool``: ``minimax_index_k``,
-  ``minimax_dense_kv``), on both engines.
+  ``minimax_dense_kv``), on both engines;
+* a GLM-5-Next-shaped hybrid (``HybridLinearKVPool(use_dsa=True)`` with a compressed index kpool:
+  ``mamba``, ``dsa``, ``dsa_tail``), rings of different sizes on the two sides, on Mooncake.
 
 Their TP-mismatch policies (refused, replicated) are pure tests in ``tests/test_sglang_layout.py``.
 A file of its own so that ``make test``'s two workers run it beside ``test_harness.py``.
@@ -29,15 +31,15 @@ pytestmark = [pytest.mark.process, pytest.mark.long]
 
 
 def _one_to_one_moves_every_byte(model: str, engine: str, state_bytes: Callable[[Request], int],
-                                 row_bytes: int) -> None:
+                                 row_bytes: int, requests: tuple[Request, ...] = REQUESTS) -> None:
     """``model`` 1 -> 1 on ``engine``: every rank's every byte as expected, and each room's metric is its
     suffix's KV rows (``row_bytes`` per token), its ``state_bytes`` and the same aux row."""
-    out = run("pdproto", REQUESTS, model=model, env={**TOKEN, "PDPROTO_ENGINE": engine})
-    _assert_ranks_ok(out, 1, len(REQUESTS))  # mismatches: every byte of KV, aux and every state component
+    out = run("pdproto", requests, model=model, env={**TOKEN, "PDPROTO_ENGINE": engine})
+    _assert_ranks_ok(out, 1, len(requests))  # mismatches: every byte of KV, aux and every state component
     assert out["decode_rc"] == [0], out["decode_stderr"]
     results = {int(room): r for room, r in out["prefill"]["results"].items()}
     aux = {results[req.room]["metric_bytes"] - (req.tokens - req.decode_prefix) * row_bytes - state_bytes(req)
-           for req in REQUESTS}
+           for req in requests}
     assert len(aux) == 1 and aux.pop() > 0
 
 
@@ -85,3 +87,27 @@ def test_pdproto_minimax_m3_sparse_index_keys_and_dense_layers_move_every_byte(e
     On the backend's Mooncake and NIXL engines."""
     _one_to_one_moves_every_byte("minimax", engine, lambda req: (
         _pages(req.tokens) - req.decode_prefix // 64) * 2 * 8192 + _pages(req.tokens) * 4 * 16384, row_bytes=4 * 256)
+
+
+GLM5_NEXT_REQUESTS = (
+    Request(room=101, tokens=491, chunk=256),  # 3 live: prefill ring of 4 at 0-2, decode ring of 5 at 3-4, 0
+    Request(room=102, tokens=7),  # 3 live: prefill at 0-2, decode at 4, 0-1 (wrapped)
+    Request(room=103, tokens=770, decode_prefix=256, chunk=256),  # 2 live: prefill at 0-1, decode at 3-4
+    Request(room=104, tokens=256),  # seq % index_kpool == 0: both sides pass [], nothing moves
+)
+"""GLM-5-Next's requests: 256-token pages (index_kpool 4); the live tail is ``tokens % 4`` slots at
+``(tokens - live) % tail_size`` of each side's ring (``get_dsa_tail_state_indices``, utils.py:1269-1297)."""
+
+
+def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte() -> None:
+    """A GLM-5-Next-shaped hybrid (KDA + DSA: SGLang's HybridLinearKVPool(use_mla, use_dsa) with index_kpool 4
+    and kpool compress): the MLA layers' KV rows, the KDA conv and temporal state (``mamba``), the index-K
+    pages of the suffix (``dsa``) and the live slots of each MLA layer's K-tail and score-tail rings
+    (``dsa_tail``) land byte-exact, the tail at the decode's own ring positions in a ring one slot longer
+    than the prefill's (wrapping where SGLang's remap wraps), every other byte of every buffer zero;
+    chunked prefill, a decode prefix, a request with no live tail. On the backend's Mooncake engine. The
+    metric: token rows of 2 MLA layers (1,152 bytes each); one KDA slot (6 conv of 1,152 and 6 temporal of
+    4,096 bytes); 2 x 8,448 per suffix page; 2 layers x (K, score) x 256 bytes per live tail slot."""
+    _one_to_one_moves_every_byte("glm5next", "mooncake", lambda req: 6 * (1152 + 4096)
+                                 + (-(-req.tokens // 256) - req.decode_prefix // 256) * 2 * 8448
+                                 + req.tokens % 4 * 2 * 2 * 256, row_bytes=2 * 1152, requests=GLM5_NEXT_REQUESTS)

@@ -43,6 +43,7 @@ class DecodeSide:
         memory = open_rank(kv_args, settings, host=host, device=device)
         self.executor = memory.executor
         try:
+            self.rings = layout.ring_sizes(kv_args)
             self.layout = layout.decode_layout(kv_args, ranks, is_mla_backend=is_mla_backend, notify_host=host,
                                                notify_port=notify_port)
             # Before the endpoint: NIXL's metadata lists the registered memory.
@@ -63,7 +64,7 @@ class DecodeSide:
                state_indices: Sequence[Any] | None, prefix_len: int | None) -> int:
         """Hand every prefill rank of the request its destination; returns the request generation."""
         pages = np.asarray(kv_pages).reshape(-1).tolist()
-        states = [[] if s is None else np.asarray(s).reshape(-1).tolist() for s in state_indices or ()]
+        states = layout.state_items(self.rings, state_indices or ())
 
         def info(rank: PrefillRank) -> transfer_pb2.TransferInfo:
             out = transfer_pb2.TransferInfo(peer_name=self.name, dst_kv_pages=pages,

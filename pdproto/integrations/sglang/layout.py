@@ -28,9 +28,13 @@ arguments by hand):
   refuses them; so are MiniMax-M3 sparse's ``minimax_index_k`` (pages of the suffix) and
   ``minimax_dense_kv`` (every page), also refused with PP > 1 (``PP_REFUSED``). Qwen4-Exp's QSA
   index state is replicated (one index head): ``qsa_pending`` one request row, ``qsa_compressed``
-  every KV page of ``[0, seq)``. SGLang's other state types are refused with
-  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the type; a per-KV-page kind needs one row here,
-  once a test moves it.
+  every KV page of ``[0, seq)``. GLM-5-Next's ``dsa_tail`` (per request row and DSA layer, a ring
+  of ``index_kpool + tail_extra_slots`` key and score slots, ``memory_pool.py:5409-5459``) is paged
+  by ring slot: item ``row * tail_size + slot`` of ``TAIL_SLOT_BYTES``, so the live slots of SGLang's
+  6-tuple (``state_items``) pair in order with the decode's, whatever each side's tail size, as
+  SGLang remaps them (``build_dsa_tail_transfer_blocks``, ``utils.py:1331-1451``); replicated.
+  SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the
+  type; a per-KV-page kind needs one row here, once a test moves it.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp.layers import EntryRole
-from pdproto.errors import ConfigError, Reason, TopologyError
+from pdproto.errors import ConfigError, InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.negotiation.topology import PAGE_RELAYOUT
 from pdproto.v1 import common_pb2
@@ -65,8 +71,13 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     "minimax_dense_kv": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
     "block_scale": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
     "block_scale_swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REFUSED),
+    "dsa_tail": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),  # items are ring slots (state_items)
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
+
+TAIL_SLOT_BYTES = 256
+"""One ``dsa_tail`` ring slot: ``index_head_dim`` bf16 values, which ``DSATokenToKVPool`` requires to be 128
+(``memory_pool.py:5345``); a request's 6-tuple names its ring size, checked against the row bytes."""
 
 PP_REFUSED = frozenset({"minimax_index_k", "minimax_dense_kv"})
 """State types SGLang moves only between servers without pipeline parallelism (compacted layer lists)."""
@@ -233,8 +244,62 @@ def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[c
             # moves for it and it registers nothing (SGLang's is_elided_entry, utils.py:1045-1064).
             if it != 0
         ]
+        if _ring(name, [t["item_len"] for t in tensors]) is not None:
+            tensors = [{**t, "item_len": TAIL_SLOT_BYTES} for t in tensors]
         out.append((name, kind, tensors))
     return out
+
+
+def _ring(name: str, row_bytes: Sequence[int]) -> int | None:
+    """Slots per request row of a ``dsa_tail`` component (None for other types); its rows must be whole slots."""
+    if name != "dsa_tail":
+        return None
+    rows = sorted({int(n) for n in row_bytes if n})
+    if len(rows) > 1 or any(n % TAIL_SLOT_BYTES for n in rows):
+        raise TopologyError(
+            f"SGLang's 'dsa_tail' rows hold {rows} bytes; pdproto moves them as ring slots of {TAIL_SLOT_BYTES}"
+            " bytes (128 bf16 values) and needs one row size of whole slots: use --disaggregation-transfer-backend"
+            " mooncake or nixl for this model", reason=Reason.TOPOLOGY_STATE_SIZE_MISMATCH,
+            metadata={"stateType": name, "rowBytes": str(rows)})
+    return rows[0] // TAIL_SLOT_BYTES if rows else 0
+
+
+def ring_sizes(kv_args: Any) -> tuple[int | None, ...]:
+    """Per state component, the slots per request row of a ``dsa_tail`` ring; None for every other type."""
+    types = list(getattr(kv_args, "state_types", None) or [])
+    return tuple(_ring(str(getattr(t, "value", t)), kv_args.state_item_lens[k]) for k, t in enumerate(types))
+
+
+def state_items(rings: Sequence[int | None], state_indices: Sequence[Any]) -> list[list[int]]:
+    """SGLang's per-component state indices as pdproto's item lists (``rings`` from ``ring_sizes``).
+
+    Every list is taken as it is, except a ``dsa_tail`` 6-tuple, which becomes its live ring slots
+    in order (``_tail_slots``). Raises ``InvalidFieldError``.
+    """
+    out = []
+    for k, s in enumerate(state_indices):
+        values: list[int] = [] if s is None else np.asarray(s).reshape(-1).tolist()
+        ring = rings[k] if k < len(rings) else None
+        out.append(_tail_slots(values, ring, k) if ring is not None and values else values)
+    return out
+
+
+def _tail_slots(t: list[int], ring: int, k: int) -> list[int]:
+    """``[req_row, start, n1, start2, n2, tail_size]`` (``get_dsa_tail_state_indices``, ``utils.py:1269-1297``)
+    as items ``req_row * tail_size + slot``: slots ``[start, start + n1)``, then ``[start2, start2 + n2)``."""
+    field, meta = f"state_indices[{k}]", {"stateType": "dsa_tail", "indices": str(t)}
+    if len(t) != 6:
+        raise InvalidFieldError(field, f"a 'dsa_tail' index is [row, start, n1, start2, n2, tail_size], got {t}",
+                                metadata=meta)
+    row, start, n1, start2, n2, size = t
+    if size != ring:
+        raise InvalidFieldError(field, f"'dsa_tail' {t} names a ring of {size} slots, but the pool's rows hold"
+                                f" {ring} slots of {TAIL_SLOT_BYTES} bytes", metadata=meta)
+    if min(t) < 0 or start + n1 > size or start2 + n2 > size:
+        raise InvalidFieldError(field, f"'dsa_tail' {t}: the row and segments must be >= 0 and inside the ring"
+                                f" of {size} slots", metadata=meta)
+    base = row * size
+    return [*range(base + start, base + start + n1), *range(base + start2, base + start2 + n2)]
 
 
 def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, port: int,
@@ -320,6 +385,6 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
                                for _, _, tensors in _state_components(kv_args)))
 
 
-__all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "Ranks", "Regions", "attention_kind", "decode_layout",
-           "host_port", "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding", "regions",
-           "server_info"]
+__all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "Ranks", "Regions", "attention_kind",
+           "decode_layout", "host_port", "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding",
+           "regions", "ring_sizes", "server_info", "state_items"]

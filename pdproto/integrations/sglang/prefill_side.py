@@ -41,6 +41,7 @@ class PrefillSide:
         memory = open_rank(kv_args, settings, host=host, device=device)
         self.executor = memory.executor
         try:
+            self.rings = layout.ring_sizes(kv_args)
             self.info = layout.server_info(kv_args, ranks, is_mla_backend=is_mla_backend, host=host, port=0,
                                            backend=backends.by_name(settings.engine).enum)
             source = KvSource(memory.kv, self.info, aux=memory.aux, state=memory.state)
@@ -74,9 +75,7 @@ class PrefillSide:
                state_indices: Sequence[Any] | None, aux_index: int | None) -> None:
         """Report one chunk SGLang sent; the last names the room's state slots (one list per
         state component, as SGLang passes them) and aux slot. Raises ``PdprotoError``."""
-        slots = None
-        if last and state_indices is not None:
-            slots = [[] if s is None else np.asarray(s).reshape(-1).tolist() for s in state_indices]
+        slots = layout.state_items(self.rings, state_indices) if last and state_indices is not None else None
         self.engine.submit_chunk(room, np.asarray(pages, dtype=np.int64), int(num_tokens), last,
                                  state_slots=slots, aux_slot=aux_index if last else None)
 
