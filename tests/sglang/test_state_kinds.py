@@ -99,15 +99,16 @@ GLM5_NEXT_REQUESTS = (
 ``(tokens - live) % tail_size`` of each side's ring (``get_dsa_tail_state_indices``, utils.py:1269-1297)."""
 
 
-def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte() -> None:
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte(engine: str) -> None:
     """A GLM-5-Next-shaped hybrid (KDA + DSA: SGLang's HybridLinearKVPool(use_mla, use_dsa) with index_kpool 4
     and kpool compress): the MLA layers' KV rows, the KDA conv and temporal state (``mamba``), the index-K
     pages of the suffix (``dsa``) and the live slots of each MLA layer's K-tail and score-tail rings
     (``dsa_tail``) land byte-exact, the tail at the decode's own ring positions in a ring one slot longer
     than the prefill's (wrapping where SGLang's remap wraps), every other byte of every buffer zero;
-    chunked prefill, a decode prefix, a request with no live tail. On the backend's Mooncake engine. The
+    chunked prefill, a decode prefix, a request with no live tail. On the backend's Mooncake and NIXL engines. The
     metric: token rows of 2 MLA layers (1,152 bytes each); one KDA slot (6 conv of 1,152 and 6 temporal of
     4,096 bytes); 2 x 8,448 per suffix page; 2 layers x (K, score) x 256 bytes per live tail slot."""
-    _one_to_one_moves_every_byte("glm5next", "mooncake", lambda req: 6 * (1152 + 4096)
+    _one_to_one_moves_every_byte("glm5next", engine, lambda req: 6 * (1152 + 4096)
                                  + (-(-req.tokens // 256) - req.decode_prefix // 256) * 2 * 8448
                                  + req.tokens % 4 * 2 * 2 * 256, row_bytes=2 * 1152, requests=GLM5_NEXT_REQUESTS)
