@@ -333,6 +333,16 @@ def test_mha_tp2_to_tp4_sends_half_rows() -> None:
     assert writes == {1: (Segment(512, 0, 512),)}
 
 
+def test_mha_rows_holding_every_head_are_cut_by_the_first_sender_only() -> None:
+    # SGLang's CP-TP group sharing: each rank of a "TP 2" prefill holds all 8 heads (attention TP 1).
+    writes = kv_row_writes(mla=False, total_heads=8, src_row_bytes=8 * 256, dst_row_bytes=2 * 256,
+                           src_tp=2, dst_tp=4, dst_rank=3, senders=[1])
+    assert writes == {1: (Segment(6 * 256, 0, 512),)}
+    writes = kv_row_writes(mla=False, total_heads=8, src_row_bytes=8 * 256, dst_row_bytes=8 * 256,
+                           src_tp=2, dst_tp=1, dst_rank=0, senders=[0, 1])
+    assert writes == {0: (Segment(0, 0, 8 * 256),), 1: ()}
+
+
 def test_mla_rows_are_written_by_the_first_sender_only() -> None:
     writes = kv_row_writes(mla=True, total_heads=0, src_row_bytes=1152, dst_row_bytes=1152,
                            src_tp=4, dst_tp=2, dst_rank=0, senders=[0, 1])

@@ -232,6 +232,61 @@ def test_qsa_state_is_replicated_so_one_of_two_mha_prefill_ranks_writes_it() -> 
     assert sorted(written.values()) == [[0] * 5, [512, 512, 96, 2048, 2048]], written
 
 
+def qwen4_exp(*, tp: int, kv_heads_held: int) -> SimpleNamespace:
+    """A Qwen4-Exp-shaped pool (MHA KV of 2 heads x 64 bf16 on layers 1 and 3, a GDN state split by ``tp``,
+    QSA state whole) whose rank holds ``kv_heads_held`` KV heads."""
+    args = kv_args(layer_ids=[1, 3, 1, 3], token_bytes=128 * kv_heads_held, state=[kimi_state(tp), *qsa_states()])
+    args.total_kv_head_num = 2
+    return args
+
+
+def sharing_rank(cp_rank: int) -> layout.Ranks:
+    """CP rank ``cp_rank`` of a CP-TP group sharing prefill (--tp-size 2 --attn-cp-size 2) as the manager
+    presents it: attention TP 1 and CP 2 from SGLang, the GDN heads over the TP group (state TP 2)."""
+    return layout.Ranks(attn_tp=(1, 0), attn_cp=(2, cp_rank), state_tp_size=2).cp_as_tp()
+
+
+def written(decision: Decision | Rejection) -> tuple[list[int], list[int], int]:
+    """(bytes of each KV row written, bytes of each state tensor's item written, aux pairings) of an accepted pair."""
+    assert isinstance(decision, Decision) and decision.tp, decision
+    rows = [p.dst_token_bytes if cut is None else cut.length for p, cut in zip(decision.pairings,
+                                                                                decision.tp.row_slices, strict=True)]
+    return rows, [sum(g.length for g in t.segments) for e in decision.tp.state for t in e.tensors], len(decision.tp.aux)
+
+
+def test_a_cp_tp_sharing_prefill_rank_presents_itself_as_tp_rank_r_and_every_cp_rank_sends() -> None:
+    # SGLang's CP-TP group sharing (Qwen4-Exp, --enable-prefill-cp --attn-cp-size 2 --tp-size 2): CP rank r
+    # holds every KV head, the QSA state and GDN head shard r; SGLang's backends publish it as TP rank r of 2.
+    infos = [layout.server_info(qwen4_exp(tp=2, kv_heads_held=2), sharing_rank(r), is_mla_backend=False,
+                                host="h", port=1, backend=v1.BACKEND_MOONCAKE) for r in range(2)]
+    for r, info in enumerate(infos):
+        assert [(g.size, g.rank) for g in (info.attn_tp, info.attn_cp, info.state_tp)] == [(2, r), (1, 0), (2, r)]
+    qsa = [512, 512, 96, 2048, 2048]
+    # Decode TP 1 hears from both: each writes its half of every GDN tensor, rank 0 the KV, the QSA state and aux.
+    fan_in = [written(_pair(qwen4_exp(tp=2, kv_heads_held=2), sharing_rank(r), qwen4_exp(tp=1, kv_heads_held=2),
+                            layout.Ranks(attn_tp=(1, 0)), mla=False)) for r in range(2)]
+    gdn = [576] * 6 + [2048] * 6
+    assert fan_in == [([256] * 4, gdn + qsa, len(AUX)), ([0] * 4, gdn + [0] * 5, 0)], fan_in
+    # Decode TP 2: rank d hears from prefill rank d only, which writes head d of its rows and all of the rest.
+    for d in range(2):
+        decode, d_ranks = qwen4_exp(tp=2, kv_heads_held=1), layout.Ranks(attn_tp=(2, d))
+        assert written(_pair(qwen4_exp(tp=2, kv_heads_held=2), sharing_rank(d), decode, d_ranks, mla=False)) == (
+            [128] * 4, gdn + qsa, len(AUX))
+        other = _pair(qwen4_exp(tp=2, kv_heads_held=2), sharing_rank(1 - d), decode, d_ranks, mla=False)
+        assert isinstance(other, Rejection) and other.reason is Reason.TOPOLOGY_NOT_A_SENDER, other
+
+
+def test_without_cp_tp_sharing_a_cp_prefill_sends_from_cp_rank_0_only() -> None:
+    # Plain prefill CP (MLA): rank (tp 0, cp 0) sends everything; cp rank 1 is a dummy, refused as a sender.
+    for cp_rank, sends in ((0, True), (1, False)):
+        decision = _pair(kv_args(), layout.Ranks(attn_tp=(1, 0), attn_cp=(2, cp_rank)), kv_args(),
+                         layout.Ranks(attn_tp=(2, 1)))
+        if sends:
+            assert written(decision) == ([1152] * 4, [], len(AUX))
+        else:
+            assert isinstance(decision, Rejection) and decision.reason is Reason.TOPOLOGY_NOT_A_SENDER, decision
+
+
 def moved_at_equal_tp(states: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
     """(kind, bytes written per tensor) of every state entry of an MHA pool, prefill TP 1 -> decode TP 1."""
     decision = _pair(kv_args(state=states), layout.Ranks(attn_tp=(1, 0)), kv_args(state=states),

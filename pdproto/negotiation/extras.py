@@ -369,8 +369,14 @@ def kv_row_writes(*, mla: bool, total_heads: int, src_row_bytes: int, dst_row_by
 
     MLA rows are whole on every prefill rank: the first sender writes them. MHA rows with
     equal TP sizes copy whole; with different sizes each sender writes the heads the decode
-    rank holds of its own, and ``total_heads`` (the model's KV heads) must be known.
+    rank holds of its own, and ``total_heads`` (the model's KV heads) must be known. MHA rows
+    that hold every head on each prefill rank (SGLang's CP-TP group sharing, attention TP 1
+    presented as TP cp) are whole too: the first sender writes the decode rank's heads.
     """
+    if not mla and src_tp > 1 and senders and every_head(total_heads, src_row_bytes, dst_row_bytes, src_tp, dst_tp):
+        cut = assign_writes(head_axis(total_heads, src_row_bytes, 1), src_tp=1, dst_tp=dst_tp, dst_rank=dst_rank,
+                            senders=[0])[0]
+        return {s: cut if s == senders[0] else () for s in senders}
     if mla or src_tp == dst_tp:
         if src_row_bytes != dst_row_bytes:
             raise TopologyError(f"token rows of {src_row_bytes} and {dst_row_bytes} bytes",
@@ -396,5 +402,14 @@ def kv_row_writes(*, mla: bool, total_heads: int, src_row_bytes: int, dst_row_by
                          senders=senders, reason=reason)
 
 
-__all__ = ["AuxPairing", "EntryMatch", "StatePairing", "StateTensorPairing", "TensorMatch",
+def every_head(total_heads: int, src_row_bytes: int, dst_row_bytes: int, src_tp: int, dst_tp: int) -> bool:
+    """Whether a prefill row holds all ``total_heads`` KV heads, of the decode's head size, although its TP
+    size would give it fewer."""
+    if total_heads < 1 or any(total_heads % tp and tp % total_heads for tp in (src_tp, dst_tp)):
+        return False  # no even split: head_axis names the error
+    dst_heads = max(1, total_heads // dst_tp)
+    return total_heads > max(1, total_heads // src_tp) and src_row_bytes * dst_heads == dst_row_bytes * total_heads
+
+
+__all__ = ["AuxPairing", "EntryMatch", "StatePairing", "StateTensorPairing", "TensorMatch", "every_head",
            "kv_row_writes", "match_state", "pair_aux", "state_writes"]

@@ -27,7 +27,8 @@ Rules, checked in this order (the first failing rule is the one reported):
     a plain prefill stage's entries by position) ............... LAYER_METADATA_ONE_SIDED,
     LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
 14. per-entry bytes per token equal, with no remainder (MHA with
-    different attention TP sizes: bytes per head, rule 16) ....... TOPOLOGY_ROW_SIZE_MISMATCH
+    different attention TP sizes, or prefill rows of every head:
+    bytes per head, rule 16) .................................... TOPOLOGY_ROW_SIZE_MISMATCH
 15. relayout destinations all in one memory kind ................ TOPOLOGY_MEMORY_KIND_MIXED
 16. TP mapping (``pdproto.negotiation.tpmap``): TP sizes divide one another,
     this prefill rank feeds the decode rank, aux and state entries
@@ -59,6 +60,7 @@ from pdproto.negotiation._topology_examples import example_registration, example
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
+from pdproto.negotiation.extras import every_head
 from pdproto.negotiation.tpmap import TpPlan, plan_tp
 
 _MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
@@ -382,9 +384,9 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
     mapping = resolve_entries(src_refs, dst_refs, src_pp_size=src_pp,
                               dst_pp_size=dst_pp, src_start_layer=info.start_layer)
 
-    # MHA rows of different attention TP sizes hold different numbers of heads; rule 16
-    # compares their bytes per head instead.
-    heads_split = pk == v1.ATTENTION_KIND_MHA and (info.attn_tp.size or 1) != (reg.attn_tp.size or 1)
+    # MHA rows of different attention TP sizes hold different numbers of heads, and so do those of a
+    # prefill rank that holds every head (extras.every_head); rule 16 compares their bytes per head instead.
+    p_tp, d_tp, heads = info.attn_tp.size or 1, reg.attn_tp.size or 1, info.total_kv_heads or reg.total_kv_heads
     pairings = []
     for i, (ref, j) in enumerate(zip(src_refs, mapping.dst_indices, strict=True)):
         if dst_refs[j].role is not ref.role:  # resolve_entries pairs within a role
@@ -393,7 +395,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
         sb = _token_bytes(info.kv_entries[i].item_len, src.page_size, src.dcp_size,
                           ref.role, "prefill", i)
         db = _token_bytes(dst_item, dst.page_size, dst.dcp_size, ref.role, "decode", j)
-        if sb != db and not heads_split:
+        if sb != db and not (pk == v1.ATTENTION_KIND_MHA and (p_tp != d_tp or every_head(heads, sb, db, p_tp, d_tp))):
             raise _reject(Reason.TOPOLOGY_ROW_SIZE_MISMATCH,
                           f"{ref.role.name.lower()} entry {i} -> {j}: {sb} bytes per token on"
                           f" prefill, {db} on decode",

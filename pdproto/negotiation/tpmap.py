@@ -9,7 +9,8 @@ pair on either side:
 3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
 4. per KV pairing, the part of each token row this rank writes (``extras.kv_row_writes``):
-   whole MLA rows from one sender, whole MHA rows at equal TP sizes, heads otherwise.
+   whole MLA rows from one sender, whole MHA rows at equal TP sizes, heads otherwise (from one
+   sender when each prefill rank holds every head).
 
 Rejections are ``TopologyError`` values with the reasons of those modules, plus
 TOPOLOGY_NOT_A_SENDER when the decode registered with a prefill rank that does not feed it.

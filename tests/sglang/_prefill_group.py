@@ -2,7 +2,10 @@
 
 ``--cp``: a Kimi-Linear-shaped prefill with ``--tp-size 2 --attn-cp-size 2``, where SGLang makes
 every CP rank send its share (``enable_all_cp_ranks_for_transfer``); building the pdproto manager
-must raise ``ConfigError``, printed as one JSON line. Without it, PP 2:
+must raise ``ConfigError``, printed as one JSON line. ``--cp-tp-sharing``: the same sizes on the
+MLA model with SGLang's CP-TP group sharing stated; each rank prints whether it is a dummy CP rank
+and the attention TP and CP of its ``PrefillServerInfo``, rank 0 (which runs the bootstrap server)
+also what ``/route`` answers for the server and for each TP rank. Without either, PP 2:
 
 Each rank boots SGLang with ``--pp-size 2`` (ServerArgs, ``publish``, ``init_parallel_runtime``:
 real gloo groups, PP included), builds the MLA pool of ``_models.py`` and the pdproto manager
@@ -92,15 +95,55 @@ def _cp_sharded(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
+def _cp_tp_sharing(args: argparse.Namespace) -> None:
+    """Build the manager of a CP-TP group sharing prefill rank; print what it published (module docstring)."""
+    server_args = _boot(args, ["--tp-size", "2", "--attn-cp-size", "2", "--disable-radix-cache"])
+    import requests
+    from sglang.srt.runtime_context import get_parallel
+
+    from tests.sglang._ranks import _manager, _metadata
+
+    # SGLang resolves the flag only for Qwen4-Exp and GLM-5-Next (cp_tp_group_sharing_hook.py), whose
+    # pools need a GPU; the manager reads the resolved flag, stated here on the MLA model's CPU pool.
+    get_parallel().override_permanently(enable_cp_tp_group_sharing=True)
+    bootstrap = None
+    if args.rank == 0:
+        from sglang.srt.managers.disagg_service import start_disagg_service
+
+        bootstrap = start_disagg_service()
+    pools = build_pools("mla", 8, args.model_dir)
+    metadata, _ = _metadata()
+    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS["mla"])
+    info = manager.prefill_side.info
+    out: dict[str, Any] = {
+        "rank": args.rank, "dummy": bool(manager.is_dummy_cp_rank),
+        "info": {name: [getattr(info, name).size, getattr(info, name).rank] for name in ("attn_tp", "attn_cp")},
+        "port": manager.prefill_side.port}
+    if args.rank == 0:
+        url = f"http://127.0.0.1:{args.bootstrap_port}/route"
+        query = "prefill_dp_rank={}&prefill_cp_rank={}&target_tp_rank={}&target_pp_rank={}"
+        deadline = time.monotonic() + 30
+        while (server := requests.get(f"{url}?{query.format(-1, -1, -1, -1)}", timeout=5)).status_code == 503:
+            assert time.monotonic() < deadline, server.text
+            time.sleep(0.05)
+        out["server"] = server.json()
+        out["rows"] = [requests.get(f"{url}?{query.format(0, 0, r, 0)}", timeout=5).json() for r in range(2)]
+    print(json.dumps(out), flush=True)
+    get_parallel().tp_group.barrier()  # rank 0's bootstrap server outlives rank 1's row
+    manager.close()
+    del bootstrap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--rank", "--bootstrap-port", "--dist-port"):
         parser.add_argument(name, type=int, required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--cp", action="store_true")
+    parser.add_argument("--cp-tp-sharing", action="store_true")
     args = parser.parse_args()
-    if args.cp:
-        _cp_sharded(args)
+    if args.cp or args.cp_tp_sharing:
+        (_cp_sharded if args.cp else _cp_tp_sharing)(args)
         return
     server_args = _boot(args, ["--pp-size", "2"])
     from sglang.srt.disaggregation.utils import (

@@ -7,6 +7,8 @@
   address the decode builds from ``/route`` reaches it.
 * A CP-sharded prefill (every attention-CP rank sends its share) is refused when the manager
   is built, naming the setting.
+* A CP-TP group sharing prefill: each CP rank publishes itself as a TP rank of a CP-1 prefill,
+  to the bootstrap server and in its handshake service's ``PrefillServerInfo``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,19 @@ def test_a_cp_sharded_hybrid_mla_prefill_is_refused_when_its_manager_is_built(tm
         assert out["reason"] == Reason.CONFIG_INVALID.name
         assert out["metadata"]["setting"] == "attn_cp_size"
         assert "--attn-cp-size 1" in out["message"] and "mooncake or nixl" in out["message"]
+
+
+@pytest.mark.process
+def test_a_cp_tp_sharing_prefill_rank_publishes_itself_as_tp_rank_r_of_a_cp_1_prefill(tmp_path: Path) -> None:
+    """--tp-size 2 --attn-cp-size 2 with SGLang's CP-TP group sharing: both ranks send, as TP ranks 0 and 1."""
+    outs, codes, errs = _run_group(tmp_path, "mla", "--cp-tp-sharing")
+    assert outs[0] is not None and outs[1] is not None, errs
+    for r, out in enumerate(outs):
+        assert (out["rank"], out["dummy"], out["info"]) == (r, False, {"attn_tp": [2, r], "attn_cp": [1, 0]}), out
+    server, rows = outs[0]["server"], outs[0]["rows"]
+    assert (server["attn_tp_size"], server["attn_cp_size"]) == (2, 1), server
+    assert [row["pdproto_port"] for row in rows] == [out["port"] for out in outs], rows
+    assert codes == [0, 0], errs
 
 
 def test_cp_refusal_covers_only_prefills_whose_every_cp_rank_sends() -> None:

@@ -15,6 +15,10 @@ arguments by hand):
   layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
 * A prefill whose every attention-CP rank sends a share of each request (SGLang's
   ``enable_all_cp_ranks_for_transfer`` with CP > 1) is refused (``refuse_cp_sharded_prefill``).
+  Under SGLang's CP-TP group sharing (Qwen4-Exp) CP rank r holds every KV head, the replicated
+  state and linear-attention head shard r, and presents itself as TP rank r of CP size with CP 1,
+  as SGLang's backends do (``Ranks.cp_as_tp``): every CP rank sends, the state split over that
+  TP group, and the whole MHA rows cut per decode rank (``negotiation.extras.every_head``).
 * DeepSeek-V4's KV (pages of rows compressed 4:1 and 128:1, not token rows) is refused.
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
@@ -40,7 +44,7 @@ arguments by hand):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -106,6 +110,11 @@ class Ranks:
     """(size, rank) of decode context parallelism."""
     state_tp_size: int = 0
     """TP size that splits state tensors (SGLang ``linear_attn_tp_size``); 0: attention TP."""
+
+    def cp_as_tp(self) -> Ranks:
+        """This rank as SGLang's backends present a CP-TP group sharing prefill rank: CP rank r of n sends as
+        TP rank r of n with CP 1 (``register_to_bootstrap``), every CP rank a sender (``is_dummy_cp_rank``)."""
+        return replace(self, attn_tp=self.attn_cp, attn_cp=(1, 0))
 
 
 def host_port(host: str, port: int) -> str:

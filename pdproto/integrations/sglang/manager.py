@@ -176,10 +176,14 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             self._start_heartbeat_checker_thread()
 
     def _ranks(self) -> layout.Ranks:
-        return layout.Ranks(
+        """Where this rank sits, as pdproto publishes and negotiates it (and SGLang's ``/route`` row says)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        ranks = layout.Ranks(
             attn_tp=(self.attn_tp_size, self.attn_tp_rank), attn_cp=(self.attn_cp_size, self.attn_cp_rank),
             attn_dp=(self.attn_dp_size, self.attn_dp_rank), system_dp=(self.system_dp_size, self.system_dp_rank),
             pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size)
+        return ranks.cp_as_tp() if get_parallel().enable_cp_tp_group_sharing else ranks
 
     # -- prefill ------------------------------------------------------------------------
 
