@@ -6,7 +6,7 @@ Kimi-shaped decode (KV, state and aux). As SGLang cuts a request (``filter_kv_in
 ``_get_cp_rank_page_bounds``), CP rank 0 sends pages 0-2 and CP rank 1 pages 3-4, each chunk at its
 page position, empty shares included; the last chunk of rank 0 is empty and still carries the
 state and aux, which only CP rank 0 writes. The decode waits for both ranks, then compares every
-KV, state and aux byte with the model.
+KV, state and aux byte with the model. A decode that asks CP rank 0 alone is refused the request.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 from pdproto_demo.model import ModelShape
-from pdproto_demo.proc import Child, close_all
+from pdproto_demo.proc import Child, ChildError, close_all
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
 
@@ -43,13 +43,19 @@ def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_pa
     try:
         addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
         decode.await_ready(120)
+        # A decode that asks CP rank 0 alone (an SGLang decode without the CP setting) would get part of the KV.
+        decode.call("connect", 60, targets=addresses[:1])
+        with pytest.raises(ChildError, match="TOPOLOGY_PREFILL_CP_UNSUPPORTED"):
+            decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0],
+                        slot=1)
         connected = decode.call("connect", 60, targets=addresses)
         assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
         src = [3, 1, 6, 0, 5]  # the request's source pages, the same on both ranks
         for c in prefills:
             c.call("prepare", 60, room=ROOM, prefix=0, total=TOKENS, pages=src, slot=1)
         # Destination pages out of order, so a page copied to its own index or position is caught.
-        decode.call("request", 60, room=ROOM, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[4, 7, 2, 5, 1])
+        decode.call("request", 60, room=ROOM, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[4, 7, 2, 5, 1],
+                    slot=1)
         for k in range(3):
             for r, c in enumerate(prefills):
                 at, positions, tokens, last = SHARES[r][k]
