@@ -3,7 +3,8 @@
 Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``
 (``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group,
 ``--model dsa`` for MLA rows with a DeepSeek-V3.2 index, ``--pp-size 2 --pp-rank 1`` for the
-second pipeline stage, which holds and numbers only its own layers).
+second pipeline stage, which holds and numbers only its own layers, ``--cp-size 2 --cp-rank 1`` for
+attention-CP rank 1 of a prefill whose CP ranks each send their share of the pages).
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
 the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
@@ -60,6 +61,9 @@ class PrefillRank:
         self.index: dict[int, list[int]] = {}
         """Per room, its DSA index pages (named on its last chunk)."""
         self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
+        if args.cp_size > 1:  # every CP rank sends its share of the pages (SGLang enable_all_cp_ranks_for_transfer)
+            self.info.attn_cp.size, self.info.attn_cp.rank = args.cp_size, args.cp_rank
+            self.info.cp_ranks_split_pages = True
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
             self.info.version.minor = args.info_minor
@@ -67,7 +71,8 @@ class PrefillRank:
             self.info.MergeFromString(data.FUTURE_FIELD)
         source = KvSource(tuple(self.bufs), self.info, aux=tuple(self.aux),
                           state=tuple(tuple(e) for e in self.state))
-        self.engine = PrefillEngine(source, self.executor, prefill_rank=args.tp_rank * args.dcp_size + args.dcp_rank)
+        rank = (args.tp_rank * args.dcp_size + args.dcp_rank) * args.cp_size + args.cp_rank
+        self.engine = PrefillEngine(source, self.executor, prefill_rank=rank)
         a = self.args
         self.core = HandshakeCore(self.engine, limits=Limits(**json.loads(a.limits)) if a.limits else Limits())
         config = ServerConfig(listen=f"{a.host}:{a.port}", token=a.token, operator_token=a.operator_token, grace=2.0,
@@ -100,15 +105,17 @@ class PrefillRank:
             self.pool[len(self.pool) // 2][row, 77] ^= 0xFF
         return {"rows": rows}
 
-    def chunk(self, room: int, pages: list[int], num_tokens: int, last: bool, slot: int = 0) -> Reply:
-        """Report one computed chunk to the engine (non-blocking); the last one names the room's slots."""
+    def chunk(self, room: int, pages: list[int], num_tokens: int, last: bool, slot: int = 0,
+              page_offset: int | None = None) -> Reply:
+        """Report one computed chunk to the engine (non-blocking); the last one names the room's slots;
+        ``page_offset``: the chunk's page in the request (a CP rank's share), else after the chunks before."""
         extras: dict[str, Any] = {}
         if last and self.info.aux_entries:
             extras["aux_slot"] = slot
         if last and self.info.state_entries:
             extras["state_slots"] = [self.model.state_pages(i, slot, "prefill", self.index.get(room, ()))
                                      for i in range(len(self.info.state_entries))]
-        self.engine.submit_chunk(room, pages, num_tokens, last, **extras)
+        self.engine.submit_chunk(room, pages, num_tokens, last, page_offset=page_offset, **extras)
         return {}
 
     def poll(self, room: int) -> Reply:
@@ -174,6 +181,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp-rank", type=int, default=0)
     ap.add_argument("--pp-size", type=int, default=1, help="pipeline stages (mla, mha)")
     ap.add_argument("--pp-rank", type=int, default=0)
+    ap.add_argument("--cp-size", type=int, default=1, help="attention CP ranks, each sending its share of pages")
+    ap.add_argument("--cp-rank", type=int, default=0)
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
     ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
     ap.add_argument("--window-pages", type=int, default=0, help="pages of a sliding-window state entry (hybrid)")

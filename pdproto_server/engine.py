@@ -376,14 +376,20 @@ class PrefillEngine:
         return slots, aux_slot
 
     def submit_chunk(self, room: int, src_pages: Sequence[int] | I64, num_tokens: int, last_chunk: bool, *,
-                     state_slots: Sequence[Sequence[int]] | None = None, aux_slot: int | None = None) -> None:
+                     state_slots: Sequence[Sequence[int]] | None = None, aux_slot: int | None = None,
+                     page_offset: int | None = None) -> None:
         """Report a computed chunk of ``room``; thread-safe; non-last chunks must fill their pages.
 
         The last chunk carries the room's ``state_slots`` (per state entry: one slot, or the
         window's pages) and ``aux_slot``; they move after the room's last KV byte.
+        ``page_offset`` places the chunk at that page of the request, for a rank that sends only
+        some of its pages (a CP rank's share); default: after the chunks before it.
         """
         pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
         self._validate(room, pages, num_tokens)
+        if page_offset is not None and page_offset < 0:
+            raise InvalidFieldError("page_offset", f"room {room}: page offset {page_offset} is negative",
+                                    metadata={"room": room})
         if not last_chunk and num_tokens != pages.size * self.source.virtual_page:
             raise PlanError(f"room {room}: a non-last chunk must fill its pages ({num_tokens} tokens, "
                             f"{pages.size} pages of {self.source.virtual_page})",
@@ -401,18 +407,18 @@ class PrefillEngine:
         except RuntimeError:
             running = None
         if running is loop:
-            self._append(room, pages, num_tokens, last_chunk, extras)
+            self._append(room, pages, num_tokens, last_chunk, extras, page_offset)
         else:
-            loop.call_soon_threadsafe(self._append, room, pages, num_tokens, last_chunk, extras)
+            loop.call_soon_threadsafe(self._append, room, pages, num_tokens, last_chunk, extras, page_offset)
 
     def _append(self, room: int, pages: I64, num_tokens: int, last: bool,
-                extras: tuple[StateSlots | None, int | None] = (None, None)) -> None:
+                extras: tuple[StateSlots | None, int | None] = (None, None), at: int | None = None) -> None:
         """Loop-thread half of ``submit_chunk``."""
         log = self.room(room)
         if log.finished:
             # A new prefill of a finished room starts a new generation of its chunks.
             log = self._new_log(RoomLog(room, claimed=log.claimed))
-        page_offset = log.tokens // self.source.virtual_page
+        page_offset = log.tokens // self.source.virtual_page if at is None else at
         log.chunks.append(Chunk(len(log.chunks), pages, num_tokens, page_offset, last, *extras))
         log.tokens += num_tokens
         if last:

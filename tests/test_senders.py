@@ -111,3 +111,17 @@ def test_every_prefill_rank_serves_its_share_of_decode_ranks(prefill_tp: int, de
 def test_a_sender_that_writes_nothing_is_a_dummy() -> None:
     assert Sender(0, 0, 0, 0, False, False, False).dummy
     assert not Sender(0, 0, 0, 0, False, True, False).dummy
+
+
+def test_cp_ranks_that_split_pages_all_send_kv_and_rank_0_alone_state_and_aux() -> None:
+    # SGLang enable_all_cp_ranks_for_transfer: the decode asks every CP rank and waits for each
+    # (required_prefill_response_num *= cp_size, common/conn.py:1500-1515).
+    s = sender_set(prefill_tp=2, prefill_pp=1, prefill_cp=2, decode_tp=2, decode_tp_rank=1,
+                   decode_pp=1, decode_pp_rank=0, kv_writers={1}, state_writers={1}, has_aux=True,
+                   cp_split=True)
+    assert [(x.cp_rank, x.prefill_rank) for x in s.senders] == [(0, 2), (1, 3)]
+    assert roles(s) == [(1, "ksa"), (1, "k")]
+    assert s.required_responses == 2
+    replicas = sender_set(prefill_tp=2, prefill_pp=1, prefill_cp=2, decode_tp=2, decode_tp_rank=1,
+                          decode_pp=1, decode_pp_rank=0, kv_writers={1}, state_writers={1}, has_aux=True)
+    assert [(x.cp_rank, x.prefill_rank) for x in replicas.senders] == [(0, 2)]

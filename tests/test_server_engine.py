@@ -130,6 +130,26 @@ def test_engine_first_then_decode() -> None:
     _run(scenario)
 
 
+def test_chunks_at_explicit_page_positions_land_at_those_decode_pages() -> None:
+    """A CP rank's share (SGLang ``filter_kv_indices_for_cp_rank``): chunks name their page position,
+    out of order and empty ones included; the accumulated count would put the first at page 0."""
+    async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
+        peer_id = (await client.register(peer.registration())).peer_id
+        pages = peer.pages_for(SPEC.prompt_tokens)
+        await client.submit_transfer(peer_id, peer.transfer_info(13, pages))
+        src, ps = room_pages(13, SPEC), SPEC.page_size
+        n = -(-SPEC.prompt_tokens // ps)
+        with pytest.raises(E.InvalidFieldError):
+            engine.submit_chunk(13, src[4:8], 4 * ps, last_chunk=False, page_offset=-1)
+        for first, stop in ((4, 8), (0, 4), (8, 8)):
+            engine.submit_chunk(13, src[first:stop], (stop - first) * ps, last_chunk=False, page_offset=first)
+        engine.submit_chunk(13, src[8:n], SPEC.prompt_tokens - 8 * ps, last_chunk=True, page_offset=8)
+        assert (await _final(client, peer_id, 13)).state == common_pb2.TRANSFER_STATE_SUCCESS
+        peer.verify({13: pages}, SPEC.prompt_tokens)
+
+    _run(scenario)
+
+
 def test_unmatched_request_fails_with_match_timeout_and_bad_chunks_are_refused() -> None:
     async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
         peer_id = (await client.register(peer.registration())).peer_id

@@ -287,6 +287,25 @@ def test_without_cp_tp_sharing_a_cp_prefill_sends_from_cp_rank_0_only() -> None:
             assert isinstance(decision, Rejection) and decision.reason is Reason.TOPOLOGY_NOT_A_SENDER, decision
 
 
+def test_a_cp_prefill_whose_ranks_split_the_pages_sends_kv_from_every_cp_rank_state_and_aux_from_rank_0() -> None:
+    # Kimi Linear with --attn-cp-size 2 (SGLang enable_all_cp_ranks_for_transfer): each CP rank sends its
+    # pages; the state and aux every CP rank holds whole come from CP rank 0 (decode TP 1, as SGLang's
+    # decode asks every CP rank: common/conn.py:1500-1515).
+    prefill = kv_args(layers=2, layer_ids=[3, 7], state=[kimi_state(1)], hybrid=True)
+    decode = kv_args(layers=2, layer_ids=[3, 7], state=[kimi_state(1)], hybrid=True)
+    for cp_rank in (0, 1):
+        ranks = layout.Ranks(attn_tp=(1, 0), attn_cp=(2, cp_rank), state_tp_size=1, cp_split_pages=True)
+        info = layout.server_info(prefill, ranks, is_mla_backend=False, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+        assert info.cp_ranks_split_pages
+        decision = _pair(prefill, ranks, decode, layout.Ranks(attn_tp=(1, 0), state_tp_size=1), mla=False)
+        rows, state, aux = written(decision)
+        assert rows == [1152] * 2 and aux == (len(AUX) if cp_rank == 0 else 0)
+        assert (sum(state) > 0) == (cp_rank == 0), state
+    sharing = layout.Ranks(attn_tp=(1, 0), attn_cp=(2, 0), cp_split_pages=True).cp_as_tp()
+    assert not layout.server_info(prefill, sharing, is_mla_backend=False, host="h", port=1,
+                                  backend=v1.BACKEND_MOONCAKE).cp_ranks_split_pages
+
+
 def moved_at_equal_tp(states: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
     """(kind, bytes written per tensor) of every state entry of an MHA pool, prefill TP 1 -> decode TP 1."""
     decision = _pair(kv_args(state=states), layout.Ranks(attn_tp=(1, 0)), kv_args(state=states),

@@ -6,7 +6,7 @@ import pytest
 
 from pdproto.errors import Reason, TopologyError
 from pdproto.negotiation.shards import Segment
-from pdproto.negotiation.tpmap import plan_tp
+from pdproto.negotiation.tpmap import TpPlan, plan_tp
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 from tests._tp_model import KimiShape
 
@@ -91,3 +91,27 @@ def test_the_plan_fills_the_negotiation_result() -> None:
     assert result.senders.self_index == 1 and result.senders.required_responses == 2
     assert result.entries[0].HasField("row_slice") and result.entries[0].row_slice.length == 0
     assert not result.aux and len(result.state) == 1
+
+
+def test_cp_ranks_that_split_pages_each_write_kv_and_rank_0_alone_state_and_aux() -> None:
+    def cp_rank(rank: int, *, split: bool = True) -> server_info_pb2.PrefillServerInfo:
+        info = prefill(1, 0)
+        info.attn_cp.size, info.attn_cp.rank = 2, rank
+        info.cp_ranks_split_pages = split
+        return info
+
+    first = plan_tp(cp_rank(0), decode(1, 0), kv_rows=[(MLA_ROW, MLA_ROW)])
+    second = plan_tp(cp_rank(1), decode(1, 0), kv_rows=[(MLA_ROW, MLA_ROW)])
+    assert first.senders == second.senders and first.senders.required_responses == 2
+    def roles(plan: TpPlan) -> tuple[int, bool, bool, bool]:
+        return plan.me.cp_rank, plan.me.sends_kv, plan.me.sends_state, plan.me.sends_aux
+
+    assert roles(first) == (0, True, True, True) and roles(second) == (1, True, False, False)
+    assert first.row_slices == second.row_slices == (None,)
+    assert len(first.aux) == 1 and second.aux == ()
+    assert first.state[0].writes and not any(p.writes for p in second.state)
+    assert len(second.state) == len(first.state)
+    # CP ranks holding copies of everything: rank 0 sends, the others are not senders.
+    with pytest.raises(TopologyError) as caught:
+        plan_tp(cp_rank(1, split=False), decode(1, 0), kv_rows=[(MLA_ROW, MLA_ROW)])
+    assert caught.value.reason is Reason.TOPOLOGY_NOT_A_SENDER

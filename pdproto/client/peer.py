@@ -87,6 +87,21 @@ class PrefillRank:
         return self.result.peer_id
 
 
+def _check_cp_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
+    """Refuse a request that misses a CP rank of a prefill whose CP ranks each send a share of the pages
+    (``PrefillServerInfo.cp_ranks_split_pages``): its KV would arrive in part and still read as SUCCESS."""
+    asked = {(m.tp_rank, m.pp_rank, m.cp_rank) for r in ranks if r.senders.senders
+             for m in (r.senders.senders[r.result.senders.self_index],)}
+    missing = sorted({s.cp_rank for r in ranks for s in r.senders.senders
+                      if s.cp_rank and not s.dummy and (s.tp_rank, s.pp_rank, s.cp_rank) not in asked})
+    if missing:
+        raise error_for(Reason.TOPOLOGY_PREFILL_CP_UNSUPPORTED,
+                        f"room {room}: the prefill's attention-CP ranks each send a share of the pages, and this "
+                        f"request does not reach CP ranks {missing}: ask every CP rank (an SGLang decode: set "
+                        "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 as on the prefill)",
+                        metadata={"room": room, "missingCpRanks": ",".join(map(str, missing))})
+
+
 OutcomeHandler = Callable[[int, Outcome], None]
 Infos = Sequence[transfer_pb2.TransferInfo] | Callable[[PrefillRank], transfer_pb2.TransferInfo]
 Submitted = concurrent.futures.Future[transfer_pb2.TransferStatus | PdprotoError]
@@ -284,14 +299,16 @@ class DecodePeer:
         ``infos`` is one message per address, or a function that builds one for a rank. The peer
         sets its room, generation (default: the next of this peer's numbering), ``is_dummy``
         and ``required_dst_info_num`` from the rank's negotiation. Registers with a rank first
-        where needed (one dropped or lost since). The submits run in the background: a refusal
+        where needed (one dropped or lost since). Raises ``TopologyError`` when ``addresses`` miss
+        a CP rank that sends a share of the pages. The submits run in the background: a refusal
         fails the room (its outcome); ``submitted`` waits for them.
         """
         if not addresses:
             raise error_for(Reason.INVALID_FIELD, f"room {room}: a request needs at least one prefill rank",
                             metadata={"field": "addresses"})
-        generation = next(self._generations) if generation is None else generation
         ranks = [self.connect(a) for a in addresses]
+        _check_cp_shares(room, ranks)
+        generation = next(self._generations) if generation is None else generation
         live = [r.index for r in ranks if not r.dummy]
         with self._lock:
             self._tracker.expect(room, generation, live or [ranks[0].index])

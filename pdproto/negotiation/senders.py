@@ -10,7 +10,10 @@ A decode rank needs data from one prefill rank or from several (SGLang
 * **PP.** Equal PP sizes pair stage with stage; a decode that holds every layer (PP 1) hears
   from every prefill stage, each sending its own layers.
 * **CP.** Only prefill attention-CP rank 0 is contacted, as SGLang does by default (CP ranks
-  hold the same KV and state).
+  hold the same KV and state). A prefill whose CP ranks split the pages
+  (``PrefillServerInfo.cp_ranks_split_pages``, SGLang ``enable_all_cp_ranks_for_transfer``) has
+  every CP rank send its share of the KV; state and aux, which every CP rank holds whole, come
+  from CP rank 0 only (SGLang ``_should_skip_cp_replicated_state_transfer``).
 
 Within one stage's TP group the senders split the work: the KV of an MLA pool is whole on
 every prefill rank, so only the first sender writes it; MHA senders write their heads; state
@@ -145,22 +148,24 @@ class SenderSet:
 def sender_set(*, prefill_tp: int, prefill_pp: int, prefill_cp: int, decode_tp: int,
                decode_tp_rank: int, decode_pp: int, decode_pp_rank: int,
                kv_writers: Collection[int], state_writers: Collection[int],
-               has_aux: bool) -> SenderSet:
+               has_aux: bool, cp_split: bool = False) -> SenderSet:
     """The senders of one decode rank (rules in the module docstring).
 
     ``kv_writers`` and ``state_writers`` are the prefill TP ranks (of this decode rank's
     ``target_tp_ranks``) that write KV and state into it; every stage in the set splits its
-    work the same way, since TP splits each stage's layers alike.
+    work the same way, since TP splits each stage's layers alike. ``cp_split``: every CP rank
+    sends its share of the pages (``PrefillServerInfo.cp_ranks_split_pages``).
     """
     tps = target_tp_ranks(prefill_tp, decode_tp, decode_tp_rank)
     pps = target_pp_ranks(prefill_pp, decode_pp, decode_pp_rank)
+    cps = range(prefill_cp) if cp_split else range(1)
     senders = [
-        Sender(tp_rank=tp, pp_rank=pp, cp_rank=0,
-               prefill_rank=prefill_rank_id(tp_rank=tp, pp_rank=pp, cp_rank=0,
+        Sender(tp_rank=tp, pp_rank=pp, cp_rank=cp,
+               prefill_rank=prefill_rank_id(tp_rank=tp, pp_rank=pp, cp_rank=cp,
                                             pp_size=prefill_pp, cp_size=prefill_cp),
-               sends_kv=tp in kv_writers, sends_state=tp in state_writers,
-               sends_aux=has_aux and tp == tps[0] and pp == pps[-1])
-        for tp in tps for pp in pps
+               sends_kv=tp in kv_writers, sends_state=tp in state_writers and cp == 0,
+               sends_aux=has_aux and tp == tps[0] and pp == pps[-1] and cp == 0)
+        for tp in tps for pp in pps for cp in cps
     ]
     senders.sort(key=lambda s: s.prefill_rank)
     return SenderSet(tuple(senders), max(1, decode_tp // prefill_tp))

@@ -4,7 +4,8 @@
 pipeline parallelism, aux and state, from the same ``(PrefillServerInfo, KvRegistration)``
 pair on either side:
 
-1. the decode rank's senders (``pdproto.negotiation.senders``): this prefill rank must be one of them;
+1. the decode rank's senders (``pdproto.negotiation.senders``): this prefill rank must be one of them
+   (a CP rank past 0 only when the prefill's CP ranks split the pages; it writes KV only);
 2. aux pairings (``pdproto.negotiation.extras.pair_aux``), moved by the one sender elected for aux;
 3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
@@ -19,7 +20,7 @@ TOPOLOGY_NOT_A_SENDER when the decode registered with a prefill rank that does n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdproto.errors import Reason, TopologyError
 from pdproto.negotiation.extras import AuxPairing, StatePairing, kv_row_writes, match_state, pair_aux, state_writes
@@ -85,11 +86,13 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     tps = target_tp_ranks(p_tp, d_tp, d_rank)
     pps = target_pp_ranks(p_pp, d_pp, d_pp_rank)
     me_tp, me_pp, me_cp = info.attn_tp.rank, info.pp.rank, info.attn_cp.rank
-    if me_tp not in tps or me_pp not in pps or me_cp != 0:
+    cp_split = info.cp_ranks_split_pages and p_cp > 1
+    cps = f"cp 0..{p_cp - 1}" if cp_split else "cp 0"
+    if me_tp not in tps or me_pp not in pps or not (me_cp == 0 or cp_split):
         raise TopologyError(
             f"prefill rank (tp {me_tp}, pp {me_pp}, cp {me_cp}) does not feed decode rank"
             f" (tp {d_rank}/{d_tp}, pp {d_pp_rank}/{d_pp}); it hears from tp {list(tps)},"
-            f" pp {list(pps)}, cp 0", reason=Reason.TOPOLOGY_NOT_A_SENDER,
+            f" pp {list(pps)}, {cps}", reason=Reason.TOPOLOGY_NOT_A_SENDER,
             metadata={"prefillTpRank": me_tp, "prefillPpRank": me_pp, "prefillCpRank": me_cp,
                       "decodeTpRank": d_rank, "decodeTpSize": d_tp,
                       "senderTpRanks": ",".join(map(str, tps))})
@@ -118,10 +121,14 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     state_writers = {t for t, plan in writes.items() if any(p.writes for p in plan)}
     senders = sender_set(prefill_tp=p_tp, prefill_pp=p_pp, prefill_cp=p_cp, decode_tp=d_tp,
                          decode_tp_rank=d_rank, decode_pp=d_pp, decode_pp_rank=d_pp_rank,
-                         kv_writers=kv_writers, state_writers=state_writers, has_aux=bool(aux))
-    me = senders.find(tp_rank=me_tp, pp_rank=me_pp)
+                         kv_writers=kv_writers, state_writers=state_writers, has_aux=bool(aux),
+                         cp_split=cp_split)
+    me = senders.find(tp_rank=me_tp, pp_rank=me_pp, cp_rank=me_cp)
     assert me is not None  # checked above: this rank is one of the targets
-    return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=writes[me_tp],
+    # CP ranks hold the same state: one past CP rank 0 keeps the pairings and writes none of it.
+    state = writes[me_tp] if me_cp == 0 else tuple(
+        replace(p, tensors=tuple(replace(t, segments=()) for t in p.tensors)) for p in writes[me_tp])
+    return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=state,
                   row_slices=tuple(_row_slice(r[me_tp], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True)))
 
 

@@ -231,6 +231,7 @@ class PrefillServerInfo(_message.Message):
     STATE_ENTRIES_FIELD_NUMBER: _builtins.int
     STATE_TP_FIELD_NUMBER: _builtins.int
     TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
+    CP_RANKS_SPLIT_PAGES_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """Physical page size in tokens."""
     kv_cache_dtype: _builtins.str
@@ -260,6 +261,11 @@ class PrefillServerInfo(_message.Message):
     total_kv_heads: _builtins.int
     """KV heads of the model before TP (SGLang total_kv_head_num), for MHA head slicing when
     prefill and decode TP sizes differ; 0: not sent.
+    """
+    cp_ranks_split_pages: _builtins.bool
+    """Every attention-CP rank sends its contiguous share of each request's pages (SGLang
+    enable_all_cp_ranks_for_transfer): a decode hears from every CP rank, and CP rank 0
+    alone sends state and aux. False: CP rank 0 sends everything, the others are dummies.
     """
     @_builtins.property
     def version(self) -> _common_pb2.ProtocolVersion:
@@ -350,10 +356,11 @@ class PrefillServerInfo(_message.Message):
         state_entries: _abc.Iterable[Global___StateEntryInfo] | None = ...,
         state_tp: _common_pb2.ParallelGroup | None = ...,
         total_kv_heads: _builtins.int = ...,
+        cp_ranks_split_pages: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "dcp", b"dcp", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "state_tp", b"state_tp", "system_dp", b"system_dp", "version", b"version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attention_kind", b"attention_kind", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "aux_entries", b"aux_entries", "backends", b"backends", "capabilities", b"capabilities", "dcp", b"dcp", "decode_allocation_policy", b"decode_allocation_policy", "dsv41_spec_layout", b"dsv41_spec_layout", "enable_dsa_cache_layer_split", b"enable_dsa_cache_layer_split", "enable_kv_cache_sharding", b"enable_kv_cache_sharding", "kv_cache_dtype", b"kv_cache_dtype", "kv_entries", b"kv_entries", "kv_layout", b"kv_layout", "load_balance_method", b"load_balance_method", "model_id", b"model_id", "num_layers", b"num_layers", "page_size", b"page_size", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "start_layer", b"start_layer", "state_entries", b"state_entries", "state_tp", b"state_tp", "system_dp", b"system_dp", "total_kv_heads", b"total_kv_heads", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port", "attention_kind", b"attention_kind", "attn_cp", b"attn_cp", "attn_dp", b"attn_dp", "attn_tp", b"attn_tp", "aux_entries", b"aux_entries", "backends", b"backends", "capabilities", b"capabilities", "cp_ranks_split_pages", b"cp_ranks_split_pages", "dcp", b"dcp", "decode_allocation_policy", b"decode_allocation_policy", "dsv41_spec_layout", b"dsv41_spec_layout", "enable_dsa_cache_layer_split", b"enable_dsa_cache_layer_split", "enable_kv_cache_sharding", b"enable_kv_cache_sharding", "kv_cache_dtype", b"kv_cache_dtype", "kv_entries", b"kv_entries", "kv_layout", b"kv_layout", "load_balance_method", b"load_balance_method", "model_id", b"model_id", "num_layers", b"num_layers", "page_size", b"page_size", "pp", b"pp", "prefill_http_port", b"prefill_http_port", "rank_endpoint", b"rank_endpoint", "start_layer", b"start_layer", "state_entries", b"state_entries", "state_tp", b"state_tp", "system_dp", b"system_dp", "total_kv_heads", b"total_kv_heads", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prefill_http_port: _TypeAlias = _typing.Literal["prefill_http_port"]  # noqa: Y015
     _WhichOneofArgType__prefill_http_port: _TypeAlias = _typing.Literal["_prefill_http_port", b"_prefill_http_port"]  # noqa: Y015

@@ -5,14 +5,15 @@
   (only PP rank 0 polls): each rank's own engine state reaches the consensus.
 * IPv6: a prefill rank on ``::1`` serves its handshake service at ``[::1]:port``, and the
   address the decode builds from ``/route`` reaches it.
-* A CP-sharded prefill (every attention-CP rank sends its share) is refused when the manager
-  is built, naming the setting.
+* A CP prefill whose every CP rank sends its share of the pages: each rank counts the tokens of
+  its share as SGLang cuts it; only a DSA cache layer split is refused, naming the setting.
 * A CP-TP group sharing prefill: each CP rank publishes itself as a TP rank of a CP-1 prefill,
   to the bootstrap server and in its handshake service's ``PrefillServerInfo``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -86,14 +87,18 @@ def test_pp2_prefill_each_ranks_engine_state_reaches_the_consensus(tmp_path: Pat
 
 
 @pytest.mark.process
-def test_a_cp_sharded_hybrid_mla_prefill_is_refused_when_its_manager_is_built(tmp_path: Path) -> None:
-    """Kimi Linear with --attn-cp-size 2: SGLang makes every CP rank send; pdproto refuses at start-up."""
-    outs, _, errs = _run_group(tmp_path, "kimi", "--cp")
-    for out in outs:
-        assert out is not None and out.get("error") == "ConfigError", (out, errs)
-        assert out["reason"] == Reason.CONFIG_INVALID.name
-        assert out["metadata"]["setting"] == "attn_cp_size"
-        assert "--attn-cp-size 1" in out["message"] and "mooncake or nixl" in out["message"]
+def test_a_cp_split_hybrid_mla_prefill_rank_sends_its_share_at_its_page_positions(tmp_path: Path) -> None:
+    """Kimi Linear with --attn-cp-size 2: SGLang makes every CP rank send (5 pages: rank 0 pages 0-2,
+    rank 1 pages 3-4); each rank's engine gets its pages at their positions with their tokens, and
+    every chunk SGLang sends, empty ones included (the last carries the aux slot)."""
+    outs, codes, errs = _run_group(tmp_path, "kimi", "--cp")
+    assert outs[0] is not None and outs[1] is not None, errs
+    for r, out in enumerate(outs):
+        assert (out["rank"], out["dummy"], out["split"]) == (r, False, True), out
+        assert out["info"] == {"attn_tp": [1, 0], "attn_cp": [2, r]}, out
+    assert outs[0]["chunks"] == [[0, [1, 2], 128, False, None], [2, [3], 64, False, None], [4, [], 0, True, 3]]
+    assert outs[1]["chunks"] == [[0, [], 0, False, None], [3, [4], 64, False, None], [4, [5], 40, True, 3]]
+    assert codes == [0, 0], errs
 
 
 @pytest.mark.process
@@ -109,13 +114,30 @@ def test_a_cp_tp_sharing_prefill_rank_publishes_itself_as_tp_rank_r_of_a_cp_1_pr
     assert codes == [0, 0], errs
 
 
-def test_cp_refusal_covers_only_prefills_whose_every_cp_rank_sends() -> None:
-    refuse_cp_sharded_prefill = layout.refuse_cp_sharded_prefill
-    refuse_cp_sharded_prefill(1, True, hybrid_mla=True)  # no CP: served
-    refuse_cp_sharded_prefill(2, False, hybrid_mla=False)  # CP rank 0 sends, the rest are dummies: served
+def test_cp_refusal_covers_only_a_dsa_cache_layer_split() -> None:
+    layout.refuse_cp_layer_split(1, True)  # no CP: served
+    layout.refuse_cp_layer_split(2, False)  # CP ranks sending their pages (or rank 0 alone): served
     with pytest.raises(ConfigError) as info:
-        refuse_cp_sharded_prefill(2, True, hybrid_mla=True)
-    assert info.value.reason is Reason.CONFIG_INVALID and info.value.metadata["setting"] == "attn_cp_size"
+        layout.refuse_cp_layer_split(2, True)
+    assert info.value.reason is Reason.CONFIG_INVALID
+    assert info.value.metadata["setting"] == "enable_dsa_cache_layer_split"
+
+
+def test_a_cp_ranks_share_of_a_chunk_counts_its_own_tokens() -> None:
+    """SGLang passes the whole chunk's tokens; 13 pages of 16 over CP 2: rank 0 pages 0-6, rank 1 pages 7-12."""
+    share = functools.partial(layout.cp_share_tokens, total_pages=13, page_size=16)
+    # A chunk of pages 4-9 (96 tokens): 3 pages on rank 0, 3 on rank 1.
+    assert [share(4, 6, 96, cp=(2, r)) for r in (0, 1)] == [48, 48]
+    # The last chunk, pages 10-12 with 8 tokens on its last page: rank 0 holds none of it.
+    assert [share(10, 3, 40, cp=(2, r)) for r in (0, 1)] == [0, 40]
+    # Fewer pages than CP ranks: the last rank's share is empty.
+    assert [layout.cp_share_tokens(0, 1, 5, total_pages=1, cp=(2, r), page_size=16) for r in (0, 1)] == [5, 0]
+    # _get_cp_rank_page_bounds(10, r, 4): ranks 0 and 1 hold 3 pages, ranks 2 and 3 hold 2.
+    assert [layout.cp_share_tokens(0, 10, 160, total_pages=10, cp=(4, r), page_size=16) for r in range(4)] \
+        == [48, 48, 32, 32]
+    for rank in (0, 1):  # the shares add up to the request
+        assert sum(share(a, b - a, min(b * 16, 200) - a * 16, cp=(2, rank)) for a, b in ((0, 4), (4, 10), (10, 13))) \
+            == (112 if rank == 0 else 88)
 
 
 def test_kv_cache_sharding_on_the_prefill_is_refused() -> None:

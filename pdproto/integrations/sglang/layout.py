@@ -14,7 +14,13 @@ arguments by hand):
   ``prefill_start_layer`` and a single-stage decode from 0 (draft entries after the target's
   layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
 * A prefill whose every attention-CP rank sends a share of each request (SGLang's
-  ``enable_all_cp_ranks_for_transfer`` with CP > 1) is refused (``refuse_cp_sharded_prefill``).
+  ``enable_all_cp_ranks_for_transfer`` with CP > 1: hybrid MLA, or
+  ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``) publishes ``cp_ranks_split_pages``
+  (``Ranks.cp_split_pages``): CP rank r sends its contiguous share of the pages
+  (``filter_kv_indices_for_cp_rank``), each chunk at its page position and with the tokens of
+  its own pages (``cp_share_tokens``), and CP rank 0 alone the state and aux every CP rank
+  holds whole. A DSA cache layer split, whose CP ranks hold different layers, is refused
+  (``refuse_cp_layer_split``).
   Under SGLang's CP-TP group sharing (Qwen4-Exp) CP rank r holds every KV head, the replicated
   state and linear-attention head shard r, and presents itself as TP rank r of CP size with CP 1,
   as SGLang's backends do (``Ranks.cp_as_tp``): every CP rank sends, the state split over that
@@ -110,11 +116,14 @@ class Ranks:
     """(size, rank) of decode context parallelism."""
     state_tp_size: int = 0
     """TP size that splits state tensors (SGLang ``linear_attn_tp_size``); 0: attention TP."""
+    cp_split_pages: bool = False
+    """Every attention-CP rank sends its share of each request's pages (SGLang
+    ``enable_all_cp_ranks_for_transfer``); otherwise CP rank 0 sends everything."""
 
     def cp_as_tp(self) -> Ranks:
         """This rank as SGLang's backends present a CP-TP group sharing prefill rank: CP rank r of n sends as
         TP rank r of n with CP 1 (``register_to_bootstrap``), every CP rank a sender (``is_dummy_cp_rank``)."""
-        return replace(self, attn_tp=self.attn_cp, attn_cp=(1, 0))
+        return replace(self, attn_tp=self.attn_cp, attn_cp=(1, 0), cp_split_pages=False)
 
 
 def host_port(host: str, port: int) -> str:
@@ -123,25 +132,39 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def refuse_cp_sharded_prefill(attn_cp_size: int, all_cp_ranks_send: bool, *, hybrid_mla: bool) -> None:
-    """Raise ``ConfigError`` for a prefill whose every attention-CP rank sends a share of each request.
+def refuse_cp_layer_split(attn_cp_size: int, layer_split: bool) -> None:
+    """Raise ``ConfigError`` for a prefill whose attention-CP ranks each hold other layers (DSA cache layer split).
 
-    SGLang sets ``enable_all_cp_ranks_for_transfer`` for a hybrid MLA (Kimi Linear) or DSA
-    layer-split prefill with attention CP > 1, and for ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``;
-    each CP rank then sends its slice of the pages and the decode asks every CP rank. pdproto
-    plans a request from one CP rank only (the others are refused as TOPOLOGY_NOT_A_SENDER), so
-    every request would fail at run time: refuse the configuration when the manager is built.
+    SGLang then has every CP rank send every page of its own layers and state
+    (``_prepare_send_indices`` skips the page filter); pdproto pairs a prefill rank's layers
+    as the whole model's, so each CP rank would overwrite the others' layers.
     """
-    if attn_cp_size <= 1 or not all_cp_ranks_send:
+    if attn_cp_size <= 1 or not layer_split:
         return
-    why = ("a hybrid MLA model (Kimi Linear) shards its KV over the CP ranks" if hybrid_mla else
-           "SGLang makes every CP rank send (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, DSA layer split)")
     raise ConfigError(
-        f"--attn-cp-size {attn_cp_size} on the prefill is not supported with --disaggregation-transfer-backend "
-        f"pdproto: {why}, and pdproto moves a request from CP rank 0 only; run this prefill with "
-        "--attn-cp-size 1, or use --disaggregation-transfer-backend mooncake or nixl for it",
-        reason=Reason.CONFIG_INVALID,
-        metadata={"setting": "attn_cp_size", "value": str(attn_cp_size), "hybridMla": str(hybrid_mla)})
+        f"--attn-cp-size {attn_cp_size} with the DSA cache layer split on the prefill is not supported with "
+        "--disaggregation-transfer-backend pdproto: each CP rank holds other layers, and pdproto pairs a CP "
+        "rank's layers as the model's; run this prefill without the layer split, or use "
+        "--disaggregation-transfer-backend mooncake or nixl for it",
+        reason=Reason.CONFIG_INVALID, metadata={"setting": "enable_dsa_cache_layer_split", "value": str(attn_cp_size)})
+
+
+def cp_share_tokens(chunk_start: int, chunk_pages: int, chunk_tokens: int, *, total_pages: int,
+                    cp: tuple[int, int], page_size: int) -> int:
+    """Tokens of CP rank ``cp[1]`` of ``cp[0]``'s own pages in a chunk of ``chunk_pages`` pages from page
+    ``chunk_start`` holding ``chunk_tokens`` (SGLang counts the whole chunk's, ``prefill.py:1772``).
+
+    CP rank r owns a contiguous range of the request's ``total_pages``, the first ``total % n``
+    ranks one page more (``utils.py:_get_cp_rank_page_bounds``); chunks start on a page.
+    """
+    size, rank = cp
+    base, rem = divmod(total_pages, size)
+    low = rank * base + min(rank, rem)
+    high = low + base + (1 if rank < rem else 0)
+    first, stop = max(low, chunk_start), min(high, chunk_start + chunk_pages)
+    if stop <= first:
+        return 0
+    return min(stop * page_size, chunk_start * page_size + chunk_tokens) - first * page_size
 
 
 def refuse_kv_cache_sharding(kv_shard_size: int) -> None:
@@ -326,7 +349,8 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
         attention_kind=attention_kind(is_mla_backend, hybrid),
         start_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),
         backends=[backend],  # type: ignore[list-item]
-        total_kv_heads=int(getattr(kv_args, "total_kv_head_num", 0) or 0))
+        total_kv_heads=int(getattr(kv_args, "total_kv_head_num", 0) or 0),
+        cp_ranks_split_pages=ranks.cp_split_pages and ranks.attn_cp[0] > 1)
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
@@ -395,5 +419,5 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
 
 
 __all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "Ranks", "Regions", "attention_kind",
-           "decode_layout", "host_port", "kv_layer_ids", "refuse_cp_sharded_prefill", "refuse_kv_cache_sharding",
-           "regions", "ring_sizes", "server_info", "state_items"]
+           "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "refuse_cp_layer_split",
+           "refuse_kv_cache_sharding", "regions", "ring_sizes", "server_info", "state_items"]

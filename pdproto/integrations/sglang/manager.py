@@ -175,6 +175,11 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
                 send_timeout_s=float(envs.SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT.get()))
             self._start_heartbeat_checker_thread()
 
+    @property
+    def splits_pages(self) -> bool:
+        """Whether SGLang cuts each chunk to this CP rank's share of the pages (``filter_kv_indices_for_cp_rank``)."""
+        return bool(self.enable_all_cp_ranks_for_transfer) and self.attn_cp_size > 1
+
     def _ranks(self) -> layout.Ranks:
         """Where this rank sits, as pdproto publishes and negotiates it (and SGLang's ``/route`` row says)."""
         from sglang.srt.runtime_context import get_parallel
@@ -182,7 +187,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         ranks = layout.Ranks(
             attn_tp=(self.attn_tp_size, self.attn_tp_rank), attn_cp=(self.attn_cp_size, self.attn_cp_rank),
             attn_dp=(self.attn_dp_size, self.attn_dp_rank), system_dp=(self.system_dp_size, self.system_dp_rank),
-            pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size)
+            pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size,
+            cp_split_pages=self.splits_pages)
         return ranks.cp_as_tp() if get_parallel().enable_cp_tp_group_sharing else ranks
 
     # -- prefill ------------------------------------------------------------------------
@@ -191,8 +197,9 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """Start this rank's handshake service, then ``PUT /route``: its gRPC port as ``pdproto_port``, and as
         ``rank_port`` the legacy listener that SGLang's own Mooncake decodes dial (``pdproto_server/legacy.py``)."""
         if self.prefill_side is None:
-            layout.refuse_cp_sharded_prefill(self.attn_cp_size, bool(self.enable_all_cp_ranks_for_transfer),
-                                             hybrid_mla=bool(self.is_hybrid_mla_backend))
+            from sglang.srt.runtime_context import get_parallel
+
+            layout.refuse_cp_layer_split(self.attn_cp_size, bool(get_parallel().enable_dsa_cache_layer_split))
             layout.refuse_kv_cache_sharding(int(getattr(self, "kv_shard_size", 1) or 1))
             from sglang.srt.environ import envs
 
@@ -218,7 +225,10 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
                              aux_index: int | None = None, state_indices: Any = None,
                              num_kv_tokens: int | None = None, wait_event: Any = None,
                              **_unused: Any) -> None:
-        """One send of ``CommonKVSender.send`` (pages after the decode prefix, in order) -> one engine chunk."""
+        """One send of ``CommonKVSender.send`` (pages after the decode prefix, in order) -> one engine chunk.
+
+        When the CP ranks split the pages, SGLang has cut the chunk to this rank's share: it lands at
+        ``index_slice.start`` (``PdprotoKVSender.send`` counted its tokens)."""
         assert self.prefill_side is not None
         if wait_event is not None:
             # SGLang's early send of a cached prefix: the KV is written by work still queued on
@@ -228,7 +238,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             num_kv_tokens = len(kv_indices) * self.kv_args.page_size
         try:
             self.prefill_side.submit(bootstrap_room, kv_indices, num_kv_tokens, is_last_chunk, state_indices,
-                                     aux_index)
+                                     aux_index, page_offset=index_slice.start if self.splits_pages else None)
         except PdprotoError as exc:
             # A refused chunk fails this room only; the scheduler thread never sees the raise.
             reason = f"{exc.reason.name}: {exc.message}"

@@ -17,6 +17,7 @@ engine API (``pdproto_server/README.md``):
 ``clear()``                ``release_room`` after Success; after a failure the room stays
                            aborted (a late decode is told at once) until the service expires it
 ``get_transfer_metric``    the bytes the service wrote (KV, aux and state), not an estimate
+``send()``                 SGLang's, with a CP rank's own tokens when the CP ranks split pages
 =========================  ================================================================
 """
 
@@ -30,6 +31,8 @@ from sglang.srt.disaggregation.common.conn import CommonKVSender
 from pdproto.v1 import common_pb2
 from pdproto_server.engine import RoomStatus
 
+from . import layout
+
 
 class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
     """SGLang's KV sender for the pdproto backend (module docstring)."""
@@ -41,6 +44,17 @@ class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
         if self.conclude_state is None and self._engine_room:
             # PP > 1: this rank's state must reach PP rank 0's consensus though nobody polls here.
             mgr.watch_room(bootstrap_room)
+
+    def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None,
+             indices_event: Any = None) -> None:
+        """SGLang's send; when the CP ranks split the pages, with the tokens of this rank's share of the chunk
+        (SGLang counts the whole chunk's; ``add_transfer_request`` receives the share's pages)."""
+        mgr = self.kv_mgr
+        if num_kv_tokens is not None and mgr.splits_pages and self.conclude_state is None:
+            num_kv_tokens = layout.cp_share_tokens(
+                self.curr_idx, len(kv_indices), int(num_kv_tokens), total_pages=self.num_kv_indices,
+                cp=(mgr.attn_cp_size, mgr.attn_cp_rank), page_size=int(mgr.kv_args.page_size))
+        super().send(kv_indices, state_indices, num_kv_tokens, indices_event)
 
     @property
     def _engine_room(self) -> bool:

@@ -1,0 +1,78 @@
+"""A prefill whose attention-CP ranks each send their share of the pages, end to end: real processes,
+real gRPC, a real Mooncake engine (TCP).
+
+Two prefill CP ranks (each its own process, SGLang's ``enable_all_cp_ranks_for_transfer``) feed one
+Kimi-shaped decode (KV, state and aux). As SGLang cuts a request (``filter_kv_indices_for_cp_rank``,
+``_get_cp_rank_page_bounds``), CP rank 0 sends pages 0-2 and CP rank 1 pages 3-4, each chunk at its
+page position, empty shares included; the last chunk of rank 0 is empty and still carries the
+state and aux, which only CP rank 0 writes. The decode waits for both ranks, then compares every
+KV, state and aux byte with the model. A decode that asks CP rank 0 alone is refused the request.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pdproto_demo.decode import DecodeConfig, DecodeProcess
+from pdproto_demo.model import ModelShape
+from pdproto_demo.proc import Child, ChildError, close_all
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
+
+LAYERS, PAGE_SIZE, PAGES, TOKENS, ROOM = 4, 16, 8, 72, 7
+"""Five pages of a request, the last holding 8 tokens."""
+SHARES = {0: [(0, [0, 1], 32, False), (2, [2], 16, False), (4, [], 0, True)],
+          1: [(0, [], 0, False), (3, [3], 16, False), (4, [4], 8, True)]}
+"""Per CP rank, what SGLang hands it of the chunks [0, 32), [32, 64), [64, 72): (page position,
+positions of its pages, tokens, last)."""
+
+
+def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_path: Path) -> None:
+    run = os.urandom(3).hex()
+    prefills = [Child.spawn(f"prefill-cp{r}", "pdproto_demo.prefill",
+                            ["--backend", "mooncake", "--model", "hybrid", "--layers", str(LAYERS),
+                             "--page-size", str(PAGE_SIZE), "--pages", str(PAGES), "--cp-size", "2",
+                             "--cp-rank", str(r), "--name", f"prefill-cp{r}-{run}"], log_dir=str(tmp_path))
+                for r in (0, 1)]
+    decode = DecodeProcess.spawn_rank(DecodeConfig(backend="mooncake", model="hybrid", layers=LAYERS, pages=PAGES,
+                                                   page_size=PAGE_SIZE, name=f"decode-{run}"),
+                                      label="decode", log_dir=str(tmp_path))
+    try:
+        addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
+        decode.await_ready(120)
+        # A decode that asks CP rank 0 alone (an SGLang decode without the CP setting) would get part of the KV.
+        decode.call("connect", 60, targets=addresses[:1])
+        with pytest.raises(ChildError, match="TOPOLOGY_PREFILL_CP_UNSUPPORTED"):
+            decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0],
+                        slot=1)
+        connected = decode.call("connect", 60, targets=addresses)
+        assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
+        src = [3, 1, 6, 0, 5]  # the request's source pages, the same on both ranks
+        for c in prefills:
+            c.call("prepare", 60, room=ROOM, prefix=0, total=TOKENS, pages=src, slot=1)
+        # Destination pages out of order, so a page copied to its own index or position is caught.
+        decode.call("request", 60, room=ROOM, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[4, 7, 2, 5, 1],
+                    slot=1)
+        for k in range(3):
+            for r, c in enumerate(prefills):
+                at, positions, tokens, last = SHARES[r][k]
+                c.call("chunk", 60, room=ROOM, pages=[src[p] for p in positions], num_tokens=tokens, last=last,
+                       slot=1, page_offset=at)
+        decode.send("wait", room=ROOM, timeout=60, check=True)
+        r = decode.recv(90)
+        assert r["ok"], str(r)
+        # Every KV row of the request once, its share from each rank; state and aux once, from rank 0.
+        model = ModelShape(kind="hybrid", layers=LAYERS, page_size=PAGE_SIZE)
+        assert r["bytes"] == len(model.kv_layers()) * TOKENS * model.kv_row_bytes(1), r
+        assert r["aux_bytes"] == sum(model.aux_lens) and r["state_bytes"] > 0, r
+        moved = [c.call("stats", 30)["moved"] for c in prefills]
+        assert [m["kv_bytes"] for m in moved] == [
+            len(model.kv_layers()) * n * model.kv_row_bytes(1) for n in (3 * PAGE_SIZE, TOKENS - 3 * PAGE_SIZE)], moved
+        assert (moved[0]["state_bytes"], moved[0]["aux_bytes"]) == (r["state_bytes"], r["aux_bytes"]), moved
+        assert (moved[1]["state_bytes"], moved[1]["aux_bytes"]) == (0, 0), moved
+    finally:
+        close_all([decode])
+        close_all(prefills)
