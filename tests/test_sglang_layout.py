@@ -378,24 +378,64 @@ def test_minimax_state_moves_between_equal_tp_and_is_refused_on_a_tp_mismatch_or
     assert info.value.metadata["stateType"] == "minimax_dense_kv"
 
 
-def test_deepseek_v4_compressed_kv_is_refused_on_both_sides() -> None:
-    # DeepSeekV4TokenToKVPool (layers of ratios 0, 4, 128, 4): setup_state_kv_args records the ratios
-    # (utils.py:1494), its KV entries are 256-token pages of compressed rows (37,440 bytes for C4 KV).
-    args = kv_args(state=[component("c128_state", [524288], 0xA000_0000)])
+DSV4_KV = [37440, 37440, 8448, 8448, 1728]
+"""DeepSeekV4TokenToKVPool's KV entries per 256-token page (layers of ratios 0, 4, 128, 4; V4 layout, fp8):
+C4 KV of layers 1 and 3 (64 rows of 584 bytes, padded to 576-byte blocks), their C4 indexer pages (64 x
+(128 + 4)), C128 KV of layer 2 (2 rows, padded); ``get_contiguous_buf_infos``, deepseek_v4_memory_pool.py:1334."""
+
+
+def dsv4(*, base: int = 0x10_0000) -> SimpleNamespace:
+    """A DeepSeek-V4 pool's KVArgs as ``setup_state_kv_args`` fills them (numbers from SGLang 0.5.23's own pool):
+    ``swa`` = 4 layers' SWA pages (256 x 584, padded), then the C4 compressor rings (8 rows x 4,096 fp32 bytes)
+    and C4 indexer-compressor rings of layers 1 and 3, all by SWA page; ``c128_state`` = layer 2's C128 ring
+    of one request (128 rows x 4,096); ``mla_compression_ratios`` set, no KV layer ids."""
+    swa = component("swa", [149760] * 4 + [65536] * 2 + [16384] * 2, base + 0x4000_0000)
+    args = kv_args(layers=5, base=base, state=[swa, component("c128_state", [524288], base + 0x6000_0000)])
+    args.page_size, args.kv_item_lens = 256, DSV4_KV
+    args.kv_data_lens = [n * 24 for n in DSV4_KV]
     args.mla_compression_ratios = [0, 4, 128, 4]
+    return args
+
+
+def test_deepseek_v4_compressed_kv_moves_whole_pages_as_rows_and_its_state_is_replicated() -> None:
+    info = layout.server_info(dsv4(), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                              backend=v1.BACKEND_MOONCAKE)
+    # One pdproto row per SGLang page: the page ids SGLang passes move whole, as its own backends send them.
+    assert info.page_size == 1 and [e.item_len for e in info.kv_entries] == DSV4_KV
+    assert layout.page_rows(dsv4()) == 256 and layout.page_rows(kv_args()) == 1
+    assert [(e.type_name, e.kind, e.tp_policy) for e in info.state_entries] == [
+        ("swa", v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
+        ("c128_state", v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED)]
+    decision = _pair(dsv4(), layout.Ranks(attn_tp=(1, 0)), dsv4(base=0x20_0000), layout.Ranks(attn_tp=(1, 0)))
+    assert isinstance(decision, Decision), decision
+    assert [p.src_token_bytes for p in decision.pairings] == DSV4_KV
+    assert written(decision)[1] == [149760] * 4 + [65536] * 2 + [16384] * 2 + [524288]
+    # Prefill TP 2 -> decode TP 1 (MLA fan-in, SGLang: replicated): one prefill rank writes the pages, the
+    # window, the compressor rings and the C128 ring; the other writes nothing.
+    moved = []
+    for p_rank in range(2):
+        rows, state, _ = written(_pair(dsv4(), layout.Ranks(attn_tp=(2, p_rank)), dsv4(), layout.Ranks(attn_tp=(1, 0))))
+        moved.append((rows, sum(state)))
+    assert sorted(moved) == [([0] * 5, 0), (DSV4_KV, 4 * 149760 + 2 * 65536 + 2 * 16384 + 524288)], moved
+
+
+def test_deepseek_v4_with_dcp_or_pp_is_refused_at_start_up_and_swa_ring_by_name() -> None:
+    # SGLang's V4 attention has no DCP, and its KV entries (compressed pages) carry no layer ids for PP stages.
     with pytest.raises(ConfigError) as info:
-        layout.server_info(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
-                           backend=v1.BACKEND_MOONCAKE)
+        layout.decode_layout(dsv4(), layout.Ranks(attn_tp=(4, 1), dcp=(4, 1)), is_mla_backend=True, notify_host="h",
+                             notify_port=1)
     assert info.value.reason is Reason.CONFIG_INVALID and "DeepSeek-V4" in info.value.message
-    assert info.value.metadata["setting"] == "mla_compression_ratios"
-    with pytest.raises(ConfigError):
-        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
-                             notify_port=1)
-    args.mla_compression_ratios = None  # every other pool
-    with pytest.raises(TopologyError) as refused:  # then c128_state itself is refused by name
-        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
-                             notify_port=1)
-    assert refused.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED and "'c128_state'" in refused.value.message
+    assert info.value.metadata == {"setting": "dcp_size", "value": "4"} and "mooncake or nixl" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        layout.server_info(dsv4(), layout.Ranks(attn_tp=(1, 0), pp=(2, 0)), is_mla_backend=True, host="h", port=1,
+                           backend=v1.BACKEND_MOONCAKE)
+    assert info.value.metadata["setting"] == "pp_size"
+    # ROCm's unified KV ships the window as swa_ring rows: still refused, naming it.
+    args = dsv4()
+    args.state_types[0] = "swa_ring"
+    with pytest.raises(TopologyError) as refused:
+        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h", notify_port=1)
+    assert refused.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED and "'swa_ring'" in refused.value.message
 
 
 def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:

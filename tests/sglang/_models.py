@@ -36,6 +36,14 @@
   ``4 + tail_extra_slots`` slots of 128 bf16). The decode's ring has one speculative slot more than
   the prefill's (``TAIL_EXTRA``), so SGLang's 6-tuples differ on the two sides; the harness stands
   in for boot flags SGLang resolves only on a GPU (a DSA config, ``--speculative-*``).
+* ``dsv4``: a DeepSeek-V4-shaped pool: SGLang's ``DeepSeekV4TokenToKVPool`` (4 layers of compression
+  ratios 0, 4, 128, 4; fp8 V4 layout; 256-token pages, a 128-token window) as the DSV4 branch of
+  ``_build_token_to_kv_pool`` builds it (``kv_cache_configurator.py:1821``). KV is five entries of
+  whole compressed pages (C4 KV of layers 1 and 3, their C4 indexer keys, C128 KV of layer 2; checked
+  page by page: ``page_rows``); state is ``swa`` (the 4 layers' SWA pages of the window, then the C4
+  compressor and indexer-compressor rings of the same SWA pages) and ``c128_state`` (the request's
+  C128 ring page, none when the prompt ends on a 128-token block). Booted with the DeepSeek-V3 config,
+  as ``dsa`` is (a V4 config's arguments resolve on a GPU only).
 
 Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every aux
 buffer and every state tensor against what it must hold: the prefill's bytes where they belong,
@@ -61,12 +69,13 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4, "glm5next": 8}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4, "glm5next": 8, "dsv4": 4}
+DSV4_RATIOS = [0, 4, 128, 4]  # dsv4: per layer its KV compression ratio (0: the window only)
 INDEX_KPOOL = 4  # glm5next: index keys compressed 4:1, so 64-token index pages need 256-token KV pages
 TAIL_EXTRA = {"prefill": 0, "decode": 1}  # glm5next: max_speculative_num_draft_tokens on each side
 SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
 GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed", "minimax_index_k",
-                     "minimax_dense_kv"})
+                     "minimax_dense_kv", "c128_state"})
 """State types whose every item moves whole, i-th to i-th (checked by ``check_paged``)."""
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
@@ -119,7 +128,7 @@ def write_config(model: str, directory: Path) -> Path:
                       "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
                       "max_position_embeddings": 4096, "rope_theta": 10000, "partial_rotary_factor": 0.25,
                       "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}}
-    elif model in ("mla", "dsa"):
+    elif model in ("mla", "dsa", "dsv4"):
         config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 8,
                   "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **mla}
         # "dsa" boots as DeepSeek-V3 too: SGLang resolves a DeepseekV32ForCausalLM config's arguments by
@@ -137,7 +146,12 @@ def write_config(model: str, directory: Path) -> Path:
 
 def page_of(model: str) -> int:
     """Tokens per physical page of ``model``'s pools."""
-    return PAGE * INDEX_KPOOL if model == "glm5next" else PAGE
+    return PAGE * INDEX_KPOOL if model in ("glm5next", "dsv4") else PAGE
+
+
+def page_rows(model: str) -> int:
+    """Tokens per KV row the harness checks: a whole page for DeepSeek-V4's compressed KV, else one token."""
+    return page_of(model) if model == "dsv4" else 1
 
 
 def server_flags(model: str, role: str) -> list[str]:
@@ -180,7 +194,7 @@ def _with_state(pools: Pools, layers: int) -> Pools:
     setup_state_kv_args(args, pools.pool, None, layers)
     pools.types = [str(t.value) for t in args.state_types]
     pools.state = [
-        [torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8).view(-1, it)[: n // it]
+        [torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)[: n // it * it].view(-1, it)
          if it else None for p, n, it in zip(ptrs, lens, items)]
         for ptrs, lens, items in zip(args.state_data_ptrs, args.state_data_lens, args.state_item_lens)]
     return pools
@@ -247,6 +261,23 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: s
         )  # fmt: skip
         full = pool.full_kv_pool
         return Pools(pool, full.k_buffer + full.v_buffer, mamba, config)
+    if model == "dsv4":  # kv_cache_configurator.py:1821-1865 (the DSV4 branch), fp8 KV on a non-SM100 host
+        from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+        pool = DeepSeekV4TokenToKVPool(
+            max_num_reqs=STATE_SLOTS, swa_size=size, c4_size=size // 4, c128_size=size // 128,
+            c4_state_pool_size=size // page_of(model) * 8, c128_state_pool_size=0, page_size=page_of(model),
+            swa_page_size=page_of(model), dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+            c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=ROPE_DIM, indexer_head_dim=128,
+            layer_num=LAYERS[model], device="cpu", enable_memory_saver=False, compression_ratios=DSV4_RATIOS,
+            sliding_window=SWA_WINDOW,
+        )  # fmt: skip
+        for state in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
+            if state is not None:  # torch.empty, then a sentinel row: the check reads unmoved bytes as zeros
+                state.kv_score_buffer.kv_score.zero_()
+        kv = [*pool.c4_kv_pool.kv_buffer, *pool.c4_indexer_kv_pool.contiguous_page_row_buffers(),
+              *pool.c128_kv_pool.kv_buffer]  # get_contiguous_buf_infos's order
+        return Pools(pool, kv)
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
         pool = DSATokenToKVPool(
             size=size, page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16, qk_rope_head_dim=ROPE_DIM,
@@ -372,6 +403,9 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
         # _dsa_tail_payload (prefill.py:1640-1645, decode.py:1716-1721): the live tail of the request's row,
         # here the qsa_pending row, in the side's own ring.
         "dsa_tail": lambda: get_dsa_tail_state_indices(pools.pool, STATE_SLOTS + 1 - slot, tokens),
+        # _request_state_payload (prefill.py:1665-1669, decode.py:1739-1742): the request row's C128 ring page
+        # holding the pending partial block, none at a block boundary.
+        "c128_state": lambda: pools.pool.request_state_transfer_indices(STATE_SLOTS + 1 - slot, tokens),
     }
     return [payloads[name]() for name in pools.types]
 
@@ -403,7 +437,7 @@ def check_paged(pools: Pools, reference: Pools, rows: dict[int, tuple[Any, Any, 
         for room, (src_row, dst_row, prefix, tokens) in rows.items():
             src = state_indices(reference, slots[room][0], src_row, prefix, tokens)[k]
             dst = state_indices(pools, slots[room][1], dst_row, prefix, tokens)[k]
-            assert len(src) == len(dst) > 0, (name, src, dst)
+            assert len(src) == len(dst) and (len(src) or name == "c128_state"), (name, src, dst)
             pairs += zip((int(i) for i in src), (int(i) for i in dst))
         for i, (got, source) in enumerate(zip(tensors, sources)):
             if bad := _items_differ(got, source, pairs):
@@ -504,4 +538,4 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
 
 __all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
            "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "page_of",
-           "server_flags", "state_indices", "write_config"]
+           "page_rows", "server_flags", "state_indices", "write_config"]

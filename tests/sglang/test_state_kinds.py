@@ -12,7 +12,9 @@ partial and sub-page prompts:
 * a MiniMax-M3-sparse-shaped model (``MiniMaxSparseKVPool``: ``minimax_index_k``,
   ``minimax_dense_kv``), on both engines;
 * a GLM-5-Next-shaped hybrid (``HybridLinearKVPool(use_dsa=True)`` with a compressed index kpool:
-  ``mamba``, ``dsa``, ``dsa_tail``), rings of different sizes on the two sides, on Mooncake.
+  ``mamba``, ``dsa``, ``dsa_tail``), rings of different sizes on the two sides, on both engines;
+* a DeepSeek-V4-shaped pool (``DeepSeekV4TokenToKVPool``: compressed KV pages, ``swa`` with the C4
+  compressor state, ``c128_state``), on both engines.
 
 Their TP-mismatch policies (refused, replicated) are pure tests in ``tests/test_sglang_layout.py``.
 A file of its own so that ``make test``'s two workers run it beside ``test_harness.py``.
@@ -112,3 +114,30 @@ def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte(en
     _one_to_one_moves_every_byte("glm5next", engine, lambda req: 6 * (1152 + 4096)
                                  + (-(-req.tokens // 256) - req.decode_prefix // 256) * 2 * 8448
                                  + req.tokens % 4 * 2 * 2 * 256, row_bytes=2 * 1152, requests=GLM5_NEXT_REQUESTS)
+
+
+DSV4_REQUESTS = (
+    Request(room=101, tokens=600, chunk=256),  # chunked, last page partial; C128 block pending
+    Request(room=102, tokens=7),  # shorter than a page
+    Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # the decode holds a page
+    Request(room=104, tokens=512),  # whole pages, on a C128 block boundary: both sides pass no c128_state index
+)
+"""DeepSeek-V4's requests: 256-token pages, a 128-token window."""
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_pdproto_deepseek_v4_compressed_kv_pages_window_and_c128_state_move_every_byte(engine: str) -> None:
+    """A DeepSeek-V4-shaped pool (SGLang's DeepSeekV4TokenToKVPool, layers of compression ratios 0, 4, 128, 4):
+    the compressed KV pages of the suffix (C4 KV, C4 indexer keys, C128 KV) whole at the decode's page ids,
+    the window's SWA pages with the C4 compressor and indexer-compressor rings of those pages (``swa``) and
+    the request's C128 ring page (``c128_state``, none on a block boundary) land byte-exact, every other byte
+    of every buffer zero; chunked prefill, a decode prefix, a sub-page prompt. On the backend's Mooncake and
+    NIXL engines. The metric: 2 x 37,440 + 2 x 8,448 + 1,728 bytes per suffix page; 4 x 149,760 + 2 x 65,536
+    + 2 x 16,384 per window page; 524,288 per C128 ring page."""
+    def moved(req: Request) -> int:
+        pages = -(-req.tokens // 256)
+        window = pages - max(req.decode_prefix, req.tokens - 128) // 256
+        return ((pages - req.decode_prefix // 256) * 93504 + window * 762880
+                + (req.tokens % 128 > 0) * 524288)
+
+    _one_to_one_moves_every_byte("dsv4", engine, moved, row_bytes=0, requests=DSV4_REQUESTS)

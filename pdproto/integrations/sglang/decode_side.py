@@ -26,6 +26,7 @@ import numpy as np
 from pdproto import backends
 from pdproto.client import DecodePeer, PrefillRank
 from pdproto.client.peer import OutcomeHandler
+from pdproto.errors import InvalidFieldError
 from pdproto.negotiation.registration import make_registration
 from pdproto.transfer import CredentialSlot
 from pdproto.v1 import transfer_pb2
@@ -44,6 +45,7 @@ class DecodeSide:
         self.executor = memory.executor
         try:
             self.rings = layout.ring_sizes(kv_args)
+            self.page_rows = layout.page_rows(kv_args)
             self.layout = layout.decode_layout(kv_args, ranks, is_mla_backend=is_mla_backend, notify_host=host,
                                                notify_port=notify_port)
             # Before the endpoint: NIXL's metadata lists the registered memory.
@@ -64,12 +66,17 @@ class DecodeSide:
                state_indices: Sequence[Any] | None, prefix_len: int | None) -> int:
         """Hand every prefill rank of the request its destination; returns the request generation."""
         pages = np.asarray(kv_pages).reshape(-1).tolist()
+        prefix = int(prefix_len or 0)
+        if prefix % self.page_rows:
+            raise InvalidFieldError("decode_prefix_len", f"a prefix of {prefix} tokens is not whole pages of"
+                                    f" {self.page_rows}, the rows of DeepSeek-V4's compressed KV",
+                                    metadata={"decodePrefixLen": prefix, "pageSize": self.page_rows})
         states = layout.state_items(self.rings, state_indices or ())
 
         def info(rank: PrefillRank) -> transfer_pb2.TransferInfo:
             out = transfer_pb2.TransferInfo(peer_name=self.name, dst_kv_pages=pages,
                                             notify_endpoint=self.registration.notify_endpoint,
-                                            decode_prefix_len=int(prefix_len or 0))
+                                            decode_prefix_len=prefix // self.page_rows)
             if aux_index is not None and not rank.dummy:
                 out.dst_aux_index = int(aux_index)
             for s in states:

@@ -25,7 +25,16 @@ arguments by hand):
   state and linear-attention head shard r, and presents itself as TP rank r of CP size with CP 1,
   as SGLang's backends do (``Ranks.cp_as_tp``): every CP rank sends, the state split over that
   TP group, and the whole MHA rows cut per decode rank (``negotiation.extras.every_head``).
-* DeepSeek-V4's KV (pages of rows compressed 4:1 and 128:1, not token rows) is refused.
+* DeepSeek-V4's KV entries (``DeepSeekV4TokenToKVPool``: C4 KV, C4 indexer and C128 KV, pages of
+  rows compressed 4:1 and 128:1, 37,440, 8,448 and 1,728 bytes per 256-token page) hold no token
+  rows, so pdproto plans them with one SGLang page per row (``page_rows``): the page ids SGLang
+  passes, whole pages as SGLang's own backends send them (``mooncake/conn.py:1346-1394``), replicated
+  as MLA rows are. Its ``swa`` component is the SWA pages of the window followed by the C4
+  compressor and indexer-compressor rings of the same SWA pages (``deepseek_v4_memory_pool.py:1484-1518``),
+  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. SGLang runs
+  DeepSeek-V4 with neither decode context parallelism nor (in PD) pipeline stages pdproto can pair,
+  so both are refused at start-up (``_refuse_compressed_kv``); ``request_row`` comes only with a DSpark
+  draft, which SGLang serves in PD with Mooncake or NIXL only, and ``swa_ring`` only on ROCm.
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
   KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
@@ -82,6 +91,9 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     "block_scale": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REFUSED),
     "block_scale_swa": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REFUSED),
     "dsa_tail": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),  # items are ring slots (state_items)
+    # DeepSeek-V4 (MLA): the page of the request's C128 compressor ring that holds its pending block, none at a
+    # block boundary (request_state_transfer_indices): 0 or 1 item, so paged (a recurrent slot is exactly one).
+    "c128_state": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
 
@@ -183,20 +195,34 @@ def refuse_kv_cache_sharding(kv_shard_size: int) -> None:
             metadata={"setting": "enable_kv_cache_sharding", "value": str(kv_shard_size)})
 
 
-def _refuse_compressed_kv(kv_args: Any) -> None:
-    """Raise ``ConfigError`` for DeepSeek-V4's KV, whose pages hold rows compressed 4:1 and 128:1.
+def page_rows(kv_args: Any) -> int:
+    """Tokens one pdproto KV row stands for: SGLang's page for DeepSeek-V4's compressed KV, else 1."""
+    return int(kv_args.page_size) if _compressed(kv_args) else 1
 
-    ``setup_state_kv_args`` sets ``mla_compression_ratios`` for a ``DeepSeekV4TokenToKVPool``
-    (``utils.py:1494``): its KV entries are pages of compressed rows (C4 KV 37,440 bytes per
-    256-token page, C128 KV 1,728), not token rows, and pdproto moves KV by token rows.
+
+def _compressed(kv_args: Any) -> bool:
+    """Whether ``kv_args`` are a ``DeepSeekV4TokenToKVPool``'s (``setup_state_kv_args`` sets its ratios,
+    ``utils.py:1494``)."""
+    return any(int(r) for r in getattr(kv_args, "mla_compression_ratios", None) or ())
+
+
+def _refuse_compressed_kv(kv_args: Any, ranks: Ranks) -> None:
+    """Raise ``ConfigError`` for a DeepSeek-V4 pool with decode context or pipeline parallelism.
+
+    Its KV entries are compressed pages, not layers in order and not token rows: SGLang's V4
+    attention has no DCP, and its KV entries carry no layer ids for pairing PP stages.
     """
-    ratios = [int(r) for r in getattr(kv_args, "mla_compression_ratios", None) or ()]
-    if any(ratios):
-        raise ConfigError(
-            f"DeepSeek-V4's compressed KV (compression ratios {sorted(set(ratios))}) is not supported with "
-            "--disaggregation-transfer-backend pdproto: its pages hold compressed rows, not one row per token; "
-            "use --disaggregation-transfer-backend mooncake or nixl for it",
-            reason=Reason.CONFIG_INVALID, metadata={"setting": "mla_compression_ratios", "value": str(ratios)})
+    if not _compressed(kv_args):
+        return
+    for setting, size, flag in (("dcp_size", ranks.dcp[0], "--dcp-size"), ("pp_size", ranks.pp[0], "--pp-size")):
+        if size > 1:
+            raise ConfigError(
+                f"DeepSeek-V4's compressed KV with {flag} {size} is not supported with "
+                f"--disaggregation-transfer-backend pdproto: its KV entries are pages of compressed rows"
+                f" (ratios {sorted({int(r) for r in kv_args.mla_compression_ratios})}), which pdproto moves"
+                f" whole between single-stage servers without DCP; run this server with {flag} 1, or use"
+                " --disaggregation-transfer-backend mooncake or nixl for it",
+                reason=Reason.CONFIG_INVALID, metadata={"setting": setting, "value": str(size)})
 
 
 def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
@@ -259,6 +285,8 @@ def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[c
                 f"the pdproto backend moves SGLang state of types {sorted(STATE_KINDS)}; this model also "
                 f"needs {name!r}: use --disaggregation-transfer-backend mooncake or nixl for it",
                 reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={"stateType": name})
+        if name == "swa" and _compressed(kv_args):  # DeepSeek-V4 is MLA: its window and compressor state
+            kind = (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED)  # are whole on every rank
         if name in PP_REFUSED and pp_size > 1:
             raise TopologyError(
                 f"SGLang moves {name!r} state only without pipeline parallelism, and this server has PP"
@@ -337,14 +365,15 @@ def _tail_slots(t: list[int], ring: int, k: int) -> list[int]:
 def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, port: int,
                 backend: int) -> v1.PrefillServerInfo:
     """The ``PrefillServerInfo`` a prefill rank publishes for the ``KVArgs`` SGLang gave its manager."""
-    _refuse_compressed_kv(kv_args)
+    _refuse_compressed_kv(kv_args, ranks)
     hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
     ids = kv_layer_ids(kv_args, prefill=True, pp_size=ranks.pp[0])
     info = v1.PrefillServerInfo(
         version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
         attn_tp=_group(ranks.attn_tp), attn_cp=_group(ranks.attn_cp), attn_dp=_group(ranks.attn_dp),
         system_dp=_group(ranks.system_dp), pp=_group(ranks.pp), dcp=_group(ranks.dcp),
-        rank_endpoint=v1.Endpoint(host=host, port=port), page_size=int(kv_args.page_size),
+        rank_endpoint=v1.Endpoint(host=host, port=port),
+        page_size=int(kv_args.page_size) // page_rows(kv_args),
         kv_cache_dtype=kv_dtype(kv_args.kv_cache_dtype_str), kv_layout=str(getattr(kv_args, "kv_layout", None) or ""),
         attention_kind=attention_kind(is_mla_backend, hybrid),
         start_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),
@@ -369,8 +398,8 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
 def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_host: str,
                   notify_port: int) -> DecodeLayout:
     """The ``DecodeLayout`` of a decode rank for the ``KVArgs`` SGLang gave its manager."""
-    _refuse_compressed_kv(kv_args)
-    page, dcp = int(kv_args.page_size), ranks.dcp[0]
+    _refuse_compressed_kv(kv_args, ranks)
+    page, dcp = int(kv_args.page_size) // page_rows(kv_args), ranks.dcp[0]
     ids = kv_layer_ids(kv_args, prefill=False, pp_size=ranks.pp[0])
     kv = tuple(KvEntry(int(item_len) // (page * (dcp if role is EntryRole.DRAFT else 1)), layer_id, role)
                for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True))
@@ -419,5 +448,5 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
 
 
 __all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "Ranks", "Regions", "attention_kind",
-           "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "refuse_cp_layer_split",
+           "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "page_rows", "refuse_cp_layer_split",
            "refuse_kv_cache_sharding", "regions", "ring_sizes", "server_info", "state_items"]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pdproto import backends
-from pdproto.errors import PdprotoError
+from pdproto.errors import ConfigError, PdprotoError, Reason
 from pdproto_server.app import ServerConfig, ServiceThread
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import KvSource, PrefillEngine, RoomStatus
@@ -42,6 +42,12 @@ class PrefillSide:
         self.executor = memory.executor
         try:
             self.rings = layout.ring_sizes(kv_args)
+            self.page_rows = layout.page_rows(kv_args)
+            if self.page_rows > 1 and settings.legacy:
+                # SGLang's own decodes name token counts and prefixes per token, not per compressed page.
+                raise ConfigError("PDPROTO_LEGACY=1 (serving SGLang's own decodes) is not supported for DeepSeek-V4's"
+                                  " compressed KV; run its decodes with --disaggregation-transfer-backend pdproto too",
+                                  reason=Reason.CONFIG_INVALID, metadata={"setting": "PDPROTO_LEGACY"})
             self.info = layout.server_info(kv_args, ranks, is_mla_backend=is_mla_backend, host=host, port=0,
                                            backend=backends.by_name(settings.engine).enum)
             source = KvSource(memory.kv, self.info, aux=memory.aux, state=memory.state)
@@ -77,6 +83,8 @@ class PrefillSide:
         state component, as SGLang passes them) and aux slot; ``page_offset``: the chunk's page
         of the request (a CP rank's share), else after the chunks before it. Raises ``PdprotoError``."""
         slots = layout.state_items(self.rings, state_indices) if last and state_indices is not None else None
+        if self.page_rows > 1:  # DeepSeek-V4: a row per page, and SGLang's chunks start on a page
+            num_tokens = len(pages)
         self.engine.submit_chunk(room, np.asarray(pages, dtype=np.int64), int(num_tokens), last,
                                  state_slots=slots, aux_slot=aux_index if last else None, page_offset=page_offset)
 
@@ -86,7 +94,7 @@ class PrefillSide:
 
     def decode_prefix_len(self, room: int) -> int:
         """Tokens the decode holds already; 0 until a decode said."""
-        return self.engine.decode_prefix_len(room) or 0
+        return (self.engine.decode_prefix_len(room) or 0) * self.page_rows
 
     def abort(self, room: int, reason: str) -> None:
         """Fail the room's decode requests with ``reason``; never raises (SGLang's abort must not)."""
