@@ -49,19 +49,30 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk, *,
     """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
-    plan = plan_chunk(
-        d.src, d.dst, chunk.src_pages, request.dst_pages,
-        src_page_offset=chunk.page_offset, decode_prefix_len=request.prefix_len,
-        num_kv_tokens=chunk.num_tokens, include_draft=has_draft,
-    )
+    plans = [plan_chunk(d.src, d.dst, pages, request.dst_pages, src_page_offset=at,
+                        decode_prefix_len=request.prefix_len, num_kv_tokens=tokens, include_draft=has_draft)
+             for at, pages, tokens in _page_runs(chunk, source.virtual_page)]
     segments = []
-    for role, runs in ((EntryRole.TARGET, plan.target_runs), (EntryRole.DRAFT, plan.draft_runs)):
+    for role in (EntryRole.TARGET, EntryRole.DRAFT):
+        runs = np.concatenate([p.target_runs if role is EntryRole.TARGET else p.draft_runs for p in plans])
         layers = tuple(layer for i, p in enumerate(d.pairings) if p.role is role
                        if (layer := _kv_layer(source, peer, i)) is not None)
         if layers and runs.shape[0]:
             segments.append(Segment(runs, layers))
     return TransferJob(segments=tuple(segments), pack=True,
                        notification=chunk_notice(request, chunk) if notify else None)
+
+
+def _page_runs(chunk: Chunk, page_tokens: int) -> list[tuple[int, run_arith.I64, int]]:
+    """(page position, source pages, tokens) of each run of consecutive positions in ``chunk``:
+    one run unless a KV-shard rank's pages are scattered, where only the last run may be partial."""
+    if chunk.positions is None:
+        return [(chunk.page_offset, chunk.src_pages, chunk.num_tokens)]
+    starts = [0, *(np.flatnonzero(np.diff(chunk.positions) != 1) + 1).tolist()]
+    ends = [*starts[1:], chunk.positions.size]
+    return [(int(chunk.positions[a]), chunk.src_pages[a:b],
+             (b - a) * page_tokens if b < chunk.positions.size else chunk.num_tokens - a * page_tokens)
+            for a, b in zip(starts, ends, strict=True)]
 
 
 def chunk_notice(request: Request, chunk: Chunk) -> bytes:

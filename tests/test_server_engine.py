@@ -141,7 +141,12 @@ def test_chunks_at_explicit_page_positions_land_at_those_decode_pages() -> None:
         n = -(-SPEC.prompt_tokens // ps)
         with pytest.raises(E.InvalidFieldError):
             engine.submit_chunk(13, src[4:8], 4 * ps, last_chunk=False, page_offset=-1)
-        for first, stop in ((4, 8), (0, 4), (8, 8)):
+        with pytest.raises(E.InvalidFieldError):  # positions must increase, one per page
+            engine.submit_chunk(13, [src[6], src[4]], 2 * ps, last_chunk=False, page_offset=[6, 4])
+        # A KV-shard rank's every other page, each at its own position (pages 4, 6, then 5, 7).
+        for positions in ([4, 6], [5, 7]):
+            engine.submit_chunk(13, [src[p] for p in positions], 2 * ps, last_chunk=False, page_offset=positions)
+        for first, stop in ((0, 4), (8, 8)):
             engine.submit_chunk(13, src[first:stop], (stop - first) * ps, last_chunk=False, page_offset=first)
         engine.submit_chunk(13, src[8:n], SPEC.prompt_tokens - 8 * ps, last_chunk=True, page_offset=8)
         assert (await _final(client, peer_id, 13)).state == common_pb2.TRANSFER_STATE_SUCCESS
