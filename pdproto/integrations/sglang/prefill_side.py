@@ -72,10 +72,12 @@ class PrefillSide:
                  "served" if settings.legacy else "refused: PDPROTO_LEGACY is off")
 
     def submit(self, room: int, pages: Sequence[int], num_tokens: int, last: bool,
-               state_indices: Sequence[Any] | None, aux_index: int | None, *, page_offset: int | None = None) -> None:
+               state_indices: Sequence[Any] | None, aux_index: int | None, *,
+               page_offset: int | Sequence[int] | None = None) -> None:
         """Report one chunk SGLang sent; the last names the room's state slots (one list per
         state component, as SGLang passes them) and aux slot; ``page_offset``: the chunk's page
-        of the request (a CP rank's share), else after the chunks before it. Raises ``PdprotoError``."""
+        of the request (a CP rank's share) or each page's (a KV-shard rank's), else after the chunks
+        before it. Raises ``PdprotoError``."""
         slots = layout.state_items(self.rings, state_indices) if last and state_indices is not None else None
         self.engine.submit_chunk(room, np.asarray(pages, dtype=np.int64), int(num_tokens), last,
                                  state_slots=slots, aux_slot=aux_index if last else None, page_offset=page_offset)
