@@ -95,6 +95,11 @@ def test_every_kv_shard_tp_rank_sends_its_every_other_page_at_its_positions(tmp_
     try:
         addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
         decode.await_ready(120)
+        # A decode that asks TP rank 0 alone would get half the pages.
+        decode.call("connect", 60, targets=addresses[:1])
+        with pytest.raises(ChildError, match="INVALID_FIELD"):
+            decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0],
+                        slot=1)
         connected = decode.call("connect", 60, targets=addresses)
         assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
         # Each rank's pool holds the request at its own local pages: a page sent from the other
