@@ -4,7 +4,8 @@ Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-ra
 (``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group,
 ``--model dsa`` for MLA rows with a DeepSeek-V3.2 index, ``--pp-size 2 --pp-rank 1`` for the
 second pipeline stage, which holds and numbers only its own layers, ``--cp-size 2 --cp-rank 1`` for
-attention-CP rank 1 of a prefill whose CP ranks each send their share of the pages).
+attention-CP rank 1 of a prefill whose CP ranks each send their share of the pages, ``--kv-sharding``
+for an MLA TP rank that holds and sends every TP-size-th page, SGLang's ``--enable-kv-cache-sharding``).
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
 the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
@@ -64,6 +65,7 @@ class PrefillRank:
         if args.cp_size > 1:  # every CP rank sends its share of the pages (SGLang enable_all_cp_ranks_for_transfer)
             self.info.attn_cp.size, self.info.attn_cp.rank = args.cp_size, args.cp_rank
             self.info.cp_ranks_split_pages = True
+        self.info.enable_kv_cache_sharding = args.kv_sharding
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
             self.info.version.minor = args.info_minor
@@ -106,9 +108,10 @@ class PrefillRank:
         return {"rows": rows}
 
     def chunk(self, room: int, pages: list[int], num_tokens: int, last: bool, slot: int = 0,
-              page_offset: int | None = None) -> Reply:
+              page_offset: int | list[int] | None = None) -> Reply:
         """Report one computed chunk to the engine (non-blocking); the last one names the room's slots;
-        ``page_offset``: the chunk's page in the request (a CP rank's share), else after the chunks before."""
+        ``page_offset``: the chunk's page in the request (a CP rank's share) or each page's (a KV-shard
+        rank's), else after the chunks before."""
         extras: dict[str, Any] = {}
         if last and self.info.aux_entries:
             extras["aux_slot"] = slot
@@ -183,6 +186,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-rank", type=int, default=0)
     ap.add_argument("--cp-size", type=int, default=1, help="attention CP ranks, each sending its share of pages")
     ap.add_argument("--cp-rank", type=int, default=0)
+    ap.add_argument("--kv-sharding", action="store_true", help="MLA pages striped across the TP ranks")
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
     ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
     ap.add_argument("--window-pages", type=int, default=0, help="pages of a sliding-window state entry (hybrid)")

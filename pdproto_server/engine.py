@@ -147,6 +147,9 @@ class Chunk:
     """Last chunk only: the room's state slots, per state entry."""
     aux_slot: int | None = None
     """Last chunk only: the room's aux slot."""
+    positions: I64 | None = None
+    """Each source page's page of the request, increasing (a KV-shard rank's scattered pages);
+    None: consecutive from ``page_offset``."""
 
 
 class RequestView(Protocol):
@@ -377,18 +380,22 @@ class PrefillEngine:
 
     def submit_chunk(self, room: int, src_pages: Sequence[int] | I64, num_tokens: int, last_chunk: bool, *,
                      state_slots: Sequence[Sequence[int]] | None = None, aux_slot: int | None = None,
-                     page_offset: int | None = None) -> None:
+                     page_offset: int | Sequence[int] | None = None) -> None:
         """Report a computed chunk of ``room``; thread-safe; non-last chunks must fill their pages.
 
         The last chunk carries the room's ``state_slots`` (per state entry: one slot, or the
         window's pages) and ``aux_slot``; they move after the room's last KV byte.
         ``page_offset`` places the chunk at that page of the request, for a rank that sends only
-        some of its pages (a CP rank's share); default: after the chunks before it.
+        some of its pages (a CP rank's share), or each page at its own page of the request, in
+        increasing order (a KV-shard rank's every N-th page); default: after the chunks before it.
         """
         pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
         self._validate(room, pages, num_tokens)
-        if page_offset is not None and page_offset < 0:
-            raise InvalidFieldError("page_offset", f"room {room}: page offset {page_offset} is negative",
+        at = None if page_offset is None else np.asarray(page_offset, dtype=np.int64).reshape(-1)
+        if at is not None and (at.size not in (1, pages.size) or (at.size and int(at.min()) < 0)
+                               or bool(np.any(np.diff(at) <= 0))):
+            raise InvalidFieldError("page_offset", f"room {room}: page positions {at.tolist()} must be one "
+                                    f"non-negative offset or {pages.size} increasing positions",
                                     metadata={"room": room})
         if not last_chunk and num_tokens != pages.size * self.source.virtual_page:
             raise PlanError(f"room {room}: a non-last chunk must fill its pages ({num_tokens} tokens, "
@@ -407,19 +414,21 @@ class PrefillEngine:
         except RuntimeError:
             running = None
         if running is loop:
-            self._append(room, pages, num_tokens, last_chunk, extras, page_offset)
+            self._append(room, pages, num_tokens, last_chunk, extras, at)
         else:
-            loop.call_soon_threadsafe(self._append, room, pages, num_tokens, last_chunk, extras, page_offset)
+            loop.call_soon_threadsafe(self._append, room, pages, num_tokens, last_chunk, extras, at)
 
     def _append(self, room: int, pages: I64, num_tokens: int, last: bool,
-                extras: tuple[StateSlots | None, int | None] = (None, None), at: int | None = None) -> None:
+                extras: tuple[StateSlots | None, int | None] = (None, None), at: I64 | None = None) -> None:
         """Loop-thread half of ``submit_chunk``."""
         log = self.room(room)
         if log.finished:
             # A new prefill of a finished room starts a new generation of its chunks.
             log = self._new_log(RoomLog(room, claimed=log.claimed))
-        page_offset = log.tokens // self.source.virtual_page if at is None else at
-        log.chunks.append(Chunk(len(log.chunks), pages, num_tokens, page_offset, last, *extras))
+        page_offset = log.tokens // self.source.virtual_page if at is None or not at.size else int(at[0])
+        scattered = at is not None and at.size > 1 and int(at[-1] - at[0]) != at.size - 1
+        log.chunks.append(Chunk(len(log.chunks), pages, num_tokens, page_offset, last, *extras,
+                                positions=at if scattered else None))
         log.tokens += num_tokens
         if last:
             self._finished(log)

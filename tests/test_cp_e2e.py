@@ -30,16 +30,22 @@ SHARES = {0: [(0, [0, 1], 32, False), (2, [2], 16, False), (4, [], 0, True)],
 positions of its pages, tokens, last)."""
 
 
-def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_path: Path) -> None:
+def _spawn(tmp_path: Path, rank_args: list[list[str]]) -> tuple[list[Child], DecodeProcess]:
+    """Two demo prefill ranks (hybrid MLA, Mooncake) with ``rank_args`` each, and one TP 1 decode."""
     run = os.urandom(3).hex()
-    prefills = [Child.spawn(f"prefill-cp{r}", "pdproto_demo.prefill",
+    prefills = [Child.spawn(f"prefill{r}", "pdproto_demo.prefill",
                             ["--backend", "mooncake", "--model", "hybrid", "--layers", str(LAYERS),
-                             "--page-size", str(PAGE_SIZE), "--pages", str(PAGES), "--cp-size", "2",
-                             "--cp-rank", str(r), "--name", f"prefill-cp{r}-{run}"], log_dir=str(tmp_path))
-                for r in (0, 1)]
+                             "--page-size", str(PAGE_SIZE), "--pages", str(PAGES), *a,
+                             "--name", f"prefill{r}-{run}"], log_dir=str(tmp_path))
+                for r, a in enumerate(rank_args)]
     decode = DecodeProcess.spawn_rank(DecodeConfig(backend="mooncake", model="hybrid", layers=LAYERS, pages=PAGES,
                                                    page_size=PAGE_SIZE, name=f"decode-{run}"),
                                       label="decode", log_dir=str(tmp_path))
+    return prefills, decode
+
+
+def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_path: Path) -> None:
+    prefills, decode = _spawn(tmp_path, [["--cp-size", "2", "--cp-rank", str(r)] for r in (0, 1)])
     try:
         addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
         decode.await_ready(120)
@@ -73,6 +79,51 @@ def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_pa
             len(model.kv_layers()) * n * model.kv_row_bytes(1) for n in (3 * PAGE_SIZE, TOKENS - 3 * PAGE_SIZE)], moved
         assert (moved[0]["state_bytes"], moved[0]["aux_bytes"]) == (r["state_bytes"], r["aux_bytes"]), moved
         assert (moved[1]["state_bytes"], moved[1]["aux_bytes"]) == (0, 0), moved
+    finally:
+        close_all([decode])
+        close_all(prefills)
+
+
+SHARDED = {0: [([0, 2], 32, False), ([4], 8, True)], 1: [([1], 16, False), ([3], 16, False), ([], 0, True)]}
+"""Per TP rank of an MLA prefill with KV cache sharding (page ``l`` on rank ``l % 2``), what SGLang's
+``filter_kv_indices_for_shard_rank`` hands it of the chunks [0, 48), [48, 64), [64, 72): (page
+positions, tokens, last); rank 0 owns nothing of the second chunk, which SGLang skips."""
+
+
+def test_every_kv_shard_tp_rank_sends_its_every_other_page_at_its_positions(tmp_path: Path) -> None:
+    prefills, decode = _spawn(tmp_path, [["--tp-size", "2", "--tp-rank", str(r), "--kv-sharding"] for r in (0, 1)])
+    try:
+        addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
+        decode.await_ready(120)
+        # A decode that asks TP rank 0 alone would get half the pages.
+        decode.call("connect", 60, targets=addresses[:1])
+        with pytest.raises(ChildError, match="INVALID_FIELD"):
+            decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0],
+                        slot=1)
+        connected = decode.call("connect", 60, targets=addresses)
+        assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
+        # Each rank's pool holds the request at its own local pages: a page sent from the other
+        # rank's ids, or to the wrong position, fails the byte check.
+        local = {0: [3, 7, 1, 6, 5], 1: [6, 2, 0, 4, 7]}
+        for r, c in enumerate(prefills):
+            c.call("prepare", 60, room=ROOM, prefix=0, total=TOKENS, pages=local[r], slot=1)
+        decode.call("request", 60, room=ROOM, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[4, 7, 2, 5, 1],
+                    slot=1)
+        for r, c in enumerate(prefills):
+            for positions, tokens, last in SHARDED[r]:
+                c.call("chunk", 60, room=ROOM, pages=[local[r][p] for p in positions], num_tokens=tokens,
+                       last=last, slot=1, page_offset=positions)
+        decode.send("wait", room=ROOM, timeout=60, check=True)
+        r = decode.recv(90)
+        assert r["ok"], str(r)
+        model = ModelShape(kind="hybrid", layers=LAYERS, page_size=PAGE_SIZE)
+        assert r["bytes"] == len(model.kv_layers()) * TOKENS * model.kv_row_bytes(1), r
+        moved = [c.call("stats", 30)["moved"] for c in prefills]
+        # Each rank its own pages' rows only; aux from rank 0, each rank its state heads (TP 2 into TP 1).
+        assert [m["kv_bytes"] for m in moved] == [
+            len(model.kv_layers()) * n * model.kv_row_bytes(1) for n in (2 * PAGE_SIZE + 8, 2 * PAGE_SIZE)], moved
+        assert (moved[0]["aux_bytes"], moved[1]["aux_bytes"]) == (sum(model.aux_lens), 0), moved
+        assert moved[0]["state_bytes"] + moved[1]["state_bytes"] == r["state_bytes"] > 0, moved
     finally:
         close_all([decode])
         close_all(prefills)

@@ -125,3 +125,14 @@ def test_cp_ranks_that_split_pages_all_send_kv_and_rank_0_alone_state_and_aux() 
     replicas = sender_set(prefill_tp=2, prefill_pp=1, prefill_cp=2, decode_tp=2, decode_tp_rank=1,
                           decode_pp=1, decode_pp_rank=0, kv_writers={1}, state_writers={1}, has_aux=True)
     assert [(x.cp_rank, x.prefill_rank) for x in replicas.senders] == [(0, 2)]
+
+
+def test_kv_shard_tp_ranks_all_send_kv_to_every_decode_rank() -> None:
+    # MLA KV sharded across prefill attn-TP with CP 1: every decode rank pulls from every prefill TP
+    # rank, each of which serves every decode rank (SGLang _resolve_rank_mapping, common/conn.py:1437-1451).
+    s = sender_set(prefill_tp=2, prefill_pp=1, prefill_cp=1, decode_tp=2, decode_tp_rank=1,
+                   decode_pp=1, decode_pp_rank=0, kv_writers={1}, state_writers={1}, has_aux=True,
+                   tp_shards=True)
+    assert [(x.tp_rank, x.sends_kv, x.sends_state, x.sends_aux) for x in s.senders] == [
+        (0, True, False, False), (1, True, True, True)]
+    assert s.required_responses == 2 and s.decode_ranks_per_prefill_rank == 2

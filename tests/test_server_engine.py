@@ -9,11 +9,13 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable
 
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
 from pdproto import errors as E
 from pdproto.client import AsyncHandshakeClient
+from pdproto.dcp import DcpLayout, RelayoutPlan
 from pdproto.errors import Reason
 from pdproto.transfer import create_executor
 from pdproto.v1 import common_pb2, transfer_pb2
@@ -21,8 +23,9 @@ from pdproto_demo.decode import DecodeRank
 from pdproto_demo.synthetic import build_source, room_pages
 from pdproto_server.app import RunningServer, ServerConfig, start_server
 from pdproto_server.core import HandshakeCore
-from pdproto_server.engine import PrefillEngine
+from pdproto_server.engine import Chunk, PrefillEngine
 from pdproto_server.registry import Limits
+from pdproto_server.transfers import chunk_plans
 
 from ._server_harness import REPO, SPEC, metric_samples
 
@@ -141,7 +144,12 @@ def test_chunks_at_explicit_page_positions_land_at_those_decode_pages() -> None:
         n = -(-SPEC.prompt_tokens // ps)
         with pytest.raises(E.InvalidFieldError):
             engine.submit_chunk(13, src[4:8], 4 * ps, last_chunk=False, page_offset=-1)
-        for first, stop in ((4, 8), (0, 4), (8, 8)):
+        with pytest.raises(E.InvalidFieldError):  # positions must increase, one per page
+            engine.submit_chunk(13, [src[6], src[4]], 2 * ps, last_chunk=False, page_offset=[6, 4])
+        # A KV-shard rank's every other page, each at its own position (pages 4, 6, then 5, 7).
+        for positions in ([4, 6], [5, 7]):
+            engine.submit_chunk(13, [src[p] for p in positions], 2 * ps, last_chunk=False, page_offset=positions)
+        for first, stop in ((0, 4), (8, 8)):
             engine.submit_chunk(13, src[first:stop], (stop - first) * ps, last_chunk=False, page_offset=first)
         engine.submit_chunk(13, src[8:n], SPEC.prompt_tokens - 8 * ps, last_chunk=True, page_offset=8)
         assert (await _final(client, peer_id, 13)).state == common_pb2.TRANSFER_STATE_SUCCESS
@@ -351,3 +359,24 @@ def test_an_abort_reaching_a_host_that_exits_is_answered_typed(backend: str, ans
     if answer == "SHUTTING_DOWN":
         assert "exiting" in lines[1]["message"]
     assert "abort failed unexpectedly" not in run.stderr, run.stderr[-3000:]
+
+
+def test_a_kv_shard_ranks_scattered_pages_plan_row_for_row_as_their_runs() -> None:
+    """Pages at positions 1, 3, 4 (the last holding 5 tokens): one plan into the destination pages at those
+    positions on one dense layout, a plan per run of consecutive positions otherwise; the same rows."""
+    chunk = Chunk(0, np.array([7, 2, 9]), 2 * 16 + 5, 1, True, positions=np.array([1, 3, 4]))
+    dst_pages = [10, 11, 12, 13, 14]
+
+    def rows(plans: list[RelayoutPlan]) -> list[tuple[int, int]]:
+        return sorted((int(s), int(d)) for p in plans for s, d in zip(*p.expand(), strict=True))
+
+    def expected(dst_page: int, pages: list[int]) -> list[tuple[int, int]]:
+        tokens = ((src, 16 * at + t) for src, at, n in ((7, 1, 16), (2, 3, 16), (9, 4, 5)) for t in range(n))
+        return sorted((src * 16 + g % 16, pages[g // dst_page] * dst_page + g % dst_page) for src, g in tokens)
+
+    dense = chunk_plans(DcpLayout(16), DcpLayout(16), chunk, dst_pages, prefix_len=0, include_draft=False)
+    assert len(dense) == 1 and rows(dense) == expected(16, dst_pages)
+    # Destination pages of 8 tokens: each run planned at its position, the same tokens.
+    small = list(range(20, 30))
+    split = chunk_plans(DcpLayout(16), DcpLayout(8), chunk, small, prefix_len=0, include_draft=False)
+    assert len(split) == 2 and rows(split) == expected(8, small)

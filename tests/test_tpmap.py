@@ -115,3 +115,22 @@ def test_cp_ranks_that_split_pages_each_write_kv_and_rank_0_alone_state_and_aux(
     with pytest.raises(TopologyError) as caught:
         plan_tp(cp_rank(1, split=False), decode(1, 0), kv_rows=[(MLA_ROW, MLA_ROW)])
     assert caught.value.reason is Reason.TOPOLOGY_NOT_A_SENDER
+
+
+def test_kv_shard_tp_ranks_of_an_mla_prefill_each_write_kv_to_every_decode_rank() -> None:
+    def shard(rank: int) -> server_info_pb2.PrefillServerInfo:
+        info = prefill(2, rank)
+        info.enable_kv_cache_sharding = True
+        return info
+
+    for d in (0, 1):
+        plans = [plan_tp(shard(r), decode(2, d), kv_rows=[(MLA_ROW, MLA_ROW)]) for r in (0, 1)]
+        assert plans[0].senders == plans[1].senders and plans[0].senders.required_responses == 2
+        assert plans[0].senders.decode_ranks_per_prefill_rank == 2
+        # Every rank whole rows of its pages; aux and state from the rank the TP mapping names.
+        assert [(p.me.tp_rank, p.me.sends_kv, p.me.sends_aux) for p in plans] == [(0, True, d == 0), (1, True, d == 1)]
+        assert plans[0].row_slices == plans[1].row_slices == (None,)
+    # Without sharding decode rank 1 hears from prefill rank 1 only.
+    with pytest.raises(TopologyError) as caught:
+        plan_tp(prefill(2, 0), decode(2, 1), kv_rows=[(MLA_ROW, MLA_ROW)])
+    assert caught.value.reason is Reason.TOPOLOGY_NOT_A_SENDER

@@ -87,19 +87,26 @@ class PrefillRank:
         return self.result.peer_id
 
 
-def _check_cp_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
-    """Refuse a request that misses a CP rank of a prefill whose CP ranks each send a share of the pages
-    (``PrefillServerInfo.cp_ranks_split_pages``): its KV would arrive in part and still read as SUCCESS."""
+def _check_kv_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
+    """Refuse a request that misses a prefill rank writing part of this decode rank's KV: a CP rank of a
+    prefill whose CP ranks each send a share of the pages (``PrefillServerInfo.cp_ranks_split_pages``),
+    or a TP rank (KV cache sharding, heads): the KV would arrive in part and still read as SUCCESS."""
     asked = {(m.tp_rank, m.pp_rank, m.cp_rank) for r in ranks if r.senders.senders
              for m in (r.senders.senders[r.result.senders.self_index],)}
-    missing = sorted({s.cp_rank for r in ranks for s in r.senders.senders
-                      if s.cp_rank and not s.dummy and (s.tp_rank, s.pp_rank, s.cp_rank) not in asked})
-    if missing:
+    missing = sorted({(s.tp_rank, s.pp_rank, s.cp_rank) for r in ranks for s in r.senders.senders
+                      if s.sends_kv and (s.tp_rank, s.pp_rank, s.cp_rank) not in asked})
+    if any(cp for _, _, cp in missing):
+        cps = sorted({cp for _, _, cp in missing if cp})
         raise error_for(Reason.TOPOLOGY_PREFILL_CP_UNSUPPORTED,
                         f"room {room}: the prefill's attention-CP ranks each send a share of the pages, and this "
-                        f"request does not reach CP ranks {missing}: ask every CP rank (an SGLang decode: set "
+                        f"request does not reach CP ranks {cps}: ask every CP rank (an SGLang decode: set "
                         "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 as on the prefill)",
-                        metadata={"room": room, "missingCpRanks": ",".join(map(str, missing))})
+                        metadata={"room": room, "missingCpRanks": ",".join(map(str, cps))})
+    if missing:
+        raise error_for(Reason.INVALID_FIELD,
+                        f"room {room}: prefill ranks (tp, pp, cp) {missing} write part of this decode rank's KV"
+                        " (KV cache sharding, or their heads) and the request does not reach them: ask every"
+                        " sender of the negotiation", metadata={"room": room, "field": "addresses"})
 
 
 OutcomeHandler = Callable[[int, Outcome], None]
@@ -300,14 +307,14 @@ class DecodePeer:
         sets its room, generation (default: the next of this peer's numbering), ``is_dummy``
         and ``required_dst_info_num`` from the rank's negotiation. Registers with a rank first
         where needed (one dropped or lost since). Raises ``TopologyError`` when ``addresses`` miss
-        a CP rank that sends a share of the pages. The submits run in the background: a refusal
+        a CP rank that sends a share of the pages, ``InvalidFieldError`` another rank that writes KV here. The submits run in the background: a refusal
         fails the room (its outcome); ``submitted`` waits for them.
         """
         if not addresses:
             raise error_for(Reason.INVALID_FIELD, f"room {room}: a request needs at least one prefill rank",
                             metadata={"field": "addresses"})
         ranks = [self.connect(a) for a in addresses]
-        _check_cp_shares(room, ranks)
+        _check_kv_shares(room, ranks)
         generation = next(self._generations) if generation is None else generation
         live = [r.index for r in ranks if not r.dummy]
         with self._lock:

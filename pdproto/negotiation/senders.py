@@ -14,6 +14,10 @@ A decode rank needs data from one prefill rank or from several (SGLang
   (``PrefillServerInfo.cp_ranks_split_pages``, SGLang ``enable_all_cp_ranks_for_transfer``) has
   every CP rank send its share of the KV; state and aux, which every CP rank holds whole, come
   from CP rank 0 only (SGLang ``_should_skip_cp_replicated_state_transfer``).
+* **KV cache sharding.** An MLA prefill with CP 1 that stripes each request's pages across its
+  attention-TP ranks (``PrefillServerInfo.enable_kv_cache_sharding``; SGLang ``get_kv_shard_group``:
+  page ``l`` on rank ``l % N``) has every TP rank send its pages to every decode rank; state and
+  aux still come from the sender TP mapping above names.
 
 Within one stage's TP group the senders split the work: the KV of an MLA pool is whole on
 every prefill rank, so only the first sender writes it; MHA senders write their heads; state
@@ -148,27 +152,29 @@ class SenderSet:
 def sender_set(*, prefill_tp: int, prefill_pp: int, prefill_cp: int, decode_tp: int,
                decode_tp_rank: int, decode_pp: int, decode_pp_rank: int,
                kv_writers: Collection[int], state_writers: Collection[int],
-               has_aux: bool, cp_split: bool = False) -> SenderSet:
+               has_aux: bool, cp_split: bool = False, tp_shards: bool = False) -> SenderSet:
     """The senders of one decode rank (rules in the module docstring).
 
     ``kv_writers`` and ``state_writers`` are the prefill TP ranks (of this decode rank's
     ``target_tp_ranks``) that write KV and state into it; every stage in the set splits its
     work the same way, since TP splits each stage's layers alike. ``cp_split``: every CP rank
-    sends its share of the pages (``PrefillServerInfo.cp_ranks_split_pages``).
+    sends its share of the pages (``PrefillServerInfo.cp_ranks_split_pages``); ``tp_shards``: every
+    TP rank sends its pages of the KV (``PrefillServerInfo.enable_kv_cache_sharding``, MLA, CP 1).
     """
-    tps = target_tp_ranks(prefill_tp, decode_tp, decode_tp_rank)
+    mapped = target_tp_ranks(prefill_tp, decode_tp, decode_tp_rank)
+    tps = tuple(range(prefill_tp)) if tp_shards else mapped
     pps = target_pp_ranks(prefill_pp, decode_pp, decode_pp_rank)
     cps = range(prefill_cp) if cp_split else range(1)
     senders = [
         Sender(tp_rank=tp, pp_rank=pp, cp_rank=cp,
                prefill_rank=prefill_rank_id(tp_rank=tp, pp_rank=pp, cp_rank=cp,
                                             pp_size=prefill_pp, cp_size=prefill_cp),
-               sends_kv=tp in kv_writers, sends_state=tp in state_writers and cp == 0,
-               sends_aux=has_aux and tp == tps[0] and pp == pps[-1] and cp == 0)
+               sends_kv=tp in kv_writers or tp_shards, sends_state=tp in state_writers and cp == 0,
+               sends_aux=has_aux and tp == mapped[0] and pp == pps[-1] and cp == 0)
         for tp in tps for pp in pps for cp in cps
     ]
     senders.sort(key=lambda s: s.prefill_rank)
-    return SenderSet(tuple(senders), max(1, decode_tp // prefill_tp))
+    return SenderSet(tuple(senders), decode_tp if tp_shards else max(1, decode_tp // prefill_tp))
 
 
 __all__ = ["Sender", "SenderSet", "prefill_rank_id", "sender_set", "target_pp_ranks",

@@ -5,7 +5,8 @@ pipeline parallelism, aux and state, from the same ``(PrefillServerInfo, KvRegis
 pair on either side:
 
 1. the decode rank's senders (``pdproto.negotiation.senders``): this prefill rank must be one of them
-   (a CP rank past 0 only when the prefill's CP ranks split the pages; it writes KV only);
+   (a CP rank past 0 only when the prefill's CP ranks split the pages, any TP rank when an MLA
+   prefill shards its pages across TP; such an extra rank writes KV only);
 2. aux pairings (``pdproto.negotiation.extras.pair_aux``), moved by the one sender elected for aux;
 3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
@@ -83,7 +84,11 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     d_tp, d_pp = _size(reg.attn_tp), _size(reg.pp)
     # SGLang registers its global TP rank, which exceeds the attention TP size under DP attention.
     d_rank, d_pp_rank = reg.attn_tp.rank % d_tp, reg.pp.rank
-    tps = target_tp_ranks(p_tp, d_tp, d_rank)
+    mapped = target_tp_ranks(p_tp, d_tp, d_rank)
+    # SGLang shards MLA KV pages across attention TP only with CP 1 (get_kv_shard_group); each TP
+    # rank then holds every N-th page and sends it to every decode rank.
+    tp_shards = info.enable_kv_cache_sharding and p_cp == 1 and info.attention_kind in _MLA_KINDS
+    tps = tuple(range(p_tp)) if tp_shards else mapped
     pps = target_pp_ranks(p_pp, d_pp, d_pp_rank)
     me_tp, me_pp, me_cp = info.attn_tp.rank, info.pp.rank, info.attn_cp.rank
     cp_split = info.cp_ranks_split_pages and p_cp > 1
@@ -106,7 +111,7 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
             reason=Reason.TOPOLOGY_STATE_SLICE_MISMATCH,
             metadata={"prefillStateTpSize": state_tp, "prefillTpSize": p_tp})
     matches = match_state(info, reg, src_tp=p_tp, dst_tp=d_tp)
-    writes = state_writes(matches, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=tps)
+    writes = state_writes(matches, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=mapped)
 
     mla = info.attention_kind in _MLA_KINDS
     heads = info.total_kv_heads
@@ -115,21 +120,25 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
                             reason=Reason.TOPOLOGY_KV_HEADS_MISMATCH,
                             metadata={"prefillKvHeads": heads, "decodeKvHeads": reg.total_kv_heads})
     rows = [kv_row_writes(mla=mla, total_heads=heads or reg.total_kv_heads, src_row_bytes=s,
-                          dst_row_bytes=d, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=tps)
+                          dst_row_bytes=d, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=mapped)
             for s, d in kv_rows]
     kv_writers = {t for r in rows for t, segs in r.items() if segs}
     state_writers = {t for t, plan in writes.items() if any(p.writes for p in plan)}
     senders = sender_set(prefill_tp=p_tp, prefill_pp=p_pp, prefill_cp=p_cp, decode_tp=d_tp,
                          decode_tp_rank=d_rank, decode_pp=d_pp, decode_pp_rank=d_pp_rank,
                          kv_writers=kv_writers, state_writers=state_writers, has_aux=bool(aux),
-                         cp_split=cp_split)
+                         cp_split=cp_split, tp_shards=tp_shards)
     me = senders.find(tp_rank=me_tp, pp_rank=me_pp, cp_rank=me_cp)
     assert me is not None  # checked above: this rank is one of the targets
-    # CP ranks hold the same state: one past CP rank 0 keeps the pairings and writes none of it.
-    state = writes[me_tp] if me_cp == 0 else tuple(
-        replace(p, tensors=tuple(replace(t, segments=()) for t in p.tensors)) for p in writes[me_tp])
+    # A CP rank past 0 holds the same state as CP rank 0, and a KV-shard TP rank outside the TP
+    # mapping none of this decode rank's: either keeps the pairings and writes no state. A KV-shard
+    # rank writes the whole rows the mapped rank would, of its own pages.
+    own = me_tp if me_tp in writes else mapped[0]
+    state = writes[own] if me_cp == 0 and own == me_tp else tuple(
+        replace(p, tensors=tuple(replace(t, segments=()) for t in p.tensors)) for p in writes[own])
+    row_owner = mapped[0] if tp_shards else me_tp
     return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=state,
-                  row_slices=tuple(_row_slice(r[me_tp], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True)))
+                  row_slices=tuple(_row_slice(r[row_owner], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True)))
 
 
 def _row_slice(segments: tuple[Segment, ...], src_row: int, dst_row: int) -> Segment | None:

@@ -4,6 +4,9 @@
 every CP rank send its share (``enable_all_cp_ranks_for_transfer``); each rank sends one room of
 ``CP_PAGES`` in the chunks ``CP_CHUNKS`` through SGLang's ``send`` and prints, as one JSON line,
 what it publishes and the chunks its engine received (page position, pages, tokens, last, aux).
+``--kv-shard``: the MLA model with ``--tp-size 2`` and SGLang's KV cache sharding stated, so each TP
+rank holds every other page (``SHARD_CHUNKS``); the same output, a chunk's position replaced by
+its pages' positions where they are scattered.
 ``--cp-tp-sharing``: the same sizes on the MLA model with SGLang's CP-TP group sharing stated;
 each rank prints whether it is a dummy CP rank and the attention TP and CP of its
 ``PrefillServerInfo``, rank 0 (which runs the bootstrap server) also what ``/route`` answers for
@@ -46,6 +49,7 @@ from tests.sglang._models import LAYERS, build_pools
 
 BOTH, STAGE1_FAILS = 501, 502
 CP_ROOM, CP_PAGES, CP_CHUNKS = 503, [1, 2, 3, 4, 5], [(0, 128), (128, 256), (256, 296)]
+SHARD_CHUNKS = [(0, 192), (192, 256), (256, 296)]
 STAGE1_REASON = "stage 1 lost its decode"
 FAILED, BOOTSTRAPPING, WAITING = 0, 1, 2  # KVPoll (disaggregation/base/conn.py:123-128)
 
@@ -83,39 +87,49 @@ def _tell_engine(manager: Any, rank: int) -> None:
         side.abort(STAGE1_FAILS, STAGE1_REASON)
 
 
-def _cp_split(args: argparse.Namespace) -> None:
-    """A CP prefill rank whose every CP rank sends its share: what it publishes and what its engine receives."""
+def _split(args: argparse.Namespace) -> None:
+    """A prefill rank whose CP ranks (``--cp``) or KV-shard TP ranks (``--kv-shard``) each send their share:
+    what it publishes and what its engine receives."""
     # The Mamba radix cache needs GPU state snapshots (tests/sglang/_models.py server_flags).
-    server_args = _boot(args, ["--tp-size", "2", "--attn-cp-size", "2", "--disable-radix-cache"])
+    server_args = _boot(args, ["--tp-size", "2", "--attn-cp-size", "2", "--disable-radix-cache"] if args.cp
+                        else ["--tp-size", "2"])
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.runtime_context import get_parallel
 
     from tests.sglang._ranks import _manager, _metadata
 
+    model = "kimi" if args.cp else "mla"
+    if not args.cp:
+        # SGLang resolves the flag for a CUDA trtllm_mla prefill (kv_shard_hook.py); the manager reads
+        # the resolved flag (common/conn.py:369), stated here on the MLA model's CPU pool.
+        get_parallel().override_permanently(enable_kv_cache_sharding=True)
     bootstrap = None
     if args.rank == 0:
         from sglang.srt.managers.disagg_service import start_disagg_service
 
         bootstrap = start_disagg_service()
-    pools = build_pools("kimi", 8, args.model_dir)
+    pools = build_pools(model, 8, args.model_dir)
     metadata, _ = _metadata()
-    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS["kimi"])
+    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS[model])
     info = manager.prefill_side.info
     sender = get_kv_class(TransferBackend.PDPROTO, KVClassType.SENDER)(
         mgr=manager, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}", bootstrap_room=CP_ROOM)
     sender.init(len(CP_PAGES), 3)  # prefill.py:446-450
-    for start, end in CP_CHUNKS:  # _send_kv_chunk, prefill.py:1763-1781 (page 64)
+    cuts = CP_CHUNKS if args.cp else SHARD_CHUNKS
+    for start, end in cuts:  # _send_kv_chunk, prefill.py:1763-1781 (page 64)
         pages = CP_PAGES[start // 64:-(-end // 64)]
-        last = end == CP_CHUNKS[-1][1]
+        last = end == cuts[-1][1]
         if sender.should_send_kv_chunk(len(pages), last):
             sender.send(np.asarray(pages, dtype=np.int32), None, num_kv_tokens=end - start)
 
     async def chunks() -> list[list[Any]]:
         log = manager.prefill_side.engine.rooms[CP_ROOM]
-        return [[c.page_offset, [int(p) for p in c.src_pages], c.num_tokens, c.last, c.aux_slot] for c in log.chunks]
+        return [[c.page_offset if c.positions is None else c.positions.tolist(), [int(p) for p in c.src_pages],
+                 c.num_tokens, c.last, c.aux_slot] for c in log.chunks]
 
     print(json.dumps({
         "rank": args.rank, "dummy": bool(manager.is_dummy_cp_rank), "split": info.cp_ranks_split_pages,
+        "sharded": info.enable_kv_cache_sharding,
         "info": {name: [getattr(info, name).size, getattr(info, name).rank] for name in ("attn_tp", "attn_cp")},
         "chunks": manager.prefill_side.service.call(chunks())}), flush=True)
     get_parallel().tp_group.barrier()  # rank 0's bootstrap server outlives rank 1's row
@@ -169,9 +183,10 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--cp", action="store_true")
     parser.add_argument("--cp-tp-sharing", action="store_true")
+    parser.add_argument("--kv-shard", action="store_true")
     args = parser.parse_args()
-    if args.cp or args.cp_tp_sharing:
-        (_cp_split if args.cp else _cp_tp_sharing)(args)
+    if args.cp or args.cp_tp_sharing or args.kv_shard:
+        (_cp_tp_sharing if args.cp_tp_sharing else _split)(args)
         return
     server_args = _boot(args, ["--pp-size", "2"])
     from sglang.srt.disaggregation.utils import (

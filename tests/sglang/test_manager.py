@@ -140,12 +140,28 @@ def test_a_cp_ranks_share_of_a_chunk_counts_its_own_tokens() -> None:
             == (112 if rank == 0 else 88)
 
 
-def test_kv_cache_sharding_on_the_prefill_is_refused() -> None:
-    layout.refuse_kv_cache_sharding(1)  # no sharding: served
-    with pytest.raises(ConfigError) as info:
-        layout.refuse_kv_cache_sharding(2)
-    assert info.value.reason is Reason.CONFIG_INVALID
-    assert info.value.metadata["setting"] == "enable_kv_cache_sharding"
+@pytest.mark.process
+def test_a_kv_sharding_mla_prefill_tp_rank_sends_its_every_other_page_at_its_positions(tmp_path: Path) -> None:
+    """MLA with --tp-size 2 and KV cache sharding: logical page l on TP rank l % 2 as local page l // 2.
+    Pages 1-5 in chunks of pages 1-3, 4, 5: each engine gets its local pages at their positions with
+    their tokens; rank 1 owns nothing of the second chunk (SGLang skips it), rank 0 nothing of the
+    last (sent empty, with the aux slot); each rank publishes the sharding."""
+    outs, codes, errs = _run_group(tmp_path, "mla", "--kv-shard")
+    assert outs[0] is not None and outs[1] is not None, errs
+    for r, out in enumerate(outs):
+        assert (out["rank"], out["dummy"], out["split"], out["sharded"]) == (r, False, False, True), out
+        assert out["info"] == {"attn_tp": [2, r], "attn_cp": [1, 0]}, out
+    assert outs[0]["chunks"] == [[1, [1], 64, False, None], [3, [2], 64, False, None], [2, [], 0, True, 3]]
+    assert outs[1]["chunks"] == [[[0, 2], [0, 1], 128, False, None], [4, [2], 40, True, 3]]
+    assert codes == [0, 0], errs
+
+
+def test_a_kv_shard_ranks_share_of_a_chunk_counts_its_own_tokens() -> None:
+    """SGLang passes the whole chunk's tokens; only the chunk's last page may be partial."""
+    share = functools.partial(layout.shard_tokens, page_size=16)
+    assert [share([4, 5, 6, 7], 60, shards=(2, r)) for r in (0, 1)] == [32, 28]
+    assert [share([7], 5, shards=(2, r)) for r in (0, 1)] == [0, 5]
+    assert [share([], 0, shards=(2, r)) for r in (0, 1)] == [0, 0]
 
 
 IPV6_PREFILL = """

@@ -21,6 +21,13 @@ arguments by hand):
   its own pages (``cp_share_tokens``), and CP rank 0 alone the state and aux every CP rank
   holds whole. A DSA cache layer split, whose CP ranks hold different layers, is refused
   (``refuse_cp_layer_split``).
+* KV cache sharding (``--enable-kv-cache-sharding``; ``Ranks.kv_shards``): logical page l lives on
+  shard rank l % n as local page l // n, and SGLang hands each rank's sender its own local pages
+  with their positions in the request (``filter_kv_indices_for_shard_rank``), which reach the
+  engine as per-page positions with the tokens of those pages (``shard_tokens``). The shard group
+  is attention CP when CP > 1 (the CP ranks then split the pages, ``cp_ranks_split_pages``),
+  else, on MLA, attention TP: the rank publishes ``enable_kv_cache_sharding`` and every TP rank
+  sends its pages to every decode rank (``negotiation.senders``).
   Under SGLang's CP-TP group sharing (Qwen4-Exp) CP rank r holds every KV head, the replicated
   state and linear-attention head shard r, and presents itself as TP rank r of CP size with CP 1,
   as SGLang's backends do (``Ranks.cp_as_tp``): every CP rank sends, the state split over that
@@ -131,6 +138,8 @@ class Ranks:
     cp_split_pages: bool = False
     """Every attention-CP rank sends its share of each request's pages (SGLang
     ``enable_all_cp_ranks_for_transfer``); otherwise CP rank 0 sends everything."""
+    kv_shards: int = 1
+    """Ranks each request's pages are striped across (SGLang ``kv_shard_size``); 1: none."""
 
     def cp_as_tp(self) -> Ranks:
         """This rank as SGLang's backends present a CP-TP group sharing prefill rank: CP rank r of n sends as
@@ -179,20 +188,15 @@ def cp_share_tokens(chunk_start: int, chunk_pages: int, chunk_tokens: int, *, to
     return min(stop * page_size, chunk_start * page_size + chunk_tokens) - first * page_size
 
 
-def refuse_kv_cache_sharding(kv_shard_size: int) -> None:
-    """Raise ``ConfigError`` for a prefill with SGLang's KV cache sharding (``--enable-kv-cache-sharding``).
-
-    Each rank then holds every ``kv_shard_size``-th page of a request and SGLang hands the
-    sender only its own (``filter_kv_indices_for_shard_rank``), while pdproto plans a chunk
-    from all of its pages: every request would fail at run time.
-    """
-    if kv_shard_size > 1:
-        raise ConfigError(
-            f"KV cache sharding (--enable-kv-cache-sharding, {kv_shard_size} shards) on the prefill is not "
-            "supported with --disaggregation-transfer-backend pdproto; run this prefill without it, or use "
-            "--disaggregation-transfer-backend mooncake or nixl for it",
-            reason=Reason.CONFIG_INVALID,
-            metadata={"setting": "enable_kv_cache_sharding", "value": str(kv_shard_size)})
+def shard_tokens(pages: Any, chunk_tokens: int, *, shards: tuple[int, int], page_size: int) -> int:
+    """Tokens of KV-shard rank ``shards[1]`` of ``shards[0]`` in a chunk of logical ``pages`` holding
+    ``chunk_tokens`` (SGLang counts the whole chunk's): page l is on rank l % n
+    (``utils.py:filter_kv_indices_for_shard_rank``), and only the chunk's last page may be partial."""
+    size, rank = shards
+    owned = np.asarray(pages, dtype=np.int64) % size == rank
+    if not owned.size:
+        return 0
+    return int(owned.sum()) * page_size - (owned.size * page_size - chunk_tokens if owned[-1] else 0)
 
 
 def page_rows(kv_args: Any) -> int:
@@ -379,7 +383,8 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
         start_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),
         backends=[backend],  # type: ignore[list-item]
         total_kv_heads=int(getattr(kv_args, "total_kv_head_num", 0) or 0),
-        cp_ranks_split_pages=ranks.cp_split_pages and ranks.attn_cp[0] > 1)
+        cp_ranks_split_pages=ranks.cp_split_pages and ranks.attn_cp[0] > 1,
+        enable_kv_cache_sharding=ranks.kv_shards > 1)
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
@@ -449,4 +454,4 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
 
 __all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "Ranks", "Regions", "attention_kind",
            "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "page_rows", "refuse_cp_layer_split",
-           "refuse_kv_cache_sharding", "regions", "ring_sizes", "server_info", "state_items"]
+           "regions", "ring_sizes", "server_info", "shard_tokens", "state_items"]

@@ -180,6 +180,12 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """Whether SGLang cuts each chunk to this CP rank's share of the pages (``filter_kv_indices_for_cp_rank``)."""
         return bool(self.enable_all_cp_ranks_for_transfer) and self.attn_cp_size > 1
 
+    @property
+    def kv_shards(self) -> int:
+        """Ranks each request's pages are striped across (``--enable-kv-cache-sharding``: page l on rank
+        l % n, the attention-CP group when CP > 1, else attention TP); 1: no sharding."""
+        return int(getattr(self, "kv_shard_size", 1) or 1)
+
     def _ranks(self) -> layout.Ranks:
         """Where this rank sits, as pdproto publishes and negotiates it (and SGLang's ``/route`` row says)."""
         from sglang.srt.runtime_context import get_parallel
@@ -188,7 +194,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             attn_tp=(self.attn_tp_size, self.attn_tp_rank), attn_cp=(self.attn_cp_size, self.attn_cp_rank),
             attn_dp=(self.attn_dp_size, self.attn_dp_rank), system_dp=(self.system_dp_size, self.system_dp_rank),
             pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size,
-            cp_split_pages=self.splits_pages)
+            cp_split_pages=self.splits_pages, kv_shards=self.kv_shards)
         return ranks.cp_as_tp() if get_parallel().enable_cp_tp_group_sharing else ranks
 
     # -- prefill ------------------------------------------------------------------------
@@ -200,7 +206,6 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             from sglang.srt.runtime_context import get_parallel
 
             layout.refuse_cp_layer_split(self.attn_cp_size, bool(get_parallel().enable_dsa_cache_layer_split))
-            layout.refuse_kv_cache_sharding(int(getattr(self, "kv_shard_size", 1) or 1))
             from sglang.srt.environ import envs
 
             match_timeout = max(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get(),
@@ -221,14 +226,15 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             payload = {**payload, PDPROTO_PORT: self.prefill_side.port}
         super()._register_topology_row(url, payload)
 
-    def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: Any, is_last_chunk: bool,
                              aux_index: int | None = None, state_indices: Any = None,
                              num_kv_tokens: int | None = None, wait_event: Any = None,
                              **_unused: Any) -> None:
         """One send of ``CommonKVSender.send`` (pages after the decode prefix, in order) -> one engine chunk.
 
         When the CP ranks split the pages, SGLang has cut the chunk to this rank's share: it lands at
-        ``index_slice.start`` (``PdprotoKVSender.send`` counted its tokens)."""
+        ``index_slice.start``; under KV cache sharding ``index_slice`` holds each local page's position
+        (``PdprotoKVSender.send`` counted the tokens of either)."""
         assert self.prefill_side is not None
         if wait_event is not None:
             # SGLang's early send of a cached prefix: the KV is written by work still queued on
@@ -238,7 +244,8 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             num_kv_tokens = len(kv_indices) * self.kv_args.page_size
         try:
             self.prefill_side.submit(bootstrap_room, kv_indices, num_kv_tokens, is_last_chunk, state_indices,
-                                     aux_index, page_offset=index_slice.start if self.splits_pages else None)
+                                     aux_index, page_offset=index_slice if self.kv_shards > 1
+                                     else index_slice.start if self.splits_pages else None)
         except PdprotoError as exc:
             # A refused chunk fails this room only; the scheduler thread never sees the raise.
             reason = f"{exc.reason.name}: {exc.message}"

@@ -78,10 +78,12 @@ class PrefillSide:
                  "served" if settings.legacy else "refused: PDPROTO_LEGACY is off")
 
     def submit(self, room: int, pages: Sequence[int], num_tokens: int, last: bool,
-               state_indices: Sequence[Any] | None, aux_index: int | None, *, page_offset: int | None = None) -> None:
+               state_indices: Sequence[Any] | None, aux_index: int | None, *,
+               page_offset: int | Sequence[int] | None = None) -> None:
         """Report one chunk SGLang sent; the last names the room's state slots (one list per
         state component, as SGLang passes them) and aux slot; ``page_offset``: the chunk's page
-        of the request (a CP rank's share), else after the chunks before it. Raises ``PdprotoError``."""
+        of the request (a CP rank's share) or each page's (a KV-shard rank's), else after the chunks
+        before it. Raises ``PdprotoError``."""
         slots = layout.state_items(self.rings, state_indices) if last and state_indices is not None else None
         if self.page_rows > 1:  # DeepSeek-V4: a row per page, and SGLang's chunks start on a page
             num_tokens = len(pages)

@@ -47,10 +47,14 @@ class PdprotoKVSender(CommonKVSender):  # type: ignore[misc]
 
     def send(self, kv_indices: Any, state_indices: Any = None, num_kv_tokens: int | None = None,
              indices_event: Any = None) -> None:
-        """SGLang's send; when the CP ranks split the pages, with the tokens of this rank's share of the chunk
-        (SGLang counts the whole chunk's; ``add_transfer_request`` receives the share's pages)."""
+        """SGLang's send; when the CP or KV-shard ranks split the pages, with the tokens of this rank's share
+        of the chunk (SGLang counts the whole chunk's; ``add_transfer_request`` receives the share's pages)."""
         mgr = self.kv_mgr
-        if num_kv_tokens is not None and mgr.splits_pages and self.conclude_state is None:
+        if num_kv_tokens is not None and mgr.kv_shards > 1 and self.conclude_state is None:
+            num_kv_tokens = layout.shard_tokens(kv_indices, int(num_kv_tokens),
+                                                shards=(mgr.kv_shards, int(mgr.kv_shard_rank)),
+                                                page_size=int(mgr.kv_args.page_size))
+        elif num_kv_tokens is not None and mgr.splits_pages and self.conclude_state is None:
             num_kv_tokens = layout.cp_share_tokens(
                 self.curr_idx, len(kv_indices), int(num_kv_tokens), total_pages=self.num_kv_indices,
                 cp=(mgr.attn_cp_size, mgr.attn_cp_rank), page_size=int(mgr.kv_args.page_size))
