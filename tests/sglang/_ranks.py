@@ -71,8 +71,8 @@ def _boot(args: argparse.Namespace, role: str, tp: int, rank: int) -> Any:
         "--disaggregation-bootstrap-port", str(args.bootstrap_port),
         *server_flags(args.spec.model, role),
     ]  # fmt: skip
-    if tp > 1:
-        argv += ["--tp-size", str(tp), "--dcp-size", str(tp)]
+    if tp > 1:  # a decode's TP ranks are its DCP group, but for a KV-sharded prefill's (Spec.kv_shard)
+        argv += ["--tp-size", str(tp), *([] if args.spec.kv_shard else ["--dcp-size", str(tp)])]
     server_args = prepare_server_args(argv)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
     # What the scheduler's model runner does first: gloo groups on CPU and the shared
@@ -309,17 +309,23 @@ class _Prefill:
 
 def run_prefill(args: argparse.Namespace) -> None:
     """One dense prefill rank: bootstrap server, manager, a sender per request, chunked sends."""
-    server_args = _boot(args, "prefill", tp=1, rank=0)
+    spec: Spec = args.spec
+    server_args = _boot(args, "prefill", tp=2 if spec.kv_shard else 1, rank=args.rank)
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.managers.disagg_service import start_disagg_service
     from sglang.srt.runtime_context import get_disagg, get_parallel
 
-    spec: Spec = args.spec
+    if spec.kv_shard:
+        # SGLang resolves the flag for a CUDA trtllm_mla prefill (kv_shard_hook.py); the manager reads
+        # the resolved flag (common/conn.py:369), stated here on the MLA model's CPU pool.
+        get_parallel().override_permanently(enable_kv_cache_sharding=True)
     # tokenizer_manager.py:806 starts it in the prefill's main process; the ranks'
     # managers register with it (retrying until it answers, common/conn.py:1635-1662).
-    bootstrap = start_disagg_service()
+    bootstrap = start_disagg_service() if args.rank == 0 else None
     pools = build_pools(spec.model, spec.pool_pages, args.model_dir)
     fill_prefill(pools)
+    if spec.kv_shard:
+        _keep_shard(pools, spec.page, shards=2, rank=args.rank)
     metadata, allocator = _metadata()
     manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS[spec.model])
     backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
@@ -362,6 +368,15 @@ def run_prefill(args: argparse.Namespace) -> None:
         _emit({"kill": _killed_mid_transfer(args, rank)})  # with kill_prefill, the driver kills this rank in it
     sys.stdin.readline()  # keep the engine and bootstrap server up until the driver is done
     del bootstrap
+
+
+def _keep_shard(pools: Any, page: int, shards: int, rank: int) -> None:
+    """What KV cache sharding leaves this rank: logical page l of the whole pool, for l % shards == rank,
+    as its local page l // shards (``filter_kv_indices_for_shard_rank``)."""
+    for buf in pools.kv:
+        pages = buf.view(buf.shape[0] // page, -1)
+        mine = pages[rank::shards].clone()
+        pages[: mine.shape[0]] = mine
 
 
 def _conclude(sender: Any, state: int) -> dict[str, Any]:
@@ -462,6 +477,8 @@ class _GatedRequest:
 def run_decode(args: argparse.Namespace) -> None:
     """One decode rank: manager, a receiver per request, metadata, then every byte checked."""
     server_args = _boot(args, "decode", tp=args.dcp, rank=args.rank)
+    if args.spec.kv_shard:
+        args.dcp = 1  # TP ranks without DCP: each rank holds every token (Spec.kv_shard)
     from sglang.srt.disaggregation.utils import (
         KVClassType,
         TransferBackend,
@@ -707,7 +724,7 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
         pair
         for req in requests
         if not req.abort
-        for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank,
+        for pair in expected_rows(req, src_pages[req.room], dst_pages[req.room], args.dcp, args.rank % args.dcp,
                                   whole_pages=args.prefill_backend != "pdproto", page=spec.page)
     ]
     rows_per = page_rows(spec.model)  # DeepSeek-V4: its KV tensors hold a row per page, which moves whole

@@ -12,9 +12,11 @@ under ``sglang/srt/`` of the 0.5.23 wheel).
 
 Topologies: one dense prefill rank to one decode rank, or to a decode DCP group of N
 ranks (``--dcp N``: decode TP = DCP = N, so one prefill rank feeds N decode ranks, each
-its own token shard and, for the hybrid, its TP share of the state). Every decode rank
-compares its whole KV pool, every aux buffer and every state tensor with what it must
-hold (the prefill's bytes where they belong, zeros elsewhere); both sides regenerate the
+its own token shard and, for the hybrid, its TP share of the state), or (``run(kv_shard=True)``)
+two prefill TP ranks with SGLang's KV cache sharding, each holding every other page, to a
+decode of TP 2 without DCP whose every rank asks both prefill ranks for every token. Every
+decode rank compares its whole KV pool, every aux buffer and every state tensor with what it
+must hold (the prefill's bytes where they belong, zeros elsewhere); both sides regenerate the
 prefill's bytes from one seed.
 
 ``--kill`` adds a last request during which the driver kills every decode rank: the
@@ -140,6 +142,9 @@ class Spec:
     extra_pages: int = 8
     instances: int = 1
     """Decode servers, each its own DCP group and maybe its own backend (``Request.decode`` picks one)."""
+    kv_shard: bool = False
+    """Two prefill TP ranks with SGLang's KV cache sharding (logical page l on rank l % 2 as local page
+    l // 2), into a decode of TP 2 without DCP: every decode rank asks both prefill ranks for every token."""
     dump: str = ""
     """A decode rank fed by a vLLM prefill (tests/vllm/test_cross_engine.py) writes its KV pool and metadata
     buffers here for that driver to check, and builds the metadata buffers SGLang builds without speculative
@@ -276,6 +281,7 @@ def run(
     env: dict[str, str] | None = None,
     decodes: tuple[tuple[str, int], ...] = (),
     hostile: tuple[list[bytes], ...] = (),
+    kv_shard: bool = False,
 ) -> dict[str, Any]:
     """Run one prefill rank and ``dcp`` decode ranks for ``backend`` (or one backend per side); return their reports.
 
@@ -285,15 +291,17 @@ def run(
     ``rank_port`` (the bootstrap record's, which SGLang's own decodes dial) before any request; the
     prefill reports what its legacy listener made of every message (``prefill["legacy"]``).
 
-    Keys: ``prefill`` (its results and seconds, or None), ``up`` (each decode rank's start-up
-    line), ``decode`` (one report per rank, None where a rank printed none), ``kill`` (the
-    prefill's view of the ``--kill`` request), ``again`` and ``again_decode`` (the prefill's and
-    every decode rank's view of the ``--again`` request), ``killed`` (every decode rank's view of the
-    ``--kill-prefill`` request), ``prefill_rc``, ``decode_rc`` (list) and the tail of every stderr.
+    Keys: ``prefill`` (its results and seconds, or None; ``prefills``: every prefill rank's), ``up``
+    (each decode rank's start-up line), ``decode`` (one report per rank, None where a rank printed
+    none), ``kill`` (the prefill's view of the ``--kill`` request), ``again`` and ``again_decode`` (the
+    prefill's and every decode rank's view of the ``--again`` request), ``killed`` (every decode rank's
+    view of the ``--kill-prefill`` request), ``prefill_rc`` (``prefill_rcs``: every prefill rank's),
+    ``decode_rc`` (list) and the tail of every stderr.
     """
     prefill_backend = prefill_backend or backend
     decodes = decodes or ((decode_backend or backend, dcp),)
-    spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill, instances=len(decodes))
+    spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill, instances=len(decodes),
+                kv_shard=kv_shard)
     dcp = sum(d for _, d in decodes)
     env_overrides = env
     env = dict(
@@ -309,7 +317,7 @@ def run(
         SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1000",
         # CPU ranks beyond the NUMA node count must be told where their threads go
         # (utils/numa_utils.py:459-496); this only matters on AMX or arm64 hosts.
-        SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * dcp),
+        SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * max(dcp, 2 if kv_shard else 1)),
     )
     env.update(env_overrides or {})  # the caller's settings win, these defaults included
     cmd = command("-m", "tests.sglang.pd_harness")
@@ -330,11 +338,16 @@ def run(
             stack.callback(_stop, proc)
             return proc
 
-        prefill = spawn("prefill", "prefill", "--dist-port", str(free_port()), "--backend", prefill_backend)
-        lines = _Lines(prefill)
+        prefill_dist_port = str(free_port())
+        prefills = [spawn("prefill", f"prefill{r or ''}", "--dist-port", prefill_dist_port,
+                          "--backend", prefill_backend, "--rank", str(r)) for r in range(2 if kv_shard else 1)]
+        prefill = prefills[0]
+        prefill_lines = [_Lines(p) for p in prefills]
+        lines = prefill_lines[0]
         procs: list[subprocess.Popen[str]] = []
         names: list[str] = []
-        out["ready"] = lines.next(timeout * 2)  # {"ready": true, ...}
+        readies = [p.next(timeout * 2) for p in prefill_lines]  # {"ready": true, ...}
+        out["ready"] = readies[0] if all(readies) else None
         if out["ready"]:
             for k, (side, size) in enumerate(decodes):
                 dist_port = str(free_port())
@@ -347,9 +360,11 @@ def run(
             out["up"] = [d.next(timeout * 3) for d in decode_lines]  # {"up": rank}
             if hostile:
                 _push_frames(out["ready"]["rank_port"], hostile)
-            _say(prefill, "go")
+            for p in prefills:
+                _say(p, "go")
             out["decode"] = [d.next(timeout * 2) for d in decode_lines]
-            out["prefill"] = lines.next(timeout)
+            out["prefills"] = [p.next(timeout) for p in prefill_lines]
+            out["prefill"] = out["prefills"][0]
             if again:
                 out["again_decode"] = [(d.next(timeout * 2) or {}).get("again") for d in decode_lines]
                 again_line = lines.next(timeout) or {}
@@ -369,11 +384,13 @@ def run(
                 for d in procs:
                     _say(d, "go")
                 out["killed"] = [(d.next(timeout * 2) or {}).get("killed") for d in decode_lines]
-        _stop(prefill, quit_first=True)
+        _stop(*prefills, quit_first=True)
         _stop(*procs, quit_first=True)  # together: each takes seconds to exit (torch unloads)
         out["prefill_rc"] = prefill.returncode
+        out["prefill_rcs"] = [p.returncode for p in prefills]
         out["decode_rc"] = [d.returncode for d in procs]
-        out["prefill_stderr"] = (Path(tmp) / "prefill.err").read_text()[-3000:]
+        out["prefill_stderr"] = "".join((Path(tmp) / f"prefill{r or ''}.err").read_text()[-3000:]
+                                        for r in range(len(prefills)))
         out["decode_stderr"] = [(Path(tmp) / f"{name}.err").read_text()[-3000:] for name in names]
     return out
 

@@ -13,6 +13,7 @@ issues 13's and 33's proof:
   ``test_state_kinds.py``);
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
+* two MLA prefill TP ranks with SGLang's KV cache sharding -> decode TP 2 (4 processes).
 
 And issue 35's mixed fleet: a pdproto prefill serving unmodified SGLang Mooncake decodes (TP 1,
 DCP 4, the Kimi-Linear hybrid, one killed mid-transfer) beside a pdproto decode, after hostile
@@ -25,8 +26,9 @@ from typing import Any
 
 import pytest
 
+from tests.sglang._models import PAGE
 from tests.sglang.pd_harness import (ABORTS, FAILED, HOSTILE_REFUSALS, LEGACY, REQUESTS, SUCCESS, TRANSFERRING,
-                                     Request, hostile_frames, run)
+                                     Request, Spec, hostile_frames, prefill_pages, run)
 
 pytestmark = [pytest.mark.process, pytest.mark.long]
 
@@ -161,6 +163,24 @@ def test_pdproto_kimi_linear_kv_state_aux_then_decode_killed_mid_transfer() -> N
     code, _, text = kill["failure_reason"].partition(": ")
     assert code in ("PEER_GONE", "TRANSFER_FAILED") and text, kill
     assert kill["failure_reason"] in kill["reason"]  # failure_exception() raised with that reason
+
+
+def test_pdproto_kv_sharded_mla_prefill_tp2_to_decode_tp2_moves_every_byte() -> None:
+    """Two SGLang prefill TP ranks with KV cache sharding (each holds every other page) into a decode of
+    TP 2: every decode rank asks both prefill ranks and holds every token, each page from its shard rank."""
+    requests = (Request(room=101, tokens=300, chunk=128),)  # 5 pages: rank 0 sends 3, rank 1 sends 2
+    out = run("pdproto", requests, dcp=2, kv_shard=True)
+    _assert_ranks_ok(out, 2, 1)
+    assert out["prefill_rcs"] == [0, 0] and out["decode_rc"] == [0, 0], out["decode_stderr"]
+    for prefill in out["prefills"]:
+        assert prefill["results"]["101"]["poll"] == SUCCESS, out["prefill_stderr"]
+    # The metric is what each prefill rank moved: the token rows of its own pages (logical page l on
+    # rank l % 2), to both decode ranks, and the same aux bytes.
+    pages = prefill_pages(Spec(requests=requests, kv_shard=True))[101]
+    tokens = [sum(min(PAGE, 300 - PAGE * i) for i, page in enumerate(pages) if page % 2 == r) for r in (0, 1)]
+    assert 0 < tokens[0] < 300 and sum(tokens) == 300, pages
+    extra = {p["results"]["101"]["metric_bytes"] - n * 4 * KV_ROW * 2 for p, n in zip(out["prefills"], tokens)}
+    assert len(extra) == 1 and extra.pop() > 0
 
 
 def test_pdproto_prefill_serves_sglang_mooncake_decodes_beside_a_pdproto_decode() -> None:
