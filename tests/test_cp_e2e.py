@@ -44,18 +44,23 @@ def _spawn(tmp_path: Path, rank_args: list[list[str]]) -> tuple[list[Child], Dec
     return prefills, decode
 
 
+def _connect_every_rank(prefills: list[Child], decode: DecodeProcess, partial_refusal: str) -> None:
+    """A request that reaches only the first prefill rank is refused (``partial_refusal``): it would get
+    part of the KV and read as SUCCESS; then the decode connects to both ranks, each feeding it."""
+    addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
+    decode.await_ready(120)
+    decode.call("connect", 60, targets=addresses[:1])
+    with pytest.raises(ChildError, match=partial_refusal):
+        decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0], slot=1)
+    connected = decode.call("connect", 60, targets=addresses)
+    assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
+
+
 def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_path: Path) -> None:
     prefills, decode = _spawn(tmp_path, [["--cp-size", "2", "--cp-rank", str(r)] for r in (0, 1)])
     try:
-        addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
-        decode.await_ready(120)
-        # A decode that asks CP rank 0 alone (an SGLang decode without the CP setting) would get part of the KV.
-        decode.call("connect", 60, targets=addresses[:1])
-        with pytest.raises(ChildError, match="TOPOLOGY_PREFILL_CP_UNSUPPORTED"):
-            decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0],
-                        slot=1)
-        connected = decode.call("connect", 60, targets=addresses)
-        assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
+        # A decode that asks CP rank 0 alone: an SGLang decode without the CP setting.
+        _connect_every_rank(prefills, decode, "TOPOLOGY_PREFILL_CP_UNSUPPORTED")
         src = [3, 1, 6, 0, 5]  # the request's source pages, the same on both ranks
         for c in prefills:
             c.call("prepare", 60, room=ROOM, prefix=0, total=TOKENS, pages=src, slot=1)
@@ -93,15 +98,8 @@ positions, tokens, last); rank 0 owns nothing of the second chunk, which SGLang 
 def test_every_kv_shard_tp_rank_sends_its_every_other_page_at_its_positions(tmp_path: Path) -> None:
     prefills, decode = _spawn(tmp_path, [["--tp-size", "2", "--tp-rank", str(r), "--kv-sharding"] for r in (0, 1)])
     try:
-        addresses = [f"127.0.0.1:{int(c.recv(120)['port'])}" for c in prefills]
-        decode.await_ready(120)
         # A decode that asks TP rank 0 alone would get half the pages.
-        decode.call("connect", 60, targets=addresses[:1])
-        with pytest.raises(ChildError, match="INVALID_FIELD"):
-            decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0],
-                        slot=1)
-        connected = decode.call("connect", 60, targets=addresses)
-        assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
+        _connect_every_rank(prefills, decode, "INVALID_FIELD")
         # Each rank's pool holds the request at its own local pages: a page sent from the other
         # rank's ids, or to the wrong position, fails the byte check.
         local = {0: [3, 7, 1, 6, 5], 1: [6, 2, 0, 4, 7]}
