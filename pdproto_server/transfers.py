@@ -65,8 +65,9 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk, *,
 
 def chunk_plans(src: DcpLayout, dst: DcpLayout, chunk: Chunk, dst_pages: Sequence[int] | run_arith.I64, *,
                 prefix_len: int, include_draft: bool) -> list[RelayoutPlan]:
-    """The plans of ``chunk`` into the request's ``dst_pages`` after a decode prefix of ``prefix_len``: one, or for a KV-shard rank's scattered pages one per run of consecutive
-    positions (only the last run may be partial), or one again where both sides are one dense layout."""
+    """The plans of ``chunk`` into the request's ``dst_pages`` after a decode prefix of ``prefix_len``: one,
+    or for a KV-shard rank's scattered pages one per run of consecutive positions (only the last run may
+    be partial), or one again where both sides are one dense layout."""
     at = chunk.positions
     if at is None:
         return [plan_chunk(src, dst, chunk.src_pages, dst_pages, src_page_offset=chunk.page_offset,

@@ -307,8 +307,9 @@ class DecodePeer:
         sets its room, generation (default: the next of this peer's numbering), ``is_dummy``
         and ``required_dst_info_num`` from the rank's negotiation. Registers with a rank first
         where needed (one dropped or lost since). Raises ``TopologyError`` when ``addresses`` miss
-        a CP rank that sends a share of the pages, ``InvalidFieldError`` another rank that writes KV here. The submits run in the background: a refusal
-        fails the room (its outcome); ``submitted`` waits for them.
+        a CP rank that sends a share of the pages, ``InvalidFieldError`` when they miss another rank
+        that writes KV here. The submits run in the background: a refusal fails the room (its
+        outcome); ``submitted`` waits for them.
         """
         if not addresses:
             raise error_for(Reason.INVALID_FIELD, f"room {room}: a request needs at least one prefill rank",
