@@ -99,14 +99,14 @@ class ModelShape:
     index_row_bytes: int = 132
     """DSA: index-K bytes per token (128 fp8 + 4 scale bytes)."""
     pp_size: int = 1
-    """Pipeline stages the layers are split over (``mla`` and ``mha`` only)."""
+    """Pipeline stages (or CP ranks of a layer split) the layers are split over (``mla``, ``mha``, ``dsa``)."""
     pp_rank: int = 0
     """The stage this rank holds."""
 
     def __post_init__(self) -> None:
-        # Aux and state per stage (which stage writes them) are not modelled here.
-        if self.pp_size > 1 and self.kind not in ("mla", "mha"):
-            raise ConfigError(f"pipeline stages are modelled for mla and mha only, not {self.kind}",
+        # Aux and state per stage (which stage writes them) are not modelled here; a DSA index is per layer.
+        if self.pp_size > 1 and self.kind not in ("mla", "mha", "dsa"):
+            raise ConfigError(f"pipeline stages are modelled for mla, mha and dsa only, not {self.kind}",
                               reason=Reason.CONFIG_INVALID, metadata={"setting": "pp_size", "value": self.pp_size})
 
     @property
@@ -261,6 +261,7 @@ class ModelShape:
         """The bytes of ``room``'s item of state ``tensor`` (numbered across entries) on a rank, the
         ``page``-th of its window for a sliding-window tensor: the monolithic item, projected."""
         layout, _ = [t for _, layouts in self.entries() for t in layouts][tensor]
+        tensor += self.start_layer  # numbered across the model: a stage's DSA index has one tensor per layer
         whole = _bytes_of(room * 0x85EBCA77 + tensor * 0xC2B2AE35 + page * 0x9E3779B1 + 1, self._tensor(layout, 1)[0])
         out: U8 = whole[local_bytes(layout, tp, rank)]
         return out

@@ -4,7 +4,8 @@ Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-ra
 (``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group,
 ``--model dsa`` for MLA rows with a DeepSeek-V3.2 index, ``--pp-size 2 --pp-rank 1`` for the
 second pipeline stage, which holds and numbers only its own layers, ``--cp-size 2 --cp-rank 1`` for
-attention-CP rank 1 of a prefill whose CP ranks each send their share of the pages, ``--kv-sharding``
+attention-CP rank 1 of a prefill whose CP ranks each send their share of the pages (with ``--layer-split``:
+every page of their own layers, as a stage holds them, SGLang's DSA cache layer split), ``--kv-sharding``
 for an MLA TP rank that holds and sends every TP-size-th page, SGLang's ``--enable-kv-cache-sharding``).
 The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
 commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
@@ -44,7 +45,8 @@ class PrefillRank:
         self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes,
                                 kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim,
                                 window_pages=args.window_pages, page_size=args.page_size,
-                                pp_size=args.pp_size, pp_rank=args.pp_rank)
+                                pp_size=args.cp_size if args.layer_split else args.pp_size,
+                                pp_rank=args.cp_rank if args.layer_split else args.pp_rank)
         m, tp = self.model, args.tp_size
         rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
         self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
@@ -64,7 +66,9 @@ class PrefillRank:
         self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
         if args.cp_size > 1:  # every CP rank sends its share of the pages (SGLang enable_all_cp_ranks_for_transfer)
             self.info.attn_cp.size, self.info.attn_cp.rank = args.cp_size, args.cp_rank
-            self.info.cp_ranks_split_pages = True
+            self.info.cp_ranks_split_pages = not args.layer_split
+            if args.layer_split:  # or every page of its own layers, in one stage
+                self.info.pp.size, self.info.pp.rank, self.info.enable_dsa_cache_layer_split = 1, 0, True
         self.info.enable_kv_cache_sharding = args.kv_sharding
         if args.info_minor:
             # A "newer" server: higher minor, a capability and a field older peers do not know.
@@ -186,6 +190,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp-rank", type=int, default=0)
     ap.add_argument("--cp-size", type=int, default=1, help="attention CP ranks, each sending its share of pages")
     ap.add_argument("--cp-rank", type=int, default=0)
+    ap.add_argument("--layer-split", action="store_true", help="each CP rank holds its own layers (mla, mha, dsa)")
     ap.add_argument("--kv-sharding", action="store_true", help="MLA pages striped across the TP ranks")
     ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
     ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")

@@ -7,6 +7,8 @@ Kimi-shaped decode (KV, state and aux). As SGLang cuts a request (``filter_kv_in
 page position, empty shares included; the last chunk of rank 0 is empty and still carries the
 state and aux, which only CP rank 0 writes. The decode waits for both ranks, then compares every
 KV, state and aux byte with the model. A decode that asks CP rank 0 alone is refused the request.
+Under SGLang's DSA cache layer split each CP rank instead holds its own layers (KV and DSA index)
+and sends every page of them, paired by layer id.
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ SHARES = {0: [(0, [0, 1], 32, False), (2, [2], 16, False), (4, [], 0, True)],
 positions of its pages, tokens, last)."""
 
 
-def _spawn(tmp_path: Path, rank_args: list[list[str]]) -> tuple[list[Child], DecodeProcess]:
+def _spawn(tmp_path: Path, rank_args: list[list[str]], model: str = "hybrid") -> tuple[list[Child], DecodeProcess]:
     """Two demo prefill ranks (hybrid MLA, Mooncake) with ``rank_args`` each, and one TP 1 decode."""
     run = os.urandom(3).hex()
     prefills = [Child.spawn(f"prefill{r}", "pdproto_demo.prefill",
-                            ["--backend", "mooncake", "--model", "hybrid", "--layers", str(LAYERS),
+                            ["--backend", "mooncake", "--model", model, "--layers", str(LAYERS),
                              "--page-size", str(PAGE_SIZE), "--pages", str(PAGES), *a,
                              "--name", f"prefill{r}-{run}"], log_dir=str(tmp_path))
                 for r, a in enumerate(rank_args)]
-    decode = DecodeProcess.spawn_rank(DecodeConfig(backend="mooncake", model="hybrid", layers=LAYERS, pages=PAGES,
+    decode = DecodeProcess.spawn_rank(DecodeConfig(backend="mooncake", model=model, layers=LAYERS, pages=PAGES,
                                                    page_size=PAGE_SIZE, name=f"decode-{run}"),
                                       label="decode", log_dir=str(tmp_path))
     return prefills, decode
@@ -51,7 +53,8 @@ def _connect_every_rank(prefills: list[Child], decode: DecodeProcess, partial_re
     decode.await_ready(120)
     decode.call("connect", 60, targets=addresses[:1])
     with pytest.raises(ChildError, match=partial_refusal):
-        decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0], slot=1)
+        decode.call("request", 60, room=ROOM + 1, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[0, 3, 6, 0, 3],
+                    slot=1)
     connected = decode.call("connect", 60, targets=addresses)
     assert connected["required"] == [2, 2] and connected["dummies"] == [False, False], connected
 
@@ -84,6 +87,36 @@ def test_every_cp_rank_sends_its_pages_and_rank_0_alone_the_state_and_aux(tmp_pa
             len(model.kv_layers()) * n * model.kv_row_bytes(1) for n in (3 * PAGE_SIZE, TOKENS - 3 * PAGE_SIZE)], moved
         assert (moved[0]["state_bytes"], moved[0]["aux_bytes"]) == (r["state_bytes"], r["aux_bytes"]), moved
         assert (moved[1]["state_bytes"], moved[1]["aux_bytes"]) == (0, 0), moved
+    finally:
+        close_all([decode])
+        close_all(prefills)
+
+
+def test_every_layer_split_cp_rank_sends_every_page_of_its_own_layers_and_their_index(tmp_path: Path) -> None:
+    # DeepSeek-V3.2-shaped: CP rank 0 holds layers 0-1, CP rank 1 layers 2-3, each with their index tensors.
+    prefills, decode = _spawn(tmp_path, [["--cp-size", "2", "--cp-rank", str(r), "--layer-split"] for r in (0, 1)],
+                              model="dsa")
+    try:
+        _connect_every_rank(prefills, decode, "TOPOLOGY_PREFILL_CP_UNSUPPORTED")
+        src = [3, 1, 6, 0, 5]
+        for c in prefills:
+            c.call("prepare", 60, room=ROOM, prefix=0, total=TOKENS, pages=src, slot=1)
+        decode.call("request", 60, room=ROOM, prefix=0, total=TOKENS, prefix_pages=[], dst_pages=[4, 7, 2, 5, 1],
+                    slot=1)
+        for start, end in ((0, 32), (32, 64), (64, TOKENS)):  # SGLang skips the page filter: whole chunks
+            for c in prefills:
+                c.call("chunk", 60, room=ROOM, pages=src[start // PAGE_SIZE:-(-end // PAGE_SIZE)],
+                       num_tokens=end - start, last=end == TOKENS, slot=1)
+        decode.send("wait", room=ROOM, timeout=60, check=True)
+        r = decode.recv(90)
+        assert r["ok"], str(r)
+        model = ModelShape(kind="dsa", layers=LAYERS, page_size=PAGE_SIZE)
+        assert r["bytes"] == LAYERS * TOKENS * model.kv_row_bytes(1), r
+        moved = [c.call("stats", 30)["moved"] for c in prefills]
+        # Each rank every row and index page of its own two layers, nothing of the other's.
+        assert [m["kv_bytes"] for m in moved] == [2 * TOKENS * model.kv_row_bytes(1)] * 2, moved
+        assert moved[0]["state_bytes"] == moved[1]["state_bytes"] > 0, moved
+        assert moved[0]["state_bytes"] + moved[1]["state_bytes"] == r["state_bytes"], (moved, r)
     finally:
         close_all([decode])
         close_all(prefills)

@@ -95,5 +95,5 @@ def test_pp2_stages_feed_their_own_decode_stages_and_fan_in_to_a_pp1_decode(tmp_
 
 def test_stages_of_a_model_with_state_are_refused_as_not_modelled() -> None:
     # Which stage writes aux and state is not modelled: a hybrid stage would check the wrong bytes.
-    with pytest.raises(ConfigError, match="mla and mha only"):
+    with pytest.raises(ConfigError, match="mla, mha and dsa only"):
         ModelShape(kind="hybrid", pp_size=2)

@@ -306,6 +306,56 @@ def test_a_cp_prefill_whose_ranks_split_the_pages_sends_kv_from_every_cp_rank_st
                                   backend=v1.BACKEND_MOONCAKE).cp_ranks_split_pages
 
 
+def layer_split_rank(cp_rank: int, tail: bool) -> tuple[SimpleNamespace, layout.Ranks]:
+    """CP rank ``cp_rank`` of a GLM-5-shaped prefill with SGLang's DSA cache layer split over CP 2: 5 layers,
+    rank 0 holding 0-2 (layer 1 shares top-k: no index), rank 1 3-4 and the MTP draft's (prefill.py:272-316);
+    ``tail``: 4 layers (0-1, 2-3), no draft, and the ``dsa_tail`` whole on every rank."""
+    start, n, draft = ((0, 2, 0), (2, 2, 0))[cp_rank] if tail else ((0, 3, 0), (3, 2, 1))[cp_rank]
+    index = [8448, 0, 8448] if (cp_rank, tail) == (0, False) else [8448] * (n + draft)
+    state = [component("dsa", index, 0xA000_0000)] + ([tail_state(4)] if tail else [])
+    args = kv_args(layers=n, start=start, draft=draft, draft_item=PAGE * 1152, state=state)
+    return args, layout.Ranks(attn_tp=(1, 0), attn_cp=(2, cp_rank), cp_layers=True)  # as the manager's _ranks
+
+
+def test_a_dsa_layer_split_cp_rank_sends_its_layers_kv_and_index_paired_by_layer_id() -> None:
+    # The decode (CP 1) holds every layer and hears from both CP ranks (common/conn.py:1500-1511).
+    decode = kv_args(layers=5, draft=1, draft_item=PAGE * 1152,
+                     state=[component("dsa", [8448, 0, 8448, 8448, 8448, 8448], 0xB000_0000)])
+    d_ranks = layout.Ranks(attn_tp=(1, 0))
+    dec = layout.decode_layout(decode, d_ranks, is_mla_backend=True, notify_host="h", notify_port=1)
+    assert [t.layer_id for t in dec.state[0].tensors] == [0, 2, 3, 4, 5]
+    for cp_rank, kv_ids, index_ids, dst_index in ((0, [0, 1, 2], [0, 2], [0, 1]), (1, [3, 4, 5], [3, 4, 5], [2, 3, 4])):
+        args, ranks = layer_split_rank(cp_rank, tail=False)
+        info = layout.server_info(args, ranks, is_mla_backend=True, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+        # SGLang skips the page filter under the split (_prepare_send_indices): every page of its layers.
+        assert (info.enable_dsa_cache_layer_split, info.cp_ranks_split_pages) == (True, False)
+        assert [e.layer_id for e in info.kv_entries] == kv_ids
+        assert [t.layer_id for t in info.state_entries[0].tensors] == index_ids
+        decision = _pair(args, ranks, decode, d_ranks)
+        rows, state, aux = written(decision)
+        assert isinstance(decision, Decision) and decision.tp, decision
+        assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == list(enumerate(kv_ids))
+        assert rows == [1152] * len(kv_ids) and state == [8448] * len(index_ids), (rows, state)
+        assert [t.dst_tensor for t in decision.tp.state[0].tensors] == dst_index
+        assert aux == (len(AUX) if cp_rank == 0 else 0)
+        senders = decision.tp.senders
+        assert [(s.cp_rank, s.sends_kv, s.sends_state, s.sends_aux) for s in senders.senders] == [
+            (0, True, True, True), (1, True, True, False)] and senders.required_responses == 2
+    # The dsa_tail every CP rank holds whole, with no layer ids: written by the last CP rank only.
+    tail_decode = kv_args(state=[component("dsa", [8448] * 4, 0xB000_0000), tail_state(4)])
+    tails = [written(_pair(*layer_split_rank(r, tail=True), tail_decode, d_ranks))[1] for r in (0, 1)]
+    assert tails == [[8448] * 2 + [0] * 6, [8448] * 2 + [layout.TAIL_SLOT_BYTES] * 6], tails
+    # A decode whose index tensors carry no layer ids cannot place a CP rank's: refused for that peer.
+    args, ranks = layer_split_rank(1, tail=False)
+    info = layout.server_info(args, ranks, is_mla_backend=True, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    regions = layout.regions(decode, on_device=True)
+    reg = make_registration(dec, v1.MooncakeEndpoint(session_id="h:1"), list(regions.kv), aux=list(regions.aux),
+                            state=[list(e) for e in regions.state])
+    del reg.state_buffers[0].layer_ids[:]
+    refused = negotiate(info, reg)
+    assert isinstance(refused, Rejection) and refused.reason is Reason.TOPOLOGY_LAYER_METADATA_ONE_SIDED, refused
+
+
 def moved_at_equal_tp(states: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
     """(kind, bytes written per tensor) of every state entry of an MHA pool, prefill TP 1 -> decode TP 1."""
     decision = _pair(kv_args(state=states), layout.Ranks(attn_tp=(1, 0)), kv_args(state=states),

@@ -89,8 +89,9 @@ class PrefillRank:
 
 def _check_kv_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
     """Refuse a request that misses a prefill rank writing part of this decode rank's KV: a CP rank of a
-    prefill whose CP ranks each send a share of the pages (``PrefillServerInfo.cp_ranks_split_pages``),
-    or a TP rank (KV cache sharding, heads): the KV would arrive in part and still read as SUCCESS."""
+    prefill whose CP ranks each send a share of the pages or their own layers (``PrefillServerInfo``
+    ``cp_ranks_split_pages``, ``enable_dsa_cache_layer_split``), or a TP rank (KV cache sharding, heads):
+    the KV would arrive in part and still read as SUCCESS."""
     asked = {(m.tp_rank, m.pp_rank, m.cp_rank) for r in ranks if r.senders.senders
              for m in (r.senders.senders[r.result.senders.self_index],)}
     missing = sorted({(s.tp_rank, s.pp_rank, s.cp_rank) for r in ranks for s in r.senders.senders
@@ -98,7 +99,7 @@ def _check_kv_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
     if any(cp for _, _, cp in missing):
         cps = sorted({cp for _, _, cp in missing if cp})
         raise error_for(Reason.TOPOLOGY_PREFILL_CP_UNSUPPORTED,
-                        f"room {room}: the prefill's attention-CP ranks each send a share of the pages, and this "
+                        f"room {room}: the prefill's attention-CP ranks each send part of the KV, and this "
                         f"request does not reach CP ranks {cps}: ask every CP rank (an SGLang decode: set "
                         "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 as on the prefill)",
                         metadata={"room": room, "missingCpRanks": ",".join(map(str, cps))})

@@ -12,7 +12,9 @@ purely from ``PrefillServerInfo`` and ``KvRegistration``:
 * **state entries** pair by position with the same count, the same kind and, when both sides
   name it, the same type name (SGLang's ``dsa`` and ``qsa_compressed`` are both paged, with
   other layouts). Inside an entry, tensors pair like KV entries (``pdproto.dcp.layers``): by
-  layer id when both sides send ids, by position when neither does and both hold the same stage.
+  layer id when the prefill sends ids (the decode must too), else by position when both hold the
+  same stage (a decode's ids then go unused: SGLang numbers DSA index tensors on a single-stage
+  decode, and on a prefill only where its CP ranks hold other layers).
 * **per tensor**, how the two sides' items relate (the entry's ``StateTpPolicy``; unset reads
   it from ``dim``): equal state TP sizes copy the item whole; a replicated tensor (``dim`` 0,
   or ``REPLICATED``: the DSA index of an MLA pool) is whole on every rank and moves once; a
@@ -201,7 +203,7 @@ def _tensor_pairs(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.Sta
     """Decode tensor index of every prefill tensor: by layer id, else by position (same stage)."""
     src_refs = [EntryRef(t.layer_id if t.HasField("layer_id") else None) for t in src.tensors]
     src_has, dst_has = any(r.layer_id is not None for r in src_refs), bool(dst.layer_ids)
-    if src_has or dst_has:
+    if src_has or (dst_has and src_pp != dst_pp):
         # resolve_entries rejects ids on one side only, partial ids and missing layers.
         dst_refs = [EntryRef(i) for i in dst.layer_ids] or [EntryRef(None)] * len(dst.data_ptrs)
         return resolve_entries(src_refs, dst_refs).dst_indices

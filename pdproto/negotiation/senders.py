@@ -13,7 +13,10 @@ A decode rank needs data from one prefill rank or from several (SGLang
   hold the same KV and state). A prefill whose CP ranks split the pages
   (``PrefillServerInfo.cp_ranks_split_pages``, SGLang ``enable_all_cp_ranks_for_transfer``) has
   every CP rank send its share of the KV; state and aux, which every CP rank holds whole, come
-  from CP rank 0 only (SGLang ``_should_skip_cp_replicated_state_transfer``).
+  from CP rank 0 only (SGLang ``_should_skip_cp_replicated_state_transfer``). A prefill whose CP
+  ranks each hold other layers (``PrefillServerInfo.enable_dsa_cache_layer_split``, SGLang's DSA
+  cache layer split) has every CP rank send every page of its layers, KV and state; the decode
+  pairs them by layer id as it pairs PP stages'.
 * **KV cache sharding.** An MLA prefill with CP 1 that stripes each request's pages across its
   attention-TP ranks (``PrefillServerInfo.enable_kv_cache_sharding``; SGLang ``get_kv_shard_group``:
   page ``l`` on rank ``l % N``) has every TP rank send its pages to every decode rank; state and
@@ -152,24 +155,26 @@ class SenderSet:
 def sender_set(*, prefill_tp: int, prefill_pp: int, prefill_cp: int, decode_tp: int,
                decode_tp_rank: int, decode_pp: int, decode_pp_rank: int,
                kv_writers: Collection[int], state_writers: Collection[int],
-               has_aux: bool, cp_split: bool = False, tp_shards: bool = False) -> SenderSet:
+               has_aux: bool, cp_split: bool = False, cp_layers: bool = False,
+               tp_shards: bool = False) -> SenderSet:
     """The senders of one decode rank (rules in the module docstring).
 
     ``kv_writers`` and ``state_writers`` are the prefill TP ranks (of this decode rank's
     ``target_tp_ranks``) that write KV and state into it; every stage in the set splits its
     work the same way, since TP splits each stage's layers alike. ``cp_split``: every CP rank
-    sends its share of the pages (``PrefillServerInfo.cp_ranks_split_pages``); ``tp_shards``: every
+    sends its share of the pages (``PrefillServerInfo.cp_ranks_split_pages``); ``cp_layers``: every CP
+    rank sends its layers' KV and state (``enable_dsa_cache_layer_split``); ``tp_shards``: every
     TP rank sends its pages of the KV (``PrefillServerInfo.enable_kv_cache_sharding``, MLA, CP 1).
     """
     mapped = target_tp_ranks(prefill_tp, decode_tp, decode_tp_rank)
     tps = tuple(range(prefill_tp)) if tp_shards else mapped
     pps = target_pp_ranks(prefill_pp, decode_pp, decode_pp_rank)
-    cps = range(prefill_cp) if cp_split else range(1)
+    cps = range(prefill_cp) if cp_split or cp_layers else range(1)
     senders = [
         Sender(tp_rank=tp, pp_rank=pp, cp_rank=cp,
                prefill_rank=prefill_rank_id(tp_rank=tp, pp_rank=pp, cp_rank=cp,
                                             pp_size=prefill_pp, cp_size=prefill_cp),
-               sends_kv=tp in kv_writers or tp_shards, sends_state=tp in state_writers and cp == 0,
+               sends_kv=tp in kv_writers or tp_shards, sends_state=tp in state_writers and (cp == 0 or cp_layers),
                sends_aux=has_aux and tp == mapped[0] and pp == pps[-1] and cp == 0)
         for tp in tps for pp in pps for cp in cps
     ]

@@ -5,8 +5,9 @@ pipeline parallelism, aux and state, from the same ``(PrefillServerInfo, KvRegis
 pair on either side:
 
 1. the decode rank's senders (``pdproto.negotiation.senders``): this prefill rank must be one of them
-   (a CP rank past 0 only when the prefill's CP ranks split the pages, any TP rank when an MLA
-   prefill shards its pages across TP; such an extra rank writes KV only);
+   (a CP rank past 0 only when the prefill's CP ranks split the pages, writing KV only, or its
+   layers, writing their KV and state; any TP rank when an MLA prefill shards its pages across TP,
+   writing KV only);
 2. aux pairings (``pdproto.negotiation.extras.pair_aux``), moved by the one sender elected for aux;
 3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
@@ -92,8 +93,9 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     pps = target_pp_ranks(p_pp, d_pp, d_pp_rank)
     me_tp, me_pp, me_cp = info.attn_tp.rank, info.pp.rank, info.attn_cp.rank
     cp_split = info.cp_ranks_split_pages and p_cp > 1
-    cps = f"cp 0..{p_cp - 1}" if cp_split else "cp 0"
-    if me_tp not in tps or me_pp not in pps or not (me_cp == 0 or cp_split):
+    cp_layers = info.enable_dsa_cache_layer_split and p_cp > 1  # each CP rank holds its own layers
+    cps = f"cp 0..{p_cp - 1}" if cp_split or cp_layers else "cp 0"
+    if me_tp not in tps or me_pp not in pps or not (me_cp == 0 or cp_split or cp_layers):
         raise TopologyError(
             f"prefill rank (tp {me_tp}, pp {me_pp}, cp {me_cp}) does not feed decode rank"
             f" (tp {d_rank}/{d_tp}, pp {d_pp_rank}/{d_pp}); it hears from tp {list(tps)},"
@@ -127,15 +129,25 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     senders = sender_set(prefill_tp=p_tp, prefill_pp=p_pp, prefill_cp=p_cp, decode_tp=d_tp,
                          decode_tp_rank=d_rank, decode_pp=d_pp, decode_pp_rank=d_pp_rank,
                          kv_writers=kv_writers, state_writers=state_writers, has_aux=bool(aux),
-                         cp_split=cp_split, tp_shards=tp_shards)
+                         cp_split=cp_split, cp_layers=cp_layers, tp_shards=tp_shards)
     me = senders.find(tp_rank=me_tp, pp_rank=me_pp, cp_rank=me_cp)
     assert me is not None  # checked above: this rank is one of the targets
     # A CP rank past 0 holds the same state as CP rank 0, and a KV-shard TP rank outside the TP
     # mapping none of this decode rank's: either keeps the pairings and writes no state. A KV-shard
     # rank writes the whole rows the mapped rank would, of its own pages.
     own = me_tp if me_tp in writes else mapped[0]
-    state = writes[own] if me_cp == 0 and own == me_tp else tuple(
-        replace(p, tensors=tuple(replace(t, segments=()) for t in p.tensors)) for p in writes[own])
+
+    def writes_tensor(entry: int, tensor: int) -> bool:
+        if own != me_tp:
+            return False
+        if not cp_layers:
+            return me_cp == 0
+        # Each CP rank writes its own layers' tensors; one without a layer id is whole on every CP
+        # rank and comes from the last, which also holds the draft's (SGLang transfer_draft_cache).
+        return info.state_entries[entry].tensors[tensor].HasField("layer_id") or me_cp == p_cp - 1
+
+    state = tuple(replace(p, tensors=tuple(t if writes_tensor(p.src_entry, t.src_tensor) else replace(t, segments=())
+                                           for t in p.tensors)) for p in writes[own])
     row_owner = mapped[0] if tp_shards else me_tp
     return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=state,
                   row_slices=tuple(_row_slice(r[row_owner], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True)))

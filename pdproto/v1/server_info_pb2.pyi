@@ -247,7 +247,10 @@ class PrefillServerInfo(_message.Message):
     load_balance_method: _builtins.str
     """Load-balance method; empty when not set."""
     enable_dsa_cache_layer_split: _builtins.bool
-    """DSA cache layer split enabled."""
+    """DSA cache layer split enabled: with attention CP > 1 each CP rank holds its own layers and
+    sends every page of their KV and state (state without layer ids from the last CP rank); a
+    decode hears from every CP rank and pairs by layer id. Aux comes from CP rank 0.
+    """
     enable_kv_cache_sharding: _builtins.bool
     """KV cache sharding enabled (incompatible with DCP)."""
     attention_kind: _common_pb2.AttentionKind.ValueType

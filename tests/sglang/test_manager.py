@@ -6,7 +6,8 @@
 * IPv6: a prefill rank on ``::1`` serves its handshake service at ``[::1]:port``, and the
   address the decode builds from ``/route`` reaches it.
 * A CP prefill whose every CP rank sends its share of the pages: each rank counts the tokens of
-  its share as SGLang cuts it; only a DSA cache layer split is refused, naming the setting.
+  its share as SGLang cuts it (a DSA cache layer split's CP ranks send whole chunks of their own
+  layers: tests/test_sglang_layout.py, tests/test_cp_e2e.py).
 * A CP-TP group sharing prefill: each CP rank publishes itself as a TP rank of a CP-1 prefill,
   to the bootstrap server and in its handshake service's ``PrefillServerInfo``.
 """
@@ -112,15 +113,6 @@ def test_a_cp_tp_sharing_prefill_rank_publishes_itself_as_tp_rank_r_of_a_cp_1_pr
     assert (server["attn_tp_size"], server["attn_cp_size"]) == (2, 1), server
     assert [row["pdproto_port"] for row in rows] == [out["port"] for out in outs], rows
     assert codes == [0, 0], errs
-
-
-def test_cp_refusal_covers_only_a_dsa_cache_layer_split() -> None:
-    layout.refuse_cp_layer_split(1, True)  # no CP: served
-    layout.refuse_cp_layer_split(2, False)  # CP ranks sending their pages (or rank 0 alone): served
-    with pytest.raises(ConfigError) as info:
-        layout.refuse_cp_layer_split(2, True)
-    assert info.value.reason is Reason.CONFIG_INVALID
-    assert info.value.metadata["setting"] == "enable_dsa_cache_layer_split"
 
 
 def test_a_cp_ranks_share_of_a_chunk_counts_its_own_tokens() -> None:

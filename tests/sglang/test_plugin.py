@@ -7,6 +7,7 @@ The checks with the plugin share one process; the one without it has its own.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +115,10 @@ from sglang.srt.server_args import prepare_server_args
 
 MODEL = {model!r}
 
-def resolve(*flags, env=None):
+def resolve(*flags, env=None, model=MODEL):
     os.environ.pop("SGLANG_DISAGG_STAGING_BUFFER", None)
     os.environ.update(env or {{}})
-    argv = ["--model-path", MODEL, "--device", "cpu", "--skip-tokenizer-init", *flags]
+    argv = ["--model-path", model, "--device", "cpu", "--skip-tokenizer-init", *flags]
     try:
         args = prepare_server_args(argv)
     except SystemExit as exc:
@@ -142,6 +143,20 @@ results["server_args"] = {{
                                "--disaggregation-transfer-backend", "pdproto"),
     "pdproto_dcp4_staging": resolve(*decode("pdproto"), env={{"SGLANG_DISAGG_STAGING_BUFFER": "1"}}),
 }}
+
+def layer_split(backend):
+    import torch
+    capability = torch.cuda.get_device_capability
+    # A DSA config's step asks CUDA for the device capability (model_hook.py:341), which this host lacks.
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    try:
+        return resolve("--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
+                       "--tp-size", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy", "interleave",
+                       "--enable-dsa-cache-layer-split", model={dsa!r})
+    finally:
+        torch.cuda.get_device_capability = capability
+
+results["layer_split"] = {{backend: layer_split(backend) for backend in ("pdproto", "nixl")}}
 """
 
 
@@ -152,10 +167,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def with_plugin(model_dir: Path) -> dict[str, Any]:
+def with_plugin(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The plugin's checks in one process: each starts SGLang's runtime anew, which takes seconds on two cores."""
-    return run_sglang("results = {}\n" + RESOLVE + SERVER_ARGS.format(model=str(model_dir)) + BOOTSTRAP.format()
-                      + "print(json.dumps(results))\n")
+    # DeepSeek-V3.2: the MLA config with a DSA indexer and a q LoRA rank (what is_deepseek_dsa and its config read).
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=256,
+                  index_topk=2048, index_n_heads=4, index_head_dim=128)
+    dsa = tmp_path_factory.mktemp("dsa")
+    (dsa / "config.json").write_text(json.dumps(config))
+    return run_sglang("results = {}\n" + RESOLVE + SERVER_ARGS.format(model=str(model_dir), dsa=str(dsa))
+                      + BOOTSTRAP.format() + "print(json.dumps(results))\n")
 
 
 def test_server_args_accept_dcp4_decode_with_plugin(with_plugin: dict[str, Any]) -> None:
@@ -167,6 +188,13 @@ def test_server_args_accept_dcp4_decode_with_plugin(with_plugin: dict[str, Any])
     assert out["pdproto_prefill"]["backend"] == "pdproto"
     # The stand-in name the hook uses for the DCP check must not let this through.
     assert "SGLANG_DISAGG_STAGING_BUFFER requires" in out["pdproto_dcp4_staging"]["rejected"]
+
+
+def test_server_args_accept_a_dsa_layer_split_prefill_with_plugin(with_plugin: dict[str, Any]) -> None:
+    """SGLang allows the DSA cache layer split with Mooncake only (model_hook.py:393-408); pdproto serves it."""
+    out = with_plugin["layer_split"]
+    assert out["pdproto"]["backend"] == "pdproto", out
+    assert "only supports the mooncake transfer backend" in out["nixl"]["rejected"], out
 
 
 WITHOUT_PLUGIN = """

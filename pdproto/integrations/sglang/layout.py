@@ -19,8 +19,15 @@ arguments by hand):
   (``Ranks.cp_split_pages``): CP rank r sends its contiguous share of the pages
   (``filter_kv_indices_for_cp_rank``), each chunk at its page position and with the tokens of
   its own pages (``cp_share_tokens``), and CP rank 0 alone the state and aux every CP rank
-  holds whole. A DSA cache layer split, whose CP ranks hold different layers, is refused
-  (``refuse_cp_layer_split``).
+  holds whole. Under SGLang's DSA cache layer split (``Ranks.cp_layers``) CP rank r holds
+  layers ``[start, end)`` of the model (``get_layer_shard_range``: contiguous, the first ranks
+  one more) and SGLang skips the page filter: the rank publishes ``enable_dsa_cache_layer_split``,
+  its KV entries numbered from ``prefill_start_layer`` (SGLang's ``layer_shard_start``) and its
+  ``dsa`` index tensors with the layer ids of its KV entries, and sends every page of them; the
+  last CP rank also holds the draft's (``transfer_draft_cache``) and writes the state without
+  layer ids (``dsa_tail``, whole on every rank), CP rank 0 the aux (``negotiation.senders``). A
+  single-stage decode numbers its ``dsa`` tensors the same way, which a prefill without the
+  split leaves unused (``negotiation.extras``).
 * KV cache sharding (``--enable-kv-cache-sharding``; ``Ranks.kv_shards``): logical page l lives on
   shard rank l % n as local page l // n, and SGLang hands each rank's sender its own local pages
   with their positions in the request (``filter_kv_indices_for_shard_rank``), which reach the
@@ -140,6 +147,9 @@ class Ranks:
     ``enable_all_cp_ranks_for_transfer``); otherwise CP rank 0 sends everything."""
     kv_shards: int = 1
     """Ranks each request's pages are striped across (SGLang ``kv_shard_size``); 1: none."""
+    cp_layers: bool = False
+    """Each attention-CP rank holds its own layers (SGLang's DSA cache layer split) and sends every page of
+    them, KV and DSA index."""
 
     def cp_as_tp(self) -> Ranks:
         """This rank as SGLang's backends present a CP-TP group sharing prefill rank: CP rank r of n sends as
@@ -151,23 +161,6 @@ def host_port(host: str, port: int) -> str:
     """``host:port`` as gRPC takes it: an IPv6 host in brackets (``[::1]:50051``)."""
     host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def refuse_cp_layer_split(attn_cp_size: int, layer_split: bool) -> None:
-    """Raise ``ConfigError`` for a prefill whose attention-CP ranks each hold other layers (DSA cache layer split).
-
-    SGLang then has every CP rank send every page of its own layers and state
-    (``_prepare_send_indices`` skips the page filter); pdproto pairs a prefill rank's layers
-    as the whole model's, so each CP rank would overwrite the others' layers.
-    """
-    if attn_cp_size <= 1 or not layer_split:
-        return
-    raise ConfigError(
-        f"--attn-cp-size {attn_cp_size} with the DSA cache layer split on the prefill is not supported with "
-        "--disaggregation-transfer-backend pdproto: each CP rank holds other layers, and pdproto pairs a CP "
-        "rank's layers as the model's; run this prefill without the layer split, or use "
-        "--disaggregation-transfer-backend mooncake or nixl for it",
-        reason=Reason.CONFIG_INVALID, metadata={"setting": "enable_dsa_cache_layer_split", "value": str(attn_cp_size)})
 
 
 def cp_share_tokens(chunk_start: int, chunk_pages: int, chunk_tokens: int, *, total_pages: int,
@@ -269,10 +262,11 @@ def _roles(kv_args: Any) -> list[EntryRole]:
     return [EntryRole.TARGET if i < targets else EntryRole.DRAFT for i in range(n)]
 
 
-def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[common_pb2.StateKind.ValueType,
-                                                                           common_pb2.StateTpPolicy.ValueType],
-                                                                list[dict[str, Any]]]]:
-    """(type name, kind, per tensor its fields) of every state component SGLang registered."""
+def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int | None] = ()) -> list[
+        tuple[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpPolicy.ValueType], list[dict[str, Any]]]]:
+    """(type name, kind, per tensor its fields) of every state component SGLang registered; a ``dsa``
+    component's tensors, one per KV entry (the target's layers, then the draft's), take ``dsa_layers``
+    as layer ids, SGLang sending none."""
     out = []
     types = list(getattr(kv_args, "state_types", None) or [])
 
@@ -298,12 +292,15 @@ def _state_components(kv_args: Any, pp_size: int = 1) -> list[tuple[str, tuple[c
                 metadata={"stateType": name, "ppSize": pp_size})
         ptrs = list(kv_args.state_data_ptrs[k])
         count = len(ptrs)
+        layers = column("state_layer_ids", k, count)
+        if name == "dsa" and len(dsa_layers) == count and all(i is None for i in layers):
+            layers = list(dsa_layers)
         tensors = [
             {"ptr": p, "length": ln, "item_len": it, "dim": d, "outer": o, "groups": g, "layer": lid}
             for p, ln, it, d, o, g, lid in zip(
                 ptrs, column("state_data_lens", k, count), column("state_item_lens", k, count),
                 column("state_dim_per_tensor", k, count), column("state_slice_outer_counts", k, count),
-                column("state_conv_shard_groups", k, count), column("state_layer_ids", k, count), strict=True)
+                column("state_conv_shard_groups", k, count), layers, strict=True)
             # A DSA layer that reuses the previous layer's top-k has a 0-row index buffer: nothing
             # moves for it and it registers nothing (SGLang's is_elided_entry, utils.py:1045-1064).
             if it != 0
@@ -372,6 +369,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     _refuse_compressed_kv(kv_args, ranks)
     hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
     ids = kv_layer_ids(kv_args, prefill=True, pp_size=ranks.pp[0])
+    layer_split = ranks.cp_layers and ranks.attn_cp[0] > 1
     info = v1.PrefillServerInfo(
         version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
         attn_tp=_group(ranks.attn_tp), attn_cp=_group(ranks.attn_cp), attn_dp=_group(ranks.attn_dp),
@@ -384,11 +382,11 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
         backends=[backend],  # type: ignore[list-item]
         total_kv_heads=int(getattr(kv_args, "total_kv_head_num", 0) or 0),
         cp_ranks_split_pages=ranks.cp_split_pages and ranks.attn_cp[0] > 1,
-        enable_kv_cache_sharding=ranks.kv_shards > 1)
+        enable_dsa_cache_layer_split=layer_split, enable_kv_cache_sharding=ranks.kv_shards > 1)
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
-    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0]):
+    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0], ids if layer_split else ()):
         entry = info.state_entries.add(kind=kind, type_name=name, tp_policy=policy)
         for t in tensors:
             entry.tensors.add(item_len=int(t["item_len"]), dim=int(t["dim"] or 0), outer_count=int(t["outer"] or 0),
@@ -411,7 +409,7 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
     state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
                                                      None if t["layer"] is None else int(t["layer"]))
                                          for t in tensors), type_name=name)
-                  for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0]))
+                  for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0], ids))
     return DecodeLayout(
         page_size=page, kv=kv, kv_cache_dtype=kv_dtype(kv_args.kv_cache_dtype_str),
         attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
@@ -453,5 +451,5 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
 
 
 __all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "Ranks", "Regions", "attention_kind",
-           "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "page_rows", "refuse_cp_layer_split",
-           "regions", "ring_sizes", "server_info", "shard_tokens", "state_items"]
+           "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "page_rows", "regions",
+           "ring_sizes", "server_info", "shard_tokens", "state_items"]

@@ -176,9 +176,17 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             self._start_heartbeat_checker_thread()
 
     @property
+    def splits_layers(self) -> bool:
+        """Whether each CP rank holds its own layers and sends every page of them (DSA cache layer split)."""
+        from sglang.srt.runtime_context import get_parallel
+
+        return bool(get_parallel().enable_dsa_cache_layer_split) and self.attn_cp_size > 1
+
+    @property
     def splits_pages(self) -> bool:
-        """Whether SGLang cuts each chunk to this CP rank's share of the pages (``filter_kv_indices_for_cp_rank``)."""
-        return bool(self.enable_all_cp_ranks_for_transfer) and self.attn_cp_size > 1
+        """Whether SGLang cuts each chunk to this CP rank's share of the pages (``filter_kv_indices_for_cp_rank``;
+        not under the layer split, ``_prepare_send_indices``)."""
+        return bool(self.enable_all_cp_ranks_for_transfer) and self.attn_cp_size > 1 and not self.splits_layers
 
     @property
     def kv_shards(self) -> int:
@@ -194,7 +202,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             attn_tp=(self.attn_tp_size, self.attn_tp_rank), attn_cp=(self.attn_cp_size, self.attn_cp_rank),
             attn_dp=(self.attn_dp_size, self.attn_dp_rank), system_dp=(self.system_dp_size, self.system_dp_rank),
             pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size,
-            cp_split_pages=self.splits_pages, kv_shards=self.kv_shards)
+            cp_split_pages=self.splits_pages, kv_shards=self.kv_shards, cp_layers=self.splits_layers)
         return ranks.cp_as_tp() if get_parallel().enable_cp_tp_group_sharing else ranks
 
     # -- prefill ------------------------------------------------------------------------
@@ -203,9 +211,6 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """Start this rank's handshake service, then ``PUT /route``: its gRPC port as ``pdproto_port``, and as
         ``rank_port`` the legacy listener that SGLang's own Mooncake decodes dial (``pdproto_server/legacy.py``)."""
         if self.prefill_side is None:
-            from sglang.srt.runtime_context import get_parallel
-
-            layout.refuse_cp_layer_split(self.attn_cp_size, bool(get_parallel().enable_dsa_cache_layer_split))
             from sglang.srt.environ import envs
 
             match_timeout = max(envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get(),

@@ -7,7 +7,7 @@ entrypoints/engine.py:286, managers/scheduler.py:6323). ``load_plugins`` then ap
 registered hooks (``HookRegistry.apply_hooks``), which also rebinds every module that took
 the hooked name with ``from ... import``. Without the plugin nothing in SGLang changes.
 
-SGLang knows its transfer backends by name in four places; each gets one hook:
+SGLang knows its transfer backends by name in five places; each gets one hook:
 
 * the ``--disaggregation-transfer-backend`` choices: extended with ``pdproto``;
 * ``TransferBackend`` (an Enum, ``disaggregation/utils.py:681``): replaced by an Enum with
@@ -18,7 +18,11 @@ SGLang knows its transfer backends by name in four places; each gets one hook:
 * the decode-DCP check in ``handle_pd_disaggregation`` (``arg_groups/pd_disaggregation_hook.py:82-96``),
   which names the backends it trusts: overridden through SGLang's resolution-hook
   registry so a ``pdproto`` decode with ``--dcp-size`` > 1 passes it, while every other
-  decision of that step still applies.
+  decision of that step still applies;
+* the DSA cache layer split check in ``handle_model_specific_adjustments``
+  (``arg_groups/model_hook.py:393-408``), which allows only ``mooncake`` (its all-CP-rank transfer,
+  which pdproto serves: ``layout.Ranks.cp_layers``) and is the step's one use of the backend name:
+  the same stand-in for a ``pdproto`` prefill with ``--enable-dsa-cache-layer-split``.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ on purpose: every backend shares SGLang's own ``KVArgs`` (utils.py:722-726)."""
 _TRANSFER_BACKEND = "sglang.srt.disaggregation.utils.TransferBackend"
 _GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 _PD_STEP = "handle_pd_disaggregation"
-# A backend SGLang's decode-DCP check names; see _pd_disaggregation_step.
-_DCP_CAPABLE_STAND_IN = "mooncake"
+_MODEL_STEP = "handle_model_specific_adjustments"
+# A backend SGLang's decode-DCP and layer-split checks name; see _as_stand_in.
+_STAND_IN = "mooncake"
 
 _registered = False
 
@@ -71,6 +76,7 @@ def register() -> None:
         HookRegistry.register(_TRANSFER_BACKEND, extend_transfer_backend(original), HookType.REPLACE)
     HookRegistry.register(_GET_KV_CLASS, get_kv_class_hook, HookType.AROUND)
     register_resolution_hook(_PD_STEP)(pd_disaggregation_step)
+    register_resolution_hook(_MODEL_STEP)(model_step)
     _registered = True
     logger.info("pdproto: registered SGLang transfer backend %r", BACKEND)
 
@@ -127,7 +133,7 @@ def pd_disaggregation_step(server_args: Any, previous: Callable[[Any], None]) ->
     role-switch and allocation-policy checks) applies unchanged; outside that case the
     step runs untouched.
     """
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.environ import envs
 
     cfg = resolving_view(server_args)
@@ -144,9 +150,27 @@ def pd_disaggregation_step(server_args: Any, previous: Callable[[Any], None]) ->
             "SGLANG_DISAGG_STAGING_BUFFER requires disaggregation_transfer_backend="
             f"'mooncake' or 'nixl', got '{BACKEND}'."
         )
-    declare_resolution(
-        server_args, "pdproto plugin", disaggregation_transfer_backend=_DCP_CAPABLE_STAND_IN
-    )
+    _as_stand_in(server_args, previous)
+
+
+def model_step(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Resolution hook around SGLang's ``handle_model_specific_adjustments``: a ``pdproto`` prefill with the
+    DSA cache layer split passes the step's Mooncake-only check (module docstring); otherwise untouched."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    if is_pdproto(cfg.disaggregation_transfer_backend) and cfg.enable_dsa_cache_layer_split:
+        _as_stand_in(server_args, previous)
+    else:
+        previous(server_args)
+
+
+def _as_stand_in(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Run a resolution step with ``_STAND_IN`` declared as the backend, then pdproto's name again (SGLang's
+    declarations are last-writer-wins)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    declare_resolution(server_args, "pdproto plugin", disaggregation_transfer_backend=_STAND_IN)
     try:
         previous(server_args)
     finally:
