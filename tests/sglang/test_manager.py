@@ -9,6 +9,7 @@
   its share as SGLang cuts it; only a DSA cache layer split is refused, naming the setting.
 * A CP-TP group sharing prefill: each CP rank publishes itself as a TP rank of a CP-1 prefill,
   to the bootstrap server and in its handshake service's ``PrefillServerInfo``.
+* A DeepSeek-V4 decode of PP 2: each stage's entries carry the layers SGLang's model gives the stage.
 """
 
 from __future__ import annotations
@@ -153,6 +154,19 @@ def test_a_kv_sharding_mla_prefill_tp_rank_sends_its_every_other_page_at_its_pos
         assert out["info"] == {"attn_tp": [2, r], "attn_cp": [1, 0]}, out
     assert outs[0]["chunks"] == [[1, [1], 64, False, None], [3, [2], 64, False, None], [2, [], 0, True, 3]]
     assert outs[1]["chunks"] == [[[0, 2], [0, 1], 128, False, None], [4, [2], 40, True, 3]]
+    assert codes == [0, 0], errs
+
+
+@pytest.mark.process
+def test_a_deepseek_v4_decode_stage_numbers_its_entries_from_the_layers_sglang_gives_it(tmp_path: Path) -> None:
+    """A DeepSeek-V4 decode of --pp-size 2 (layers of ratios 0, 4, 128, 4): its KVArgs carry no layer range, so
+    the manager takes the one SGLang's model builds (get_pp_indices: layers 0-1, then 2-3), and each stage's
+    C4 KV and indexer, C128 KV, window and compressor rings carry their layers, as a prefill stage's do."""
+    outs, codes, errs = _run_group(tmp_path, "dsv4", "--dsv4-decode")
+    assert outs == [
+        {"rank": 0, "kv": [[1, 37440], [1, 8448]], "state": {"swa": [0, 1, 1, 1]}},
+        {"rank": 1, "kv": [[3, 37440], [3, 8448], [2, 1728]], "state": {"swa": [2, 3, 3, 3], "c128_state": [2]}},
+    ], errs
     assert codes == [0, 0], errs
 
 
