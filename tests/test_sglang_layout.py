@@ -392,8 +392,8 @@ def dsv4(*, base: int = 0x10_0000, ratios: tuple[int, ...] = (0, 4, 128, 4), sta
     layer; ``swa`` = every layer's SWA pages (256 x 584, padded), then the C4 compressor rings (8 rows x 4,096
     fp32 bytes) and C4 indexer-compressor rings of the ratio-4 layers, all by SWA page; ``c128_state`` = each
     ratio-128 layer's C128 ring of one request (128 rows x 4,096), left out without one; the model's
-    ``mla_compression_ratios``, no KV layer ids. ``stage``: a prefill PP stage's ``[prefill_start_layer,
-    prefill_end_layer)``, whose pool registers those layers only, grouped the same way."""
+    ``mla_compression_ratios``, no KV layer ids. ``stage``: a PP stage's layers (a prefill's
+    ``[prefill_start_layer, prefill_end_layer)``), whose pool registers those layers only, grouped the same way."""
     first, stop = stage or (0, len(ratios))
     c4 = sum(r == 4 for r in ratios[first:stop])
     c128 = sum(r == 128 for r in ratios[first:stop])
