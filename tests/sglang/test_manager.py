@@ -9,7 +9,8 @@
   its share as SGLang cuts it; only a DSA cache layer split is refused, naming the setting.
 * A CP-TP group sharing prefill: each CP rank publishes itself as a TP rank of a CP-1 prefill,
   to the bootstrap server and in its handshake service's ``PrefillServerInfo``.
-* A DeepSeek-V4 decode of PP 2: each stage's entries carry the layers SGLang's model gives the stage.
+* DeepSeek-V4 with PP 2: each decode stage's entries carry the layers SGLang's model gives the stage,
+  and each prefill stage's pair with the decode entries SGLang's own PP slicing picks.
 """
 
 from __future__ import annotations
@@ -168,6 +169,40 @@ def test_a_deepseek_v4_decode_stage_numbers_its_entries_from_the_layers_sglang_g
         {"rank": 1, "kv": [[3, 37440], [3, 8448], [2, 1728]], "state": {"swa": [2, 3, 3, 3], "c128_state": [2]}},
     ], errs
     assert codes == [0, 0], errs
+
+
+V4_SLICES = """
+from types import SimpleNamespace
+from sglang.srt.disaggregation.base.conn import StateType
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from pdproto.integrations.sglang import layout
+from tests.test_sglang_layout import DSV4_PP, _pair, _v4_pp, dsv4
+
+decode = dsv4(ratios=DSV4_PP, base=0x20_0000)
+out = []
+for stage in ((0, 3), (3, 6)):
+    args, ranks = _v4_pp(stage)
+    decision = _pair(args, ranks, decode, layout.Ranks(attn_tp=(1, 0)))
+    ours = [[decode.kv_data_ptrs[p.dst_entry] for p in decision.pairings]]
+    ours += [[decode.state_data_ptrs[e.dst_entry][t.dst_tensor] for t in e.tensors] for e in decision.tp.state]
+    manager = SimpleNamespace(kv_args=SimpleNamespace(prefill_start_layer=stage[0], prefill_end_layer=stage[1]))
+    sglangs = [CommonKVManager._mla_slice_ptrs_for_pp(manager, src, dst, list(DSV4_PP), kind)[1] for src, dst, kind in (
+        (args.kv_data_ptrs, decode.kv_data_ptrs, None),
+        (args.state_data_ptrs[0], decode.state_data_ptrs[0], StateType.SWA),
+        (args.state_data_ptrs[1], decode.state_data_ptrs[1], StateType.DSV4_REQUEST_STATE))]
+    out.append([ours, sglangs])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.process
+def test_deepseek_v4_pp_stages_pair_as_sglangs_own_slicing_cuts_a_whole_model_decode() -> None:
+    """The decode entries pdproto pairs each prefill stage's KV, swa and c128_state with (by layer id) are the
+    ones SGLang's own backends cut from a PP 1 decode's lists (``_mla_slice_ptrs_for_pp``), for both stages
+    of a model of ratios 0, 4, 128, 4, 128, 0."""
+    for ours, sglangs in run_sglang(V4_SLICES):
+        assert [len(group) for group in ours] == [3, 5, 1]
+        assert ours == sglangs
 
 
 def test_a_kv_shard_ranks_share_of_a_chunk_counts_its_own_tokens() -> None:
