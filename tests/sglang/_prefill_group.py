@@ -1,4 +1,4 @@
-"""One rank of a two-rank SGLang prefill (``tests/sglang/test_manager.py``), in its own process.
+"""One rank of a two-rank SGLang prefill or DeepSeek-V4 decode (``tests/sglang/test_manager.py``), in its own process.
 
 ``--cp``: a Kimi-Linear-shaped prefill with ``--tp-size 2 --attn-cp-size 2``, where SGLang makes
 every CP rank send its share (``enable_all_cp_ranks_for_transfer``); each rank sends one room of
