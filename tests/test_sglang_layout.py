@@ -8,6 +8,7 @@ Pure: no SGLang, no network.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -434,16 +435,25 @@ C4 KV of layers 1 and 3 (64 rows of 584 bytes, padded to 576-byte blocks), their
 (128 + 4)), C128 KV of layer 2 (2 rows, padded); ``get_contiguous_buf_infos``, deepseek_v4_memory_pool.py:1334."""
 
 
-def dsv4(*, base: int = 0x10_0000) -> SimpleNamespace:
+def dsv4(*, base: int = 0x10_0000, ratios: tuple[int, ...] = (0, 4, 128, 4), stage: tuple[int, int] | None = None,
+         draft: int = 0) -> SimpleNamespace:
     """A DeepSeek-V4 pool's KVArgs as ``setup_state_kv_args`` fills them (numbers from SGLang 0.5.23's own pool):
-    ``swa`` = 4 layers' SWA pages (256 x 584, padded), then the C4 compressor rings (8 rows x 4,096 fp32 bytes)
-    and C4 indexer-compressor rings of layers 1 and 3, all by SWA page; ``c128_state`` = layer 2's C128 ring
-    of one request (128 rows x 4,096); ``mla_compression_ratios`` set, no KV layer ids."""
-    swa = component("swa", [149760] * 4 + [65536] * 2 + [16384] * 2, base + 0x4000_0000)
-    args = kv_args(layers=5, base=base, state=[swa, component("c128_state", [524288], base + 0x6000_0000)])
-    args.page_size, args.kv_item_lens = 256, DSV4_KV
-    args.kv_data_lens = [n * 24 for n in DSV4_KV]
-    args.mla_compression_ratios = [0, 4, 128, 4]
+    per 256-token page the C4 KV of every ratio-4 layer, their C4 indexer keys, the C128 KV of every ratio-128
+    layer; ``swa`` = every layer's SWA pages (256 x 584, padded), then the C4 compressor rings (8 rows x 4,096
+    fp32 bytes) and C4 indexer-compressor rings of the ratio-4 layers, all by SWA page; ``c128_state`` = each
+    ratio-128 layer's C128 ring of one request (128 rows x 4,096), left out without one; the model's
+    ``mla_compression_ratios``, no KV layer ids. ``stage``: a PP stage's layers (a prefill's
+    ``[prefill_start_layer, prefill_end_layer)``), whose pool registers those layers only, grouped the same way."""
+    first, stop = stage or (0, len(ratios))
+    c4 = sum(r == 4 for r in ratios[first:stop])
+    c128 = sum(r == 128 for r in ratios[first:stop])
+    kv = [37440] * c4 + [8448] * c4 + [1728] * c128
+    state = [component("swa", [149760] * (stop - first) + [65536] * c4 + [16384] * c4, base + 0x4000_0000)]
+    state += [component("c128_state", [524288] * c128, base + 0x6000_0000)] if c128 else []
+    args = kv_args(layers=len(kv), base=base, state=state, start=first, draft=draft, draft_item=1728)
+    args.page_size, args.kv_item_lens = 256, kv + [1728] * draft
+    args.kv_data_lens = [n * 24 for n in args.kv_item_lens]
+    args.mla_compression_ratios, args.prefill_end_layer = list(ratios), stop
     return args
 
 
@@ -469,17 +479,97 @@ def test_deepseek_v4_compressed_kv_moves_whole_pages_as_rows_and_its_state_is_re
     assert sorted(moved) == [([0] * 5, 0), (DSV4_KV, 4 * 149760 + 2 * 65536 + 2 * 16384 + 524288)], moved
 
 
-def test_deepseek_v4_with_dcp_or_pp_is_refused_at_start_up_and_swa_ring_by_name() -> None:
-    # SGLang's V4 attention has no DCP, and its KV entries (compressed pages) carry no layer ids for PP stages.
+DSV4_PP = (0, 4, 128, 4, 128, 0)
+"""A DeepSeek-V4 model whose two PP stages, layers 0-2 and 3-5, each hold a ratio-4 and a ratio-128 layer."""
+
+
+def _v4_pp(stage: tuple[int, int]) -> tuple[SimpleNamespace, layout.Ranks]:
+    """Prefill PP stage ``stage`` of ``DSV4_PP`` (rank 0 holds layers 0-2, rank 1 layers 3-5)."""
+    return dsv4(ratios=DSV4_PP, stage=stage), layout.Ranks(attn_tp=(1, 0), pp=(2, stage[0] // 3))
+
+
+def _ids(info: v1.PrefillServerInfo | Any) -> tuple[list[int | None], list[list[int | None]]]:
+    """KV and per-entry state layer ids of a ``PrefillServerInfo`` or a ``DecodeLayout``."""
+    if isinstance(info, v1.PrefillServerInfo):
+        return ([e.layer_id if e.HasField("layer_id") else None for e in info.kv_entries],
+                [[t.layer_id if t.HasField("layer_id") else None for t in e.tensors] for e in info.state_entries])
+    return [e.layer_id for e in info.kv], [[t.layer_id for t in e.tensors] for e in info.state]
+
+
+def test_deepseek_v4_pp_stages_number_their_entries_by_layer_and_fill_a_pp1_decode_exactly_once() -> None:
+    # SGLang's pool lists entries by ratio ([C4 KV, C4 indexer, C128 KV]; swa = [window, C4 compressor, C4
+    # indexer compressor]), and its PP slicing cuts each group by the stage's layers (common/conn.py:1890-1995).
+    # pdproto gives each entry its layer (a C4 layer's two entries repeat it), so pairing by id does the cut.
+    stages = [_v4_pp((0, 3)), _v4_pp((3, 6))]
+    infos = [layout.server_info(a, r, is_mla_backend=True, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+             for a, r in stages]
+    assert [_ids(i) for i in infos] == [([1, 1, 2], [[0, 1, 2, 1, 1], [2]]), ([3, 3, 4], [[3, 4, 5, 3, 3], [4]])]
+    assert [i.start_layer for i in infos] == [0, 3]
+    decode = dsv4(ratios=DSV4_PP, base=0x20_0000)
+    dec = layout.decode_layout(decode, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
+                               notify_port=1)
+    assert _ids(dec) == ([1, 3, 1, 3, 2, 4], [[0, 1, 2, 3, 4, 5, 1, 3, 1, 3], [2, 4]])
+    kv_hits: list[tuple[int, int]] = []
+    state_hits: list[tuple[int, int, int]] = []
+    for (args, ranks) in stages:
+        decision = _pair(args, ranks, decode, layout.Ranks(attn_tp=(1, 0)))
+        assert isinstance(decision, Decision) and decision.tp, decision
+        kv_hits += [(p.dst_entry, rows) for p, rows in zip(decision.pairings, written(decision)[0], strict=True)]
+        state_hits += [(e.dst_entry, t.dst_tensor, sum(g.length for g in t.segments))
+                       for e in decision.tp.state for t in e.tensors]
+    # Every decode entry and state tensor is written by exactly one stage, its whole page or ring.
+    assert sorted(kv_hits) == list(enumerate(decode.kv_item_lens)), kv_hits
+    assert sorted(state_hits) == [(e, t, n) for e, items in enumerate(decode.state_item_lens)
+                                  for t, n in enumerate(items)], state_hits
+
+
+def test_deepseek_v4_decode_stages_of_equal_pp_number_their_layers_from_sglangs_split() -> None:
+    # A decode stage's KVArgs carry no layer range; the backend passes the one SGLang's model builds
+    # (Ranks.stage_layers), so each decode stage pairs with its own prefill stage by layer id.
+    for first in (0, 3):
+        args, ranks = _v4_pp((first, first + 3))
+        d_ranks = replace(ranks, stage_layers=(first, first + 3))
+        dec = layout.decode_layout(dsv4(ratios=DSV4_PP, stage=(first, first + 3), base=0x20_0000), d_ranks,
+                                   is_mla_backend=True, notify_host="h", notify_port=1)
+        info = layout.server_info(args, ranks, is_mla_backend=True, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+        assert _ids(dec) == _ids(info)
+        decision = _pair(args, ranks, dsv4(ratios=DSV4_PP, stage=(first, first + 3)), d_ranks)
+        assert isinstance(decision, Decision) and decision.tp, decision
+        assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(0, 0), (1, 1), (2, 2)]
+        assert written(decision)[1] == [149760] * 3 + [65536, 16384, 524288]
+    # Stage 0 does not feed decode stage 1, and a decode stage split elsewhere than the prefill's lacks a layer
+    # of it: both refused by the pairing, before any byte is planned.
+    for prefill, decode_stage in (((0, 3), (3, 6)), ((3, 6), (4, 6))):
+        refused = _pair(*_v4_pp(prefill), dsv4(ratios=DSV4_PP, stage=decode_stage),
+                        layout.Ranks(attn_tp=(1, 0), pp=(2, 1), stage_layers=decode_stage))
+        assert isinstance(refused, Rejection) and refused.reason is Reason.TOPOLOGY_MISSING_LAYER, refused
+
+
+def test_deepseek_v4_with_dcp_or_pp_shapes_sglang_cannot_slice_is_refused_at_start_up_and_swa_ring_by_name() -> None:
+    # SGLang's V4 attention has no DCP.
     with pytest.raises(ConfigError) as info:
         layout.decode_layout(dsv4(), layout.Ranks(attn_tp=(4, 1), dcp=(4, 1)), is_mla_backend=True, notify_host="h",
                              notify_port=1)
     assert info.value.reason is Reason.CONFIG_INVALID and "DeepSeek-V4" in info.value.message
     assert info.value.metadata == {"setting": "dcp_size", "value": "4"} and "mooncake or nixl" in info.value.message
+    # SGLang slices PP stages for ratios 4 and 128 and no draft (V4.1's ratio 2 layers share a kv_source).
+    v41 = dsv4(ratios=(0, 4, 128, 2), stage=(0, 2))
+    for args in (v41, dsv4(ratios=DSV4_PP, stage=(3, 6), draft=1)):
+        with pytest.raises(ConfigError) as info:
+            layout.server_info(args, layout.Ranks(attn_tp=(1, 0), pp=(2, 1)), is_mla_backend=True, host="h",
+                               port=1, backend=v1.BACKEND_MOONCAKE)
+        assert info.value.metadata == {"setting": "pp_size", "value": "2"}, info.value
+    # A decode stage without its layer range, and a pool whose lists are not its ratios' groups.
     with pytest.raises(ConfigError) as info:
-        layout.server_info(dsv4(), layout.Ranks(attn_tp=(1, 0), pp=(2, 0)), is_mla_backend=True, host="h", port=1,
+        layout.decode_layout(dsv4(ratios=DSV4_PP, stage=(0, 3)), layout.Ranks(attn_tp=(1, 0), pp=(2, 0)),
+                             is_mla_backend=True, notify_host="h", notify_port=1)
+    assert "--pp-size 1" in info.value.message
+    short = dsv4()
+    short.kv_item_lens = short.kv_item_lens[:4]
+    with pytest.raises(TopologyError) as refused:
+        layout.server_info(short, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
                            backend=v1.BACKEND_MOONCAKE)
-    assert info.value.metadata["setting"] == "pp_size"
+    assert refused.value.reason is Reason.TOPOLOGY_LAYER_METADATA_PARTIAL and "'kv'" in refused.value.message
     # ROCm's unified KV ships the window as swa_ring rows: still refused, naming it.
     args = dsv4()
     args.state_types[0] = "swa_ring"
@@ -594,7 +684,7 @@ def test_a_malformed_dsa_tail_index_is_refused_naming_it(indices: list[int], say
 
 def test_layer_ids_that_do_not_cover_every_entry_are_refused() -> None:
     with pytest.raises(TopologyError) as info:
-        layout.kv_layer_ids(kv_args(layer_ids=[3]), prefill=True, pp_size=1)
+        layout.kv_layer_ids(kv_args(layer_ids=[3]), layout.Ranks(attn_tp=(1, 0)), prefill=True)
     assert info.value.reason is Reason.TOPOLOGY_LAYER_METADATA_PARTIAL
 
 

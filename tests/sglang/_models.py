@@ -201,14 +201,16 @@ def _with_state(pools: Pools, layers: int) -> Pools:
 
 
 def build_pools(model: str, pool_pages: int, config_dir: str, *, tp: int | None = None,
-                role: str = "prefill") -> Pools:
-    """The rank's pools as SGLang builds them; ``tp`` overrides the state TP size (references)."""
-    pools = _build(model, pool_pages, config_dir, tp, role)
+                role: str = "prefill", stage: tuple[int, int] | None = None) -> Pools:
+    """The rank's pools as SGLang builds them; ``tp`` overrides the state TP size (references); ``stage``:
+    a PP stage's ``[start, end)`` layers (``dsv4`` only)."""
+    pools = _build(model, pool_pages, config_dir, tp, role, stage or (0, LAYERS[model]))
     pools.pages = pool_pages
     return _with_state(pools, LAYERS[model])
 
 
-def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: str) -> Pools:
+def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: str,
+           stage: tuple[int, int]) -> Pools:
     import torch
 
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridLinearKVPool, MambaPool, MLATokenToKVPool
@@ -269,14 +271,14 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: s
             c4_state_pool_size=size // page_of(model) * 8, c128_state_pool_size=0, page_size=page_of(model),
             swa_page_size=page_of(model), dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
             c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=ROPE_DIM, indexer_head_dim=128,
-            layer_num=LAYERS[model], device="cpu", enable_memory_saver=False, compression_ratios=DSV4_RATIOS,
-            sliding_window=SWA_WINDOW,
+            layer_num=stage[1] - stage[0], device="cpu", enable_memory_saver=False, compression_ratios=DSV4_RATIOS,
+            sliding_window=SWA_WINDOW, start_layer=stage[0], end_layer=stage[1],
         )  # fmt: skip
         for state in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
             if state is not None:  # torch.empty, then a sentinel row: the check reads unmoved bytes as zeros
                 state.kv_score_buffer.kv_score.zero_()
         kv = [*pool.c4_kv_pool.kv_buffer, *pool.c4_indexer_kv_pool.contiguous_page_row_buffers(),
-              *pool.c128_kv_pool.kv_buffer]  # get_contiguous_buf_infos's order
+              *(pool.c128_kv_pool.kv_buffer if pool.c128_kv_pool else [])]  # get_contiguous_buf_infos's order
         return Pools(pool, kv)
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
         pool = DSATokenToKVPool(

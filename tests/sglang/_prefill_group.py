@@ -1,4 +1,4 @@
-"""One rank of a two-rank SGLang prefill (``tests/sglang/test_manager.py``), in its own process.
+"""One rank of a two-rank SGLang prefill or DeepSeek-V4 decode (``tests/sglang/test_manager.py``), in its own process.
 
 ``--cp``: a Kimi-Linear-shaped prefill with ``--tp-size 2 --attn-cp-size 2``, where SGLang makes
 every CP rank send its share (``enable_all_cp_ranks_for_transfer``); each rank sends one room of
@@ -10,7 +10,9 @@ its pages' positions where they are scattered.
 ``--cp-tp-sharing``: the same sizes on the MLA model with SGLang's CP-TP group sharing stated;
 each rank prints whether it is a dummy CP rank and the attention TP and CP of its
 ``PrefillServerInfo``, rank 0 (which runs the bootstrap server) also what ``/route`` answers for
-the server and for each TP rank. Without either, PP 2:
+the server and for each TP rank. ``--dsv4-decode``: a DeepSeek-V4 decode of ``--pp-size 2``, each rank
+with SGLang's ``DeepSeekV4TokenToKVPool`` of its stage's layers (``get_pp_indices``); each prints the
+layer ids its ``DecodeLayout`` gives its KV and state entries. Without any of these, PP 2:
 
 Each rank boots SGLang with ``--pp-size 2`` (ServerArgs, ``publish``, ``init_parallel_runtime``:
 real gloo groups, PP included), builds the MLA pool of ``_models.py`` and the pdproto manager
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.sglang._models import LAYERS, build_pools
+from tests.sglang._models import LAYERS, build_pools, page_of
 
 BOTH, STAGE1_FAILS = 501, 502
 CP_ROOM, CP_PAGES, CP_CHUNKS = 503, [1, 2, 3, 4, 5], [(0, 128), (128, 256), (256, 296)]
@@ -54,7 +56,7 @@ STAGE1_REASON = "stage 1 lost its decode"
 FAILED, BOOTSTRAPPING, WAITING = 0, 1, 2  # KVPoll (disaggregation/base/conn.py:123-128)
 
 
-def _boot(args: argparse.Namespace, model_flags: list[str]) -> Any:
+def _boot(args: argparse.Namespace, model_flags: list[str], role: str = "prefill", page: int = 64) -> Any:
     from tests.sglang import _stubs
 
     _stubs.install()
@@ -66,7 +68,7 @@ def _boot(args: argparse.Namespace, model_flags: list[str]) -> Any:
     load_plugins()
     server_args = prepare_server_args([
         "--model-path", args.model_dir, "--device", "cpu", "--host", "127.0.0.1", "--skip-tokenizer-init",
-        "--page-size", "64", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "pdproto",
+        "--page-size", str(page), "--disaggregation-mode", role, "--disaggregation-transfer-backend", "pdproto",
         "--disaggregation-bootstrap-port", str(args.bootstrap_port), *model_flags,
     ])  # fmt: skip
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=args.rank, gpu_id=args.rank))
@@ -176,6 +178,25 @@ def _cp_tp_sharing(args: argparse.Namespace) -> None:
     del bootstrap
 
 
+def _dsv4_decode(args: argparse.Namespace) -> None:
+    """A DeepSeek-V4 decode rank of ``--pp-size 2``: the layer ids its layout gives its own stage's entries."""
+    server_args = _boot(args, ["--pp-size", "2"], role="decode", page=page_of("dsv4"))
+    from sglang.srt.distributed import get_pp_indices
+    from sglang.srt.runtime_context import get_parallel
+
+    from tests.sglang._ranks import _manager, _metadata
+
+    stage = get_pp_indices(LAYERS["dsv4"], args.rank, 2)  # the layers SGLang's model builds on this stage
+    pools = build_pools("dsv4", 8, args.model_dir, stage=stage)
+    metadata, _ = _metadata()
+    manager = _manager(server_args, "decode", pools.pool, metadata, LAYERS["dsv4"])
+    layout = manager.decode_side.layout
+    print(json.dumps({"rank": args.rank, "kv": [[e.layer_id, e.token_bytes] for e in layout.kv],
+                      "state": {e.type_name: [t.layer_id for t in e.tensors] for e in layout.state}}), flush=True)
+    get_parallel().pp_group.barrier()
+    manager.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--rank", "--bootstrap-port", "--dist-port"):
@@ -184,7 +205,11 @@ def main() -> None:
     parser.add_argument("--cp", action="store_true")
     parser.add_argument("--cp-tp-sharing", action="store_true")
     parser.add_argument("--kv-shard", action="store_true")
+    parser.add_argument("--dsv4-decode", action="store_true")
     args = parser.parse_args()
+    if args.dsv4_decode:
+        _dsv4_decode(args)
+        return
     if args.cp or args.cp_tp_sharing or args.kv_shard:
         (_cp_tp_sharing if args.cp_tp_sharing else _split)(args)
         return

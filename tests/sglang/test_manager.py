@@ -10,6 +10,8 @@
   layers: tests/test_sglang_layout.py, tests/test_cp_e2e.py).
 * A CP-TP group sharing prefill: each CP rank publishes itself as a TP rank of a CP-1 prefill,
   to the bootstrap server and in its handshake service's ``PrefillServerInfo``.
+* DeepSeek-V4 with PP 2: each decode stage's entries carry the layers SGLang's model gives the stage,
+  and each prefill stage's pair with the decode entries SGLang's own PP slicing picks.
 """
 
 from __future__ import annotations
@@ -146,6 +148,53 @@ def test_a_kv_sharding_mla_prefill_tp_rank_sends_its_every_other_page_at_its_pos
     assert outs[0]["chunks"] == [[1, [1], 64, False, None], [3, [2], 64, False, None], [2, [], 0, True, 3]]
     assert outs[1]["chunks"] == [[[0, 2], [0, 1], 128, False, None], [4, [2], 40, True, 3]]
     assert codes == [0, 0], errs
+
+
+@pytest.mark.process
+def test_a_deepseek_v4_decode_stage_numbers_its_entries_from_the_layers_sglang_gives_it(tmp_path: Path) -> None:
+    """A DeepSeek-V4 decode of --pp-size 2 (layers of ratios 0, 4, 128, 4): its KVArgs carry no layer range, so
+    the manager takes the one SGLang's model builds (get_pp_indices: layers 0-1, then 2-3), and each stage's
+    C4 KV and indexer, C128 KV, window and compressor rings carry their layers, as a prefill stage's do."""
+    outs, codes, errs = _run_group(tmp_path, "dsv4", "--dsv4-decode")
+    assert outs == [
+        {"rank": 0, "kv": [[1, 37440], [1, 8448]], "state": {"swa": [0, 1, 1, 1]}},
+        {"rank": 1, "kv": [[3, 37440], [3, 8448], [2, 1728]], "state": {"swa": [2, 3, 3, 3], "c128_state": [2]}},
+    ], errs
+    assert codes == [0, 0], errs
+
+
+V4_SLICES = """
+from types import SimpleNamespace
+from sglang.srt.disaggregation.base.conn import StateType
+from sglang.srt.disaggregation.common.conn import CommonKVManager
+from pdproto.integrations.sglang import layout
+from tests.test_sglang_layout import DSV4_PP, _pair, _v4_pp, dsv4
+
+decode = dsv4(ratios=DSV4_PP, base=0x20_0000)
+out = []
+for stage in ((0, 3), (3, 6)):
+    args, ranks = _v4_pp(stage)
+    decision = _pair(args, ranks, decode, layout.Ranks(attn_tp=(1, 0)))
+    ours = [[decode.kv_data_ptrs[p.dst_entry] for p in decision.pairings]]
+    ours += [[decode.state_data_ptrs[e.dst_entry][t.dst_tensor] for t in e.tensors] for e in decision.tp.state]
+    manager = SimpleNamespace(kv_args=SimpleNamespace(prefill_start_layer=stage[0], prefill_end_layer=stage[1]))
+    sglangs = [CommonKVManager._mla_slice_ptrs_for_pp(manager, src, dst, list(DSV4_PP), kind)[1] for src, dst, kind in (
+        (args.kv_data_ptrs, decode.kv_data_ptrs, None),
+        (args.state_data_ptrs[0], decode.state_data_ptrs[0], StateType.SWA),
+        (args.state_data_ptrs[1], decode.state_data_ptrs[1], StateType.DSV4_REQUEST_STATE))]
+    out.append([ours, sglangs])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.process
+def test_deepseek_v4_pp_stages_pair_as_sglangs_own_slicing_cuts_a_whole_model_decode() -> None:
+    """The decode entries pdproto pairs each prefill stage's KV, swa and c128_state with (by layer id) are the
+    ones SGLang's own backends cut from a PP 1 decode's lists (``_mla_slice_ptrs_for_pp``), for both stages
+    of a model of ratios 0, 4, 128, 4, 128, 0."""
+    for ours, sglangs in run_sglang(V4_SLICES):
+        assert [len(group) for group in ours] == [3, 5, 1]
+        assert ours == sglangs
 
 
 def test_a_kv_shard_ranks_share_of_a_chunk_counts_its_own_tokens() -> None:

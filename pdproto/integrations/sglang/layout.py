@@ -12,7 +12,8 @@ arguments by hand):
 * Layer ids: SGLang sends them for hybrid pools only (``build_kv_layer_ids``). Otherwise a
   plain pool holds its stage's layers in order, so the prefill numbers them from
   ``prefill_start_layer`` and a single-stage decode from 0 (draft entries after the target's
-  layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position.
+  layers, as SGLang numbers them); a decode with PP > 1 sends none and pairs by position
+  (DeepSeek-V4's entries: below).
 * A prefill whose every attention-CP rank sends a share of each request (SGLang's
   ``enable_all_cp_ranks_for_transfer`` with CP > 1: hybrid MLA, or
   ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``) publishes ``cp_ranks_split_pages``
@@ -45,10 +46,17 @@ arguments by hand):
   passes, whole pages as SGLang's own backends send them (``mooncake/conn.py:1346-1394``), replicated
   as MLA rows are. Its ``swa`` component is the SWA pages of the window followed by the C4
   compressor and indexer-compressor rings of the same SWA pages (``deepseek_v4_memory_pool.py:1484-1518``),
-  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. SGLang runs
-  DeepSeek-V4 with neither decode context parallelism nor (in PD) pipeline stages pdproto can pair,
-  so both are refused at start-up (``_refuse_compressed_kv``); ``request_row`` comes only with a DSpark
-  draft, which SGLang serves in PD with Mooncake or NIXL only, and ``swa_ring`` only on ROCm.
+  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. The pool
+  lists its entries by ratio, each list holding the rank's stage only (SGLang's PP slicing cuts each
+  by the stage's layers and ``mla_compression_ratios``, ``common/conn.py:1890-1995``), so every entry
+  carries its layer id (``_v4_layers``): KV ``[C4 layers, C4 layers, C128 layers]``, ``swa`` ``[every
+  layer, C4 layers, C4 layers]``, ``c128_state`` the C128 layers, from ``[prefill_start_layer,
+  prefill_end_layer)`` on a prefill, every ratio on a decode of PP 1, and on a decode stage the range
+  SGLang's model builds (``Ranks.stage_layers``); pairing by id (a C4 layer's second entry with its
+  second) then fills a PP 1 decode from every prefill stage. Refused at start-up
+  (``_refuse_compressed_kv``): decode context parallelism (SGLang's V4 attention has none), and PP > 1
+  with V4.1's ratios 1 and 2 or a draft (SGLang's slicing knows neither); ``request_row`` comes only
+  with a DSpark draft, which SGLang serves in PD with Mooncake or NIXL only, and ``swa_ring`` only on ROCm.
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
   KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
@@ -118,6 +126,10 @@ TAIL_SLOT_BYTES = 256
 PP_REFUSED = frozenset({"minimax_index_k", "minimax_dense_kv"})
 """State types SGLang moves only between servers without pipeline parallelism (compacted layer lists)."""
 
+V4_PP_RATIOS = frozenset({0, 4, 128})
+"""DeepSeek-V4 compression ratios whose entries pdproto numbers by layer (``_v4_layers``), as SGLang's PP slicing
+does; V4.1's ratios 1 and 2 (entries of kv_source layers) pair by position, between single-stage servers."""
+
 CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT)
 """What a decode rank of this backend announces: its pages take rows planned per token, so a prefill of
 another page size (a vLLM prefill's block of 16) may feed it; SGLang's own bootstrap check still keeps
@@ -140,6 +152,9 @@ class Ranks:
     """(size, rank) of pipeline parallelism."""
     dcp: tuple[int, int] = (1, 0)
     """(size, rank) of decode context parallelism."""
+    stage_layers: tuple[int, int] | None = None
+    """``[start, end)`` layers of a decode's PP stage (SGLang ``get_pp_indices``), which its KVArgs do not
+    carry; read only for DeepSeek-V4's entries (``_v4_layers``)."""
     state_tp_size: int = 0
     """TP size that splits state tensors (SGLang ``linear_attn_tp_size``); 0: attention TP."""
     cp_split_pages: bool = False
@@ -204,22 +219,66 @@ def _compressed(kv_args: Any) -> bool:
 
 
 def _refuse_compressed_kv(kv_args: Any, ranks: Ranks) -> None:
-    """Raise ``ConfigError`` for a DeepSeek-V4 pool with decode context or pipeline parallelism.
+    """Raise ``ConfigError`` for a DeepSeek-V4 pool with decode context parallelism, or pipeline stages
+    whose entries pdproto cannot number by layer (``_v4_layers``).
 
     Its KV entries are compressed pages, not layers in order and not token rows: SGLang's V4
-    attention has no DCP, and its KV entries carry no layer ids for pairing PP stages.
+    attention has no DCP, and SGLang's PP slicing (``common/conn.py:1890-1995``) knows ratios 4 and
+    128 and no draft entries.
     """
     if not _compressed(kv_args):
         return
-    for setting, size, flag in (("dcp_size", ranks.dcp[0], "--dcp-size"), ("pp_size", ranks.pp[0], "--pp-size")):
-        if size > 1:
-            raise ConfigError(
-                f"DeepSeek-V4's compressed KV with {flag} {size} is not supported with "
-                f"--disaggregation-transfer-backend pdproto: its KV entries are pages of compressed rows"
-                f" (ratios {sorted({int(r) for r in kv_args.mla_compression_ratios})}), which pdproto moves"
-                f" whole between single-stage servers without DCP; run this server with {flag} 1, or use"
-                " --disaggregation-transfer-backend mooncake or nixl for it",
-                reason=Reason.CONFIG_INVALID, metadata={"setting": setting, "value": str(size)})
+    ratios = sorted({int(r) for r in kv_args.mla_compression_ratios})
+    if ranks.dcp[0] > 1:
+        raise ConfigError(
+            f"DeepSeek-V4's compressed KV with --dcp-size {ranks.dcp[0]} is not supported with "
+            f"--disaggregation-transfer-backend pdproto: its KV entries are pages of compressed rows"
+            f" (ratios {ratios}), which pdproto moves whole between servers without DCP; run this server with"
+            " --dcp-size 1, or use --disaggregation-transfer-backend mooncake or nixl for it",
+            reason=Reason.CONFIG_INVALID, metadata={"setting": "dcp_size", "value": str(ranks.dcp[0])})
+    if ranks.pp[0] > 1 and (not set(ratios) <= V4_PP_RATIOS or _num_draft(kv_args)):
+        raise ConfigError(
+            f"DeepSeek-V4 with --pp-size {ranks.pp[0]} is served by --disaggregation-transfer-backend pdproto for"
+            f" compression ratios {sorted(V4_PP_RATIOS)} without a speculative draft, as SGLang slices its stages;"
+            f" this server has ratios {ratios} and {_num_draft(kv_args)} draft KV entries: run it with --pp-size 1",
+            reason=Reason.CONFIG_INVALID, metadata={"setting": "pp_size", "value": str(ranks.pp[0])})
+
+
+def _v4_layers(kv_args: Any, ranks: Ranks, *, prefill: bool) -> tuple[int, list[int], list[int]] | None:
+    """(first layer, ratio-4 layers, ratio-128 layers) of this rank's stage of a DeepSeek-V4 pool, which
+    lists its entries by ratio (module docstring); None for other pools and V4.1's ratios."""
+    ratios = [int(r) for r in getattr(kv_args, "mla_compression_ratios", None) or ()]
+    if not any(ratios) or not set(ratios) <= V4_PP_RATIOS:
+        return None
+    stage: tuple[int, int] | None = ranks.stage_layers
+    if ranks.pp[0] == 1:
+        stage = (0, len(ratios))  # SGLang counts a whole-model peer's groups over every ratio
+    elif prefill:
+        end = getattr(kv_args, "prefill_end_layer", None)  # set by SGLang's prefill (prefill.py:295)
+        stage = None if end is None else (int(kv_args.prefill_start_layer), int(end))
+    if stage is None:
+        raise ConfigError(
+            f"a DeepSeek-V4 {'prefill' if prefill else 'decode'} stage (PP rank {ranks.pp[1]} of {ranks.pp[0]}) needs"
+            " its layer range to number its entries, and SGLang did not give it: run this server with --pp-size 1",
+            reason=Reason.CONFIG_INVALID, metadata={"setting": "pp_size", "value": str(ranks.pp[0])})
+    start, stop = stage
+    layers = range(start, stop)
+    return start, [i for i in layers if ratios[i] == 4], [i for i in layers if ratios[i] == 128]
+
+
+def _v4_ids(name: str, v4: tuple[int, list[int], list[int]], count: int) -> list[int]:
+    """Layer ids of the ``count`` entries of a DeepSeek-V4 group list ``name`` (module docstring); raises
+    ``TopologyError`` when the pool's lists do not have the groups its ratios give."""
+    start, c4, c128 = v4
+    window = max(count - 2 * len(c4), 0)  # swa: a window page per layer, then the C4 compressor rings
+    ids = {"kv": [*c4, *c4, *c128], "c128_state": c128, "swa": [*range(start, start + window), *c4, *c4]}[name]
+    if len(ids) != count:
+        raise TopologyError(
+            f"DeepSeek-V4's {name!r} entries from layer {start}: {len(c4)} ratio-4 and {len(c128)} ratio-128 layers"
+            f" give {len(ids)}, but SGLang registered {count}: use --disaggregation-transfer-backend mooncake or nixl"
+            " for this pool", reason=Reason.TOPOLOGY_LAYER_METADATA_PARTIAL,
+            metadata={"group": name, "entries": count, "layerIds": len(ids)})
+    return ids
 
 
 def _group(pair: tuple[int, int]) -> v1.ParallelGroup:
@@ -237,7 +296,7 @@ def _num_draft(kv_args: Any) -> int:
     return int(getattr(kv_args, "num_draft_entries", 0) or 0)
 
 
-def kv_layer_ids(kv_args: Any, *, prefill: bool, pp_size: int) -> list[int | None]:
+def kv_layer_ids(kv_args: Any, ranks: Ranks, *, prefill: bool) -> list[int | None]:
     """Global layer id of every KV entry (module docstring); all None: pairing by position."""
     n = len(kv_args.kv_item_lens)
     given = list(getattr(kv_args, "kv_layer_ids", None) or [])
@@ -247,9 +306,12 @@ def kv_layer_ids(kv_args: Any, *, prefill: bool, pp_size: int) -> list[int | Non
                                 reason=Reason.TOPOLOGY_LAYER_METADATA_PARTIAL,
                                 metadata={"layerIds": len(given), "entries": n})
         return list(given)
+    v4 = _v4_layers(kv_args, ranks, prefill=prefill)
+    if v4 is not None:  # a draft's entries (PP 1 only) pair by position among drafts
+        return [*_v4_ids("kv", v4, n - _num_draft(kv_args)), *[None] * _num_draft(kv_args)]
     if prefill:
         start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
-    elif pp_size == 1:
+    elif ranks.pp[0] == 1:
         start = 0
     else:
         return [None] * n
@@ -262,12 +324,16 @@ def _roles(kv_args: Any) -> list[EntryRole]:
     return [EntryRole.TARGET if i < targets else EntryRole.DRAFT for i in range(n)]
 
 
-def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int | None] = ()) -> list[
-        tuple[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpPolicy.ValueType], list[dict[str, Any]]]]:
+_Component = tuple[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpPolicy.ValueType], list[dict[str, Any]]]
+
+
+def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int | None] = (),
+                      v4: tuple[int, list[int], list[int]] | None = None) -> list[_Component]:
     """(type name, kind, per tensor its fields) of every state component SGLang registered; a ``dsa``
     component's tensors, one per KV entry (the target's layers, then the draft's), take ``dsa_layers``
-    as layer ids, SGLang sending none."""
-    out = []
+    as layer ids, SGLang sending none; ``v4`` (from ``_v4_layers``) numbers a DeepSeek-V4 pool's ``swa``
+    (the target's, not a draft's second) and ``c128_state``."""
+    out: list[_Component] = []
     types = list(getattr(kv_args, "state_types", None) or [])
 
     def column(name: str, k: int, count: int) -> list[Any]:
@@ -295,6 +361,8 @@ def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int |
         layers = column("state_layer_ids", k, count)
         if name == "dsa" and len(dsa_layers) == count and all(i is None for i in layers):
             layers = list(dsa_layers)
+        if v4 is not None and name in ("swa", "c128_state") and name not in [c[0] for c in out]:
+            layers = _v4_ids(name, v4, count)
         tensors = [
             {"ptr": p, "length": ln, "item_len": it, "dim": d, "outer": o, "groups": g, "layer": lid}
             for p, ln, it, d, o, g, lid in zip(
@@ -368,7 +436,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     """The ``PrefillServerInfo`` a prefill rank publishes for the ``KVArgs`` SGLang gave its manager."""
     _refuse_compressed_kv(kv_args, ranks)
     hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
-    ids = kv_layer_ids(kv_args, prefill=True, pp_size=ranks.pp[0])
+    ids = kv_layer_ids(kv_args, ranks, prefill=True)
     layer_split = ranks.cp_layers and ranks.attn_cp[0] > 1
     info = v1.PrefillServerInfo(
         version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
@@ -386,7 +454,8 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
-    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0], ids if layer_split else ()):
+    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0], ids if layer_split else (),
+                                                           _v4_layers(kv_args, ranks, prefill=True)):
         entry = info.state_entries.add(kind=kind, type_name=name, tp_policy=policy)
         for t in tensors:
             entry.tensors.add(item_len=int(t["item_len"]), dim=int(t["dim"] or 0), outer_count=int(t["outer"] or 0),
@@ -403,13 +472,14 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
     """The ``DecodeLayout`` of a decode rank for the ``KVArgs`` SGLang gave its manager."""
     _refuse_compressed_kv(kv_args, ranks)
     page, dcp = int(kv_args.page_size) // page_rows(kv_args), ranks.dcp[0]
-    ids = kv_layer_ids(kv_args, prefill=False, pp_size=ranks.pp[0])
+    ids = kv_layer_ids(kv_args, ranks, prefill=False)
     kv = tuple(KvEntry(int(item_len) // (page * (dcp if role is EntryRole.DRAFT else 1)), layer_id, role)
                for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True))
     state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
                                                      None if t["layer"] is None else int(t["layer"]))
                                          for t in tensors), type_name=name)
-                  for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0], ids))
+                  for name, (kind, _), tensors in _state_components(kv_args, ranks.pp[0], ids,
+                                                                    _v4_layers(kv_args, ranks, prefill=False)))
     return DecodeLayout(
         page_size=page, kv=kv, kv_cache_dtype=kv_dtype(kv_args.kv_cache_dtype_str),
         attention_kind=attention_kind(is_mla_backend, bool(getattr(kv_args, "is_hybrid_mla_backend", False))),
@@ -450,6 +520,6 @@ def regions(kv_args: Any, *, on_device: bool) -> Regions:
                                for _, _, tensors in _state_components(kv_args)))
 
 
-__all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "Ranks", "Regions", "attention_kind",
-           "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "page_rows", "regions",
-           "ring_sizes", "server_info", "shard_tokens", "state_items"]
+__all__ = ["CAPABILITIES", "PP_REFUSED", "STATE_KINDS", "TAIL_SLOT_BYTES", "V4_PP_RATIOS", "Ranks", "Regions",
+           "attention_kind", "cp_share_tokens", "decode_layout", "host_port", "kv_layer_ids", "page_rows",
+           "regions", "ring_sizes", "server_info", "shard_tokens", "state_items"]

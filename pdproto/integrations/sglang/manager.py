@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -164,7 +165,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         self.legacy: legacy_decode.LegacyPrefills | None = None
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self.decode_side = DecodeSide(
-                args, self._ranks(), is_mla_backend=self.is_mla_backend, settings=self.settings,
+                args, self._decode_ranks(args), is_mla_backend=self.is_mla_backend, settings=self.settings,
                 host=self.local_ip, notify_port=self.rank_port, device=_device(), on_outcome=self._on_outcome)
             from sglang.srt.environ import envs
 
@@ -204,6 +205,18 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
             pp=(self.pp_size, self.pp_rank), dcp=(self.dcp_size, self.dcp_rank), state_tp_size=self.state_tp_size,
             cp_split_pages=self.splits_pages, kv_shards=self.kv_shards, cp_layers=self.splits_layers)
         return ranks.cp_as_tp() if get_parallel().enable_cp_tp_group_sharing else ranks
+
+    def _decode_ranks(self, args: Any) -> layout.Ranks:
+        """``_ranks`` of a decode, with its PP stage's layers where DeepSeek-V4's entries need them
+        (``layout.Ranks.stage_layers``): the range SGLang's model builds (``make_layers``)."""
+        ranks = self._ranks()
+        if self.pp_size == 1 or layout.page_rows(args) == 1:  # one row per page: DeepSeek-V4
+            return ranks
+        from sglang.srt.distributed import get_pp_indices
+        from sglang.srt.runtime_context import process_model_config
+
+        layers = get_pp_indices(process_model_config().num_hidden_layers, self.pp_rank, self.pp_size)
+        return replace(ranks, stage_layers=(int(layers[0]), int(layers[1])))
 
     # -- prefill ------------------------------------------------------------------------
 
