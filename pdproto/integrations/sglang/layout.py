@@ -38,10 +38,16 @@ arguments by hand):
   passes, whole pages as SGLang's own backends send them (``mooncake/conn.py:1346-1394``), replicated
   as MLA rows are. Its ``swa`` component is the SWA pages of the window followed by the C4
   compressor and indexer-compressor rings of the same SWA pages (``deepseek_v4_memory_pool.py:1484-1518``),
-  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. SGLang runs
-  DeepSeek-V4 with neither decode context parallelism nor (in PD) pipeline stages pdproto can pair,
-  so both are refused at start-up (``_refuse_compressed_kv``); ``request_row`` comes only with a DSpark
-  draft, which SGLang serves in PD with Mooncake or NIXL only, and ``swa_ring`` only on ROCm.
+  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. On ROCm's
+  unified KV the window is ``swa_ring`` instead: per layer one token row of the ring
+  (``deepseek_v4_memory_pool.py:1410-1436``), nope tensors then rope, SGLang's indices
+  ``row * ring + pos % ring`` for the window's positions on each side (``prefill.py:1652-1663``):
+  sliding-window, replicated. A DSpark draft adds its own ``swa`` component and ``request_row``, one
+  int64 per request row (``deepseek_v4_memory_pool.py:1245-1260``), index ``[req_pool_idx]``:
+  recurrent, and refused between TP sizes, as SGLang refuses DSpark PD (``common/conn.py:1376-1389``).
+  Lists of unequal length are refused per request for every kind (``negotiation.slots``), as SGLang
+  raises for these. SGLang runs DeepSeek-V4 with neither decode context parallelism nor (in PD)
+  pipeline stages pdproto can pair, so both are refused at start-up (``_refuse_compressed_kv``).
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
   KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
@@ -59,8 +65,8 @@ arguments by hand):
   by ring slot: item ``row * tail_size + slot`` of ``TAIL_SLOT_BYTES``, so the live slots of SGLang's
   6-tuple (``state_items``) pair in order with the decode's, whatever each side's tail size, as
   SGLang remaps them (``build_dsa_tail_transfer_blocks``, ``utils.py:1331-1451``); replicated.
-  SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the
-  type; a per-KV-page kind needs one row here, once a test moves it.
+  Every one of SGLang 0.5.23's 13 state types is mapped; a type a later SGLang adds is refused with
+  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming it, until a test moves it.
 """
 
 from __future__ import annotations
@@ -101,6 +107,12 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     # DeepSeek-V4 (MLA): the page of the request's C128 compressor ring that holds its pending block, none at a
     # block boundary (request_state_transfer_indices): 0 or 1 item, so paged (a recurrent slot is exactly one).
     "c128_state": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),
+    # DeepSeek-V4 on ROCm's unified KV: the window as token rows of each layer's ring (row * ring + pos % ring, the
+    # window's positions in order on both sides), nope tensors then rope; MLA, so whole on every rank.
+    "swa_ring": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
+    # A DeepSeek-V4 DSpark draft's SWA valid-from, one int64 per request row; SGLang serves DSpark PD only between
+    # equal attention TP sizes (common/conn.py:1376-1389), so a mismatch is refused naming this type.
+    "request_row": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REFUSED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
 
