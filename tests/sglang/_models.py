@@ -574,6 +574,6 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
     return mismatches
 
 
-__all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
+__all__ = ["AUX_SLOTS", "DSV4", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
            "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "page_of",
            "page_rows", "server_flags", "state_indices", "write_config"]

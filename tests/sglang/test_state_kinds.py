@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from tests.sglang.pd_harness import REQUESTS, Request, run
+from tests.sglang.pd_harness import DSV4_REQUESTS, REQUESTS, Request, run
 from tests.sglang.test_harness import TOKEN, _assert_ranks_ok
 
 pytestmark = [pytest.mark.process, pytest.mark.long]
@@ -114,15 +114,6 @@ def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte(en
     _one_to_one_moves_every_byte("glm5next", engine, lambda req: 6 * (1152 + 4096)
                                  + (-(-req.tokens // 256) - req.decode_prefix // 256) * 2 * 8448
                                  + req.tokens % 4 * 2 * 2 * 256, row_bytes=2 * 1152, requests=GLM5_NEXT_REQUESTS)
-
-
-DSV4_REQUESTS = (
-    Request(room=101, tokens=600, chunk=256),  # chunked, last page partial; C128 block pending
-    Request(room=102, tokens=7),  # shorter than a page
-    Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # the decode holds a page
-    Request(room=104, tokens=512),  # whole pages, on a C128 block boundary: both sides pass no c128_state index
-)
-"""DeepSeek-V4's requests: 256-token pages, a 128-token window."""
 
 
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
