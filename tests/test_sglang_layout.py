@@ -435,21 +435,38 @@ C4 KV of layers 1 and 3 (64 rows of 584 bytes, padded to 576-byte blocks), their
 (128 + 4)), C128 KV of layer 2 (2 rows, padded); ``get_contiguous_buf_infos``, deepseek_v4_memory_pool.py:1334."""
 
 
+DSV4_UNIFIED_KV = [32768, 32768, 8192, 8192, 8448, 8448, 1024, 256]
+"""The same pool on ROCm's unified KV, fp8 two-pool layout: per page the C4 rows of layers 1 and 3 (64 x 512 nope,
+then 64 x 128 rope), their C4 indexer pages, C128 of layer 2 (2 x 512 nope, 2 x 128 rope), each after the layer's
+SWA ring in its buffer (``get_contiguous_buf_infos``, deepseek_v4_memory_pool.py:1345-1400)."""
+
+
 def dsv4(*, base: int = 0x10_0000, ratios: tuple[int, ...] = (0, 4, 128, 4), stage: tuple[int, int] | None = None,
-         draft: int = 0) -> SimpleNamespace:
+         draft: int = 0, unified: bool = False, dspark: bool = False) -> SimpleNamespace:
     """A DeepSeek-V4 pool's KVArgs as ``setup_state_kv_args`` fills them (numbers from SGLang 0.5.23's own pool):
     per 256-token page the C4 KV of every ratio-4 layer, their C4 indexer keys, the C128 KV of every ratio-128
     layer; ``swa`` = every layer's SWA pages (256 x 584, padded), then the C4 compressor rings (8 rows x 4,096
     fp32 bytes) and C4 indexer-compressor rings of the ratio-4 layers, all by SWA page; ``c128_state`` = each
     ratio-128 layer's C128 ring of one request (128 rows x 4,096), left out without one; the model's
     ``mla_compression_ratios``, no KV layer ids. ``stage``: a PP stage's layers (a prefill's
-    ``[prefill_start_layer, prefill_end_layer)``), whose pool registers those layers only, grouped the same way."""
+    ``[prefill_start_layer, prefill_end_layer)``), whose pool registers those layers only, grouped the same way.
+    ``unified``: ROCm's fp8 two-pool KV (``DSV4_UNIFIED_KV``), and the window is ``swa_ring`` instead of SWA
+    pages, one token row per layer, nope (512) then rope (128), between ``swa`` and ``c128_state``
+    (utils.py:1571-1596). ``dspark``: a DSpark draft's SWA pages (one layer) and its ``request_row``, one int64
+    per request row, appended (utils.py:1775-1858)."""
     first, stop = stage or (0, len(ratios))
     c4 = sum(r == 4 for r in ratios[first:stop])
     c128 = sum(r == 128 for r in ratios[first:stop])
-    kv = [37440] * c4 + [8448] * c4 + [1728] * c128
-    state = [component("swa", [149760] * (stop - first) + [65536] * c4 + [16384] * c4, base + 0x4000_0000)]
+    if unified:
+        kv = [32768] * c4 + [8192] * c4 + [8448] * c4 + [1024] * c128 + [256] * c128
+        state = [component("swa", [65536] * c4 + [16384] * c4, base + 0x4000_0000),
+                 component("swa_ring", [512] * (stop - first) + [128] * (stop - first), base + 0x5000_0000)]
+    else:
+        kv = [37440] * c4 + [8448] * c4 + [1728] * c128
+        state = [component("swa", [149760] * (stop - first) + [65536] * c4 + [16384] * c4, base + 0x4000_0000)]
     state += [component("c128_state", [524288] * c128, base + 0x6000_0000)] if c128 else []
+    if dspark:
+        state += [component("swa", [149760], base + 0x7000_0000), component("request_row", [8], base + 0x7800_0000)]
     args = kv_args(layers=len(kv), base=base, state=state, start=first, draft=draft, draft_item=1728)
     args.page_size, args.kv_item_lens = 256, kv + [1728] * draft
     args.kv_data_lens = [n * 24 for n in args.kv_item_lens]
@@ -509,6 +526,16 @@ def test_deepseek_v4_pp_stages_number_their_entries_by_layer_and_fill_a_pp1_deco
     dec = layout.decode_layout(decode, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h",
                                notify_port=1)
     assert _ids(dec) == ([1, 3, 1, 3, 2, 4], [[0, 1, 2, 3, 4, 5, 1, 3, 1, 3], [2, 4]])
+    _v4_stages_fill_decode_once(stages, decode)
+    # ROCm's unified KV (nope, rope and indexer pages; the window as swa_ring rows, nope then rope) the same way.
+    unified = [(dsv4(ratios=DSV4_PP, stage=st, unified=True), r) for st, (_, r) in zip(((0, 3), (3, 6)), stages)]
+    info = layout.server_info(*unified[1], is_mla_backend=True, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+    assert _ids(info) == ([3, 3, 3, 4, 4], [[3, 3], [3, 4, 5, 3, 4, 5], [4]])
+    _v4_stages_fill_decode_once(unified, dsv4(ratios=DSV4_PP, base=0x20_0000, unified=True))
+
+
+def _v4_stages_fill_decode_once(stages: list[tuple[SimpleNamespace, layout.Ranks]], decode: SimpleNamespace) -> None:
+    """Every entry and state tensor of the PP 1 ``decode`` is written by exactly one of ``stages``, whole."""
     kv_hits: list[tuple[int, int]] = []
     state_hits: list[tuple[int, int, int]] = []
     for (args, ranks) in stages:
@@ -517,7 +544,6 @@ def test_deepseek_v4_pp_stages_number_their_entries_by_layer_and_fill_a_pp1_deco
         kv_hits += [(p.dst_entry, rows) for p, rows in zip(decision.pairings, written(decision)[0], strict=True)]
         state_hits += [(e.dst_entry, t.dst_tensor, sum(g.length for g in t.segments))
                        for e in decision.tp.state for t in e.tensors]
-    # Every decode entry and state tensor is written by exactly one stage, its whole page or ring.
     assert sorted(kv_hits) == list(enumerate(decode.kv_item_lens)), kv_hits
     assert sorted(state_hits) == [(e, t, n) for e, items in enumerate(decode.state_item_lens)
                                   for t, n in enumerate(items)], state_hits
@@ -545,7 +571,7 @@ def test_deepseek_v4_decode_stages_of_equal_pp_number_their_layers_from_sglangs_
         assert isinstance(refused, Rejection) and refused.reason is Reason.TOPOLOGY_MISSING_LAYER, refused
 
 
-def test_deepseek_v4_with_dcp_or_pp_shapes_sglang_cannot_slice_is_refused_at_start_up_and_swa_ring_by_name() -> None:
+def test_deepseek_v4_with_dcp_or_pp_shapes_sglang_cannot_slice_is_refused_at_start_up() -> None:
     # SGLang's V4 attention has no DCP.
     with pytest.raises(ConfigError) as info:
         layout.decode_layout(dsv4(), layout.Ranks(attn_tp=(4, 1), dcp=(4, 1)), is_mla_backend=True, notify_host="h",
@@ -570,21 +596,85 @@ def test_deepseek_v4_with_dcp_or_pp_shapes_sglang_cannot_slice_is_refused_at_sta
         layout.server_info(short, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
                            backend=v1.BACKEND_MOONCAKE)
     assert refused.value.reason is Reason.TOPOLOGY_LAYER_METADATA_PARTIAL and "'kv'" in refused.value.message
-    # ROCm's unified KV ships the window as swa_ring rows: still refused, naming it.
-    args = dsv4()
-    args.state_types[0] = "swa_ring"
-    with pytest.raises(TopologyError) as refused:
-        layout.decode_layout(args, layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, notify_host="h", notify_port=1)
-    assert refused.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED and "'swa_ring'" in refused.value.message
 
 
-def test_state_types_pdproto_does_not_move_are_refused_by_name() -> None:
-    ring = {**kimi_state(1), "type": SimpleNamespace(value="swa_ring")}
+def _state_copies(prefill: SimpleNamespace, decode: SimpleNamespace, src: list[list[int]],
+                  dst: list[list[int]]) -> list[Any]:
+    """One request's state copies between two servers of TP 1, as the prefill's service builds them."""
+    decision = _pair(prefill, layout.Ranks(attn_tp=(1, 0)), decode, layout.Ranks(attn_tp=(1, 0)))
+    assert isinstance(decision, Decision) and decision.tp, decision
+    names = [str(t.value) for t in prefill.state_types]
+    return state_copies(decision.tp.state, src_slots=src, dst_slots=dst, names=names)
+
+
+def test_deepseek_v4_unified_kv_ring_rows_are_a_replicated_window_and_lists_of_unequal_length_are_refused() -> None:
+    info = layout.server_info(dsv4(unified=True), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
+                              port=1, backend=v1.BACKEND_MOONCAKE)
+    assert [(e.type_name, e.kind, e.tp_policy) for e in info.state_entries] == [
+        ("swa", v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
+        ("swa_ring", v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
+        ("c128_state", v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED)]
+    # Prefill TP 2 -> decode TP 1 (MLA): one prefill rank writes every ring row, nope and rope; the other nothing.
+    moved = []
+    for p_rank in range(2):
+        moved.append(written(_pair(dsv4(unified=True), layout.Ranks(attn_tp=(2, p_rank)), dsv4(unified=True),
+                                   layout.Ranks(attn_tp=(1, 0))))[:2])
+    assert sorted(moved) == [([0] * 8, [0] * 13), (DSV4_UNIFIED_KV, [65536] * 2 + [16384] * 2 + [512] * 4
+                                                   + [128] * 4 + [524288])], moved
+    # A 300-token prompt: SGLang's rows of positions 172..299 in the request row's ring of 128, row 5 on the
+    # prefill and 9 on the decode (prefill.py:1652-1663); the i-th row lands at the i-th, in every tensor.
+    def rows(row: int) -> list[int]:
+        return [row * 128 + p % 128 for p in range(172, 300)]
+
+    ring = [[3], rows(5), [5]], [[4], rows(9), [6]]
+    copies = [c for c in _state_copies(dsv4(unified=True), dsv4(unified=True, base=0x20_0000), *ring)
+              if c.src_entry == 1]
+    assert [c.src_item_len for c in copies] == [512] * 4 + [128] * 4
+    assert {c.items[:2] for c in copies} == {((684, 1196), (685, 1197))} and {len(c.items) for c in copies} == {128}
+    # SGLang raises on lists of different lengths (mooncake/conn.py:1918-1926): the request is refused, naming it.
+    with pytest.raises(InvalidFieldError) as caught:
+        _state_copies(dsv4(unified=True), dsv4(unified=True), ring[0], [ring[1][0], ring[1][1][1:], ring[1][2]])
+    assert caught.value.metadata["typeName"] == "swa_ring" and "128 prefill pages for 127" in caught.value.message
+
+
+def test_a_dspark_drafts_request_row_moves_between_equal_tp_sizes_and_is_refused_between_others_naming_it() -> None:
+    info = layout.server_info(dsv4(dspark=True), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
+                              backend=v1.BACKEND_MOONCAKE)
+    assert [(e.type_name, e.kind, e.tp_policy) for e in info.state_entries][2:] == [
+        ("swa", v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
+        ("request_row", v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REFUSED)]
+    for p_rank in range(2):  # TP 2 -> 2: each decode rank's own prefill rank writes the draft's window and row
+        rows, state, _ = written(_pair(dsv4(dspark=True), layout.Ranks(attn_tp=(2, p_rank)), dsv4(dspark=True),
+                                       layout.Ranks(attn_tp=(2, p_rank))))
+        assert rows == DSV4_KV and state[-2:] == [149760, 8], state
+    # SGLang serves DSpark PD only between equal attention TP sizes (common/conn.py:1376-1389): refused at
+    # registration, naming the type, either way; without the draft the same pair is served (replicated).
+    for p_ranks, d_ranks in ((layout.Ranks(attn_tp=(2, 0)), layout.Ranks(attn_tp=(1, 0))),
+                             (layout.Ranks(attn_tp=(1, 0)), layout.Ranks(attn_tp=(2, 1))),
+                             # SGLang admits prefill TP 1 x CP 2 into decode TP 2 on MLA; pdproto compares TP only.
+                             (layout.Ranks(attn_tp=(1, 0), attn_cp=(2, 0)), layout.Ranks(attn_tp=(2, 1)))):
+        rejection = _pair(dsv4(dspark=True), p_ranks, dsv4(dspark=True), d_ranks)
+        assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
+        assert rejection.metadata["typeName"] == "request_row" and "(request_row)" in rejection.message
+        assert isinstance(_pair(dsv4(), p_ranks, dsv4(), d_ranks), Decision)
+    # One row per request on each side ([req_pool_idx], prefill.py:1671-1672): the prefill's row 7 to the decode's 9.
+    src, dst = [[1], [2], [1], [7]], [[3], [4], [3], [9]]
+    assert [c.items for c in _state_copies(dsv4(dspark=True), dsv4(dspark=True), src, dst)
+            if c.src_entry == 3] == [((7, 9),)]
+    with pytest.raises(InvalidFieldError) as caught:
+        _state_copies(dsv4(dspark=True), dsv4(dspark=True), src, [*dst[:3], [9, 10]])
+    assert caught.value.metadata["typeName"] == "request_row"
+
+
+def test_state_types_pdproto_does_not_know_are_refused_by_name() -> None:
+    # Every StateType of SGLang 0.5.23 is mapped; one a later SGLang adds is refused until a test moves it.
+    assert len(layout.STATE_KINDS) == 13
+    later = {**kimi_state(1), "type": SimpleNamespace(value="swa_ring_v2")}
     with pytest.raises(TopologyError) as info:
-        layout.server_info(kv_args(state=[ring]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
+        layout.server_info(kv_args(state=[later]), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h",
                            port=1, backend=v1.BACKEND_MOONCAKE)
     assert info.value.reason is Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED
-    assert "'swa_ring'" in info.value.message and "mooncake" in info.value.message
+    assert "'swa_ring_v2'" in info.value.message and "mooncake" in info.value.message
 
 
 def tail_state(ring: int) -> dict[str, Any]:

@@ -42,8 +42,16 @@
   whole compressed pages (C4 KV of layers 1 and 3, their C4 indexer keys, C128 KV of layer 2; checked
   page by page: ``page_rows``); state is ``swa`` (the 4 layers' SWA pages of the window, then the C4
   compressor and indexer-compressor rings of the same SWA pages) and ``c128_state`` (the request's
-  C128 ring page, none when the prompt ends on a 128-token block). Booted with the DeepSeek-V3 config,
-  as ``dsa`` is (a V4 config's arguments resolve on a GPU only).
+  C128 ring page, none when the prompt ends on a 128-token block), then a DSpark draft's (an SWA-only NextN
+  layer, ``is_draft_worker``, built while SGLang's spec config says DSPARK) ``swa`` pages and ``request_row``
+  (its ``swa_valid_from``, one int64 per request row), as ``setup_state_kv_args`` appends them
+  (``utils.py:1775-1858``). Booted with the DeepSeek-V3 config, as ``dsa`` is (a V4 config's arguments
+  resolve on a GPU only).
+* ``dsv4unified``: the same pool on ROCm's unified KV (``unified_kv_gate.py:13-15``, which asks for HIP: the
+  harness answers the gate for the pool's construction only) in its fp8 two-pool layout (``unified_fp8``,
+  as the configurator passes ``SGLANG_DSV4_UNIFIED_KV_FP8`` on gfx95): KV is the compressed pages after
+  each layer's SWA ring, nope then rope; state is ``swa`` (the C4 compressor rings only), ``swa_ring``
+  (each layer's ring rows of the window, nope then rope) and ``c128_state``.
 
 Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every aux
 buffer and every state tensor against what it must hold: the prefill's bytes where they belong,
@@ -69,13 +77,15 @@ ROW_BYTES = (KV_LORA_RANK + ROPE_DIM) * 2
 AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
-LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4, "glm5next": 8, "dsv4": 4}
+LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4, "glm5next": 8, "dsv4": 4,
+          "dsv4unified": 4}
 DSV4_RATIOS = [0, 4, 128, 4]  # dsv4: per layer its KV compression ratio (0: the window only)
+DSV4 = ("dsv4", "dsv4unified")
 INDEX_KPOOL = 4  # glm5next: index keys compressed 4:1, so 64-token index pages need 256-token KV pages
 TAIL_EXTRA = {"prefill": 0, "decode": 1}  # glm5next: max_speculative_num_draft_tokens on each side
 SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
 GENERIC = frozenset({"swa", "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed", "minimax_index_k",
-                     "minimax_dense_kv", "c128_state"})
+                     "minimax_dense_kv", "c128_state", "swa_ring", "request_row"})
 """State types whose every item moves whole, i-th to i-th (checked by ``check_paged``)."""
 KDA = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 
@@ -128,7 +138,7 @@ def write_config(model: str, directory: Path) -> Path:
                       "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
                       "max_position_embeddings": 4096, "rope_theta": 10000, "partial_rotary_factor": 0.25,
                       "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}}
-    elif model in ("mla", "dsa", "dsv4"):
+    elif model in ("mla", "dsa", *DSV4):
         config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "n_routed_experts": 8,
                   "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **mla}
         # "dsa" boots as DeepSeek-V3 too: SGLang resolves a DeepseekV32ForCausalLM config's arguments by
@@ -146,12 +156,12 @@ def write_config(model: str, directory: Path) -> Path:
 
 def page_of(model: str) -> int:
     """Tokens per physical page of ``model``'s pools."""
-    return PAGE * INDEX_KPOOL if model in ("glm5next", "dsv4") else PAGE
+    return PAGE * INDEX_KPOOL if model in ("glm5next", *DSV4) else PAGE
 
 
 def page_rows(model: str) -> int:
     """Tokens per KV row the harness checks: a whole page for DeepSeek-V4's compressed KV, else one token."""
-    return page_of(model) if model == "dsv4" else 1
+    return page_of(model) if model in DSV4 else 1
 
 
 def server_flags(model: str, role: str) -> list[str]:
@@ -179,6 +189,17 @@ class Pools:
     """The ``StateType`` value of every state component, in ``setup_state_kv_args``'s order."""
     state: list[list[Any]] = field(default_factory=list)
     """Per state component, per tensor a ``[items, item bytes]`` uint8 view of its buffer."""
+    draft: Any = None
+    """The speculative draft's KV pool, which ``setup_state_kv_args`` reads too (DeepSeek-V4's DSpark)."""
+
+
+def _byte_views(ptrs: list[int], lens: list[int], items: list[int]) -> list[Any]:
+    """Per buffer SGLang hands the transfer backend (address, bytes, bytes per item), an ``[items, item bytes]``
+    uint8 view of it (None for a 0-byte item)."""
+    import torch
+
+    return [torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)[: n // it * it].view(-1, it)
+            if it else None for p, n, it in zip(ptrs, lens, items)]
 
 
 def _with_state(pools: Pools, layers: int) -> Pools:
@@ -186,17 +207,13 @@ def _with_state(pools: Pools, layers: int) -> Pools:
     each tensor viewed as bytes from the address and length SGLang gives the transfer backend."""
     from types import SimpleNamespace
 
-    import torch
-
     from sglang.srt.disaggregation.utils import setup_state_kv_args
 
     args = SimpleNamespace()
-    setup_state_kv_args(args, pools.pool, None, layers)
+    setup_state_kv_args(args, pools.pool, pools.draft, layers)
     pools.types = [str(t.value) for t in args.state_types]
-    pools.state = [
-        [torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)[: n // it * it].view(-1, it)
-         if it else None for p, n, it in zip(ptrs, lens, items)]
-        for ptrs, lens, items in zip(args.state_data_ptrs, args.state_data_lens, args.state_item_lens)]
+    pools.state = [_byte_views(*infos) for infos in zip(args.state_data_ptrs, args.state_data_lens,
+                                                         args.state_item_lens)]
     return pools
 
 
@@ -263,23 +280,35 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: s
         )  # fmt: skip
         full = pool.full_kv_pool
         return Pools(pool, full.k_buffer + full.v_buffer, mamba, config)
-    if model == "dsv4":  # kv_cache_configurator.py:1821-1865 (the DSV4 branch), fp8 KV on a non-SM100 host
+    if model in DSV4:  # kv_cache_configurator.py:1821-1865 (the DSV4 branch), fp8 KV on a non-SM100 host
+        from sglang.srt.layers.attention.dsv4 import unified_kv_gate
         from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+        from sglang.srt.runtime_context import get_spec
 
-        pool = DeepSeekV4TokenToKVPool(
+        pool_args = dict(
             max_num_reqs=STATE_SLOTS, swa_size=size, c4_size=size // 4, c128_size=size // 128,
             c4_state_pool_size=size // page_of(model) * 8, c128_state_pool_size=0, page_size=page_of(model),
             swa_page_size=page_of(model), dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
             c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=ROPE_DIM, indexer_head_dim=128,
-            layer_num=stage[1] - stage[0], device="cpu", enable_memory_saver=False, compression_ratios=DSV4_RATIOS,
-            sliding_window=SWA_WINDOW, start_layer=stage[0], end_layer=stage[1],
+            device="cpu", enable_memory_saver=False, sliding_window=SWA_WINDOW,
         )  # fmt: skip
+        unified, gate = model == "dsv4unified", unified_kv_gate.is_unified_kv_triton
+        if unified:  # ROCm's gate (is_hip() and SGLANG_HACK_FLASHMLA_BACKEND), answered for this pool only
+            unified_kv_gate.is_unified_kv_triton = lambda: True
+        try:
+            # A stage's layers, as the configurator passes them (SGLang's default end_layer is layer_num - 1).
+            pool = DeepSeekV4TokenToKVPool(**pool_args, layer_num=stage[1] - stage[0], compression_ratios=DSV4_RATIOS,
+                                           start_layer=stage[0], end_layer=stage[1], unified_fp8=unified)
+        finally:
+            unified_kv_gate.is_unified_kv_triton = gate
         for state in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
             if state is not None:  # torch.empty, then a sentinel row: the check reads unmoved bytes as zeros
                 state.kv_score_buffer.kv_score.zero_()
-        kv = [*pool.c4_kv_pool.kv_buffer, *pool.c4_indexer_kv_pool.contiguous_page_row_buffers(),
-              *(pool.c128_kv_pool.kv_buffer if pool.c128_kv_pool else [])]  # get_contiguous_buf_infos's order
-        return Pools(pool, kv)
+        draft = None
+        if not unified:  # a DSpark draft registers request_row only off ROCm (deepseek_v4_memory_pool.py:1245-1260)
+            with get_spec().override(speculative_algorithm="DSPARK"):
+                draft = DeepSeekV4TokenToKVPool(**pool_args, layer_num=1, compression_ratios=[0], is_draft_worker=True)
+        return Pools(pool, _byte_views(*pool.get_contiguous_buf_infos()), draft=draft)
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
         pool = DSATokenToKVPool(
             size=size, page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=torch.bfloat16, qk_rope_head_dim=ROPE_DIM,
@@ -370,7 +399,7 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
     ``minimax_dense_kv``; ``minimax_index_k`` the pages of ``[prefix, tokens)``; ``qsa_pending``
     the request's row, ``dsa_tail`` its 6-tuple, ``swa`` and ``block_scale_swa`` the
     SWA-pool pages of the window ``[max(prefix, tokens - window), tokens)`` floored to a page
-    (``_swa_payload``).
+    (``_swa_payload``), ``swa_ring`` the ring rows of the window's positions, ``request_row`` the row.
     """
     import numpy as np
 
@@ -390,6 +419,13 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
         full = row[window:tokens].to(torch.int64)
         return kv_to_page_indices((pools.pages + 1 - full // page) * page + full % page, page)
 
+    def swa_ring() -> Any:
+        # _swa_ring_payload (prefill.py:1652-1663, decode.py:1728-1737): the window's positions, whatever the
+        # decode's prefix, as rows of the request row's ring in the side's own pool.
+        ring, window = pools.pool.unified_swa_ring_size, pools.pool.unified_swa_window
+        positions = np.arange(max(0, tokens - window), tokens)
+        return ((STATE_SLOTS + 1 - slot) * ring + positions % ring).astype(np.int32)
+
     payloads = {
         "mamba": lambda: np.array([slot], dtype=np.int64),
         # get_qsa_pending_state_indices (utils.py:142-147): the request's req_to_token row, here
@@ -408,6 +444,9 @@ def state_indices(pools: Pools, slot: int, row: Any, prefix: int, tokens: int) -
         # _request_state_payload (prefill.py:1665-1669, decode.py:1739-1742): the request row's C128 ring page
         # holding the pending partial block, none at a block boundary.
         "c128_state": lambda: pools.pool.request_state_transfer_indices(STATE_SLOTS + 1 - slot, tokens),
+        "swa_ring": swa_ring,
+        # _request_row_payload (prefill.py:1671-1672, decode.py:1744-1745): the request's row.
+        "request_row": lambda: np.array([STATE_SLOTS + 1 - slot], dtype=np.int32),
     }
     return [payloads[name]() for name in pools.types]
 
@@ -538,6 +577,6 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
     return mismatches
 
 
-__all__ = ["AUX_SLOTS", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
+__all__ = ["AUX_SLOTS", "DSV4", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
            "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "page_of",
            "page_rows", "server_flags", "state_indices", "write_config"]

@@ -152,8 +152,9 @@ def _metadata(spec: Spec | None = None) -> tuple[Any, Any]:
     return buffers, ReqToMetadataIdxAllocator(AUX_SLOTS)
 
 
-def _manager(server_args: Any, role: str, pool: Any, metadata: Any, layers: int) -> Any:
-    """KVArgs filled as prefill.py:257-353 / decode.py:608-700 fill them, then the manager."""
+def _manager(server_args: Any, role: str, pool: Any, metadata: Any, layers: int, draft: Any = None) -> Any:
+    """KVArgs filled as prefill.py:257-353 / decode.py:608-700 fill them (``draft``: the speculative draft's
+    pool), then the manager."""
     from sglang.srt.disaggregation.utils import (
         DisaggregationMode,
         KVClassType,
@@ -178,11 +179,13 @@ def _manager(server_args: Any, role: str, pool: Any, metadata: Any, layers: int)
     kv_args.prefill_start_layer = pool.start_layer  # prefill.py:275-286
     ptrs, lens, item_lens = get_kv_transfer_buf_infos(pool)  # prefill.py:287
     kv_args.prefill_end_layer = getattr(pool, "end_layer", None)
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, item_lens
-    kv_args.num_draft_entries = 0  # no speculative draft pool
+    draft_ptrs, draft_lens, draft_items = draft.get_contiguous_buf_infos() if draft is not None else ([], [], [])
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = ptrs + draft_ptrs, lens + draft_lens  # prefill.py:300-317
+    kv_args.kv_item_lens = item_lens + draft_items
+    kv_args.num_draft_entries = len(draft_ptrs)
     kv_args.kv_layer_ids = build_kv_layer_ids(  # prefill.py:326
-        token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-        num_draft_entries=0, num_hidden_layers=layers,
+        token_to_kv_pool=pool, draft_token_to_kv_pool=draft,
+        num_draft_entries=len(draft_ptrs), num_hidden_layers=layers,
     )  # fmt: skip
     kv_args.page_size = pool.page_size  # prefill.py:337, decode.py:670
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = (
@@ -190,7 +193,7 @@ def _manager(server_args: Any, role: str, pool: Any, metadata: Any, layers: int)
     )
     kv_args.ib_device = get_disagg().disaggregation_ib_device
     kv_args.gpu_id = 0
-    setup_state_kv_args(kv_args, pool, None, layers, req_to_token_pool=None)  # prefill.py:350
+    setup_state_kv_args(kv_args, pool, draft, layers, req_to_token_pool=None)  # prefill.py:350
     manager_class = get_kv_class(backend, KVClassType.MANAGER)  # prefill.py:358
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
     # A hybrid pool is not "MLA" here even with MLA layers (prefill.py:195, utils.py:865).
@@ -327,7 +330,7 @@ def run_prefill(args: argparse.Namespace) -> None:
     if spec.kv_shard:
         _keep_shard(pools, spec.page, shards=2, rank=args.rank)
     metadata, allocator = _metadata()
-    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS[spec.model])
+    manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS[spec.model], pools.draft)
     backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
     rank = _Prefill(
         args, manager, get_kv_class(backend, KVClassType.SENDER), pools, metadata, allocator,  # prefill.py:407
@@ -490,7 +493,7 @@ def run_decode(args: argparse.Namespace) -> None:
     spec: Spec = args.spec
     pools = build_pools(spec.model, spec.pool_pages, args.model_dir, role="decode")
     metadata, allocator = _metadata(spec)
-    manager = _manager(server_args, "decode", pools.pool, metadata, LAYERS[spec.model])
+    manager = _manager(server_args, "decode", pools.pool, metadata, LAYERS[spec.model], pools.draft)
     backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
     receiver_class = get_kv_class(backend, KVClassType.RECEIVER)  # decode.py:905
     group = get_parallel().attn_tp_group.cpu_group  # gloo_group, decode.py:421 and 2545

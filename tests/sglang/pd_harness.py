@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from pdproto_demo.cluster import free_port
-from tests.sglang._models import LAYERS, PAGE, ROW_BYTES, SEED, page_of, write_config
+from tests.sglang._models import DSV4, LAYERS, PAGE, ROW_BYTES, SEED, page_of, write_config
 from tests.sglang._zygote import command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,6 +85,14 @@ REQUESTS = (
     Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # decode holds a prefix
     Request(room=104, tokens=5),  # shorter than a page
 )
+DSV4_REQUESTS = (
+    Request(room=101, tokens=600, chunk=256),  # chunked, last page partial; C128 block pending
+    Request(room=102, tokens=7),  # shorter than a page
+    Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # the decode holds a page
+    Request(room=104, tokens=512),  # whole pages, on a C128 block boundary: both sides pass no c128_state index
+)
+"""DeepSeek-V4's requests (256-token pages, a 128-token window); ``python -m tests.sglang.pd_harness --model dsv4``
+runs them, as REQUESTS chunk below a page."""
 ABORTS = (
     Request(room=105, tokens=200, abort="decode"),  # the decode aborts it after sending its metadata
     Request(room=106, tokens=150, abort="prefill"),  # the prefill aborts it before computing it
@@ -476,6 +484,8 @@ def main() -> None:
         requests = (Request(room=1, tokens=args.bench, chunk=args.bench_chunk),) if args.bench else REQUESTS
         if args.model == "kimi" and not args.bench:
             requests = tuple(r for r in REQUESTS if r.decode_prefix == 0)
+        if args.model in DSV4 and not args.bench:
+            requests = DSV4_REQUESTS
         started = time.monotonic()
         prefill_backend, decode_backend = args.prefill_backend or args.backend, args.decode_backend or args.backend
         report = run(prefill_backend, requests, model=args.model, kill=args.kill,

@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from tests.sglang.pd_harness import REQUESTS, Request, run
+from tests.sglang.pd_harness import DSV4_REQUESTS, REQUESTS, Request, run
 from tests.sglang.test_harness import TOKEN, _assert_ranks_ok
 
 pytestmark = [pytest.mark.process, pytest.mark.long]
@@ -116,28 +116,31 @@ def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte(en
                                  + req.tokens % 4 * 2 * 2 * 256, row_bytes=2 * 1152, requests=GLM5_NEXT_REQUESTS)
 
 
-DSV4_REQUESTS = (
-    Request(room=101, tokens=600, chunk=256),  # chunked, last page partial; C128 block pending
-    Request(room=102, tokens=7),  # shorter than a page
-    Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # the decode holds a page
-    Request(room=104, tokens=512),  # whole pages, on a C128 block boundary: both sides pass no c128_state index
-)
-"""DeepSeek-V4's requests: 256-token pages, a 128-token window."""
-
-
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
-def test_pdproto_deepseek_v4_compressed_kv_pages_window_and_c128_state_move_every_byte(engine: str) -> None:
+@pytest.mark.parametrize("model", ["dsv4", "dsv4unified"])
+def test_pdproto_deepseek_v4_kv_pages_window_rings_c128_state_and_dspark_request_row_move_every_byte(
+        model: str, engine: str) -> None:
     """A DeepSeek-V4-shaped pool (SGLang's DeepSeekV4TokenToKVPool, layers of compression ratios 0, 4, 128, 4):
     the compressed KV pages of the suffix (C4 KV, C4 indexer keys, C128 KV) whole at the decode's page ids,
-    the window's SWA pages with the C4 compressor and indexer-compressor rings of those pages (``swa``) and
-    the request's C128 ring page (``c128_state``, none on a block boundary) land byte-exact, every other byte
-    of every buffer zero; chunked prefill, a decode prefix, a sub-page prompt. On the backend's Mooncake and
-    NIXL engines. The metric: 2 x 37,440 + 2 x 8,448 + 1,728 bytes per suffix page; 4 x 149,760 + 2 x 65,536
-    + 2 x 16,384 per window page; 524,288 per C128 ring page."""
+    the window's C4 compressor and indexer-compressor rings by SWA page (``swa``) and the request's C128 ring
+    page (``c128_state``, none on a block boundary) land byte-exact, every other byte of every buffer zero;
+    chunked prefill, a decode prefix, a sub-page prompt. On the backend's Mooncake and NIXL engines.
+
+    ``dsv4`` (paged SWA, fp8; with a DSpark draft): ``swa`` holds the window's SWA pages too, the draft's
+    ``swa`` its own SWA pages, ``request_row`` the draft's int64 row. The metric: 2 x 37,440 + 2 x 8,448 +
+    1,728 bytes per suffix page; 4 x 149,760 + 2 x 65,536 + 2 x 16,384 + 149,760 per window page; 524,288
+    per C128 ring page; 8 per request.
+    ``dsv4unified`` (ROCm's unified KV, fp8 two-pool): the KV pages sit after each layer's ring, nope then
+    rope; the window is ``swa_ring``, each layer's ring rows of the last 128 positions (``req * ring +
+    pos % ring``), nope then rope. The metric: 2 x (32,768 + 8,192 + 8,448) + 1,024 + 256 per suffix page;
+    2 x 65,536 + 2 x 16,384 per window page; 4 x (512 + 128) per window token; 524,288 per C128 ring page."""
+    unified = model == "dsv4unified"
+
     def moved(req: Request) -> int:
         pages = -(-req.tokens // 256)
         window = pages - max(req.decode_prefix, req.tokens - 128) // 256
-        return ((pages - req.decode_prefix // 256) * 93504 + window * 762880
-                + (req.tokens % 128 > 0) * 524288)
+        kv, swa = (100096, 163840) if unified else (93504, 762880 + 149760)
+        ring = 4 * 640 * min(req.tokens, 128) if unified else 8
+        return (pages - req.decode_prefix // 256) * kv + window * swa + ring + (req.tokens % 128 > 0) * 524288
 
-    _one_to_one_moves_every_byte("dsv4", engine, moved, row_bytes=0, requests=DSV4_REQUESTS)
+    _one_to_one_moves_every_byte(model, engine, moved, row_bytes=0, requests=DSV4_REQUESTS)

@@ -46,17 +46,26 @@ arguments by hand):
   passes, whole pages as SGLang's own backends send them (``mooncake/conn.py:1346-1394``), replicated
   as MLA rows are. Its ``swa`` component is the SWA pages of the window followed by the C4
   compressor and indexer-compressor rings of the same SWA pages (``deepseek_v4_memory_pool.py:1484-1518``),
-  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. The pool
-  lists its entries by ratio, each list holding the rank's stage only (SGLang's PP slicing cuts each
-  by the stage's layers and ``mla_compression_ratios``, ``common/conn.py:1890-1995``), so every entry
-  carries its layer id (``_v4_layers``): KV ``[C4 layers, C4 layers, C128 layers]``, ``swa`` ``[every
-  layer, C4 layers, C4 layers]``, ``c128_state`` the C128 layers, from ``[prefill_start_layer,
+  replicated; ``c128_state`` the request's C128 ring page, 0 or 1 index: paged, replicated. On ROCm's
+  unified KV the window is ``swa_ring`` instead: per layer one token row of the ring
+  (``deepseek_v4_memory_pool.py:1410-1436``), nope tensors then rope, SGLang's indices
+  ``row * ring + pos % ring`` for the window's positions on each side (``prefill.py:1652-1663``):
+  sliding-window, replicated; its KV entries are then nope pages, rope pages and indexer pages of the
+  C4 layers, nope and rope pages of the C128 layers (fp8 two-pool). A DSpark draft adds its own ``swa``
+  component and ``request_row``, one int64 per request row (``deepseek_v4_memory_pool.py:1245-1260``),
+  index ``[req_pool_idx]``: recurrent, and refused between TP sizes, as SGLang refuses DSpark PD
+  (``common/conn.py:1376-1389``). Lists of unequal length are refused per request for every kind
+  (``negotiation.slots``), as SGLang raises for these. The pool lists its entries by ratio, each list
+  holding the rank's stage only (SGLang's PP slicing cuts each by the stage's layers and
+  ``mla_compression_ratios``, ``common/conn.py:1890-1995``), so every entry carries its layer id
+  (``_v4_layers``, ``_v4_ids``): KV ``[C4 layers, C4 layers, C128 layers]`` (two-pool: the C4 layers
+  three times, the C128 layers twice), ``swa`` ``[every layer, C4 layers, C4 layers]``, ``swa_ring``
+  every layer once per tensor group, ``c128_state`` the C128 layers, from ``[prefill_start_layer,
   prefill_end_layer)`` on a prefill, every ratio on a decode of PP 1, and on a decode stage the range
   SGLang's model builds (``Ranks.stage_layers``); pairing by id (a C4 layer's second entry with its
   second) then fills a PP 1 decode from every prefill stage. Refused at start-up
   (``_refuse_compressed_kv``): decode context parallelism (SGLang's V4 attention has none), and PP > 1
-  with V4.1's ratios 1 and 2 or a draft (SGLang's slicing knows neither); ``request_row`` comes only
-  with a DSpark draft, which SGLang serves in PD with Mooncake or NIXL only, and ``swa_ring`` only on ROCm.
+  with V4.1's ratios 1 and 2 or a draft (SGLang's slicing knows neither).
 * State (``STATE_KINDS``): ``mamba`` components are recurrent (one slot per request), ``swa``
   ones sliding windows (pages), ``dsa`` (DeepSeek-V3.2, GLM-5: one index-K page per layer and
   KV page, ``DSATokenToKVPool``) paged and replicated, as on every MLA pool: one prefill rank
@@ -74,8 +83,8 @@ arguments by hand):
   by ring slot: item ``row * tail_size + slot`` of ``TAIL_SLOT_BYTES``, so the live slots of SGLang's
   6-tuple (``state_items``) pair in order with the decode's, whatever each side's tail size, as
   SGLang remaps them (``build_dsa_tail_transfer_blocks``, ``utils.py:1331-1451``); replicated.
-  SGLang's other state types are refused with ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming the
-  type; a per-KV-page kind needs one row here, once a test moves it.
+  Every one of SGLang 0.5.23's 13 state types is mapped; a type a later SGLang adds is refused with
+  ``TOPOLOGY_STATE_KIND_UNSUPPORTED``, naming it, until a test moves it.
 """
 
 from __future__ import annotations
@@ -116,6 +125,12 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     # DeepSeek-V4 (MLA): the page of the request's C128 compressor ring that holds its pending block, none at a
     # block boundary (request_state_transfer_indices): 0 or 1 item, so paged (a recurrent slot is exactly one).
     "c128_state": (v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED),
+    # DeepSeek-V4 on ROCm's unified KV: the window as token rows of each layer's ring (row * ring + pos % ring, the
+    # window's positions in order on both sides), nope tensors then rope; MLA, so whole on every rank.
+    "swa_ring": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
+    # A DeepSeek-V4 DSpark draft's SWA valid-from, one int64 per request row; SGLang serves DSpark PD only between
+    # equal attention TP sizes (common/conn.py:1376-1389), so a mismatch is refused naming this type.
+    "request_row": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REFUSED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""
 
@@ -244,8 +259,12 @@ def _refuse_compressed_kv(kv_args: Any, ranks: Ranks) -> None:
             reason=Reason.CONFIG_INVALID, metadata={"setting": "pp_size", "value": str(ranks.pp[0])})
 
 
-def _v4_layers(kv_args: Any, ranks: Ranks, *, prefill: bool) -> tuple[int, list[int], list[int]] | None:
-    """(first layer, ratio-4 layers, ratio-128 layers) of this rank's stage of a DeepSeek-V4 pool, which
+V4Layers = tuple[list[int], list[int], list[int]]
+"""(every layer, ratio-4 layers, ratio-128 layers) of a DeepSeek-V4 stage (``_v4_layers``)."""
+
+
+def _v4_layers(kv_args: Any, ranks: Ranks, *, prefill: bool) -> V4Layers | None:
+    """(layers, ratio-4 layers, ratio-128 layers) of this rank's stage of a DeepSeek-V4 pool, which
     lists its entries by ratio (module docstring); None for other pools and V4.1's ratios."""
     ratios = [int(r) for r in getattr(kv_args, "mla_compression_ratios", None) or ()]
     if not any(ratios) or not set(ratios) <= V4_PP_RATIOS:
@@ -261,17 +280,20 @@ def _v4_layers(kv_args: Any, ranks: Ranks, *, prefill: bool) -> tuple[int, list[
             f"a DeepSeek-V4 {'prefill' if prefill else 'decode'} stage (PP rank {ranks.pp[1]} of {ranks.pp[0]}) needs"
             " its layer range to number its entries, and SGLang did not give it: run this server with --pp-size 1",
             reason=Reason.CONFIG_INVALID, metadata={"setting": "pp_size", "value": str(ranks.pp[0])})
-    start, stop = stage
-    layers = range(start, stop)
-    return start, [i for i in layers if ratios[i] == 4], [i for i in layers if ratios[i] == 128]
+    layers = list(range(*stage))
+    return layers, [i for i in layers if ratios[i] == 4], [i for i in layers if ratios[i] == 128]
 
 
-def _v4_ids(name: str, v4: tuple[int, list[int], list[int]], count: int) -> list[int]:
+def _v4_ids(name: str, v4: V4Layers, count: int) -> list[int]:
     """Layer ids of the ``count`` entries of a DeepSeek-V4 group list ``name`` (module docstring); raises
     ``TopologyError`` when the pool's lists do not have the groups its ratios give."""
-    start, c4, c128 = v4
+    layers, c4, c128 = v4
+    start = layers[0] if layers else 0
     window = max(count - 2 * len(c4), 0)  # swa: a window page per layer, then the C4 compressor rings
-    ids = {"kv": [*c4, *c4, *c128], "c128_state": c128, "swa": [*range(start, start + window), *c4, *c4]}[name]
+    two_pool = count == 3 * len(c4) + 2 * len(c128)  # unified fp8 KV: nope, rope (and C4 indexer) pages
+    ids = {"kv": [*c4, *c4, *c4, *c128, *c128] if two_pool else [*c4, *c4, *c128], "c128_state": c128,
+           "swa": [*layers[:window], *c4, *c4],
+           "swa_ring": layers * (count // len(layers)) if layers else []}[name]
     if len(ids) != count:
         raise TopologyError(
             f"DeepSeek-V4's {name!r} entries from layer {start}: {len(c4)} ratio-4 and {len(c128)} ratio-128 layers"
@@ -328,7 +350,7 @@ _Component = tuple[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTp
 
 
 def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int | None] = (),
-                      v4: tuple[int, list[int], list[int]] | None = None) -> list[_Component]:
+                      v4: V4Layers | None = None) -> list[_Component]:
     """(type name, kind, per tensor its fields) of every state component SGLang registered; a ``dsa``
     component's tensors, one per KV entry (the target's layers, then the draft's), take ``dsa_layers``
     as layer ids, SGLang sending none; ``v4`` (from ``_v4_layers``) numbers a DeepSeek-V4 pool's ``swa``
@@ -361,7 +383,7 @@ def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int |
         layers = column("state_layer_ids", k, count)
         if name == "dsa" and len(dsa_layers) == count and all(i is None for i in layers):
             layers = list(dsa_layers)
-        if v4 is not None and name in ("swa", "c128_state") and name not in [c[0] for c in out]:
+        if v4 is not None and name in ("swa", "swa_ring", "c128_state") and name not in [c[0] for c in out]:
             layers = _v4_ids(name, v4, count)
         tensors = [
             {"ptr": p, "length": ln, "item_len": it, "dim": d, "outer": o, "groups": g, "layer": lid}
