@@ -262,7 +262,7 @@ class _Prefill:
     cp_group: Any
     src_pages: dict[int, list[int]] = field(default_factory=dict)
     aux_salt: int = 0
-    """Not 0 on a CP rank past 0 of ``Spec.cp_split``: its aux rows hold bytes only CP rank 0's may not."""
+    """Not 0 on a CP rank past 0 of ``Spec.cp_split``: its aux rows differ from CP rank 0's, and no decode may get them."""
 
     def senders(self, requests: list[Request]) -> list[Any]:
         return [
