@@ -71,7 +71,9 @@ def _boot(args: argparse.Namespace, role: str, tp: int, rank: int) -> Any:
         "--disaggregation-bootstrap-port", str(args.bootstrap_port),
         *server_flags(args.spec.model, role),
     ]  # fmt: skip
-    if tp > 1:  # a decode's TP ranks are its DCP group, but for a KV-sharded prefill's (Spec.kv_shard)
+    if role == "prefill" and args.spec.cp_split:  # as tests/sglang/_prefill_group.py boots Kimi Linear's CP ranks
+        argv += ["--tp-size", str(tp), "--attn-cp-size", str(tp)]
+    elif tp > 1:  # a decode's TP ranks are its DCP group, but for a KV-sharded prefill's (Spec.kv_shard)
         argv += ["--tp-size", str(tp), *([] if args.spec.kv_shard else ["--dcp-size", str(tp)])]
     server_args = prepare_server_args(argv)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
@@ -217,15 +219,16 @@ def _aux_tensors(metadata: Any) -> list[Any]:
     return [by_ptr[p] for p in metadata.get_buf_infos()[0]]
 
 
-def _write_aux_row(metadata: Any, index: int, room: int) -> None:
+def _write_aux_row(metadata: Any, index: int, room: int, salt: int = 0) -> None:
     """Stand-in for MetadataBuffers.set_buf (utils.py:584): seeded bytes in every buffer,
-    and the room in bootstrap_room, which the decode's gate waits for (utils.py:245-260)."""
+    and the room in bootstrap_room, which the decode's gate waits for (utils.py:245-260).
+    A ``salt`` other than 0 seeds other bytes: a row no decode may receive."""
     for k, buf in enumerate(_aux_tensors(metadata)):
         if buf is metadata.bootstrap_room:
             buf[index].zero_()
             buf[index, 0] = room
         else:
-            fill_random(buf[index], SEED * 1000 + room * 16 + k)
+            fill_random(buf[index], SEED * 1000 + room * 16 + k + salt * 1_000_003)
 
 
 def _poll_until(poll: Callable[[], list[Any]], done: set[int], timeout_s: float) -> list[int]:
@@ -261,6 +264,8 @@ class _Prefill:
     tp_group: Any
     cp_group: Any
     src_pages: dict[int, list[int]] = field(default_factory=dict)
+    aux_salt: int = 0
+    """Not 0 on a CP rank past 0 of ``Spec.cp_split``: its aux rows differ from CP rank 0's, and no decode may get them."""
 
     def senders(self, requests: list[Request]) -> list[Any]:
         return [
@@ -299,7 +304,7 @@ class _Prefill:
             if not last:
                 end -= end % self.args.spec.page  # a partial page waits for the next send, prefill.py:1546
             else:
-                _write_aux_row(self.metadata, started["aux_index"], req.room)  # set_buf, prefill.py:1568
+                _write_aux_row(self.metadata, started["aux_index"], req.room, self.aux_salt)  # set_buf, prefill.py:1568
             # One entry per kv_args.state_types on the last chunk only (prefill.py:1577-1709).
             state = None
             if last:
@@ -313,7 +318,7 @@ class _Prefill:
 def run_prefill(args: argparse.Namespace) -> None:
     """One dense prefill rank: bootstrap server, manager, a sender per request, chunked sends."""
     spec: Spec = args.spec
-    server_args = _boot(args, "prefill", tp=2 if spec.kv_shard else 1, rank=args.rank)
+    server_args = _boot(args, "prefill", tp=spec.prefill_ranks, rank=args.rank)
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
     from sglang.srt.managers.disagg_service import start_disagg_service
     from sglang.srt.runtime_context import get_disagg, get_parallel
@@ -329,13 +334,15 @@ def run_prefill(args: argparse.Namespace) -> None:
     fill_prefill(pools)
     if spec.kv_shard:
         _keep_shard(pools, spec.page, shards=2, rank=args.rank)
+    if spec.cp_split:
+        _keep_cp_share(pools, spec, args.rank)
     metadata, allocator = _metadata()
     manager = _manager(server_args, "prefill", pools.pool, metadata, LAYERS[spec.model], pools.draft)
     backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
     rank = _Prefill(
         args, manager, get_kv_class(backend, KVClassType.SENDER), pools, metadata, allocator,  # prefill.py:407
         get_parallel().attn_tp_group.cpu_group, get_parallel().attn_cp_group.cpu_group,  # scheduler.py:1248-1250
-        prefill_pages(spec),
+        prefill_pages(spec), aux_salt=args.rank if spec.cp_split else 0,
     )  # fmt: skip
     _emit({"ready": True, "engine": _engine_report(manager), "rank_port": manager.rank_port})
     # SGLang's decodes are up before a request reaches the prefill: the driver says "go" once
@@ -380,6 +387,26 @@ def _keep_shard(pools: Any, page: int, shards: int, rank: int) -> None:
         pages = buf.view(buf.shape[0] // page, -1)
         mine = pages[rank::shards].clone()
         pages[: mine.shape[0]] = mine
+
+
+def _keep_cp_share(pools: Any, spec: Spec, rank: int) -> None:
+    """Leave this CP rank right only where it sends (``Spec.cp_split``): other bytes in the KV rows of each
+    request's pages outside its share (SGLang's ``_get_cp_rank_page_bounds`` over the pages after the decode
+    prefix, as ``filter_kv_indices_for_cp_rank`` cuts them) and, past CP rank 0, in every state item, so a
+    byte from the wrong rank shows on the decode."""
+    from sglang.srt.disaggregation.utils import _get_cp_rank_page_bounds
+
+    page, src_pages = spec.page, prefill_pages(spec)
+    for req in spec.all_requests():
+        suffix = src_pages[req.room][req.decode_prefix // page:]
+        first, end = _get_cp_rank_page_bounds(len(suffix), rank, spec.prefill_ranks)
+        for p in suffix[:first] + suffix[end:]:
+            for layer, buf in enumerate(pools.kv):
+                fill_random(buf[p * page:(p + 1) * page], SEED * 19 + p * 64 + layer)
+    for k, tensors in enumerate(pools.state if rank else ()):
+        for i, tensor in enumerate(tensors):
+            if tensor is not None:
+                fill_random(tensor, SEED * 23 + k * 100 + i)
 
 
 def _conclude(sender: Any, state: int) -> dict[str, Any]:

@@ -14,7 +14,11 @@ Topologies: one dense prefill rank to one decode rank, or to a decode DCP group 
 ranks (``--dcp N``: decode TP = DCP = N, so one prefill rank feeds N decode ranks, each
 its own token shard and, for the hybrid, its TP share of the state), or (``run(kv_shard=True)``)
 two prefill TP ranks with SGLang's KV cache sharding, each holding every other page, to a
-decode of TP 2 without DCP whose every rank asks both prefill ranks for every token. Every
+decode of TP 2 without DCP whose every rank asks both prefill ranks for every token, or
+(``run(cp_split=True)``, the Kimi-Linear hybrid) two prefill CP ranks (``--attn-cp-size 2``,
+``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both sides) to a decode of TP 1: SGLang's
+sender cuts each chunk to the rank's contiguous share of the pages, CP rank 0 alone sends the
+state and aux, and each rank holds other bytes where it must not send. Every
 decode rank compares its whole KV pool, every aux buffer and every state tensor with what it
 must hold (the prefill's bytes where they belong, zeros elsewhere); both sides regenerate the
 prefill's bytes from one seed.
@@ -153,6 +157,9 @@ class Spec:
     kv_shard: bool = False
     """Two prefill TP ranks with SGLang's KV cache sharding (logical page l on rank l % 2 as local page
     l // 2), into a decode of TP 2 without DCP: every decode rank asks both prefill ranks for every token."""
+    cp_split: bool = False
+    """Two prefill CP ranks (``--tp-size 2 --attn-cp-size 2``) whose every rank sends its contiguous share of
+    each request's pages, CP rank 0 alone the state and aux (Kimi Linear), into a decode of TP 1."""
     dump: str = ""
     """A decode rank fed by a vLLM prefill (tests/vllm/test_cross_engine.py) writes its KV pool and metadata
     buffers here for that driver to check, and builds the metadata buffers SGLang builds without speculative
@@ -165,6 +172,11 @@ class Spec:
     def all_requests(self) -> list[Request]:
         killed = [KILL] if self.kill or self.kill_prefill else []
         return [*self.requests, *([DROPPED, AGAIN] if self.again else []), *killed]
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Prefill processes: two TP ranks with KV cache sharding, two CP ranks, else one."""
+        return 2 if self.kv_shard or self.cp_split else 1
 
     @property
     def page(self) -> int:
@@ -290,6 +302,7 @@ def run(
     decodes: tuple[tuple[str, int], ...] = (),
     hostile: tuple[list[bytes], ...] = (),
     kv_shard: bool = False,
+    cp_split: bool = False,
 ) -> dict[str, Any]:
     """Run one prefill rank and ``dcp`` decode ranks for ``backend`` (or one backend per side); return their reports.
 
@@ -309,7 +322,7 @@ def run(
     prefill_backend = prefill_backend or backend
     decodes = decodes or ((decode_backend or backend, dcp),)
     spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill, instances=len(decodes),
-                kv_shard=kv_shard)
+                kv_shard=kv_shard, cp_split=cp_split)
     dcp = sum(d for _, d in decodes)
     env_overrides = env
     env = dict(
@@ -325,8 +338,12 @@ def run(
         SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE="1000",
         # CPU ranks beyond the NUMA node count must be told where their threads go
         # (utils/numa_utils.py:459-496); this only matters on AMX or arm64 hosts.
-        SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * max(dcp, 2 if kv_shard else 1)),
+        SGLANG_CPU_OMP_THREADS_BIND="|".join([f"0-{(os.cpu_count() or 1) - 1}"] * max(dcp, spec.prefill_ranks)),
     )
+    if cp_split:
+        # SGLang makes a Kimi Linear prefill's every CP rank send without it (common/conn.py:373-391);
+        # set on both sides, as docs/sglang.md asks of a deployment.
+        env["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
     env.update(env_overrides or {})  # the caller's settings win, these defaults included
     cmd = command("-m", "tests.sglang.pd_harness")
     out: dict[str, Any] = {"prefill": None, "decode": [None] * dcp, "kill": None}
@@ -348,7 +365,7 @@ def run(
 
         prefill_dist_port = str(free_port())
         prefills = [spawn("prefill", f"prefill{r or ''}", "--dist-port", prefill_dist_port,
-                          "--backend", prefill_backend, "--rank", str(r)) for r in range(2 if kv_shard else 1)]
+                          "--backend", prefill_backend, "--rank", str(r)) for r in range(spec.prefill_ranks)]
         prefill = prefills[0]
         prefill_lines = [_Lines(p) for p in prefills]
         lines = prefill_lines[0]

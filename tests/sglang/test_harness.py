@@ -13,7 +13,8 @@ issues 13's and 33's proof:
   ``test_state_kinds.py``);
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
-* two MLA prefill TP ranks with SGLang's KV cache sharding -> decode TP 2 (4 processes).
+* two MLA prefill TP ranks with SGLang's KV cache sharding -> decode TP 2 (4 processes);
+* two prefill CP ranks of the Kimi-Linear hybrid, each sending its share of the pages -> decode TP 1.
 
 And issue 35's mixed fleet: a pdproto prefill serving unmodified SGLang Mooncake decodes (TP 1,
 DCP 4, the Kimi-Linear hybrid, one killed mid-transfer) beside a pdproto decode, after hostile
@@ -181,6 +182,31 @@ def test_pdproto_kv_sharded_mla_prefill_tp2_to_decode_tp2_moves_every_byte() -> 
     assert 0 < tokens[0] < 300 and sum(tokens) == 300, pages
     extra = {p["results"]["101"]["metric_bytes"] - n * 4 * KV_ROW * 2 for p, n in zip(out["prefills"], tokens)}
     assert len(extra) == 1 and extra.pop() > 0
+
+
+def test_pdproto_cp_split_kimi_linear_prefill_cp2_to_decode_moves_every_byte() -> None:
+    """Two SGLang prefill CP ranks of the Kimi-Linear hybrid (``--attn-cp-size 2``, every CP rank a KV sender)
+    into one pdproto decode: SGLang's sender cuts each chunk to the rank's contiguous share of the pages after
+    the decode prefix, the chunk that straddles the two shares included; CP rank 0 alone sends the state and
+    aux. Each rank holds other bytes where it must not send (the other share's pages; past rank 0 the state and
+    aux), and the decode checks every KV, state and aux byte of its pools."""
+    requests = (
+        Request(room=101, tokens=300, chunk=128),  # 5 pages: rank 0 pages 0-2, rank 1 pages 3-4
+        Request(room=103, tokens=1000, decode_prefix=256, chunk=256),  # 12 suffix pages: 6 each
+        Request(room=104, tokens=5),  # 1 page: rank 1 sends an empty last chunk
+    )
+    shares = {101: (192, 108), 103: (384, 360), 104: (5, 0)}  # suffix tokens of each CP rank's pages
+    out = run("pdproto", requests, model="kimi", cp_split=True, env=TOKEN)
+    _assert_ranks_ok(out, 1, len(requests))  # mismatches: every KV, state and aux byte
+    assert out["prefill_rcs"] == [0, 0] and out["decode_rc"] == [0], out["prefill_stderr"]
+    extra = []
+    for rank, prefill in enumerate(out["prefills"]):
+        results = {int(room): r for room, r in prefill["results"].items()}
+        assert {room: (r["poll"], r["prefix"]) for room, r in results.items()} == {
+            req.room: (SUCCESS, req.decode_prefix) for req in requests}, out["prefill_stderr"]
+        # What each rank wrote: its share's token rows (2 MLA layers), rank 0 also the state and aux row.
+        extra.append({results[room]["metric_bytes"] - tokens[rank] * 2 * KV_ROW for room, tokens in shares.items()})
+    assert len(extra[0]) == 1 and extra[0].pop() > 0 and extra[1] == {0}, extra
 
 
 def test_pdproto_prefill_serves_sglang_mooncake_decodes_beside_a_pdproto_decode() -> None:
