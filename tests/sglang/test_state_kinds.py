@@ -14,7 +14,8 @@ partial and sub-page prompts:
 * a GLM-5-Next-shaped hybrid (``HybridLinearKVPool(use_dsa=True)`` with a compressed index kpool:
   ``mamba``, ``dsa``, ``dsa_tail``), rings of different sizes on the two sides, on both engines;
 * a DeepSeek-V4-shaped pool (``DeepSeekV4TokenToKVPool``: compressed KV pages, ``swa`` with the C4
-  compressor state, ``c128_state``), on both engines.
+  compressor state, ``c128_state``), on ROCm's unified KV too, and with DeepSeek-V4.1's ratios 1 and 2 and
+  a DSpark draft, on both engines.
 
 Their TP-mismatch policies (refused, replicated) are pure tests in ``tests/test_sglang_layout.py``.
 A file of its own so that ``make test``'s two workers run it beside ``test_harness.py``.
