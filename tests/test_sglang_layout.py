@@ -399,6 +399,10 @@ def test_mxfp8_block_scales_move_between_equal_tp_and_a_tp_mismatch_is_refused_n
     rejection = tp_refusal(block_scale_states(2)[2:], layout.Ranks(attn_tp=(2, 1)), block_scale_states(1)[2:],
                            layout.Ranks(attn_tp=(1, 0)))
     assert rejection.metadata["typeName"] == "block_scale_swa"
+    # An MHA prefill's CP ranks do not count as TP ranks (SGLang's exception is MLA's): TP 1 x CP 2 -> TP 2 refused.
+    rejection = tp_refusal(block_scale_states(1), layout.Ranks(attn_tp=(1, 0), attn_cp=(2, 0)), block_scale_states(2),
+                           layout.Ranks(attn_tp=(2, 0)))
+    assert rejection.metadata["typeName"] == "block_scale"
 
 
 def minimax_states(tp: int) -> list[dict[str, Any]]:
@@ -637,7 +641,8 @@ def test_deepseek_v4_unified_kv_ring_rows_are_a_replicated_window_and_lists_of_u
     assert caught.value.metadata["typeName"] == "swa_ring" and "128 prefill pages for 127" in caught.value.message
 
 
-def test_a_dspark_drafts_request_row_moves_between_equal_tp_sizes_and_is_refused_between_others_naming_it() -> None:
+def test_a_dspark_drafts_request_row_moves_between_equal_tp_sizes_or_from_an_mla_cp_prefill_and_is_refused_otherwise(
+        ) -> None:
     info = layout.server_info(dsv4(dspark=True), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=True, host="h", port=1,
                               backend=v1.BACKEND_MOONCAKE)
     assert [(e.type_name, e.kind, e.tp_policy) for e in info.state_entries][2:] == [
@@ -647,12 +652,18 @@ def test_a_dspark_drafts_request_row_moves_between_equal_tp_sizes_and_is_refused
         rows, state, _ = written(_pair(dsv4(dspark=True), layout.Ranks(attn_tp=(2, p_rank)), dsv4(dspark=True),
                                        layout.Ranks(attn_tp=(2, p_rank))))
         assert rows == DSV4_KV and state[-2:] == [149760, 8], state
-    # SGLang serves DSpark PD only between equal attention TP sizes (common/conn.py:1376-1389): refused at
+    # SGLang also admits an MLA prefill of TP t with CP c > 1 into a decode of TP t*c (common/conn.py:1376-1384),
+    # pairing decode rank d with prefill TP rank d // c, CP rank 0 (_resolve_rank_mapping): so does pdproto.
+    for p_tp, d_tp, d_rank in ((1, 2, 0), (1, 2, 1), (2, 4, 3)):
+        p_ranks = layout.Ranks(attn_tp=(p_tp, d_rank // 2), attn_cp=(2, 0))
+        rows, state, _ = written(_pair(dsv4(dspark=True), p_ranks, dsv4(dspark=True),
+                                       layout.Ranks(attn_tp=(d_tp, d_rank))))
+        assert rows == DSV4_KV and state[-2:] == [149760, 8], state
+    # Every other TP mismatch is refused, as SGLang refuses DSpark PD (common/conn.py:1385-1389): at
     # registration, naming the type, either way; without the draft the same pair is served (replicated).
     for p_ranks, d_ranks in ((layout.Ranks(attn_tp=(2, 0)), layout.Ranks(attn_tp=(1, 0))),
                              (layout.Ranks(attn_tp=(1, 0)), layout.Ranks(attn_tp=(2, 1))),
-                             # SGLang admits prefill TP 1 x CP 2 into decode TP 2 on MLA; pdproto compares TP only.
-                             (layout.Ranks(attn_tp=(1, 0), attn_cp=(2, 0)), layout.Ranks(attn_tp=(2, 1)))):
+                             (layout.Ranks(attn_tp=(1, 0), attn_cp=(2, 0)), layout.Ranks(attn_tp=(4, 1)))):
         rejection = _pair(dsv4(dspark=True), p_ranks, dsv4(dspark=True), d_ranks)
         assert isinstance(rejection, Rejection) and rejection.reason is Reason.TOPOLOGY_STATE_TP_REFUSED, rejection
         assert rejection.metadata["typeName"] == "request_row" and "(request_row)" in rejection.message

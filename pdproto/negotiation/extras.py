@@ -18,7 +18,8 @@ purely from ``PrefillServerInfo`` and ``KvRegistration``:
 * **per tensor**, how the two sides' items relate (the entry's ``StateTpPolicy``; unset reads
   it from ``dim``): equal state TP sizes copy the item whole; a replicated tensor (``dim`` 0,
   or ``REPLICATED``: the DSA index of an MLA pool) is whole on every rank and moves once; a
-  ``REFUSED`` entry moves only between equal TP sizes; otherwise different sizes split it by
+  ``REFUSED`` entry moves only between equal TP sizes, where an MLA prefill with CP ``c`` > 1 and TP ``t``
+  also feeds a decode of TP ``t*c`` from its CP rank 0 (SGLang's DSpark PD, ``common/conn.py:1376-1384``); otherwise different sizes split it by
   ``pdproto.negotiation.shards`` (heads of a temporal state, the q/k/v channels of a conv state
   per window row, heads per token of a sliding-window page), which needs the split widths of
   both sides.
@@ -38,6 +39,8 @@ from pdproto.dcp.layers import EntryRef, resolve_entries
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.shards import Layout, Segment, SplitAxis, Whole, assign_writes, head_axis, local_width
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
+
+_MLA_KINDS = frozenset({common_pb2.ATTENTION_KIND_MLA, common_pb2.ATTENTION_KIND_HYBRID_MLA})
 
 _KINDS = {common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW, common_pb2.STATE_KIND_PAGED}
 
@@ -299,8 +302,11 @@ def match_state(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.K
             metadata={"prefillStateEntries": len(info.state_entries),
                       "decodeStateEntries": len(reg.state_buffers)})
     src_pp, dst_pp = info.pp.size or 1, reg.pp.size or 1
+    # An MLA prefill's CP ranks count as TP ranks for a REFUSED entry (module docstring).
+    cp = info.attn_cp.size or 1
+    world = src_tp * cp if cp > 1 and info.attention_kind in _MLA_KINDS and src_tp * cp == dst_tp else src_tp
     for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
-        _check_kinds(src, dst, e, src_tp=src_tp, dst_tp=dst_tp)  # a refused kind is named before any size
+        _check_kinds(src, dst, e, src_tp=world, dst_tp=dst_tp)  # a refused kind is named before any size
     out = []
     for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
         pairs = _tensor_pairs(src, dst, e, src_pp=src_pp, dst_pp=dst_pp)

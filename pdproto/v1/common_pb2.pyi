@@ -215,7 +215,8 @@ class _StateTpPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StateTp
     """Every rank holds the whole entry (MLA pools): one elected prefill rank writes each decode rank."""
     STATE_TP_POLICY_REFUSED: _StateTpPolicy.ValueType  # 3
     """The entry moves only between equal TP sizes; a mismatch is refused at Register
-    (ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED).
+    (ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED). An MLA prefill's attention CP ranks count as TP ranks:
+    TP t with CP c > 1 also feeds a decode of TP t*c.
     """
 
 class StateTpPolicy(_StateTpPolicy, metaclass=_StateTpPolicyEnumTypeWrapper):
@@ -233,7 +234,8 @@ STATE_TP_POLICY_REPLICATED: StateTpPolicy.ValueType  # 2
 """Every rank holds the whole entry (MLA pools): one elected prefill rank writes each decode rank."""
 STATE_TP_POLICY_REFUSED: StateTpPolicy.ValueType  # 3
 """The entry moves only between equal TP sizes; a mismatch is refused at Register
-(ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED).
+(ERROR_REASON_TOPOLOGY_STATE_TP_REFUSED). An MLA prefill's attention CP ranks count as TP ranks:
+TP t with CP c > 1 also feeds a decode of TP t*c.
 """
 Global___StateTpPolicy: _TypeAlias = StateTpPolicy  # noqa: Y015
 

@@ -52,6 +52,18 @@
   as the configurator passes ``SGLANG_DSV4_UNIFIED_KV_FP8`` on gfx95): KV is the compressed pages after
   each layer's SWA ring, nope then rope; state is ``swa`` (the C4 compressor rings only), ``swa_ring``
   (each layer's ring rows of the window, nope then rope) and ``c128_state``.
+* ``dsv41``: a DeepSeek-V4.1-shaped pool with a DSpark draft: the ``dsv4`` pool with V4.1's ratios
+  (6 layers of ratios 0, 4, 1, 2, 1, 2; kv_source layers 2 and 3, which layers 4 and 5 read:
+  ``collect_sources_by_ratio``) and ``full_size``, target and draft built while SGLang's spec config
+  says DSPARK with 3 draft tokens, as ``_build_dsv4_kv_pool`` passes them (``kv_cache_configurator.py:2054-2141``).
+  V4 layout: the V4.1 layouts need an SM100 GPU (``select_dsv4_kv_layout``). KV is six entries in
+  SGLang's wire order (``_init_compressed_pools``): C4 KV, C4 indexer, then per low ratio the kv_source
+  layer's KV and its packed fp4 indexer keys (a run of 64-slot index pages per full page); state is
+  ``swa`` (the 6 layers' SWA pages, the C4 compressor rings), ``c128_state`` (the ratio-2 kv_source's
+  pending-pair ring of the request row, none for an even length), the draft's ``swa`` and ``request_row``.
+  V4.1 has no ratio 128 here: SGLang moves one request-state index list for every request-scoped pool and
+  asserts they share one ring layout (``request_state_transfer_indices``), which C128's ring and the
+  pair ring do not.
 
 Both sides derive every byte from one seed. A decode rank checks its whole KV pool, every aux
 buffer and every state tensor against what it must hold: the prefill's bytes where they belong,
@@ -65,6 +77,7 @@ item, with the indices ``state_indices`` computes as ``prefill.py``/``decode.py`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 from dataclasses import dataclass, field
@@ -78,9 +91,10 @@ AUX_SLOTS = 16
 STATE_SLOTS = 16  # mamba slots per pool (SGLang adds padding slot 0)
 SEED = 1234
 LAYERS = {"mla": 4, "dsa": 4, "kimi": 8, "gptoss": 4, "qwen4": 4, "minimax": 4, "glm5next": 8, "dsv4": 4,
-          "dsv4unified": 4}
+          "dsv4unified": 4, "dsv41": 6}
 DSV4_RATIOS = [0, 4, 128, 4]  # dsv4: per layer its KV compression ratio (0: the window only)
-DSV4 = ("dsv4", "dsv4unified")
+DSV41_RATIOS, DSV41_SOURCES = [0, 4, 1, 2, 1, 2], [2, 3]  # dsv41: ratios, and the layers owning ratio 1/2 storage
+DSV4 = ("dsv4", "dsv4unified", "dsv41")
 INDEX_KPOOL = 4  # glm5next: index keys compressed 4:1, so 64-token index pages need 256-token KV pages
 TAIL_EXTRA = {"prefill": 0, "decode": 1}  # glm5next: max_speculative_num_draft_tokens on each side
 SWA_WINDOW = 128  # GPT-OSS's sliding_window, shortened to two pages so a window is shorter than most prompts
@@ -287,18 +301,25 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: s
 
         pool_args = dict(
             max_num_reqs=STATE_SLOTS, swa_size=size, c4_size=size // 4, c128_size=size // 128,
-            c4_state_pool_size=size // page_of(model) * 8, c128_state_pool_size=0, page_size=page_of(model),
+            # A C4 ring per SWA page: 8 rows, 16 under speculation (get_compress_state_ring_size)
+            c4_state_pool_size=size // page_of(model) * (16 if model == "dsv41" else 8), c128_state_pool_size=0, page_size=page_of(model),
             swa_page_size=page_of(model), dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
             c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=ROPE_DIM, indexer_head_dim=128,
             device="cpu", enable_memory_saver=False, sliding_window=SWA_WINDOW,
         )  # fmt: skip
         unified, gate = model == "dsv4unified", unified_kv_gate.is_unified_kv_triton
+        v41 = model == "dsv41"
         if unified:  # ROCm's gate (is_hip() and SGLANG_HACK_FLASHMLA_BACKEND), answered for this pool only
             unified_kv_gate.is_unified_kv_triton = lambda: True
+        # V4.1 serves PD speculation with DSpark only, whose draft tokens size the target's compressor rings.
+        dspark = dict(speculative_algorithm="DSPARK", **({"speculative_num_draft_tokens": 3} if v41 else {}))
         try:
-            # A stage's layers, as the configurator passes them (SGLang's default end_layer is layer_num - 1).
-            pool = DeepSeekV4TokenToKVPool(**pool_args, layer_num=stage[1] - stage[0], compression_ratios=DSV4_RATIOS,
-                                           start_layer=stage[0], end_layer=stage[1], unified_fp8=unified)
+            with get_spec().override(**dspark) if v41 else contextlib.nullcontext():
+                # A stage's layers, as the configurator passes them (SGLang's default end_layer is layer_num - 1).
+                pool = DeepSeekV4TokenToKVPool(
+                    **pool_args, layer_num=stage[1] - stage[0], start_layer=stage[0], end_layer=stage[1],
+                    unified_fp8=unified, **(dict(compression_ratios=DSV41_RATIOS, kv_source_layers=DSV41_SOURCES,
+                                                 full_size=size) if v41 else dict(compression_ratios=DSV4_RATIOS)))
         finally:
             unified_kv_gate.is_unified_kv_triton = gate
         for state in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
@@ -306,7 +327,7 @@ def _build(model: str, pool_pages: int, config_dir: str, tp: int | None, role: s
                 state.kv_score_buffer.kv_score.zero_()
         draft = None
         if not unified:  # a DSpark draft registers request_row only off ROCm (deepseek_v4_memory_pool.py:1245-1260)
-            with get_spec().override(speculative_algorithm="DSPARK"):
+            with get_spec().override(**dspark):
                 draft = DeepSeekV4TokenToKVPool(**pool_args, layer_num=1, compression_ratios=[0], is_draft_worker=True)
         return Pools(pool, _byte_views(*pool.get_contiguous_buf_infos()), draft=draft)
     if model == "dsa":  # kv_cache_configurator.py:1866 (the DSA branch), arguments as it passes them
@@ -577,6 +598,6 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
     return mismatches
 
 
-__all__ = ["AUX_SLOTS", "DSV4", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
+__all__ = ["AUX_SLOTS", "DSV4", "DSV41_RATIOS", "DSV41_SOURCES", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
            "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "page_of",
            "page_rows", "server_flags", "state_indices", "write_config"]

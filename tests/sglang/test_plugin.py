@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang._models import write_config
+from tests.sglang._models import DSV41_RATIOS, DSV41_SOURCES, write_config
 from tests.sglang._run import run_sglang
 
 pytestmark = pytest.mark.process
@@ -157,6 +157,34 @@ def layer_split(backend):
         torch.cuda.get_device_capability = capability
 
 results["layer_split"] = {{backend: layer_split(backend) for backend in ("pdproto", "nixl")}}
+
+from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+seen = []
+
+@register_resolution_hook("handle_speculative_decoding")
+def spec_step(server_args, previous):
+    # The step after the model step: what it sees of the backend name.
+    seen.append(resolving_view(server_args).disaggregation_transfer_backend)
+    previous(server_args)
+
+def dspark(backend, mode="prefill", env=None):
+    import torch
+    capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    seen.clear()
+    try:
+        out = resolve("--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend,
+                      "--speculative-algorithm", "DSPARK", "--page-size", "256", model={dsv41!r},
+                      env={{"SGLANG_RAGGED_VERIFY_MODE": "static", **(env or {{}})}})
+    finally:
+        torch.cuda.get_device_capability = capability
+    return {{**out, "next_step_saw": list(seen)}}
+
+results["dsv41_dspark"] = {{
+    "pdproto": dspark("pdproto"), "pdproto_decode": dspark("pdproto", "decode"), "nixl": dspark("nixl"),
+    "mori": dspark("mori"), "pdproto_compact": dspark("pdproto", env={{"SGLANG_RAGGED_VERIFY_MODE": "compact"}}),
+}}
 """
 
 
@@ -175,7 +203,16 @@ def with_plugin(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
                   index_topk=2048, index_n_heads=4, index_head_dim=128)
     dsa = tmp_path_factory.mktemp("dsa")
     (dsa / "config.json").write_text(json.dumps(config))
-    return run_sglang("results = {}\n" + RESOLVE + SERVER_ARGS.format(model=str(model_dir), dsa=str(dsa))
+    # DeepSeek-V4.1 (SGLang's DeepseekV41Config): the dsv41 pool's ratios and kv_source layers.
+    v41 = json.loads((write_config("dsv41", tmp_path_factory.mktemp("dsv41")) / "config.json").read_text())
+    v41.update(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v41", compress_ratios=DSV41_RATIOS,
+               kv_source_layer_ids=DSV41_SOURCES, q_lora_rank=256, index_topk=512, index_n_heads=4,
+               index_head_dim=128, qk_nope_head_dim=448, window_size=128, sliding_window=128, o_lora_rank=256,
+               o_groups=2, num_key_value_heads=1)
+    dsv41 = tmp_path_factory.mktemp("dsv41_config")
+    (dsv41 / "config.json").write_text(json.dumps(v41))
+    return run_sglang("results = {}\n" + RESOLVE + SERVER_ARGS.format(model=str(model_dir), dsa=str(dsa),
+                                                                      dsv41=str(dsv41))
                       + BOOTSTRAP.format() + "print(json.dumps(results))\n")
 
 
@@ -195,6 +232,25 @@ def test_server_args_accept_a_dsa_layer_split_prefill_with_plugin(with_plugin: d
     out = with_plugin["layer_split"]
     assert out["pdproto"]["backend"] == "pdproto", out
     assert "only supports the mooncake transfer backend" in out["nixl"]["rejected"], out
+
+
+DSPARK_CPU = "DSpark speculative decoding only supports CUDA, NPU or XPU device."
+"""What the step after the model step (speculative_hook.py:666-672) answers every DSpark server on a CPU host."""
+V41_PD = "DeepSeek-V4.1 DSpark PD requires static verify, Mooncake or NIXL"
+
+
+def test_server_args_pass_a_deepseek_v41_dspark_pd_server_with_plugin(with_plugin: dict[str, Any]) -> None:
+    """SGLang allows DeepSeek-V4.1 DSpark PD with Mooncake or NIXL only (deepseek_v4_hook.py:355-382); a pdproto
+    prefill or decode passes that check, and the next step sees pdproto's name again. Its other rules still apply
+    (a ragged verify mode other than static). DSpark itself then refuses a CPU device, so no V4.1 server resolves
+    whole here, whatever the backend."""
+    out = with_plugin["dsv41_dspark"]
+    for name in ("pdproto", "pdproto_decode", "nixl"):
+        assert out[name]["rejected"] == DSPARK_CPU, out
+    assert out["pdproto"]["next_step_saw"] == out["pdproto_decode"]["next_step_saw"] == ["pdproto"], out
+    assert out["nixl"]["next_step_saw"] == ["nixl"], out
+    for name in ("mori", "pdproto_compact"):
+        assert out[name]["rejected"].startswith(V41_PD) and out[name]["next_step_saw"] == [], out
 
 
 WITHOUT_PLUGIN = """

@@ -14,7 +14,8 @@ partial and sub-page prompts:
 * a GLM-5-Next-shaped hybrid (``HybridLinearKVPool(use_dsa=True)`` with a compressed index kpool:
   ``mamba``, ``dsa``, ``dsa_tail``), rings of different sizes on the two sides, on both engines;
 * a DeepSeek-V4-shaped pool (``DeepSeekV4TokenToKVPool``: compressed KV pages, ``swa`` with the C4
-  compressor state, ``c128_state``), on both engines.
+  compressor state, ``c128_state``), on ROCm's unified KV too, and with DeepSeek-V4.1's ratios 1 and 2 and
+  a DSpark draft, on both engines.
 
 Their TP-mismatch policies (refused, replicated) are pure tests in ``tests/test_sglang_layout.py``.
 A file of its own so that ``make test``'s two workers run it beside ``test_harness.py``.
@@ -117,7 +118,7 @@ def test_pdproto_glm5_next_kda_state_dsa_index_and_tail_rings_move_every_byte(en
 
 
 @pytest.mark.parametrize("engine", ["mooncake", "nixl"])
-@pytest.mark.parametrize("model", ["dsv4", "dsv4unified"])
+@pytest.mark.parametrize("model", ["dsv4", "dsv4unified", "dsv41"])
 def test_pdproto_deepseek_v4_kv_pages_window_rings_c128_state_and_dspark_request_row_move_every_byte(
         model: str, engine: str) -> None:
     """A DeepSeek-V4-shaped pool (SGLang's DeepSeekV4TokenToKVPool, layers of compression ratios 0, 4, 128, 4):
@@ -133,14 +134,23 @@ def test_pdproto_deepseek_v4_kv_pages_window_rings_c128_state_and_dspark_request
     ``dsv4unified`` (ROCm's unified KV, fp8 two-pool): the KV pages sit after each layer's ring, nope then
     rope; the window is ``swa_ring``, each layer's ring rows of the last 128 positions (``req * ring +
     pos % ring``), nope then rope. The metric: 2 x (32,768 + 8,192 + 8,448) + 1,024 + 256 per suffix page;
-    2 x 65,536 + 2 x 16,384 per window page; 4 x (512 + 128) per window token; 524,288 per C128 ring page."""
+    2 x 65,536 + 2 x 16,384 per window page; 4 x (512 + 128) per window token; 524,288 per C128 ring page.
+    ``dsv41`` (DeepSeek-V4.1's ratios 0, 4, 1, 2, 1, 2 with a DSpark draft of 3 tokens): KV is C4 KV and indexer
+    keys, then each low ratio's kv_source KV and fp4 indexer keys; ``c128_state`` the ratio-2 kv_source's
+    pending-pair ring, moved for an odd length. The metric: 37,440 + 8,448 + 149,760 + 17,408 + 74,880 + 8,704
+    per suffix page; 6 x 149,760 + 131,072 + 32,768 + 149,760 per window page; 32,768 per pending pair; 8 per
+    request."""
     unified = model == "dsv4unified"
+    # Per model: KV bytes per suffix page, swa bytes per window page, request-state bytes (C128 ring page, V4.1's
+    # pair ring) and the length that leaves it pending, request-row bytes.
+    kv, swa, request, pending, row = {"dsv4": (93504, 762880 + 149760, 524288, 128, 8),
+                                      "dsv4unified": (100096, 163840, 524288, 128, 0),
+                                      "dsv41": (296640, 1062400 + 149760, 32768, 2, 8)}[model]
 
     def moved(req: Request) -> int:
         pages = -(-req.tokens // 256)
         window = pages - max(req.decode_prefix, req.tokens - 128) // 256
-        kv, swa = (100096, 163840) if unified else (93504, 762880 + 149760)
-        ring = 4 * 640 * min(req.tokens, 128) if unified else 8
-        return (pages - req.decode_prefix // 256) * kv + window * swa + ring + (req.tokens % 128 > 0) * 524288
+        ring = 4 * 640 * min(req.tokens, 128) if unified else row
+        return (pages - req.decode_prefix // 256) * kv + window * swa + ring + (req.tokens % pending > 0) * request
 
     _one_to_one_moves_every_byte(model, engine, moved, row_bytes=0, requests=DSV4_REQUESTS)

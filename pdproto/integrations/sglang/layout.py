@@ -54,7 +54,12 @@ arguments by hand):
   C4 layers, nope and rope pages of the C128 layers (fp8 two-pool). A DSpark draft adds its own ``swa``
   component and ``request_row``, one int64 per request row (``deepseek_v4_memory_pool.py:1245-1260``),
   index ``[req_pool_idx]``: recurrent, and refused between TP sizes, as SGLang refuses DSpark PD
-  (``common/conn.py:1376-1389``). Lists of unequal length are refused per request for every kind
+  (``common/conn.py:1376-1389``), but for an MLA prefill of TP t with CP c into a decode of TP t·c, which
+  negotiation pairs as SGLang does (``negotiation.extras``). DeepSeek-V4.1's ratios 1 and 2 add, after
+  the C4 entries, each low ratio's kv_source KV and fp4 indexer pages (one item the index pages of a full
+  page) and, in ``c128_state``, a ratio-2 kv_source's pending-pair ring (index ``[req_pool_idx]`` for an
+  odd length); SGLang sends no layer ids for them and pairs by position (``dsv41_spec_layout``), as
+  pdproto does, between single-stage servers (V4.1 refuses PP). Lists of unequal length are refused per request for every kind
   (``negotiation.slots``), as SGLang raises for these. The pool lists its entries by ratio, each list
   holding the rank's stage only (SGLang's PP slicing cuts each by the stage's layers and
   ``mla_compression_ratios``, ``common/conn.py:1890-1995``), so every entry carries its layer id
@@ -129,7 +134,7 @@ STATE_KINDS: dict[str, tuple[common_pb2.StateKind.ValueType, common_pb2.StateTpP
     # window's positions in order on both sides), nope tensors then rope; MLA, so whole on every rank.
     "swa_ring": (v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
     # A DeepSeek-V4 DSpark draft's SWA valid-from, one int64 per request row; SGLang serves DSpark PD only between
-    # equal attention TP sizes (common/conn.py:1376-1389), so a mismatch is refused naming this type.
+    # equal attention TP sizes, an MLA prefill's CP ranks counted (common/conn.py:1376-1389); pdproto refuses the rest, naming this type.
     "request_row": (v1.STATE_KIND_RECURRENT, v1.STATE_TP_POLICY_REFUSED),
 }
 """SGLang ``StateType`` value -> (``StateKind``, ``StateTpPolicy``), for the state types pdproto moves."""

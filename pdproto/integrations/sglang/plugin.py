@@ -19,10 +19,16 @@ SGLang knows its transfer backends by name in five places; each gets one hook:
   which names the backends it trusts: overridden through SGLang's resolution-hook
   registry so a ``pdproto`` decode with ``--dcp-size`` > 1 passes it, while every other
   decision of that step still applies;
-* the DSA cache layer split check in ``handle_model_specific_adjustments``
-  (``arg_groups/model_hook.py:393-408``), which allows only ``mooncake`` (its all-CP-rank transfer,
-  which pdproto serves: ``layout.Ranks.cp_layers``) and is the step's one use of the backend name:
-  the same stand-in for a ``pdproto`` prefill with ``--enable-dsa-cache-layer-split``.
+* two checks in ``handle_model_specific_adjustments``, the step's only uses of the backend name
+  but for Qwen4-Exp's ``== "mori"`` (``model_overrides/qwen4_exp.py:30``), which a stand-in does
+  not change: the DSA cache layer split (``arg_groups/model_hook.py:393-408``) allows only
+  ``mooncake`` (its all-CP-rank transfer, which pdproto serves: ``layout.Ranks.cp_layers``), and
+  DeepSeek-V4.1's DSpark PD (``validate_deepseek_v41_features``, ``deepseek_v4_hook.py:355-382``)
+  only ``mooncake`` or ``nixl`` (pdproto moves its pool: ``layout``'s module docstring). The step
+  runs with the same stand-in for a ``pdproto`` prefill with ``--enable-dsa-cache-layer-split``
+  and for a ``pdproto`` PD server of DeepSeek-V4.1 with a speculative algorithm; every other
+  condition of both checks (static verify, DCP 1, CP 1 on decode, the model's other V4.1 rules)
+  still applies.
 """
 
 from __future__ import annotations
@@ -155,11 +161,14 @@ def pd_disaggregation_step(server_args: Any, previous: Callable[[Any], None]) ->
 
 def model_step(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Resolution hook around SGLang's ``handle_model_specific_adjustments``: a ``pdproto`` prefill with the
-    DSA cache layer split passes the step's Mooncake-only check (module docstring); otherwise untouched."""
-    from sglang.srt.arg_groups.overrides import resolving_view
+    DSA cache layer split, or a ``pdproto`` DeepSeek-V4.1 PD server with speculation (DSpark), passes the
+    step's checks of the backend name (module docstring); otherwise untouched."""
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
 
     cfg = resolving_view(server_args)
-    if is_pdproto(cfg.disaggregation_transfer_backend) and cfg.enable_dsa_cache_layer_split:
+    if is_pdproto(cfg.disaggregation_transfer_backend) and (cfg.enable_dsa_cache_layer_split or (
+            cfg.disaggregation_mode != "null" and cfg.speculative_algorithm is not None
+            and model_config_of(server_args).hf_config.model_type == "deepseek_v41")):
         _as_stand_in(server_args, previous)
     else:
         previous(server_args)
