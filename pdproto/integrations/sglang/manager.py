@@ -210,7 +210,7 @@ class PdprotoKVManager(CommonKVManager):  # type: ignore[misc]
         """``_ranks`` of a decode, with its PP stage's layers where DeepSeek-V4's entries need them
         (``layout.Ranks.stage_layers``): the range SGLang's model builds (``make_layers``)."""
         ranks = self._ranks()
-        if self.pp_size == 1 or layout.page_rows(args) == 1:  # one row per page: DeepSeek-V4
+        if self.pp_size == 1 or layout.page_rows(args) == 1:  # only DeepSeek-V4 moves a row per page
             return ranks
         from sglang.srt.distributed import get_pp_indices
         from sglang.srt.runtime_context import process_model_config
