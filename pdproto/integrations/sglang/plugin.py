@@ -164,10 +164,14 @@ def model_step(server_args: Any, previous: Callable[[Any], None]) -> None:
     DSA cache layer split, or a ``pdproto`` DeepSeek-V4.1 PD server with speculation (DSpark), passes the
     step's checks of the backend name (module docstring); otherwise untouched."""
     from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+    from sglang.srt.connector import ConnectorType
+    from sglang.srt.utils.common import parse_connector_type
 
     cfg = resolving_view(server_args)
     if is_pdproto(cfg.disaggregation_transfer_backend) and (cfg.enable_dsa_cache_layer_split or (
             cfg.disaggregation_mode != "null" and cfg.speculative_algorithm is not None
+            # An instance connector has no config to read (the step itself returns early for it).
+            and parse_connector_type(cfg.model_path) != ConnectorType.INSTANCE
             and model_config_of(server_args).hf_config.model_type == "deepseek_v41")):
         _as_stand_in(server_args, previous)
     else:
