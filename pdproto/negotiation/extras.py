@@ -40,7 +40,8 @@ from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.shards import Layout, Segment, SplitAxis, Whole, assign_writes, head_axis, local_width
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 
-_MLA_KINDS = frozenset({common_pb2.ATTENTION_KIND_MLA, common_pb2.ATTENTION_KIND_HYBRID_MLA})
+MLA_ATTENTION_KINDS = frozenset({common_pb2.ATTENTION_KIND_MLA, common_pb2.ATTENTION_KIND_HYBRID_MLA})
+"""Attention kinds whose KV rows are whole on every prefill TP rank (MLA, and Kimi Linear's hybrid)."""
 
 _KINDS = {common_pb2.STATE_KIND_RECURRENT, common_pb2.STATE_KIND_SLIDING_WINDOW, common_pb2.STATE_KIND_PAGED}
 
@@ -304,7 +305,7 @@ def match_state(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.K
     src_pp, dst_pp = info.pp.size or 1, reg.pp.size or 1
     # An MLA prefill's CP ranks count as TP ranks for a REFUSED entry (module docstring).
     cp = info.attn_cp.size or 1
-    world = src_tp * cp if cp > 1 and info.attention_kind in _MLA_KINDS and src_tp * cp == dst_tp else src_tp
+    world = src_tp * cp if cp > 1 and info.attention_kind in MLA_ATTENTION_KINDS and src_tp * cp == dst_tp else src_tp
     for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
         _check_kinds(src, dst, e, src_tp=world, dst_tp=dst_tp)  # a refused kind is named before any size
     out = []
@@ -419,5 +420,5 @@ def every_head(total_heads: int, src_row_bytes: int, dst_row_bytes: int, src_tp:
     return total_heads > max(1, total_heads // src_tp) and src_row_bytes * dst_heads == dst_row_bytes * total_heads
 
 
-__all__ = ["AuxPairing", "EntryMatch", "StatePairing", "StateTensorPairing", "TensorMatch", "every_head",
-           "kv_row_writes", "match_state", "pair_aux", "state_writes"]
+__all__ = ["MLA_ATTENTION_KINDS", "AuxPairing", "EntryMatch", "StatePairing", "StateTensorPairing", "TensorMatch",
+           "every_head", "kv_row_writes", "match_state", "pair_aux", "state_writes"]

@@ -60,10 +60,8 @@ from pdproto.negotiation._topology_examples import example_registration, example
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
-from pdproto.negotiation.extras import every_head
+from pdproto.negotiation.extras import MLA_ATTENTION_KINDS, every_head
 from pdproto.negotiation.tpmap import TpPlan, plan_tp
-
-_MLA_KINDS = frozenset({v1.ATTENTION_KIND_MLA, v1.ATTENTION_KIND_HYBRID_MLA})
 
 
 PAGE_RELAYOUT = "page-relayout"
@@ -350,7 +348,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
     # SGLang 0.5.23 frames never carry the decode's pool kind (a bridged registration
     # leaves it unset) and its decode refuses DCP without MLA itself, so an unset decode
     # kind is judged by the prefill's; a decode that does send a kind must match it.
-    if dcp_used and not (pk in _MLA_KINDS and (dk in _MLA_KINDS or not dk)):
+    if dcp_used and not (pk in MLA_ATTENTION_KINDS and (dk in MLA_ATTENTION_KINDS or not dk)):
         raise _reject(Reason.TOPOLOGY_DCP_REQUIRES_MLA,
                       "DCP needs an MLA or hybrid-MLA KV pool on both sides",
                       prefillDcpSize=src.dcp_size, decodeDcpSize=dst.dcp_size,

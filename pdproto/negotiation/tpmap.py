@@ -25,12 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pdproto.errors import Reason, TopologyError
-from pdproto.negotiation.extras import AuxPairing, StatePairing, kv_row_writes, match_state, pair_aux, state_writes
+from pdproto.negotiation.extras import (MLA_ATTENTION_KINDS, AuxPairing, StatePairing, kv_row_writes, match_state,
+                                        pair_aux, state_writes)
 from pdproto.negotiation.senders import Sender, SenderSet, sender_set, target_pp_ranks, target_tp_ranks
 from pdproto.negotiation.shards import Segment
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
-
-_MLA_KINDS = frozenset({common_pb2.ATTENTION_KIND_MLA, common_pb2.ATTENTION_KIND_HYBRID_MLA})
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     mapped = target_tp_ranks(p_tp, d_tp, d_rank)
     # SGLang shards MLA KV pages across attention TP only with CP 1 (get_kv_shard_group); each TP
     # rank then holds every N-th page and sends it to every decode rank.
-    tp_shards = info.enable_kv_cache_sharding and p_cp == 1 and info.attention_kind in _MLA_KINDS
+    tp_shards = info.enable_kv_cache_sharding and p_cp == 1 and info.attention_kind in MLA_ATTENTION_KINDS
     tps = tuple(range(p_tp)) if tp_shards else mapped
     pps = target_pp_ranks(p_pp, d_pp, d_pp_rank)
     me_tp, me_pp, me_cp = info.attn_tp.rank, info.pp.rank, info.attn_cp.rank
@@ -115,7 +114,7 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     matches = match_state(info, reg, src_tp=p_tp, dst_tp=d_tp)
     writes = state_writes(matches, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=mapped)
 
-    mla = info.attention_kind in _MLA_KINDS
+    mla = info.attention_kind in MLA_ATTENTION_KINDS
     heads = info.total_kv_heads
     if reg.total_kv_heads and heads and reg.total_kv_heads != heads:
         raise TopologyError(f"{heads} KV heads on the prefill, {reg.total_kv_heads} on the decode",
