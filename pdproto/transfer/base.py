@@ -136,8 +136,9 @@ class TransferJob:
     """Row sets with their layers; a packed job gathers them all through one staging extent."""
     pack: bool = True
     """Gather source rows into the staging region first (falls back to per-row if it cannot)."""
-    notification: bytes | None = None
-    """Sent to the peer after the last byte lands (NIXL); sent even when there are no rows."""
+    notification: bytes | tuple[bytes, ...] | None = None
+    """Sent to the peer after the last byte lands (NIXL), each of a tuple in order; sent even when there
+    are no rows."""
 
     @classmethod
     def of_runs(cls, layers: Sequence[LayerSpan], runs: Runs, **options: Any) -> TransferJob:
@@ -152,6 +153,19 @@ class TransferJob:
     def units(self) -> list[tuple[Segment, LayerSpan]]:
         """Every (segment, layer) pair with rows, in the order they move."""
         return [(seg, layer) for seg in self.segments if seg.num_rows for layer in seg.layers]
+
+    @property
+    def notifications(self) -> tuple[bytes, ...]:
+        """``notification`` as a tuple (empty: none)."""
+        n = self.notification
+        return (n,) if isinstance(n, bytes) else n or ()
+
+    def by_segment(self, per_unit: Sequence[int]) -> tuple[int, ...]:
+        """Per-unit counts (in ``units()`` order) summed per segment, in the job's segment order."""
+        out, it = [], iter(per_unit)
+        for seg in self.segments:
+            out.append(sum(next(it) for _ in seg.layers) if seg.num_rows else 0)
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -171,9 +185,11 @@ class TransferResult:
     pack_seconds: float = 0.0
     """Time spent gathering rows into staging."""
     notified: bool = False
-    """True when ``job.notification`` was delivered through the engine."""
+    """True when ``job.notification`` (each of them) was delivered through the engine."""
     inline: bool = False
     """True when a packed job was small enough to pack on the calling thread and go out as one engine call."""
+    segment_descriptors: tuple[int, ...] = ()
+    """Descriptors per segment of the job, in its order (a job of several kinds counts each kind)."""
 
 
 @dataclass

@@ -187,7 +187,7 @@ class LocalExecutor:
         t0 = time.perf_counter()
         validate_job(job)
         peer = self._peer(peer_id)
-        ndesc = 0
+        counts: list[int] = []
         with peer.lock:
             try:
                 with self._lock:
@@ -207,19 +207,19 @@ class LocalExecutor:
                     dst = peer.view[start:start + dmax * layer.dst_pitch + layer.nbytes]
                     copy_runs(src, layer.row_bytes, dst, layer.dst_pitch, seg.runs, layer.nbytes)
                     # What an engine would need: one descriptor per stretch adjacent on both sides.
-                    ndesc += count_segments(seg.runs) if layer.whole_rows else seg.num_rows
+                    counts.append(count_segments(seg.runs) if layer.whole_rows else seg.num_rows)
                 _check_alive(peer_id, peer, "the decode closed its arena during the transfer")
             except PdprotoError:
                 with self._lock:
                     self.stats.failures += 1
                 raise
-        nbytes = job.nbytes
+        nbytes, ndesc = job.nbytes, sum(counts)
         with self._lock:  # jobs for different peers finish concurrently
             self.stats.jobs += 1
             self.stats.bytes += nbytes
             self.stats.descriptors += ndesc
-        return TransferResult(bytes=nbytes, descriptors=ndesc,
-                              seconds=time.perf_counter() - t0, packed=False, fallback=False)
+        return TransferResult(bytes=nbytes, descriptors=ndesc, seconds=time.perf_counter() - t0, packed=False,
+                              fallback=False, segment_descriptors=job.by_segment(counts))
 
     def worker(self, peer_id: str) -> PeerWorker:
         """The peer's own worker (started on first use), for calls that must not hold a caller's thread."""

@@ -367,22 +367,20 @@ class EngineExecutor(JobPaths, Settling):
         inline = False
         try:
             if extent is not None:
-                inline = total <= self.inline_bytes and extent[1] >= total
-                run = self._run_inline if inline else self._run_packed
-                ndesc, pack_s = run(peer, units, extent)
+                counts, pack_s, inline = self._run_packed(peer, units, extent)
             else:
-                ndesc, pack_s = self._run_rows(peer, units), 0.0
+                counts, pack_s = self._run_rows(peer, units), 0.0
         finally:
             # A transfer the engine would not let go of yet may still read the extent and
             # write the peer's pages: the worker waits a little for it, then leaves it held.
             settled = self._settle(peer, time.monotonic() + self.settle_wait_s)
             if extent is not None:
                 self._give_back(peer, extent, settled)
-        notified = False
-        if job.notification is not None:
-            notified = self._send_notification(peer, job.notification)
+        notes = job.notifications
+        notified = bool(notes) and all([self._send_notification(peer, n) for n in notes])
         nbytes = job.nbytes
         fallback = want and not fits
+        ndesc = sum(counts)
         with self._lock:  # jobs for different peers finish concurrently
             self.stats.jobs += 1
             self.stats.bytes += nbytes
@@ -392,7 +390,8 @@ class EngineExecutor(JobPaths, Settling):
             self.stats.inline_jobs += int(inline)
         return TransferResult(bytes=nbytes, descriptors=ndesc, seconds=time.perf_counter() - t0,
                               packed=bool(want and fits), fallback=bool(fallback),
-                              pack_seconds=pack_s, notified=notified, inline=inline)
+                              pack_seconds=pack_s, notified=notified, inline=inline,
+                              segment_descriptors=job.by_segment(counts))
 
     def held(self) -> tuple[int, int]:
         """(engine batches submitted and not yet waited out, staging bytes reserved by jobs).

@@ -1,4 +1,4 @@
-"""How an engine executor moves a job's units: per-row, the packed pipeline, or packed inline.
+"""How an engine executor moves a job's units: per-row, or packed through staging (inline or pipelined).
 
 ``EngineExecutor`` (``_engine.py``) checks a job, picks one of these paths and keeps the
 books; the paths turn units (one layer of one segment each) into descriptor batches for
@@ -6,10 +6,10 @@ the engine hooks ``_submit`` and ``_wait``. Every path waits out what it submitt
 it returns or raises, so no engine read outlives the call.
 
 * per-row (``_run_rows``): descriptors straight from the source buffers, one batch per unit.
-* pipelined (``_run_packed``): a pack thread gathers unit i+1 into staging while unit i
-  is in flight; one batch per unit.
-* inline (``_run_inline``): jobs of at most ``inline_bytes`` are gathered on the calling
-  thread and go out as one batch with one wait (``docs/transfer.md``, "Small chunks").
+* packed (``_run_packed``): units gathered into staging in groups of up to ``inline_bytes``,
+  one batch per group. A job of one group is gathered on the calling thread and goes out
+  with one wait (inline, ``docs/transfer.md``, "Small chunks"); with more, a pack thread
+  gathers group g+1 while group g is in flight (pipelined).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +43,39 @@ INLINE_BYTES = 4 << 20
 Mooncake TCP or NIXL UCX, for 4 to 32 layers; at 8 MiB a 4-layer job was (docs/transfer.md, "Small chunks")."""
 
 
-def gather_indexes(units: Units) -> dict[int, Runs]:
-    """The gather index of each segment (by ``id``), built once and shared by its layers."""
-    indexes: dict[int, Runs] = {}
-    for seg, _ in units:
-        if id(seg) not in indexes:
-            indexes[id(seg)] = source_rows(seg.runs)
-    return indexes
+class _Cuts:
+    """A job's gather indexes and descriptors, each made once per segment when first needed.
+
+    Made lazily, a later segment's (a later chunk's, the state's) cost lands while earlier
+    groups are in flight instead of before the first byte moves.
+    """
+
+    def __init__(self, units: Units, starts: Sequence[int]) -> None:
+        self.units, self.starts = units, starts
+        self._index: dict[int, Runs] = {}
+        self._descs: list[Descs | None] = [None] * len(units)
+
+    def index(self, seg: Segment) -> Runs:
+        """The segment's gather index (``source_rows``), shared by its layers."""
+        if id(seg) not in self._index:
+            self._index[id(seg)] = source_rows(seg.runs)
+        return self._index[id(seg)]
+
+    def descs(self, a: int, b: int) -> Descs:
+        """Descriptors of units [a, b), as one array; each segment's units are cut together."""
+        for i in range(a, b):
+            if self._descs[i] is None:
+                seg = self.units[i][0]
+                mine = [k for k, (s, _) in enumerate(self.units) if s is seg]
+                cut = packed_units([self.units[k] for k in mine], [self.starts[k] for k in mine])
+                for k, d in zip(mine, cut, strict=True):
+                    self._descs[k] = d
+        parts = [d for d in self._descs[a:b] if d is not None]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def counts(self) -> list[int]:
+        """Descriptors per unit (units never cut count 0: their job failed first)."""
+        return [0 if d is None else len(d) for d in self._descs]
 
 
 class JobPaths:
@@ -118,82 +144,105 @@ class JobPaths:
                 except PdprotoError:
                     pass
 
-    def _run_rows(self, peer: PeerState, units: Units) -> int:
-        """Per-row (run-merged) descriptors straight from the source buffers."""
-        total = 0
+    def _run_rows(self, peer: PeerState, units: Units) -> list[int]:
+        """Per-row (run-merged) descriptors straight from the source buffers; descriptors per unit."""
+        counts: list[int] = []
         with self._inflight(peer) as inflight:
             for seg, layer in units:
                 descs = row_descriptors(layer, seg.runs)
                 self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
-                total += len(descs)
-        return total
+                counts.append(len(descs))
+        return counts
 
     def _run_packed(self, peer: PeerState, units: Units,
-                    extent: tuple[int, int]) -> tuple[int, float]:
-        """Pack unit i+1 on the pack thread while unit i is transferred from another part of the extent.
+                    extent: tuple[int, int]) -> tuple[list[int], float, bool]:
+        """Pack through the job's staging extent in groups of units, one engine batch per group.
 
-        Units (one layer of one segment each) take consecutive byte ranges of the job's
-        staging extent and wrap to its start when the next does not fit; a range is packed
-        again only after every transfer that read any byte of it completed. An extent that
-        holds two units' rows gives full overlap; one that holds only one, none.
+        Consecutive units join one group up to ``inline_bytes`` (never past the extent), so
+        small units (a state slot's tensors, the aux row, short chunks) go out together and a
+        large KV layer alone. A job within that size is gathered here and sent with one wait
+        (the inline path, ``docs/transfer.md``, "Small chunks"); otherwise the pack thread
+        gathers group g+1 while group g is in flight. Groups take consecutive byte ranges of the extent and
+        wrap to its start when the next does not fit; a range is packed again only after every
+        transfer that read any byte of it completed. Returns (descriptors per unit, pack
+        seconds, inline).
         """
         staging = self._staging
         assert staging is not None  # checked by the caller
         base, length = extent
-        places: list[tuple[int, int]] = []
+        sizes = [seg.num_rows * layer.nbytes for seg, layer in units]
+        cap = min(self.inline_bytes, length)
+        groups: list[tuple[int, int]] = []  # unit ranges [a, b)
+        first, size = 0, 0
+        for i, n in enumerate(sizes):
+            if i > first and size + n > cap:
+                groups.append((first, i))
+                first, size = i, 0
+            size += n
+        groups.append((first, len(units)))
+        places: list[tuple[int, int]] = []  # each group's staging bytes, relative to the extent
+        starts: list[int] = []  # each unit's staging address
         cursor = 0
-        for seg, layer in units:
-            size = seg.num_rows * layer.nbytes
+        for a, b in groups:
+            size = sum(sizes[a:b])
             if cursor + size > length:
                 cursor = 0
             places.append((cursor, cursor + size))
-            cursor += size
-        indexes = gather_indexes(units)
+            for n in sizes[a:b]:
+                starts.append(staging.addr + base + cursor)
+                cursor += n
+        cuts = _Cuts(units, starts)
 
-        def pack(i: int) -> float:
-            """Gather unit i into its range (runs on the pack thread); returns seconds."""
-            seg, layer = units[i]
+        def pack(g: int) -> float:
+            """Gather group g's units into their ranges, back to back; returns seconds."""
             tp = time.perf_counter()
-            lo, hi = places[i]
-            self._gather(seg, layer, base + lo, base + hi, indexes[id(seg)])
+            a, b = groups[g]
+            for i in range(a, b):
+                seg, layer = units[i]
+                lo = starts[i] - staging.addr
+                # One stream carries the group's gathers: waiting for the last waits for them all.
+                self._gather(seg, layer, lo, lo + sizes[i], cuts.index(seg), sync=i == b - 1)
             return time.perf_counter() - tp
 
-        def overlaps(i: int, entry: tuple[Any, int, int, int]) -> bool:
-            return entry[1] < places[i][1] and places[i][0] < entry[2]
+        def overlaps(g: int, entry: tuple[Any, int, int, int]) -> bool:
+            return entry[1] < places[g][1] and places[g][0] < entry[2]
 
-        total = 0
-        pack_s = 0.0
         mem = (staging.kind, staging.device)
+        if sum(sizes) <= cap:  # one group and no transfer to overlap: no hop to the pack thread
+            pack_s = pack(0)
+            with self._inflight(peer) as inflight:
+                self._push(peer, inflight, cuts.descs(0, len(units)), mem)
+            return cuts.counts(), pack_s, True
+        pack_s = 0.0
         pending: Future[float] | None = None
         with self._inflight(peer) as inflight:
             try:
                 pending = self._pack_pool().submit(pack, 0)
-                # Cut while unit 0 is packed: once per segment, not once per unit.
-                unit_descs = packed_units(units, [staging.addr + base + lo for lo, _ in places])
-                for i in range(len(units)):
+                descs = cuts.descs(*groups[0])  # cut while group 0 is packed
+                for g in range(len(groups)):
                     current, pending = pending, None
-                    assert current is not None  # every iteration starts with unit i being packed
+                    assert current is not None  # every iteration starts with group g being packed
                     pack_s += current.result()
-                    lo, hi = places[i]
-                    descs = unit_descs[i]
-                    total += len(descs)
-                    nxt = i + 1
-                    # Engines that copy inside the submit call overlap it with packing unit i+1,
-                    # unless i+1 reuses i's bytes; async engines get unit i moving first.
-                    late = self.submit_blocks and nxt < len(units) and not (
+                    lo, hi = places[g]
+                    nxt = g + 1
+                    # Engines that copy inside the submit call overlap it with packing group g+1,
+                    # unless g+1 reuses g's bytes; async engines get group g moving first.
+                    late = self.submit_blocks and nxt < len(groups) and not (
                         places[nxt][0] < hi and lo < places[nxt][1])
                     if not late:
                         self._push(peer, inflight, descs, mem, lo, hi)
-                    if nxt < len(units):
+                    if nxt < len(groups):
                         while any(overlaps(nxt, e) for e in inflight):
                             self._finish(peer, inflight.popleft()[0])
                         pending = self._pack_pool().submit(pack, nxt)
                     if late:
                         self._push(peer, inflight, descs, mem, lo, hi)
+                    if nxt < len(groups):
+                        descs = cuts.descs(*groups[nxt])  # cut while group g+1 is packed
             finally:
                 if pending is not None:
                     pending.exception()  # never leave the pack thread writing staging behind us
-        return total, pack_s
+        return cuts.counts(), pack_s, False
 
     def _gather(self, seg: Segment, layer: LayerSpan, lo: int, hi: int, index: Runs, *, sync: bool = True) -> None:
         """Gather one unit's source rows into staging bytes [lo, hi) (``sync``: see ``Gatherer.gather``)."""
@@ -203,33 +252,6 @@ class JobPaths:
         src = self._view(layer.src_ptr + layer.src_offset, smax * layer.row_bytes + layer.nbytes)
         out = staging.array[lo:hi].reshape(seg.num_rows, layer.nbytes)
         self._gatherer.gather(src, layer.row_bytes, seg.runs, out, index, sync=sync)
-
-    def _run_inline(self, peer: PeerState, units: Units,
-                    extent: tuple[int, int]) -> tuple[int, float]:
-        """Pack every unit here, back to back in the extent, then send them all as one engine call.
-
-        Below ``inline_bytes`` the pipeline's per-unit costs (a hop to the pack thread, an
-        engine handle and a wait per unit) outweigh what overlapping pack and transfer
-        saves (``docs/transfer.md``, "Small chunks").
-        """
-        staging = self._staging
-        assert staging is not None  # checked by the caller
-        tp = time.perf_counter()
-        indexes = gather_indexes(units)
-        starts: list[int] = []
-        cursor = extent[0]
-        for i, (seg, layer) in enumerate(units):
-            size = seg.num_rows * layer.nbytes
-            # One stream carries every gather: waiting for the last waits for them all.
-            self._gather(seg, layer, cursor, cursor + size, indexes[id(seg)], sync=i == len(units) - 1)
-            starts.append(staging.addr + cursor)
-            cursor += size
-        pack_s = time.perf_counter() - tp
-        parts = packed_units(units, starts)
-        descs = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        with self._inflight(peer) as inflight:
-            self._push(peer, inflight, descs, (staging.kind, staging.device))
-        return len(descs), pack_s
 
     def _pack_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -246,4 +268,4 @@ class JobPaths:
                 self._handles -= 1
 
 
-__all__ = ["INLINE_BYTES", "Inflight", "JobPaths", "Units", "gather_indexes"]
+__all__ = ["INLINE_BYTES", "Inflight", "JobPaths", "Units"]
