@@ -4,9 +4,11 @@ A request waits for its room's chunks by callback: the room log calls it when a 
 arrives, and a timer (``loop.call_at``) fails it with MATCH_TIMEOUT when the next chunk
 does not come within ``match_timeout``. A dummy request (no KV for this rank) takes each
 chunk as it comes and ends on the last one, without leaving the callback. A chunk with
-bytes to move goes to its peer's queue; one task per peer with work (``_work``) takes the
-queue in order and hands each chunk's jobs to the peer's worker (``pdproto/transfer/worker.py``),
-which runs that peer's engine calls one at a time anyway, each with the executor's deadline. Every request ends exactly once, in
+bytes to move goes to its peer's queue, together with the request's later chunks that
+have arrived meanwhile (at most ``COALESCE``: one job, so no drain or hop between them);
+one task per peer with work (``_work``) takes the queue in order and hands each job to the
+peer's worker (``pdproto/transfer/worker.py``), which runs that peer's engine calls one at
+a time anyway, each with the executor's deadline. Every request ends exactly once, in
 SUCCESS or FAILED with a reason (``finish``), and FAILED is published only once no chunk
 of the request is inside the engine (or the drain timed out): the decode may reuse its
 pages when it sees it.
@@ -23,15 +25,17 @@ from collections.abc import Callable, Mapping
 
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, RequestFailedError
 from pdproto.negotiation.slots import SlotCopy
-from pdproto.transfer import TransferResult
 from pdproto.v1 import common_pb2
 
 from .engine import Chunk, FinalState, PrefillEngine, RoomLog
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, Request
-from .transfers import build_job, chunk_notice, run_jobs, slot_copies, slot_job
+from .transfers import build_job, slot_copies
 
 log = logging.getLogger("pdproto_server.runner")
+
+COALESCE = 4
+"""Most arrived chunks of one request moved as one job: it bounds the job's time under the executor's deadline."""
 
 SUCCESS = common_pb2.TRANSFER_STATE_SUCCESS
 FAILED = common_pb2.TRANSFER_STATE_FAILED
@@ -67,7 +71,7 @@ class TransferRunner:
         """Requests started and not finished, over every peer."""
         metrics.open_requests = lambda: self.open
         self._idle: list[asyncio.Future[None]] = []
-        self._queues: dict[str, deque[tuple[Request, Chunk]]] = {}
+        self._queues: dict[str, deque[tuple[Request, list[Chunk]]]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._aborts: set[asyncio.Task[bool]] = set()
         engine.on_abort = self._room_aborted
@@ -101,13 +105,26 @@ class TransferRunner:
             chunk = room_log.chunks[index]
             if not request.transfer.is_dummy:
                 request.moving = True
-                self._queue(peer, request, chunk)
+                self._queue(peer, request, self._arrived_run(room_log, index))
                 return
             request.chunks_done += 1
             if chunk.last:
                 self.finish(peer, request, SUCCESS)
                 return
             peer.publish(request.status())
+
+    @staticmethod
+    def _arrived_run(room_log: RoomLog, index: int) -> list[Chunk]:
+        """The chunks from ``index`` that have arrived, up to the last and at most ``COALESCE``: one job.
+
+        Chunks that waited while the link was busy with earlier ones move together: one engine
+        call pipelines them with no drain, hop or exposed pack between them. Chunks that arrive
+        spaced out (the prefill's forward passes slower than the link) move one by one as before.
+        """
+        run = [room_log.chunks[index]]
+        while not run[-1].last and len(run) < COALESCE and index + len(run) < len(room_log.chunks):
+            run.append(room_log.chunks[index + len(run)])
+        return run
 
     def _wait(self, peer: Peer, request: Request, room_log: RoomLog, index: int) -> None:
         if request.waiter is None:
@@ -177,24 +194,24 @@ class TransferRunner:
 
     # -- moving bytes: one task per peer with work ---------------------------------------
 
-    def _queue(self, peer: Peer, request: Request, chunk: Chunk) -> None:
+    def _queue(self, peer: Peer, request: Request, chunks: list[Chunk]) -> None:
         queue = self._queues.setdefault(peer.peer_id, deque())
-        queue.append((request, chunk))
+        queue.append((request, chunks))
         # A worker cancelled before its first step never ran its finally: listed, but done.
         worker = self._workers.get(peer.peer_id)
         if worker is None or worker.done():
             self._workers[peer.peer_id] = asyncio.get_running_loop().create_task(
                 self._work(peer, queue), name=f"moves-{peer.peer_id}")
 
-    async def _work(self, peer: Peer, queue: deque[tuple[Request, Chunk]]) -> None:
+    async def _work(self, peer: Peer, queue: deque[tuple[Request, list[Chunk]]]) -> None:
         """Move the peer's queued chunks in order; return when the queue is empty."""
         try:
             while queue:
-                request, chunk = queue.popleft()
+                request, chunks = queue.popleft()
                 if request.terminal:
                     continue
                 try:
-                    await self._move(peer, request, chunk)
+                    await self._move(peer, request, chunks)
                 except PdprotoError as exc:
                     request.moving = False
                     self.finish(peer, request, FAILED, *self._stopped_or(request, exc.reason, exc.message))
@@ -211,8 +228,8 @@ class TransferRunner:
                 if request.cancel_reason is not None:  # stopped while its chunk was in the engine
                     self.finish(peer, request, FAILED, *request.cancel_reason)
                     continue
-                request.chunks_done += 1
-                if chunk.last:
+                request.chunks_done += len(chunks)
+                if chunks[-1].last:
                     self.finish(peer, request, SUCCESS)
                     continue
                 peer.publish(request.status())
@@ -230,23 +247,21 @@ class TransferRunner:
         """A stopped request ends with why it was stopped, not with how its engine call ended."""
         return request.cancel_reason or (reason, message)
 
-    async def _move(self, peer: Peer, request: Request, chunk: Chunk) -> None:
-        """Move one chunk's KV rows; after the last, the state and then the aux slot (one worker hop)."""
+    async def _move(self, peer: Peer, request: Request, chunks: list[Chunk]) -> None:
+        """Move a run of chunks' KV rows as one job; the last chunk's state and aux slot ride in it too."""
         source = self.engine.source
-        state, aux = slot_copies(source, peer, request, chunk) if chunk.last else ([], [])
-        notice = chunk_notice(request, chunk)
-        jobs = [build_job(source, peer, request, chunk, notify=not (state or aux))]
+        last = chunks[-1]
+        state, aux = slot_copies(source, peer, request, last) if last.last else ([], [])
         extras = [(kind, copies) for kind, copies in (("state", state), ("aux", aux)) if copies]
-        jobs += [slot_job(source, peer, copies, notice if i == len(extras) - 1 else None)
-                 for i, (_, copies) in enumerate(extras)]
+        job, kinds = build_job(source, peer, request, chunks, extras)
         if request.state != TRANSFERRING:
             request.state = TRANSFERRING
             peer.publish(request.status())
-        what = f"room {request.room} chunk {chunk.index}"
-        call = peer.worker.submit(run_jobs, self.engine.executor, peer.peer_id, jobs, what=what)
+        what = f"room {request.room} chunk {chunks[0].index}" + (f"-{last.index}" if len(chunks) > 1 else "")
+        call = peer.worker.submit(self.engine.executor.execute, peer.peer_id, job, what=what)
         peer.moving = (request.room, request.generation, call)
         try:
-            results = await asyncio.wrap_future(call)
+            result = await asyncio.wrap_future(call)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if call.cancelled() and task is not None and not task.cancelling():
@@ -259,29 +274,33 @@ class TransferRunner:
         finally:
             if call.returned.done() and peer.moving is not None and peer.moving[2] is call:
                 peer.moving = None
-        result = results[0]
-        request.bytes += result.bytes
-        request.descriptors += result.descriptors
-        self.metrics.bytes_moved.inc(result.bytes)
-        self.metrics.descriptors.inc(result.descriptors)
-        self.metrics.chunks.inc()
+        moved = {kind: [0, 0] for kind in ("kv", *(k for k, _ in extras))}  # bytes, descriptors
+        for seg, kind, n in zip(job.segments, kinds, result.segment_descriptors, strict=True):
+            moved[kind][0] += seg.nbytes
+            moved[kind][1] += n
+        nbytes, ndesc = moved["kv"]
+        request.bytes += nbytes
+        request.descriptors += ndesc
+        self.metrics.bytes_moved.inc(nbytes)
+        self.metrics.descriptors.inc(ndesc)
+        self.metrics.chunks.inc(len(chunks))
         self.metrics.pack_fallbacks.inc(int(result.fallback))
         self.metrics.inline_jobs.inc(int(result.inline))
-        self.metrics.notifications.inc(int(any(r.notified for r in results)))
-        for (kind, copies), done in zip(extras, results[1:], strict=True):
-            self._count(request, kind, copies, done)
+        self.metrics.notifications.inc(int(result.notified))
+        for kind, copies in extras:
+            self._count(request, kind, copies, *moved[kind])
 
-    def _count(self, request: Request, kind: str, copies: list[SlotCopy], result: TransferResult) -> None:
-        """Per-kind bytes and descriptors of an aux or state job, on the request and in metrics."""
-        self.metrics.extra_descriptors.labels(kind=kind).inc(result.descriptors)
+    def _count(self, request: Request, kind: str, copies: list[SlotCopy], nbytes: int, ndesc: int) -> None:
+        """Per-kind bytes and descriptors of the aux or state copies, on the request and in metrics."""
+        self.metrics.extra_descriptors.labels(kind=kind).inc(ndesc)
         if kind == "aux":
-            request.aux_bytes += result.bytes
-            request.aux_descriptors += result.descriptors
-            self.metrics.aux_bytes.inc(result.bytes)
+            request.aux_bytes += nbytes
+            request.aux_descriptors += ndesc
+            self.metrics.aux_bytes.inc(nbytes)
             return
-        request.state_bytes += result.bytes
-        request.state_descriptors += result.descriptors
-        self.metrics.state_bytes.inc(result.bytes)
+        request.state_bytes += nbytes
+        request.state_descriptors += ndesc
+        self.metrics.state_bytes.inc(nbytes)
         entries = self.engine.source.info.state_entries
         for c in copies:
             whole = len(c.segments) == 1 and c.segments[0].length == c.src_item_len == c.dst_item_len

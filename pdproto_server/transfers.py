@@ -1,10 +1,11 @@
-"""How a chunk becomes executor jobs: plan with ``plan_chunk``, then KV, state and aux segments.
+"""How a chunk becomes one executor job: plan with ``plan_chunk``, then KV, state and aux segments.
 
 A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when the TP
-sizes differ). After the request's last KV chunk come the state and the aux slot, each as
-its own job (so their bytes and descriptors are counted per kind), and the request is
-SUCCESS only when they landed. The chunk notice rides on the last job of the chunk.
-``pdproto_server/runner.py`` runs the jobs on the peer's worker (``pdproto/transfer/worker.py``).
+sizes differ). The request's last chunk carries its state and aux slot in the same job,
+after the KV segments, so the tail of a request is one engine call; each segment's kind
+comes back with the job, so bytes and descriptors are still counted per kind. The request
+is SUCCESS only when the whole job landed, and the job carries the chunk notice.
+``pdproto_server/runner.py`` runs it on the peer's worker (``pdproto/transfer/worker.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pdproto.dcp import runs as run_arith
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError
 from pdproto.negotiation.slots import SlotCopy, aux_copies, state_copies
-from pdproto.transfer import LayerSpan, Segment, TransferExecutor, TransferJob, TransferResult
+from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
 
 from .engine import Chunk, KvSource
@@ -39,28 +40,37 @@ def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
                      src_offset=cut.src_offset, dst_offset=cut.dst_offset, width=cut.length)
 
 
-def build_job(source: KvSource, peer: Peer, request: Request, chunk: Chunk, *,
-              notify: bool = True) -> TransferJob:
-    """The executor job that moves ``chunk`` into ``request``'s pages: one segment per entry role.
+def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[Chunk],
+              extras: Sequence[tuple[str, list[SlotCopy]]] = ()) -> tuple[TransferJob, tuple[str, ...]]:
+    """The executor job that moves ``chunks`` (consecutive) into ``request``'s pages, and each segment's kind.
 
-    The negotiated layouts go to the planner as they are, and its runs go to the
-    executor as they are: nothing here is per token. The job carries the chunk's
-    completion notice unless ``notify`` is False (the extras that follow carry it); a
-    rank that owns no rows of the chunk still gets a row-less job, so an engine with
-    notifications (NIXL) tells the decode the chunk finished.
+    Per chunk one KV segment per entry role, then the segments of each ``extras`` kind
+    (``state``, ``aux``: the last chunk's ``slot_copies``). The negotiated layouts go to the
+    planner as they are, and its runs go to the executor as they are: nothing here is per
+    token. The job carries each chunk's completion notice, in order; a rank that owns no
+    rows of a chunk still gets a row-less job, so an engine with notifications (NIXL) tells
+    the decode the chunk finished.
     """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
-    plans = chunk_plans(d.src, d.dst, chunk, request.dst_pages, prefix_len=request.prefix_len, include_draft=has_draft)
+    layers = {role: tuple(layer for i, p in enumerate(d.pairings) if p.role is role
+                          if (layer := _kv_layer(source, peer, i)) is not None)
+              for role in (EntryRole.TARGET, EntryRole.DRAFT)}
     segments = []
-    for role in (EntryRole.TARGET, EntryRole.DRAFT):
-        runs = np.concatenate([p.target_runs if role is EntryRole.TARGET else p.draft_runs for p in plans])
-        layers = tuple(layer for i, p in enumerate(d.pairings) if p.role is role
-                       if (layer := _kv_layer(source, peer, i)) is not None)
-        if layers and runs.shape[0]:
-            segments.append(Segment(runs, layers))
+    for chunk in chunks:
+        plans = chunk_plans(d.src, d.dst, chunk, request.dst_pages, prefix_len=request.prefix_len,
+                            include_draft=has_draft)
+        for role in (EntryRole.TARGET, EntryRole.DRAFT):
+            runs = np.concatenate([p.target_runs if role is EntryRole.TARGET else p.draft_runs for p in plans])
+            if layers[role] and runs.shape[0]:
+                segments.append(Segment(runs, layers[role]))
+    kinds = ["kv"] * len(segments)
+    for kind, copies in extras:
+        more = slot_segments(source, peer, copies)
+        segments += more
+        kinds += [kind] * len(more)
     return TransferJob(segments=tuple(segments), pack=True,
-                       notification=chunk_notice(request, chunk) if notify else None)
+                       notification=tuple(chunk_notice(request, c) for c in chunks)), tuple(kinds)
 
 
 def chunk_plans(src: DcpLayout, dst: DcpLayout, chunk: Chunk, dst_pages: Sequence[int] | run_arith.I64, *,
@@ -116,8 +126,8 @@ def slot_copies(source: KvSource, peer: Peer, request: Request, chunk: Chunk) ->
     return state, aux
 
 
-def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification: bytes | None) -> TransferJob:
-    """One job for aux or state copies: a segment per tensor byte range, rows = items.
+def slot_segments(source: KvSource, peer: Peer, copies: list[SlotCopy]) -> list[Segment]:
+    """The segments of aux or state copies: one per distinct item list, a layer per tensor byte range.
 
     Every layer's destination is the base of the entry's registered region, so the
     executor bounds each write by that entry's own length. Packed like KV: per-page state
@@ -141,13 +151,7 @@ def slot_job(source: KvSource, peer: Peer, copies: list[SlotCopy], notification:
         layers_of[id(c.items)][1].extend(
             LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=c.src_item_len, dst_row_bytes=c.dst_item_len,
                       src_offset=g.src_offset, dst_offset=g.dst_offset, width=g.length) for g in c.segments)
-    segments = tuple(Segment(runs, tuple(layers)) for runs, layers in layers_of.values())
-    return TransferJob(segments=segments, pack=True, notification=notification)
+    return [Segment(runs, tuple(layers)) for runs, layers in layers_of.values()]
 
 
-def run_jobs(executor: TransferExecutor, peer_id: str, jobs: list[TransferJob]) -> list[TransferResult]:
-    """Blocking: execute jobs in order (a chunk's KV, then state, then aux) in one worker hop."""
-    return [executor.execute(peer_id, job) for job in jobs]
-
-
-__all__ = ["build_job", "chunk_notice", "run_jobs", "slot_copies", "slot_job"]
+__all__ = ["build_job", "chunk_notice", "slot_copies", "slot_segments"]

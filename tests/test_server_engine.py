@@ -25,6 +25,7 @@ from pdproto_server.app import RunningServer, ServerConfig, start_server
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import Chunk, PrefillEngine
 from pdproto_server.registry import Limits
+from pdproto_server.runner import COALESCE
 from pdproto_server.transfers import chunk_plans
 
 from ._server_harness import REPO, SPEC, metric_samples
@@ -120,14 +121,20 @@ def test_decode_first_then_engine_chunks_from_a_thread() -> None:
 
 
 def test_engine_first_then_decode() -> None:
+    """Chunks that arrived before the request move together: at most COALESCE per engine call."""
     async def scenario(engine: PrefillEngine, client: AsyncHandshakeClient, peer: DecodeRank) -> None:
         producer = _engine_thread(engine, 12, chunk_tokens=48)
         producer.start()
         producer.join(10)
         peer_id = (await client.register(peer.registration())).peer_id
         pages = peer.pages_for(SPEC.prompt_tokens)
+        jobs = engine.executor.stats.jobs
         await client.submit_transfer(peer_id, peer.transfer_info(12, pages))
-        assert (await _final(client, peer_id, 12)).state == common_pb2.TRANSFER_STATE_SUCCESS
+        status = await _final(client, peer_id, 12)
+        assert status.state == common_pb2.TRANSFER_STATE_SUCCESS
+        chunks = -(-SPEC.prompt_tokens // 48)
+        assert status.chunks_done == chunks == COALESCE + 1
+        assert engine.executor.stats.jobs - jobs == 2  # four chunks in one call, then the last
         peer.verify({12: pages}, SPEC.prompt_tokens)
 
     _run(scenario)

@@ -176,7 +176,7 @@ def test_a_large_request_calls_no_per_item_helper(monkeypatch: pytest.MonkeyPatc
     assert calls == {"index": 0, "check_dst": 0}  # the walk made PAGES x TENSORS of each
 
 
-def test_slot_job_converts_each_entry_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slot_segments_convert_each_entry_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from_rows = transfers.run_arith.from_rows
     calls = []
 
@@ -189,22 +189,22 @@ def test_slot_job_converts_each_entry_once(monkeypatch: pytest.MonkeyPatch) -> N
     copies = state_copies([entry(SW, [(64, True)] * TENSORS)], src_slots=[src], dst_slots=[dst])
     source = SimpleNamespace(state=[[SimpleNamespace(addr=0x9000 * (t + 1)) for t in range(TENSORS)]])
     peer = SimpleNamespace(registration=registration([[0] * TENSORS]))
-    job = transfers.slot_job(source, peer, copies, None)  # type: ignore[arg-type]
+    segments = transfers.slot_segments(source, peer, copies)  # type: ignore[arg-type]
     assert calls == [PAGES]  # one entry, however many tensors it holds
     expected = from_rows(np.array(src), np.array(dst))
-    (segment,) = job.segments  # the entry's tensors share its items: one row set, a layer per tensor
+    (segment,) = segments  # the entry's tensors share its items: one row set, a layer per tensor
     assert np.array_equal(segment.runs, expected)
     assert [layer.dst_ptr for layer in segment.layers] == [0x1000 * (t + 1) for t in range(TENSORS)]
 
 
-def test_slot_job_moves_every_aux_buffer_as_one_row_set() -> None:
+def test_slot_segments_move_every_aux_buffer_as_one_row_set() -> None:
     """The aux buffers share the request's one slot: one segment, a layer per buffer, each to its own region."""
     lens = (8, 4096, 64)
     copies = slots.aux_copies([AuxPairing(i, i, n) for i, n in enumerate(lens)], src_slot=3, dst_slot=5)
     source = SimpleNamespace(aux=[SimpleNamespace(addr=0x9000 * (i + 1)) for i in range(len(lens))])
     reg = registration_pb2.KvRegistration(aux_ptrs=[0x1000 * (i + 1) for i in range(len(lens))])
-    job = transfers.slot_job(source, SimpleNamespace(registration=reg), copies, None)  # type: ignore[arg-type]
-    (segment,) = job.segments
+    segments = transfers.slot_segments(source, SimpleNamespace(registration=reg), copies)  # type: ignore[arg-type]
+    (segment,) = segments
     assert segment.runs.tolist() == [[3, 1, 5, 1, 1]]
     assert [(la.src_ptr, la.dst_ptr, la.nbytes) for la in segment.layers] == [
         (0x9000 * (i + 1), 0x1000 * (i + 1), n) for i, n in enumerate(lens)]
