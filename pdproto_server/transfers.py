@@ -21,6 +21,7 @@ from pdproto.errors import InvalidFieldError
 from pdproto.negotiation.slots import SlotCopy, aux_copies, state_copies
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.notice import ChunkNotice, encode_chunk_notice
+from pdproto.transfer.packing import packing_saves
 
 from .engine import Chunk, KvSource
 from .registry import Peer, Request
@@ -69,7 +70,8 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
         more = slot_segments(source, peer, copies)
         segments += more
         kinds += [kind] * len(more)
-    return TransferJob(segments=tuple(segments), pack=True,
+    # Packing buys nothing where every row set is page-to-page: it would copy each byte once more.
+    return TransferJob(segments=tuple(segments), pack=packing_saves(segments),
                        notification=tuple(chunk_notice(request, c) for c in chunks)), tuple(kinds)
 
 
@@ -130,9 +132,8 @@ def slot_segments(source: KvSource, peer: Peer, copies: list[SlotCopy]) -> list[
     """The segments of aux or state copies: one per distinct item list, a layer per tensor byte range.
 
     Every layer's destination is the base of the entry's registered region, so the
-    executor bounds each write by that entry's own length. Packed like KV: per-page state
-    (DSA index pages) on scattered pages is otherwise a descriptor per page, which on
-    Mooncake cost a 32K DeepSeek-V3.2-shaped request about half its time (``bench_dsa``).
+    executor bounds each write by that entry's own length. They move with the chunk's KV,
+    packed when its job is.
     """
     reg = peer.registration
     # One segment per distinct item list (an entry's tensors, or every aux buffer, share one),

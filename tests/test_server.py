@@ -391,9 +391,10 @@ def test_mooncake_backend_dense_to_dcp() -> None:
 @pytest.mark.parametrize(("inline_bytes", "inline"), [(None, True), ("0", False), ("1", False)])
 def test_inline_bytes_picks_the_path_and_inline_jobs_counts_it(inline_bytes: str | None, inline: bool) -> None:
     # Every chunk of SPEC (at most 64 tokens x 2 layers x 256 bytes = 32 KiB) is far below the 4 MiB default.
+    # A DCP 2 decode: packing halves its descriptors, so its jobs are packed (page-to-page ones are not).
     chunks = -(-SPEC.prompt_tokens // SPEC.chunk_tokens)
     flag = ("--inline-bytes", inline_bytes) if inline_bytes is not None else ()
-    peer = DecodeRank.for_spec(SPEC, pages=32, backend="mooncake")
+    peer = DecodeRank.for_spec(SPEC, pages=32, backend="mooncake", dcp_size=2)
     try:
         with running_server(*SERVE_ARGS, "--backend", "mooncake", "--metrics-port", "0", *flag) as srv, \
                 HandshakeClient(srv.target, timeout=10) as client:

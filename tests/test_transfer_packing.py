@@ -17,7 +17,7 @@ from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, 
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, remote_regions, validate_job
 from pdproto.transfer.packing import (TORCH_IMPORT_BYTES, Gatherer, copy_runs, packed_descriptors, packed_layers,
-                                      row_descriptors, torch_or_none)
+                                      packing_saves, row_descriptors, torch_or_none)
 from pdproto.v1 import registration_pb2
 
 # Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
@@ -97,6 +97,19 @@ def test_strided_dcp_rows_pack_to_one_descriptor_per_page_run() -> None:
     assert len(packed_descriptors(0, LayerSpan(0, 0, 8), runs)) == 1
     # A byte sub-range of each row cannot span rows on the destination: one per row.
     assert len(packed_descriptors(0, LayerSpan(0, 0, 8, width=4), runs)) == 1024
+
+
+def test_jobs_are_packed_only_where_packing_at_least_halves_the_descriptors() -> None:
+    pages = np.random.default_rng(3).permutation(64)[:16]
+    page_to_page = np.array([[64 * s, 1, 64 * d, 1, 64] for s, d in zip(pages, pages[::-1])], dtype=np.int64)
+    whole, src_cut, dst_cut = LayerSpan(0, 0, 8), LayerSpan(0, 0, 8, dst_row_bytes=4, width=4), \
+        LayerSpan(0, 0, 4, dst_row_bytes=8, width=4)
+    assert not packing_saves([Segment(page_to_page, (whole,))])  # one descriptor per page either way
+    assert not packing_saves([Segment(page_to_page, (dst_cut,))])  # one per row either way (MHA fan-in)
+    assert packing_saves([Segment(page_to_page, (src_cut,))])  # per row unpacked, per page packed
+    dcp = np.array([[1, 4, 0, 1, 1024]], dtype=np.int64)  # DCP 4, rank 1: every 4th row
+    assert packing_saves([Segment(page_to_page, (whole,)), Segment(dcp, (whole,))])  # any segment decides
+    assert not packing_saves([Segment(np.zeros((0, 5), dtype=np.int64), (whole,))])
 
 
 def test_unmerged_segments_are_one_per_row() -> None:

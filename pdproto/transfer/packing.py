@@ -92,6 +92,25 @@ def packed_units(units: Sequence[tuple[Segment, LayerSpan]], staging_addrs: Sequ
     return out
 
 
+def packing_saves(segments: Sequence[Segment]) -> bool:
+    """True when packing at least halves some layer's descriptors: its rows land in longer stretches
+    than they leave in (DCP and page-size relayouts, a source cut to fewer heads).
+
+    Where none does (page-to-page copies, where only pages that happen to be adjacent on the
+    destination join; a destination cut to fewer heads), a gather would copy every byte once
+    more for about as many descriptors, on the cores the engine's own copy needs.
+    """
+    for seg in segments:
+        if not seg.num_rows:
+            continue
+        packed = run_arith.pack_source(seg.runs)
+        for whole, dst_whole in {(layer.whole_rows, layer.nbytes == layer.dst_pitch) for layer in seg.layers}:
+            if (2 * (run_arith.count_segments(packed) if dst_whole else seg.num_rows)
+                    <= (run_arith.count_segments(seg.runs) if whole else seg.num_rows)):
+                return True
+    return False
+
+
 def torch_or_none() -> Any:
     """torch if importable (fast multi-threaded gather), else None (numpy gather)."""
     try:
@@ -181,7 +200,7 @@ class Gatherer:
 
 
 __all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
-           "packed_descriptors", "packed_layers", "packed_units", "row_descriptors", "torch_or_none"]
+           "packed_descriptors", "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none"]
 
 
 class StagingExtents:

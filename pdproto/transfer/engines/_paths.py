@@ -145,14 +145,21 @@ class JobPaths:
                     pass
 
     def _run_rows(self, peer: PeerState, units: Units) -> list[int]:
-        """Per-row (run-merged) descriptors straight from the source buffers; descriptors per unit."""
-        counts: list[int] = []
+        """Per-row (run-merged) descriptors straight from the source buffers; descriptors per unit.
+
+        Consecutive units from the same kind of memory go out as one batch (split only at the
+        engine's batch limit), so a job costs one submit and one wait, not one per layer.
+        """
+        parts = [row_descriptors(layer, seg.runs) for seg, layer in units]
+        kinds = [self._kind_of(layer.src_ptr) for _, layer in units]
         with self._inflight(peer) as inflight:
-            for seg, layer in units:
-                descs = row_descriptors(layer, seg.runs)
-                self._push(peer, inflight, descs, self._kind_of(layer.src_ptr))
-                counts.append(len(descs))
-        return counts
+            first = 0
+            for i in range(1, len(units) + 1):
+                if i == len(units) or kinds[i] != kinds[first]:
+                    batch = parts[first] if i - first == 1 else np.concatenate(parts[first:i])
+                    self._push(peer, inflight, batch, kinds[first])
+                    first = i
+        return [len(d) for d in parts]
 
     def _run_packed(self, peer: PeerState, units: Units,
                     extent: tuple[int, int]) -> tuple[list[int], float, bool]:
