@@ -5,7 +5,8 @@ books; the paths turn units (one layer of one segment each) into descriptor batc
 the engine hooks ``_submit`` and ``_wait``. Every path waits out what it submitted before
 it returns or raises, so no engine read outlives the call.
 
-* per-row (``_run_rows``): descriptors straight from the source buffers, one batch per unit.
+* per-row (``_run_rows``): descriptors straight from the source buffers, consecutive units from
+  the same kind of memory in one batch.
 * packed (``_run_packed``): units gathered into staging in groups of up to ``inline_bytes``,
   one batch per group. A job of one group is gathered on the calling thread and goes out
   with one wait (inline, ``docs/transfer.md``, "Small chunks"); with more, a pack thread
