@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from pdproto.errors import LegacyFormatError, Reason
 from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, parse_any
-from pdproto.v1 import KvRegistration, TransferInfo, TransferStatus
+from pdproto.v1 import (
+    AbortAck,
+    AbortNotification,
+    KvRegistration,
+    PrefillCompleteBootstrap,
+    TransferInfo,
+    TransferStatus,
+)
 from ._legacy_strategies import (
     MC_REG,
     NX_REG,
@@ -175,6 +182,13 @@ def test_unrepresentable() -> None:
     assert err.reason is Reason.LEGACY_UNREPRESENTABLE and "aux index" in err.message
     err = _reason(nixl.build_status, TransferStatus(room=1))
     assert err.reason is Reason.LEGACY_UNREPRESENTABLE
+    # A set field SGLang sends only after an unset one, or a field its layout always carries.
+    err = _reason(mooncake.build_abort, AbortNotification(room=1, generation=2))
+    assert err.reason is Reason.LEGACY_UNREPRESENTABLE and "decode_ip" in err.message
+    err = _reason(nixl.build_abort_ack, AbortAck(room=1))
+    assert err.reason is Reason.LEGACY_UNREPRESENTABLE and "prefill_rank" in err.message
+    err = _reason(mooncake.build_bootstrap, PrefillCompleteBootstrap(room=1))
+    assert err.reason is Reason.LEGACY_UNREPRESENTABLE and "decode_ip" in err.message
 
 
 def test_classify_and_parse_any() -> None:

@@ -1,8 +1,8 @@
 """SGLang 0.5.23 positional ZMQ frames <-> pdproto.v1 messages (the legacy bridge).
 
 Reading order: ``_codec.py`` (encodings, slot-aware reader/writer), ``_entries.py``
-(per-entry KV/state buffers, staging, DCP), ``_common.py`` (tagged messages both
-backends share), then the slot layouts in ``mooncake.py`` and ``nixl.py``.
+(per-entry KV/state buffers, staging, DCP), ``_common.py`` (slot tables, the tagged
+messages both backends share), then the slot layouts in ``mooncake.py`` and ``nixl.py``.
 ``classify`` tells which legacy message a frame list is; ``parse_any`` parses it.
 docs/migration.md maps every slot to its proto field.
 """
@@ -54,16 +54,9 @@ class Classification:
     """Backend when the layout is backend-specific; None for the shared tagged messages."""
 
 
-_TAGS = {
-    _common.ABORT: LegacyKind.ABORT,
-    _common.ABORT_ACK: LegacyKind.ABORT_ACK,
-    _common.BOOTSTRAP: LegacyKind.BOOTSTRAP,
-    _common.STAGING_REQ: LegacyKind.STAGING_REQ,
-    _common.STAGING_RSP: LegacyKind.STAGING_RSP,
-    _common.WATERMARK: LegacyKind.WATERMARK,
-    _common.CHUNK_READY: LegacyKind.CHUNK_READY,
-    _common.AUX_DATA: LegacyKind.AUX_DATA,
-}
+_TAGS = {layout.tag: LegacyKind(layout.name.lower()) for layout in (
+    _common.ABORT, _common.ABORT_ACK, _common.BOOTSTRAP, _common.STAGING_REQ, _common.STAGING_RSP,
+    _common.WATERMARK, _common.CHUNK_READY, _common.AUX_DATA)}
 _MOONCAKE_ONLY = {LegacyKind.BOOTSTRAP, LegacyKind.AUX_DATA}
 
 
@@ -102,20 +95,6 @@ def classify(frames: list[bytes]) -> Classification:
         metadata={"frames": len(frames), "frame0": show(head)})
 
 
-_Parser = Callable[[list[bytes]], ParseResult[Message]]
-
-
-def _parser(kind: LegacyKind, backend: LegacyBackend) -> _Parser:
-    module = mooncake if backend is LegacyBackend.MOONCAKE else nixl
-    fn = getattr(module, f"parse_{kind.value}", None)
-    if fn is None:
-        raise LegacyFormatError(f"{kind.value} is not a {backend.value} message",
-                                reason=Reason.LEGACY_UNKNOWN_KIND,
-                                metadata={"kind": kind.value, "backend": backend.value})
-    parser: _Parser = fn
-    return parser
-
-
 def parse_any(frames: list[bytes], backend: LegacyBackend | None = None
               ) -> tuple[Classification, ParseResult[Message]]:
     """Classify and parse; ``backend`` picks the codec for the shared tagged messages.
@@ -130,7 +109,13 @@ def parse_any(frames: list[bytes], backend: LegacyBackend | None = None
             f"legacy frames: a {found.backend.value} {found.kind.value} arrived where "
             f"{backend.value} frames were expected", reason=Reason.LEGACY_UNKNOWN_KIND,
             metadata={"kind": found.kind.value, "backend": found.backend.value})
-    return found, _parser(found.kind, chosen)(frames)
+    parser: Callable[[list[bytes]], ParseResult[Message]] | None = getattr(
+        mooncake if chosen is LegacyBackend.MOONCAKE else nixl, f"parse_{found.kind.value}", None)
+    if parser is None:
+        raise LegacyFormatError(f"{found.kind.value} is not a {chosen.value} message",
+                                reason=Reason.LEGACY_UNKNOWN_KIND,
+                                metadata={"kind": found.kind.value, "backend": chosen.value})
+    return found, parser(frames)
 
 
 __all__ = [

@@ -225,16 +225,6 @@ def _as_frames(frames: object, what: str) -> list[bytes]:
     return out
 
 
-def strip_guard(frames: object, what: str) -> list[bytes]:
-    """Check and drop NIXL's leading ``NixlMsgGuard`` frame (SGLang asserts it)."""
-    wire = _as_frames(frames, what)
-    if not wire or wire[0] != NIXL_GUARD:
-        found = show(wire[0]) if wire else "no frames"
-        raise fail(what, None, "guard", Reason.LEGACY_MISSING_GUARD,
-                   f"wire frame 0 must be {NIXL_GUARD!r}, found {found}")
-    return wire[1:]
-
-
 @dataclass
 class FrameReader:
     """Reads the slots of one legacy frame list (parser numbering) with slot-aware errors."""
@@ -248,14 +238,21 @@ class FrameReader:
     offset: int = 0
     """Wire index of parser slot 0 (1 for NIXL guarded messages)."""
     empty: list[int] = field(default_factory=list)
+    """Slots where an empty frame stood for a value (``LegacyFraming.empty_slots``)."""
     assumed: list[str] = field(default_factory=list)
+    """Defaults SGLang would assume for what was not sent (``ParseResult.assumed``)."""
     list_lengths: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def open(cls, frames: object, what: str, *, full: int, minimum: int,
              guarded: bool = False, counts: Iterable[int] | None = None) -> FrameReader:
         """Validate the frame count (and NIXL guard) and return a reader."""
-        body = strip_guard(frames, what) if guarded else _as_frames(frames, what)
+        body = _as_frames(frames, what)
+        if guarded:  # NIXL's leading NixlMsgGuard frame, which SGLang asserts
+            if not body or body[0] != NIXL_GUARD:
+                raise fail(what, None, "guard", Reason.LEGACY_MISSING_GUARD, f"wire frame 0 must be "
+                           f"{NIXL_GUARD!r}, found {show(body[0]) if body else 'no frames'}")
+            body = body[1:]
         allowed = sorted(counts) if counts is not None else list(range(minimum, full + 1))
         if len(body) not in allowed:
             shape = (f"{allowed[0]}..{allowed[-1]}" if allowed == list(
@@ -284,14 +281,6 @@ class FrameReader:
         """Whether the slot is absent or an empty frame."""
         return not self.raw(slot)
 
-    def record_empty(self, slot: int) -> None:
-        """Remember that an empty frame stood where a value could have been."""
-        self.empty.append(slot)
-
-    def assume(self, note: str) -> None:
-        """Remember a default SGLang would assume here."""
-        self.assumed.append(note)
-
     def expect(self, slot: int, name: str, value: bytes) -> None:
         """Require an exact constant (e.g. the registration room sentinel b"None")."""
         if self.frames[slot] != value:
@@ -317,7 +306,7 @@ class FrameReader:
             return None
         if data == b"":
             if record:
-                self.record_empty(slot)
+                self.empty.append(slot)
             return None
         return self.num(slot, name, lo, hi)
 
@@ -379,7 +368,8 @@ class FrameWriter:
         """Whether this slot is written with a value (present and not recorded empty)."""
         return self.has(slot) and slot not in self.empties
 
-    def _put(self, slot: int, name: str, data: bytes, default: bool) -> None:
+    def raw(self, slot: int, name: str, data: bytes, *, default: bool = False) -> None:
+        """Write bytes as they are; ``default`` says the value may go unsent or as an empty frame."""
         if not self.has(slot) or slot in self.empties:
             if not default:
                 why = ("the message records it as an empty frame" if self.has(slot)
@@ -398,34 +388,30 @@ class FrameWriter:
         except CodecProblem as p:
             raise fail(self.what, slot, name, p.reason, p.detail, self.offset) from None
 
-    def raw(self, slot: int, name: str, data: bytes, *, default: bool = False) -> None:
-        """Write bytes as they are."""
-        self._put(slot, name, data, default)
-
     def num(self, slot: int, name: str, value: int, *, default: bool = False) -> None:
         """Write an ``A`` integer."""
-        self._put(slot, name, encode_int(value), default)
+        self.raw(slot, name, encode_int(value), default=default)
 
     def opt_num(self, slot: int, name: str, value: int | None) -> None:
         """Write an ``A`` integer, or an empty frame for None."""
-        self._put(slot, name, b"" if value is None else encode_int(value), value is None)
+        self.raw(slot, name, b"" if value is None else encode_int(value), default=value is None)
 
     def text(self, slot: int, name: str, value: str, encoding: str = "ascii", *,
              default: bool = False) -> None:
         """Write ``S`` / ``U8`` text."""
-        self._put(slot, name, self.encode(slot, name, encode_text, value, encoding), default)
+        self.raw(slot, name, self.encode(slot, name, encode_text, value, encoding), default=default)
 
     def array(self, slot: int, name: str, values: Sequence[int], fmt: str) -> None:
         """Write a native packed array (empty list = empty frame)."""
-        self._put(slot, name, self.encode(slot, name, pack_array, values, fmt), not values)
+        self.raw(slot, name, self.encode(slot, name, pack_array, values, fmt), default=not values)
 
     def lists(self, slot: int, name: str, values: Sequence[Sequence[int]], fmt: str) -> None:
         """Write a ``pack_int_lists`` frame (empty outer list = empty frame)."""
-        self._put(slot, name, self.encode(slot, name, pack_int_lists, values, fmt), not values)
+        self.raw(slot, name, self.encode(slot, name, pack_int_lists, values, fmt), default=not values)
 
     def scalar(self, slot: int, name: str, value: int, fmt: str, *, default: bool) -> None:
         """Write one packed scalar."""
-        self._put(slot, name, self.encode(slot, name, pack_scalar, value, fmt), default)
+        self.raw(slot, name, self.encode(slot, name, pack_scalar, value, fmt), default=default)
 
     def unrepresentable(self, slot: int | None, name: str, detail: str) -> LegacyFormatError:
         """An error for a message that cannot be expressed in this layout."""

@@ -1,24 +1,29 @@
-"""Tagged SGLang 0.5.23 messages whose layout both backends share (inventory 1.6-1.10).
+"""Slot tables and the one reader and writer that interpret them (inventory 1.2-1.10).
 
-These come from ``common/conn.py`` and ``staging_handler.py`` and travel without
-the NIXL guard on both backends; the backend modules bind them with their name
-and the backend-specific frame counts (e.g. the 2-frame legacy ABORT_ACK is
-Mooncake only).
+A :class:`Layout` describes a whole tagged message (or a status) as :class:`Slot` rows;
+the backend modules bind each layout under their own name with :func:`codec` (e.g. the
+2-frame legacy ABORT_ACK is Mooncake only). Registrations and TransferInfos read and
+write their plain slots with :func:`read_slots` / :func:`write_slots` and hand-write the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any, Generic
 
 from pdproto.errors import Reason
 from pdproto.legacy._codec import (
     I64_MAX,
     I64_MIN,
     U32_MAX,
+    U64_MAX,
+    CodecProblem,
     FrameReader,
     FrameWriter,
+    M,
     ParseResult,
-    CodecProblem,
 )
 from pdproto.v1 import (
     STAGING_ALLOCATION_GRANTED,
@@ -33,23 +38,12 @@ from pdproto.v1 import (
     AbortNotification,
     AuxData,
     ChunkReady,
-    Endpoint,
     PrefillCompleteBootstrap,
     StagingRequest,
     StagingResponse,
     StagingWatermark,
     TransferState,
 )
-
-ABORT = b"ABORT"
-ABORT_ACK = b"ABORT_ACK"
-BOOTSTRAP = b"BOOTSTRAP"
-STAGING_REQ = b"STAGING_REQ"
-STAGING_RSP = b"STAGING_RSP"
-WATERMARK = b"WATERMARK"
-CHUNK_READY = b"CHUNK_READY"
-AUX_DATA = b"AUX_DATA"
-KV_STATUS = b"KV_STATUS"
 
 KVPOLL_TO_STATE: dict[int, TransferState.ValueType] = {
     0: TRANSFER_STATE_FAILED,
@@ -63,256 +57,226 @@ STATE_TO_KVPOLL: dict[TransferState.ValueType, int] = {v: k for k, v in KVPOLL_T
 """pdproto TransferState to SGLang ``KVPoll`` ints (UNSPECIFIED has none)."""
 
 # STAGING_RSP offsets below zero are verdicts, not offsets (staging_handler.py:645-647).
-_PENDING, _OVERSIZED = -1, -2
+_VERDICTS = {STAGING_ALLOCATION_PENDING: -1, STAGING_ALLOCATION_OVERSIZED: -2}
 
 
-def read_endpoint(r: FrameReader, host_slot: int, port_slot: int, host: str,
-                  port: str) -> Endpoint:
-    """An ``S`` host and an ``A`` port in two slots."""
-    return Endpoint(host=r.text(host_slot, host), port=r.num(port_slot, port, hi=U32_MAX))
+@dataclass(frozen=True)
+class Slot:
+    """One slot: its parser number, SGLang's name, the message field (dotted) and its encoding."""
+
+    slot: int
+    name: str
+    field: str
+    enc: str = "A"
+    """``A``, ``S``, ``U8`` as in docs/migration.md; ``B`` raw bytes; ``Q*`` / ``i*`` native
+    arrays; ``KVPoll`` a state; ``BE32`` the length of ``field``, in the next slot; ``offset``
+    STAGING_RSP's offset or verdict."""
+    hi: int = U64_MAX
+    lo: int = 0
 
 
-def write_endpoint(w: FrameWriter, ep: Endpoint, host_slot: int, port_slot: int, host: str,
-                   port: str) -> None:
-    """Inverse of :func:`read_endpoint`."""
-    w.text(host_slot, host, ep.host)
-    w.num(port_slot, port, ep.port)
+def _get(msg: Any, path: str) -> Any:
+    return reduce(getattr, path.split("."), msg)
 
 
-def read_state(r: FrameReader, slot: int) -> TransferState.ValueType:
-    """A KVPoll ``A`` slot as a TransferState."""
-    value = r.num(slot, "status", hi=U32_MAX)
-    if value not in KVPOLL_TO_STATE:
-        raise r.error(slot, "status", CodecProblem(
-            Reason.LEGACY_BAD_VALUE, f"KVPoll value {value} is not one of 0..4"))
-    return KVPOLL_TO_STATE[value]
+def _put(msg: Any, path: str, value: object) -> None:
+    *parents, leaf = path.split(".")
+    for name in parents:
+        msg = getattr(msg, name)
+        msg.SetInParent()  # a slot that was sent sets its sub-message, even to defaults
+    setattr(msg, leaf, value)
 
 
-def write_state(w: FrameWriter, slot: int, state: TransferState.ValueType) -> None:
-    """Inverse of :func:`read_state`."""
-    if state not in STATE_TO_KVPOLL:
-        raise w.unrepresentable(slot, "state", f"TransferState {state} has no KVPoll value")
-    w.num(slot, "status", STATE_TO_KVPOLL[state])
+def _read(r: FrameReader, s: Slot, msg: Any) -> None:
+    if s.enc == "A":
+        _put(msg, s.field, r.num(s.slot, s.name, s.lo, s.hi))
+    elif s.enc in ("S", "U8"):
+        _put(msg, s.field, r.text(s.slot, s.name, "utf-8" if s.enc == "U8" else "ascii"))
+    elif s.enc == "B":
+        _put(msg, s.field, r.frames[s.slot])
+    elif s.enc.endswith("*"):
+        _get(msg, s.field).extend(r.array(s.slot, s.name, s.enc[:-1]))
+    elif s.enc == "KVPoll":
+        value = r.num(s.slot, s.name, hi=U32_MAX)
+        if value not in KVPOLL_TO_STATE:
+            raise r.error(s.slot, s.name, CodecProblem(
+                Reason.LEGACY_BAD_VALUE, f"KVPoll value {value} is not one of 0..4"))
+        _put(msg, s.field, KVPOLL_TO_STATE[value])
+    elif s.enc == "BE32":
+        length, data = r.scalar(s.slot, s.name, ">I"), r.frames[s.slot + 1]
+        if length != len(data):
+            raise r.error(s.slot, s.name, CodecProblem(
+                Reason.LEGACY_BAD_LENGTH, f"says {length} bytes but the data frame has {len(data)}"))
+    else:  # "offset": STAGING_RSP's offset, or a verdict below zero
+        offset = r.num(s.slot, s.name, lo=min(_VERDICTS.values()), hi=I64_MAX)
+        if offset < 0:
+            msg.allocation = next(k for k, v in _VERDICTS.items() if v == offset)
+        else:
+            msg.allocation, msg.offset = STAGING_ALLOCATION_GRANTED, offset
 
 
-def parse_abort(frames: object, backend: str) -> ParseResult[AbortNotification]:
-    """``[ABORT, room]`` (+ ``decode_ip, decode_port``) (+ ``generation``): 2, 4 or 5 frames."""
-    r = FrameReader.open(frames, f"{backend} ABORT", full=5, minimum=2, counts=(2, 4, 5))
-    r.expect(0, "tag", ABORT)
-    msg = AbortNotification(room=r.num(1, "room"))
-    if r.has(3):
-        msg.reply_endpoint.CopyFrom(read_endpoint(r, 2, 3, "decode_ip", "decode_port"))
+def _write(w: FrameWriter, s: Slot, msg: Any) -> None:
+    value = _get(msg, s.field)
+    if s.enc == "A":
+        w.num(s.slot, s.name, value, default=not value)
+    elif s.enc in ("S", "U8"):
+        w.text(s.slot, s.name, value, "utf-8" if s.enc == "U8" else "ascii", default=not value)
+    elif s.enc == "B":
+        w.raw(s.slot, s.name, value, default=not value)
+    elif s.enc.endswith("*"):
+        w.array(s.slot, s.name, value, s.enc[:-1])
+    elif s.enc == "KVPoll":
+        if value not in STATE_TO_KVPOLL:
+            raise w.unrepresentable(s.slot, s.field, f"TransferState {value} has no KVPoll value")
+        w.num(s.slot, s.name, STATE_TO_KVPOLL[value])
+    elif s.enc == "BE32":
+        w.scalar(s.slot, s.name, len(value), ">I", default=False)
+    elif msg.allocation in _VERDICTS:  # "offset"
+        if value:
+            raise w.unrepresentable(s.slot, s.name, "an offset is meaningful only when GRANTED")
+        w.num(s.slot, s.name, _VERDICTS[msg.allocation])
+    elif msg.allocation != STAGING_ALLOCATION_GRANTED:
+        raise w.unrepresentable(s.slot, "allocation", "allocation must be set")
+    elif value > I64_MAX:
+        raise w.unrepresentable(s.slot, s.name, f"{value} exceeds {I64_MAX}")
     else:
-        r.assume("no return address: the prefill cannot acknowledge this abort")
-    if r.has(4):
-        msg.generation = r.num(4, "generation")
-    return r.result(msg)
+        w.num(s.slot, s.name, value)
 
 
-def build_abort(msg: AbortNotification, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_abort`; the frame count follows which fields are set."""
-    count = 5 if msg.HasField("generation") else 4 if msg.HasField("reply_endpoint") else 2
-    w = FrameWriter(f"{backend} ABORT", full=count, minimum=count, framing=None)
-    w.raw(0, "tag", ABORT)
-    w.num(1, "room", msg.room)
-    if count >= 4:
-        if not msg.HasField("reply_endpoint"):
-            raise w.unrepresentable(4, "generation",
-                                    "SGLang sends a generation only after a return address")
-        write_endpoint(w, msg.reply_endpoint, 2, 3, "decode_ip", "decode_port")
-    if count == 5:
-        w.num(4, "generation", msg.generation)
-    return w.done()
+def read_slots(r: FrameReader, msg: Any, slots: Sequence[Slot]) -> None:
+    """Read every slot the sender sent into ``msg``."""
+    for s in slots:
+        if r.has(s.slot):
+            _read(r, s, msg)
 
 
-def parse_abort_ack(frames: object, backend: str, counts: Iterable[int]) -> ParseResult[AbortAck]:
-    """``[ABORT_ACK, room]`` (Mooncake legacy) or ``+ prefill_rank`` (+ ``generation``)."""
-    r = FrameReader.open(frames, f"{backend} ABORT_ACK", full=4, minimum=2, counts=counts)
-    r.expect(0, "tag", ABORT_ACK)
-    msg = AbortAck(room=r.num(1, "room"))
-    if r.has(2):
-        msg.prefill_rank = r.num(2, "prefill_rank", hi=U32_MAX)
-    if r.has(3):
-        msg.generation = r.num(3, "generation")
-    elif r.has(2):
-        r.assume("no generation: SGLang ignores this ack when deferred release is on")
-    return r.result(msg)
+def write_slots(w: FrameWriter, msg: Any, slots: Sequence[Slot]) -> None:
+    """Inverse of :func:`read_slots`; a default value may fall outside the layout written."""
+    for s in slots:
+        _write(w, s, msg)
 
 
-def build_abort_ack(msg: AbortAck, backend: str, counts: Iterable[int]) -> list[bytes]:
-    """Inverse of :func:`parse_abort_ack`."""
-    count = 4 if msg.HasField("generation") else 3 if msg.HasField("prefill_rank") else 2
-    w = FrameWriter(f"{backend} ABORT_ACK", full=count, minimum=count, framing=None)
-    if count not in set(counts):
-        raise w.unrepresentable(2, "prefill_rank", f"{backend} never sends the {count}-frame "
-                                "ABORT_ACK (the prefill rank is required)")
-    w.raw(0, "tag", ABORT_ACK)
-    w.num(1, "room", msg.room)
-    if count >= 3:
-        if not msg.HasField("prefill_rank"):
-            raise w.unrepresentable(3, "generation", "SGLang sends a generation only after "
-                                    "the prefill rank")
-        w.num(2, "prefill_rank", msg.prefill_rank)
-    if count == 4:
-        w.num(3, "generation", msg.generation)
-    return w.done()
+def _sent(msg: Any, s: Slot) -> bool:
+    """Whether a slot's field has a value to send (fields without presence always do)."""
+    top = s.field.split(".")[0]
+    return not msg.DESCRIPTOR.fields_by_name[top].has_presence or bool(msg.HasField(top))
 
 
-def parse_bootstrap(frames: object, backend: str) -> ParseResult[PrefillCompleteBootstrap]:
-    """``[BOOTSTRAP, room, decode_ip, decode_port]`` (common/conn.py:2575-2582)."""
-    r = FrameReader.open(frames, f"{backend} BOOTSTRAP", full=4, minimum=4)
-    r.expect(0, "tag", BOOTSTRAP)
-    msg = PrefillCompleteBootstrap(room=r.num(1, "room"))
-    msg.decode_endpoint.CopyFrom(read_endpoint(r, 2, 3, "decode_ip", "decode_port"))
-    return r.result(msg)
+@dataclass(frozen=True)
+class Layout(Generic[M]):
+    """A tagged message (or status): its type, frame 0 tag, slots and SGLang's frame counts."""
+
+    cls: type[M]
+    name: str
+    tag: bytes | None
+    slots: tuple[Slot, ...]
+    counts: tuple[int, ...]
+    """Frame counts SGLang 0.5.23 sends; without a ``legacy`` field, set fields pick one."""
+    notes: tuple[tuple[int, str], ...] = ()
+    """What SGLang assumes when a slot is not sent."""
 
 
-def build_bootstrap(msg: PrefillCompleteBootstrap, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_bootstrap`."""
-    w = FrameWriter(f"{backend} BOOTSTRAP", full=4, minimum=4, framing=None)
-    w.raw(0, "tag", BOOTSTRAP)
-    w.num(1, "room", msg.room)
-    write_endpoint(w, msg.decode_endpoint, 2, 3, "decode_ip", "decode_port")
-    return w.done()
+def codec(layout: Layout[M], backend: str, module: str
+          ) -> tuple[Callable[[list[bytes]], ParseResult[M]], Callable[[M], list[bytes]]]:
+    """The ``parse_x`` / ``build_x`` pair (x: the layout's name) a backend ``module`` exports."""
+    what = f"{backend} {layout.name}"
+    lo, hi = min(layout.counts), max(layout.counts)
+
+    def parse_fn(frames: list[bytes]) -> ParseResult[M]:
+        r = FrameReader.open(frames, what, full=hi, minimum=lo, counts=layout.counts)
+        if layout.tag is not None:
+            r.expect(0, "tag", layout.tag)
+        msg = layout.cls()
+        read_slots(r, msg, layout.slots)
+        for slot, note in layout.notes:
+            if not r.has(slot):
+                r.assumed.append(note)
+        return r.result(msg, getattr(msg, "legacy", None))
+
+    def build_fn(message: M) -> list[bytes]:
+        msg: Any = message
+        if "legacy" in msg.DESCRIPTOR.fields_by_name:  # the frame count follows ``legacy``
+            w = FrameWriter(what, full=hi, minimum=lo,
+                            framing=msg.legacy if hi > lo and msg.HasField("legacy") else None)
+        else:  # or else the last optional field that is set
+            count = max([lo] + [s.slot + 1 for s in layout.slots if s.slot >= lo and _sent(msg, s)])
+            w = FrameWriter(what, full=count, minimum=count, framing=None)
+        for s in layout.slots:
+            if w.has(s.slot) and not _sent(msg, s):
+                raise w.unrepresentable(s.slot, s.field, f"is unset, but SGLang's {w.count}-frame "
+                                        f"{layout.name} carries {s.name} here")
+        if layout.tag is not None:
+            w.raw(0, "tag", layout.tag)
+        write_slots(w, msg, layout.slots)
+        return w.done()
+
+    # Named, documented and typed as if written in ``module`` (fuzz targets and seeds find them).
+    build_fn.__annotations__ = {"message": layout.cls, "return": list[bytes]}
+    for fn, verb in ((parse_fn, "parse"), (build_fn, "build")):
+        fn.__module__ = module
+        fn.__name__ = fn.__qualname__ = f"{verb}_{layout.name.lower()}"
+        fn.__doc__ = f"{verb.title()} {what} frames (slots: docs/migration.md)."
+    return parse_fn, build_fn
 
 
-def parse_staging_req(frames: object, backend: str) -> ParseResult[StagingRequest]:
-    """``[STAGING_REQ, room, chunk_idx, chunk_pages, session_id, (requester_pp_rank)]``."""
-    r = FrameReader.open(frames, f"{backend} STAGING_REQ", full=6, minimum=5)
-    r.expect(0, "tag", STAGING_REQ)
-    msg = StagingRequest(room=r.num(1, "room"), chunk_index=r.num(2, "chunk_idx", hi=U32_MAX),
-                         chunk_pages=r.num(3, "chunk_pages", hi=U32_MAX),
-                         session_id=r.text(4, "session_id"))
-    if r.has(5):
-        msg.requester_pp_rank = r.num(5, "requester_pp_rank", hi=U32_MAX)
-    return r.result(msg)
+NOTIFY = (Slot(1, "endpoint", "notify_endpoint.host", "S"),
+          Slot(2, "dst_port", "notify_endpoint.port", hi=U32_MAX))
+"""The decode's notify endpoint, slots 1-2 of every registration and TransferInfo."""
+_ROOM = Slot(1, "room", "room")
 
-
-def build_staging_req(msg: StagingRequest, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_staging_req`."""
-    count = 6 if msg.HasField("requester_pp_rank") else 5
-    w = FrameWriter(f"{backend} STAGING_REQ", full=count, minimum=count, framing=None)
-    w.raw(0, "tag", STAGING_REQ)
-    w.num(1, "room", msg.room)
-    w.num(2, "chunk_idx", msg.chunk_index)
-    w.num(3, "chunk_pages", msg.chunk_pages)
-    w.text(4, "session_id", msg.session_id)
-    if count == 6:
-        w.num(5, "requester_pp_rank", msg.requester_pp_rank)
-    return w.done()
-
-
-def parse_staging_rsp(frames: object, backend: str) -> ParseResult[StagingResponse]:
-    """``[STAGING_RSP, room, chunk_idx, offset, round, end, session_id]``; offset -1/-2 are verdicts."""
-    r = FrameReader.open(frames, f"{backend} STAGING_RSP", full=7, minimum=7)
-    r.expect(0, "tag", STAGING_RSP)
-    offset = r.num(3, "offset", lo=_OVERSIZED, hi=I64_MAX)
-    msg = StagingResponse(room=r.num(1, "room"), chunk_index=r.num(2, "chunk_idx", hi=U32_MAX),
-                          round=r.num(4, "round"), end=r.num(5, "end", lo=I64_MIN, hi=I64_MAX),
-                          session_id=r.text(6, "session_id"))
-    if offset == _PENDING:
-        msg.allocation = STAGING_ALLOCATION_PENDING
-    elif offset == _OVERSIZED:
-        msg.allocation = STAGING_ALLOCATION_OVERSIZED
-    else:
-        msg.allocation = STAGING_ALLOCATION_GRANTED
-        msg.offset = offset
-    return r.result(msg)
-
-
-def build_staging_rsp(msg: StagingResponse, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_staging_rsp`."""
-    w = FrameWriter(f"{backend} STAGING_RSP", full=7, minimum=7, framing=None)
-    w.raw(0, "tag", STAGING_RSP)
-    w.num(1, "room", msg.room)
-    w.num(2, "chunk_idx", msg.chunk_index)
-    if msg.allocation == STAGING_ALLOCATION_GRANTED:
-        if msg.offset > I64_MAX:
-            raise w.unrepresentable(3, "offset", f"{msg.offset} exceeds {I64_MAX}")
-        w.num(3, "offset", msg.offset)
-    elif msg.allocation in (STAGING_ALLOCATION_PENDING, STAGING_ALLOCATION_OVERSIZED):
-        if msg.offset:
-            raise w.unrepresentable(3, "offset", "an offset is meaningful only when GRANTED")
-        pending = msg.allocation == STAGING_ALLOCATION_PENDING
-        w.num(3, "offset", _PENDING if pending else _OVERSIZED)
-    else:
-        raise w.unrepresentable(3, "allocation", "allocation must be set")
-    w.num(4, "round", msg.round)
-    w.num(5, "end", msg.end)
-    w.text(6, "session_id", msg.session_id)
-    return w.done()
-
-
-def parse_watermark(frames: object, backend: str) -> ParseResult[StagingWatermark]:
-    """``[WATERMARK, round, tail, (session_id)]``; older senders omit the session."""
-    r = FrameReader.open(frames, f"{backend} WATERMARK", full=4, minimum=3)
-    r.expect(0, "tag", WATERMARK)
-    msg = StagingWatermark(round=r.num(1, "round"), tail=r.num(2, "tail"))
-    if r.has(3):
-        msg.session_id = r.text(3, "session_id")
-    else:
-        r.assume("session_id absent: assumed \"\"")
-    return r.result(msg, msg.legacy)
-
-
-def build_watermark(msg: StagingWatermark, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_watermark`."""
-    framing = msg.legacy if msg.HasField("legacy") else None
-    w = FrameWriter(f"{backend} WATERMARK", full=4, minimum=3, framing=framing)
-    w.raw(0, "tag", WATERMARK)
-    w.num(1, "round", msg.round)
-    w.num(2, "tail", msg.tail)
-    w.text(3, "session_id", msg.session_id, default=not msg.session_id)
-    return w.done()
-
-
-def parse_chunk_ready(frames: object, backend: str) -> ParseResult[ChunkReady]:
-    """``[CHUNK_READY, room, chunk_idx, page_start, num_pages, writer_id, prefill_rank]``."""
-    r = FrameReader.open(frames, f"{backend} CHUNK_READY", full=7, minimum=7)
-    r.expect(0, "tag", CHUNK_READY)
-    msg = ChunkReady(room=r.num(1, "room"), chunk_index=r.num(2, "chunk_idx", hi=U32_MAX),
-                     page_start=r.num(3, "page_start", hi=U32_MAX),
-                     num_pages=r.num(4, "num_pages", hi=U32_MAX),
-                     writer_id=r.text(5, "writer_id"),
-                     prefill_rank=r.num(6, "prefill_rank", hi=U32_MAX))
-    return r.result(msg)
-
-
-def build_chunk_ready(msg: ChunkReady, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_chunk_ready`."""
-    w = FrameWriter(f"{backend} CHUNK_READY", full=7, minimum=7, framing=None)
-    w.raw(0, "tag", CHUNK_READY)
-    w.num(1, "room", msg.room)
-    w.num(2, "chunk_idx", msg.chunk_index)
-    w.num(3, "page_start", msg.page_start)
-    w.num(4, "num_pages", msg.num_pages)
-    w.text(5, "writer_id", msg.writer_id)
-    w.num(6, "prefill_rank", msg.prefill_rank)
-    return w.done()
-
-
-def parse_aux_data(frames: object, backend: str) -> ParseResult[AuxData]:
-    """``[AUX_DATA, room, buffer_index, aux_index, BE32(len), data]`` (mooncake/conn.py:1842)."""
-    r = FrameReader.open(frames, f"{backend} AUX_DATA", full=6, minimum=6)
-    r.expect(0, "tag", AUX_DATA)
-    length = r.scalar(4, "length", ">I")
-    data = r.frames[5]
-    if length != len(data):
-        raise r.error(4, "length", CodecProblem(
-            Reason.LEGACY_BAD_LENGTH, f"says {length} bytes but the data frame has {len(data)}"))
-    msg = AuxData(room=r.num(1, "room"), buffer_index=r.num(2, "buffer_index", hi=U32_MAX),
-                  aux_index=r.num(3, "aux_index", hi=U32_MAX), data=data)
-    return r.result(msg)
-
-
-def build_aux_data(msg: AuxData, backend: str) -> list[bytes]:
-    """Inverse of :func:`parse_aux_data`."""
-    w = FrameWriter(f"{backend} AUX_DATA", full=6, minimum=6, framing=None)
-    w.raw(0, "tag", AUX_DATA)
-    w.num(1, "room", msg.room)
-    w.num(2, "buffer_index", msg.buffer_index)
-    w.num(3, "aux_index", msg.aux_index)
-    w.scalar(4, "length", len(msg.data), ">I", default=False)  # SGLang's BE32
-    w.raw(5, "data", msg.data)
-    return w.done()
-
+ABORT = Layout(AbortNotification, "ABORT", b"ABORT", (
+    _ROOM,
+    Slot(2, "decode_ip", "reply_endpoint.host", "S"),
+    Slot(3, "decode_port", "reply_endpoint.port", hi=U32_MAX),
+    Slot(4, "generation", "generation"),
+), counts=(2, 4, 5), notes=((3, "no return address: the prefill cannot acknowledge this abort"),))
+ABORT_ACK = Layout(AbortAck, "ABORT_ACK", b"ABORT_ACK", (
+    _ROOM,
+    Slot(2, "prefill_rank", "prefill_rank", hi=U32_MAX),
+    Slot(3, "generation", "generation"),
+), counts=(2, 3, 4), notes=((3, "no generation: SGLang ignores this ack when deferred release is on"),))
+"""Mooncake's counts: 2 frames is the legacy ack sent when deferred release is off."""
+BOOTSTRAP = Layout(PrefillCompleteBootstrap, "BOOTSTRAP", b"BOOTSTRAP", (
+    _ROOM,
+    Slot(2, "decode_ip", "decode_endpoint.host", "S"),
+    Slot(3, "decode_port", "decode_endpoint.port", hi=U32_MAX),
+), counts=(4,))
+"""``common/conn.py:2575-2582``."""
+STAGING_REQ = Layout(StagingRequest, "STAGING_REQ", b"STAGING_REQ", (
+    _ROOM,
+    Slot(2, "chunk_idx", "chunk_index", hi=U32_MAX),
+    Slot(3, "chunk_pages", "chunk_pages", hi=U32_MAX),
+    Slot(4, "session_id", "session_id", "S"),
+    Slot(5, "requester_pp_rank", "requester_pp_rank", hi=U32_MAX),
+), counts=(5, 6))
+STAGING_RSP = Layout(StagingResponse, "STAGING_RSP", b"STAGING_RSP", (
+    _ROOM,
+    Slot(2, "chunk_idx", "chunk_index", hi=U32_MAX),
+    Slot(3, "offset", "offset", "offset"),
+    Slot(4, "round", "round"),
+    Slot(5, "end", "end", lo=I64_MIN, hi=I64_MAX),
+    Slot(6, "session_id", "session_id", "S"),
+), counts=(7,))
+WATERMARK = Layout(StagingWatermark, "WATERMARK", b"WATERMARK", (
+    Slot(1, "round", "round"),
+    Slot(2, "tail", "tail"),
+    Slot(3, "session_id", "session_id", "S"),
+), counts=(3, 4), notes=((3, 'session_id absent: assumed ""'),))
+CHUNK_READY = Layout(ChunkReady, "CHUNK_READY", b"CHUNK_READY", (
+    _ROOM,
+    Slot(2, "chunk_idx", "chunk_index", hi=U32_MAX),
+    Slot(3, "page_start", "page_start", hi=U32_MAX),
+    Slot(4, "num_pages", "num_pages", hi=U32_MAX),
+    Slot(5, "writer_id", "writer_id", "S"),
+    Slot(6, "prefill_rank", "prefill_rank", hi=U32_MAX),
+), counts=(7,))
+AUX_DATA = Layout(AuxData, "AUX_DATA", b"AUX_DATA", (
+    _ROOM,
+    Slot(2, "buffer_index", "buffer_index", hi=U32_MAX),
+    Slot(3, "aux_index", "aux_index", hi=U32_MAX),
+    Slot(4, "length", "data", "BE32"),
+    Slot(5, "data", "data", "B"),
+), counts=(6,))
+"""``mooncake/conn.py:1842``."""
+KV_STATUS = b"KV_STATUS"
+"""Frame 0 of a NIXL status; Mooncake's status is untagged."""

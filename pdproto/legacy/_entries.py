@@ -64,9 +64,9 @@ def read_kv_buffers(r: FrameReader, slots: KvSlots, kv_item_len: int) -> list[Kv
     raw_lens = r.raw(slots.item_lens)
     if raw_lens is None or (raw_lens == b"" and n):
         if raw_lens == b"":
-            r.record_empty(slots.item_lens)
+            r.empty.append(slots.item_lens)
         if n:
-            r.assume("dst_kv_item_lens absent: assumed dst_kv_item_len for every KV entry")
+            r.assumed.append("dst_kv_item_lens absent: assumed dst_kv_item_len for every KV entry")
         item_lens = [kv_item_len] * n
     else:
         item_lens = r.array(slots.item_lens, "dst_kv_item_lens", "Q")
@@ -86,7 +86,7 @@ def read_kv_buffers(r: FrameReader, slots: KvSlots, kv_item_len: int) -> list[Kv
                            f"{sorted(MEMORY_KINDS)}", r.offset)
             kinds = [MEMORY_KINDS[x] for x in names]
         elif n:
-            r.assume("dst_kv_mem_kinds absent: SGLang assumes VRAM for every KV entry")
+            r.assumed.append("dst_kv_mem_kinds absent: SGLang assumes VRAM for every KV entry")
     out = []
     for i, ptr in enumerate(ptrs):
         buf = KvBuffer(ptr=ptr, item_len=item_lens[i], memory_kind=kinds[i])
@@ -168,12 +168,12 @@ def read_dcp(r: FrameReader, msg: KvRegistration, size_slot: int, rank_slot: int
     size = r.opt_num(size_slot, "dst_dcp_size", hi=U32_MAX, record=True)
     rank = r.opt_num(rank_slot, "dst_dcp_rank", hi=U32_MAX, record=True)
     if size is None and rank is None:
-        r.assume("DCP fields absent or empty: assumed size 1, rank 0")
+        r.assumed.append("DCP fields absent or empty: assumed size 1, rank 0")
         return
     msg.dcp.size = size or 0  # 0 reads as "not sent" = 1, exactly like SGLang's default
     msg.dcp.rank = rank or 0
     if size is None:
-        r.assume("dst_dcp_size absent: assumed 1")
+        r.assumed.append("dst_dcp_size absent: assumed 1")
 
 
 def write_dcp(w: FrameWriter, msg: KvRegistration, size_slot: int, rank_slot: int) -> None:
@@ -198,14 +198,14 @@ def read_staging(r: FrameReader, msg: KvRegistration, base: int, slot_ids: int |
         return  # SGLang: base 0 and size 0 means "no staging" (None)
     st = msg.staging
     if r.blank(base):
-        r.record_empty(base)
+        r.empty.append(base)
     else:
         st.base_ptr = r.scalar(base, "staging_base_ptr", "@Q")
     st.total_size = r.opt_num(base + 1, "staging_total_size", record=True) or 0
     if slot_ids is not None:
         st.slot_layer_ids.extend(r.array(slot_ids, "staging slot_layer_ids", "Q"))
         if not r.has(slot_ids):
-            r.assume("staging slot_layer_ids absent: assumed [] (falls back to KV layer ids)")
+            r.assumed.append("staging slot_layer_ids absent: assumed [] (falls back to KV layer ids)")
 
 
 def write_staging(w: FrameWriter, msg: KvRegistration, base: int, slot_ids: int | None) -> None:

@@ -11,8 +11,10 @@ BOOTSTRAP and AUX_DATA are Mooncake only.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdproto.errors import Reason
-from pdproto.legacy import _common
+from pdproto.legacy import _common, _entries
 from pdproto.legacy._codec import (
     I32_MAX,
     I32_MIN,
@@ -23,30 +25,9 @@ from pdproto.legacy._codec import (
     FrameWriter,
     ParseResult,
 )
-from pdproto.legacy._entries import (
-    KvSlots,
-    StateSlot,
-    read_dcp,
-    read_kv_buffers,
-    read_staging,
-    read_state_buffers,
-    write_dcp,
-    write_kv_buffers,
-    write_staging,
-    write_state_buffers,
-)
-from pdproto.v1 import (
-    AbortAck,
-    AbortNotification,
-    ChunkReady,
-    KvRegistration,
-    StagingRequest,
-    StagingResponse,
-    StagingWatermark,
-    StateIndices,
-    TransferInfo,
-    TransferStatus,
-)
+from pdproto.legacy._common import NOTIFY, Layout, Slot, codec, read_slots, write_slots
+from pdproto.legacy._entries import KvSlots, StateSlot
+from pdproto.v1 import KvRegistration, StateIndices, TransferInfo, TransferStatus
 
 BACKEND = "NIXL"
 GUARD = NIXL_GUARD
@@ -68,29 +49,33 @@ _STATE = (
 _STAGING_BASE, _NUM_SLOTS, _DCP_SIZE, _DCP_RANK = 14, 16, 21, 22
 _REG_RECORDABLE = frozenset({_STAGING_BASE, _STAGING_BASE + 1, _KV.item_lens, _DCP_SIZE,
                              _DCP_RANK})
+_REG_SLOTS = (
+    *NOTIFY,
+    Slot(3, "agent_name", "nixl.agent_name", "S"),
+    Slot(4, "agent_metadata", "nixl.agent_metadata", "B"),
+    Slot(6, "dst_aux_ptrs", "aux_ptrs", "Q*"),
+    Slot(8, "gpu_id", "gpu_id", hi=U32_MAX),
+    Slot(9, "decode_tp_size", "attn_tp.size", hi=U32_MAX),
+    Slot(10, "decode_tp_rank", "attn_tp.rank", hi=U32_MAX),
+    Slot(11, "dst_kv_item_len", "kv_item_len"),
+)
 
 
 def parse_registration(frames: list[bytes]) -> ParseResult[KvRegistration]:
     """Parse M1 (guard, then ``KVArgsRegisterInfo.from_zmq``, nixl/conn.py:341-456)."""
     r = FrameReader.open(frames, _REG, full=REGISTRATION_FRAMES, minimum=12, guarded=True)
     r.expect(0, "room", b"None")
-    msg = KvRegistration(kv_item_len=r.num(11, "dst_kv_item_len"),
-                         gpu_id=r.num(8, "gpu_id", hi=U32_MAX))
-    msg.notify_endpoint.CopyFrom(_common.read_endpoint(r, 1, 2, "endpoint", "dst_port"))
-    msg.nixl.agent_name = r.text(3, "agent_name")
-    msg.nixl.agent_metadata = r.frames[4]
-    msg.aux_ptrs.extend(r.array(6, "dst_aux_ptrs", "Q"))
-    msg.attn_tp.size = r.num(9, "decode_tp_size", hi=U32_MAX)
-    msg.attn_tp.rank = r.num(10, "decode_tp_rank", hi=U32_MAX)
-    msg.kv_buffers.extend(read_kv_buffers(r, _KV, msg.kv_item_len))
-    msg.state_buffers.extend(read_state_buffers(r, _STATE))
+    msg = KvRegistration()
+    read_slots(r, msg, _REG_SLOTS)
+    msg.kv_buffers.extend(_entries.read_kv_buffers(r, _KV, msg.kv_item_len))
+    msg.state_buffers.extend(_entries.read_state_buffers(r, _STATE))
     if not r.has(23) and msg.state_buffers:
-        r.assume("dst_state_data_lens absent: decode predates prepared state transfers")
-    read_staging(r, msg, _STAGING_BASE, None)
+        r.assumed.append("dst_state_data_lens absent: decode predates prepared state transfers")
+    _entries.read_staging(r, msg, _STAGING_BASE, None)
     num_slots = r.opt_num(_NUM_SLOTS, "dst_num_slots", hi=U32_MAX)
     if num_slots is not None:
         msg.num_slots = num_slots
-    read_dcp(r, msg, _DCP_SIZE, _DCP_RANK)
+    _entries.read_dcp(r, msg, _DCP_SIZE, _DCP_RANK)
     return r.result(msg, msg.legacy)
 
 
@@ -104,24 +89,25 @@ def build_registration(message: KvRegistration) -> list[bytes]:
         raise w.unrepresentable(3, "nixl.agent_name",
                                 "a NIXL registration needs the nixl transport set")
     w.raw(0, "room", b"None")
-    _common.write_endpoint(w, msg.notify_endpoint, 1, 2, "endpoint", "dst_port")
-    w.text(3, "agent_name", msg.nixl.agent_name)
-    w.raw(4, "agent_metadata", msg.nixl.agent_metadata)
-    w.array(6, "dst_aux_ptrs", msg.aux_ptrs, "Q")
-    w.num(8, "gpu_id", msg.gpu_id)
-    w.num(9, "decode_tp_size", msg.attn_tp.size)
-    w.num(10, "decode_tp_rank", msg.attn_tp.rank)
-    w.num(11, "dst_kv_item_len", msg.kv_item_len)
-    write_kv_buffers(w, _KV, msg)
-    write_state_buffers(w, _STATE, msg.state_buffers)
-    write_staging(w, msg, _STAGING_BASE, None)
+    write_slots(w, msg, _REG_SLOTS)
+    _entries.write_kv_buffers(w, _KV, msg)
+    _entries.write_state_buffers(w, _STATE, msg.state_buffers)
+    _entries.write_staging(w, msg, _STAGING_BASE, None)
     w.opt_num(_NUM_SLOTS, "dst_num_slots", msg.num_slots if msg.HasField("num_slots") else None)
-    write_dcp(w, msg, _DCP_SIZE, _DCP_RANK)
+    _entries.write_dcp(w, msg, _DCP_SIZE, _DCP_RANK)
     return w.done()
 
 
 _TI = f"{BACKEND} TransferInfo"
 _PREFIX, _DUMMY_FLAG = 8, 9
+_TI_SLOTS = (
+    Slot(0, "room", "room"),
+    *NOTIFY,
+    Slot(3, "agent_name", "peer_name", "S"),
+    Slot(4, "dst_kv_indices", "dst_kv_pages", "i*"),
+    Slot(5, "dst_aux_index", "dst_aux_index", lo=I32_MIN, hi=I32_MAX),
+    Slot(6, "required_dst_info_num", "required_dst_info_num", hi=U32_MAX),
+)
 
 
 def _inferred_dummy(msg: TransferInfo) -> bool:
@@ -132,11 +118,8 @@ def _inferred_dummy(msg: TransferInfo) -> bool:
 def parse_transfer_info(frames: list[bytes]) -> ParseResult[TransferInfo]:
     """Parse M2 (guard, then ``TransferInfo.from_zmq``, nixl/conn.py:284-338)."""
     r = FrameReader.open(frames, _TI, full=TRANSFER_INFO_FRAMES, minimum=7, guarded=True)
-    msg = TransferInfo(room=r.num(0, "room"), peer_name=r.text(3, "agent_name"),
-                       dst_aux_index=r.num(5, "dst_aux_index", lo=I32_MIN, hi=I32_MAX),
-                       required_dst_info_num=r.num(6, "required_dst_info_num", hi=U32_MAX))
-    msg.notify_endpoint.CopyFrom(_common.read_endpoint(r, 1, 2, "endpoint", "dst_port"))
-    msg.dst_kv_pages.extend(r.array(4, "dst_kv_indices", "i"))
+    msg = TransferInfo()
+    read_slots(r, msg, _TI_SLOTS)
     msg.dst_state_indices.extend(
         StateIndices(indices=x) for x in r.lists(7, "dst_state_indices", "i"))
     prefix = r.opt_num(_PREFIX, "decode_prefix_len", record=True)
@@ -150,10 +133,10 @@ def parse_transfer_info(frames: list[bytes]) -> ParseResult[TransferInfo]:
             Reason.LEGACY_BAD_VALUE, f'expected b"0" or b"1", found {flag!r}'))
     else:
         if flag == b"":
-            r.record_empty(_DUMMY_FLAG)
+            r.empty.append(_DUMMY_FLAG)
         msg.is_dummy = _inferred_dummy(msg)
-        r.assume(f"is_dummy flag absent: inferred {msg.is_dummy} from empty kv indices and "
-                 "decode_prefix_len")
+        r.assumed.append(f"is_dummy flag absent: inferred {msg.is_dummy} from empty kv indices and "
+                         "decode_prefix_len")
     return r.result(msg, msg.legacy)
 
 
@@ -166,12 +149,7 @@ def build_transfer_info(message: TransferInfo) -> list[bytes]:
     if not msg.HasField("dst_aux_index"):
         raise w.unrepresentable(5, "dst_aux_index",
                                 "NIXL always sends an aux index, also for dummies")
-    w.num(0, "room", msg.room)
-    _common.write_endpoint(w, msg.notify_endpoint, 1, 2, "endpoint", "dst_port")
-    w.text(3, "agent_name", msg.peer_name)
-    w.array(4, "dst_kv_indices", msg.dst_kv_pages, "i")
-    w.num(5, "dst_aux_index", msg.dst_aux_index)
-    w.num(6, "required_dst_info_num", msg.required_dst_info_num)
+    write_slots(w, msg, _TI_SLOTS)
     w.lists(7, "dst_state_indices", [list(x.indices) for x in msg.dst_state_indices], "i")
     if msg.HasField("decode_prefix_len"):
         w.num(_PREFIX, "decode_prefix_len", msg.decode_prefix_len)
@@ -187,90 +165,19 @@ def build_transfer_info(message: TransferInfo) -> list[bytes]:
     return w.done()
 
 
-_STATUS = f"{BACKEND} status"
+STATUS = Layout(TransferStatus, "status", _common.KV_STATUS, (
+    Slot(1, "room", "room"),
+    Slot(2, "status", "state", "KVPoll"),
+    Slot(3, "prefill_rank", "prefill_rank", hi=U32_MAX),
+    Slot(4, "reason", "failure_reason", "U8"),
+), counts=(4, 5), notes=((4, "no reason frame: a failed room gets SGLang's default failure reason"),))
+"""M3 ``[KV_STATUS, room, status, prefill_rank, reason]`` (common/conn.py:739-808)."""
 
-
-def parse_status(frames: list[bytes]) -> ParseResult[TransferStatus]:
-    """Parse M3 ``[KV_STATUS, room, status, prefill_rank, reason]`` (common/conn.py:739-808)."""
-    r = FrameReader.open(frames, _STATUS, full=5, minimum=4)
-    r.expect(0, "tag", _common.KV_STATUS)
-    msg = TransferStatus(room=r.num(1, "room"), state=_common.read_state(r, 2),
-                         prefill_rank=r.num(3, "prefill_rank", hi=U32_MAX))
-    if r.has(4):
-        msg.failure_reason = r.text(4, "reason", "utf-8")
-    return r.result(msg, msg.legacy)
-
-
-def build_status(message: TransferStatus) -> list[bytes]:
-    """Build M3 frames (``_encode_kv_status_message`` with the NIXL class flags)."""
-    w = FrameWriter(_STATUS, full=5, minimum=4,
-                    framing=message.legacy if message.HasField("legacy") else None)
-    w.raw(0, "tag", _common.KV_STATUS)
-    w.num(1, "room", message.room)
-    _common.write_state(w, 2, message.state)
-    w.num(3, "prefill_rank", message.prefill_rank)
-    w.text(4, "reason", message.failure_reason, "utf-8", default=not message.failure_reason)
-    return w.done()
-
-
-def parse_abort(frames: list[bytes]) -> ParseResult[AbortNotification]:
-    """Parse M4 ``ABORT`` (2, 4 or 5 frames, no guard)."""
-    return _common.parse_abort(frames, BACKEND)
-
-
-def build_abort(message: AbortNotification) -> list[bytes]:
-    """Build M4 ``ABORT``."""
-    return _common.build_abort(message, BACKEND)
-
-
-_ACK_COUNTS = (3, 4)  # NIXL never sends the 2-frame legacy ack (nixl/conn.py:3340-3346)
-
-
-def parse_abort_ack(frames: list[bytes]) -> ParseResult[AbortAck]:
-    """Parse M5 ``ABORT_ACK`` (3 or 4 frames)."""
-    return _common.parse_abort_ack(frames, BACKEND, _ACK_COUNTS)
-
-
-def build_abort_ack(message: AbortAck) -> list[bytes]:
-    """Build M5 ``ABORT_ACK``; prefill_rank is required on NIXL."""
-    return _common.build_abort_ack(message, BACKEND, _ACK_COUNTS)
-
-
-def parse_staging_req(frames: list[bytes]) -> ParseResult[StagingRequest]:
-    """Parse M7 ``STAGING_REQ``."""
-    return _common.parse_staging_req(frames, BACKEND)
-
-
-def build_staging_req(message: StagingRequest) -> list[bytes]:
-    """Build M7 ``STAGING_REQ`` (NIXL senders leave requester_pp_rank unset)."""
-    return _common.build_staging_req(message, BACKEND)
-
-
-def parse_staging_rsp(frames: list[bytes]) -> ParseResult[StagingResponse]:
-    """Parse M8 ``STAGING_RSP``."""
-    return _common.parse_staging_rsp(frames, BACKEND)
-
-
-def build_staging_rsp(message: StagingResponse) -> list[bytes]:
-    """Build M8 ``STAGING_RSP``."""
-    return _common.build_staging_rsp(message, BACKEND)
-
-
-def parse_watermark(frames: list[bytes]) -> ParseResult[StagingWatermark]:
-    """Parse M9 ``WATERMARK``."""
-    return _common.parse_watermark(frames, BACKEND)
-
-
-def build_watermark(message: StagingWatermark) -> list[bytes]:
-    """Build M9 ``WATERMARK``."""
-    return _common.build_watermark(message, BACKEND)
-
-
-def parse_chunk_ready(frames: list[bytes]) -> ParseResult[ChunkReady]:
-    """Parse M10 ``CHUNK_READY``."""
-    return _common.parse_chunk_ready(frames, BACKEND)
-
-
-def build_chunk_ready(message: ChunkReady) -> list[bytes]:
-    """Build M10 ``CHUNK_READY``."""
-    return _common.build_chunk_ready(message, BACKEND)
+parse_status, build_status = codec(STATUS, BACKEND, __name__)
+parse_abort, build_abort = codec(_common.ABORT, BACKEND, __name__)
+# NIXL never sends the 2-frame legacy ack (nixl/conn.py:3340-3346).
+parse_abort_ack, build_abort_ack = codec(replace(_common.ABORT_ACK, counts=(3, 4)), BACKEND, __name__)
+parse_staging_req, build_staging_req = codec(_common.STAGING_REQ, BACKEND, __name__)
+parse_staging_rsp, build_staging_rsp = codec(_common.STAGING_RSP, BACKEND, __name__)
+parse_watermark, build_watermark = codec(_common.WATERMARK, BACKEND, __name__)
+parse_chunk_ready, build_chunk_ready = codec(_common.CHUNK_READY, BACKEND, __name__)
