@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproto import v1
-from pdproto.dcp import DcpLayout, RelayoutPlan, draft_token_rows, plan_relayout, token_rows
+from pdproto.dcp import DcpLayout, RelayoutPlan, plan_relayout, runs, token_rows
 
 from ._per_token import reference
 
@@ -108,7 +108,8 @@ def test_descriptors_and_segments_match_expanded_rows(lay, data):
         for packed in (False, True):
             expected = count_descriptors(src, dst, packed)
             assert plan.num_descriptors(packed, draft=draft) == expected
-            seg = plan.contiguous_segments(packed, draft=draft)
+            rr = plan.draft_runs if draft else plan.target_runs
+            seg = runs.segments(runs.pack_source(rr) if packed else rr)
             assert seg.shape == (expected, 3)
             rows = np.arange(seg[:, 2].sum()) - np.repeat(np.cumsum(seg[:, 2]) - seg[:, 2], seg[:, 2])
             seg_src = np.repeat(seg[:, 0], seg[:, 2]) + rows
@@ -164,7 +165,7 @@ def test_dense_to_dcp_matches_sglang_formula(P, D, data):
     src, dst = token_rows(src_pages, dst_pages, **kw)
     np.testing.assert_array_equal(src, t_src)
     np.testing.assert_array_equal(dst, t_dst)
-    dsrc, ddst = draft_token_rows(src_pages, dst_pages, **kw)
+    dsrc, ddst = plan_relayout(src_pages, dst_pages, **kw, include_draft=True).expand_draft()
     np.testing.assert_array_equal(dsrc, d_src)
     np.testing.assert_array_equal(ddst, d_dst)
     np.testing.assert_array_equal(plan_relayout(src_pages, dst_pages, **kw).expand()[0], t_src)
@@ -216,7 +217,7 @@ def test_inventory_worked_example_and_descriptor_counts():
 def test_empty_chunk_gives_empty_plan():
     plan = plan_relayout([], [], page_size=64, dcp_size=4, dcp_rank=3, include_draft=True)
     assert plan.num_rows == plan.num_draft_rows == 0 and plan.num_descriptors(True) == 0
-    assert plan.target_runs.shape == (0, 5) and plan.contiguous_segments(False).shape == (0, 3)
+    assert plan.target_runs.shape == (0, 5) and runs.segments(plan.target_runs).shape == (0, 3)
     assert "0 runs/0 rows" in repr(plan)
     src, dst = token_rows([1, 2], [], page_size=64, dcp_size=4, dcp_rank=3, num_kv_tokens=0)
     assert src.size == dst.size == 0 and src.dtype == np.int64

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproto import v1
-from pdproto.dcp import RelayoutPlan, draft_token_rows, plan_relayout, token_rows
+from pdproto.dcp import RelayoutPlan, plan_relayout, token_rows
 from pdproto.errors import PlanError, Reason
 
 OK = dict(page_size=4, dcp_size=2, dcp_rank=0)
@@ -55,8 +55,8 @@ def test_not_enough_dst_pages():
     # A chunk offset moves the destination further out.
     raises(Reason.PLAN_NOT_ENOUGH_DST_PAGES, token_rows, [0], [7], **OK, src_page_offset=2)
     # Draft pages hold P*D rows: the draft may need pages the target does not.
-    raises(Reason.PLAN_NOT_ENOUGH_DST_PAGES, draft_token_rows, [0, 1, 2], [7], page_size=4, dcp_size=2,
-           dcp_rank=1, num_kv_tokens=9)
+    raises(Reason.PLAN_NOT_ENOUGH_DST_PAGES, plan_relayout, [0, 1, 2], [7], page_size=4, dcp_size=2,
+           dcp_rank=1, num_kv_tokens=9, include_draft=True)
 
 
 def test_tokens_beyond_source():

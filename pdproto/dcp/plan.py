@@ -24,8 +24,8 @@ destination rank receives every chunk token; a source rank sends the draft rows 
 tokens it owns, so across source ranks each draft row is sent once per destination rank.
 
 SGLang 0.5.23 (``build_dcp_token_transfer_plan``, dense -> DCP only, page sizes equal)
-is the special case ``Ps = Pd = P, Ns = 1``; ``token_rows`` / ``draft_token_rows``
-return its index arrays exactly (plus typed errors where it raises IndexError or
+is the special case ``Ps = Pd = P, Ns = 1``; ``token_rows`` (and ``expand_draft`` of a plan
+with ``include_draft``) return its index arrays exactly (plus typed errors where it raises IndexError or
 silently wraps ranks).
 """
 
@@ -109,25 +109,14 @@ class RelayoutPlan:
         return _runs.expand(self.target_runs)
 
     def expand_draft(self) -> tuple[I64, I64]:
-        """Draft (src_rows, dst_rows) per token, in token order; equals ``draft_token_rows``."""
+        """Draft (src_rows, dst_rows) per token, in token order (dst pages hold P*D rows), as SGLang computes them."""
         return _runs.expand(self.draft_runs)
-
-    def _runs_for(self, packed: bool, draft: bool) -> I64:
-        runs = self.draft_runs if draft else self.target_runs
-        # Packing gathers the source rows, in token order, into positions 0..n-1.
-        return _runs.pack_source(runs) if packed else runs
 
     def num_descriptors(self, packed: bool, *, draft: bool = False) -> int:
         """Transfer descriptors per layer: maximal runs contiguous on both sides (packed: on the destination)."""
-        return _runs.count_segments(self._runs_for(packed, draft))
-
-    def contiguous_segments(self, packed: bool, *, draft: bool = False) -> I64:
-        """(S, 3) int64 of (src_row, dst_row, nrows), one per descriptor, in token order.
-
-        With ``packed`` the src_row is the row's position in the packed buffer (rows
-        gathered in ``expand()`` order from 0; for ``draft`` relative to the draft region).
-        """
-        return _runs.segments(self._runs_for(packed, draft))
+        runs = self.draft_runs if draft else self.target_runs
+        # Packing gathers the source rows, in token order, into positions 0..n-1.
+        return _runs.count_segments(_runs.pack_source(runs) if packed else runs)
 
     def to_proto(self) -> v1.RelayoutPlan:
         """This plan as a ``pdproto.v1.RelayoutPlan`` message."""
@@ -372,22 +361,3 @@ def token_rows(
         src_pages, dst_pages, page_size=page_size, dcp_size=dcp_size, dcp_rank=dcp_rank,
         src_page_offset=src_page_offset, decode_prefix_len=decode_prefix_len, num_kv_tokens=num_kv_tokens,
     ).expand()
-
-
-def draft_token_rows(
-    src_pages: PageList,
-    dst_pages: PageList,
-    *,
-    page_size: int,
-    dcp_size: int,
-    dcp_rank: int,
-    src_page_offset: int = 0,
-    decode_prefix_len: int = 0,
-    num_kv_tokens: int | None = None,
-) -> tuple[I64, I64]:
-    """Dense -> DCP draft (src_rows, dst_rows) for the unsharded draft pool (dst pages hold P*D rows)."""
-    return plan_relayout(
-        src_pages, dst_pages, page_size=page_size, dcp_size=dcp_size, dcp_rank=dcp_rank,
-        src_page_offset=src_page_offset, decode_prefix_len=decode_prefix_len, num_kv_tokens=num_kv_tokens,
-        include_draft=True,
-    ).expand_draft()
