@@ -5,39 +5,9 @@ the prefill (``negotiate``) and the decode (``check_pair``) compute the same ans
 from the same pair. SGLang 0.5.23 ran two different rule sets on two threads and
 raised in a listener that served every peer; here an unsupported pair is a value.
 
-Rules, checked in this order (the first failing rule is the one reported):
-
-1. protocol major versions equal (and spoken by this package) ..... UNSUPPORTED_VERSION
-2. the decode's transport is a backend the prefill serves ........ TOPOLOGY_BACKEND_UNSUPPORTED
-3. model ids equal when both are set ............................ TOPOLOGY_MODEL_MISMATCH
-4. every rank inside its group (DCP, PP; prefill attention TP/CP)  TOPOLOGY_RANK_OUT_OF_RANGE
-5. attention kinds equal when both are set ...................... TOPOLOGY_ATTENTION_KIND_MISMATCH
-6. KV dtypes equal when both are set ............................ TOPOLOGY_KV_DTYPE_MISMATCH
-7. DCP > 1 on either side needs MLA or hybrid MLA on both (an unset
-   decode kind, as from SGLang frames, is judged by the prefill's) TOPOLOGY_DCP_REQUIRES_MLA
-8. no prefill KV cache sharding with DCP on either side .......... TOPOLOGY_KV_SHARDING_WITH_DCP
-9. no prefill attention CP > 1 with DCP on either side ........... TOPOLOGY_PREFILL_CP_UNSUPPORTED
-10. decode PP equals prefill PP or is 1 ......................... TOPOLOGY_PP_MISMATCH
-11. layout: equal DCP sizes need equal ranks (SAME_LAYOUT); other
-    sizes need ranks that share tokens (s = d mod gcd) .......... TOPOLOGY_DCP_RANK_MISMATCH
-12. SAME_LAYOUT needs equal page sizes (relayout does not, nor a
-    decode announcing ``PAGE_RELAYOUT``) ........................ TOPOLOGY_PAGE_SIZE_MISMATCH
-13. entries resolve by layer id or position (pdproto.dcp.layers;
-    a decode stage of an equal PP size > 1 that sends no ids pairs
-    a plain prefill stage's entries by position) ............... LAYER_METADATA_ONE_SIDED,
-    LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
-14. per-entry bytes per token equal, with no remainder (MHA with
-    different attention TP sizes, or prefill rows of every head:
-    bytes per head, rule 16) .................................... TOPOLOGY_ROW_SIZE_MISMATCH
-15. relayout destinations all in one memory kind ................ TOPOLOGY_MEMORY_KIND_MIXED
-16. TP mapping (``pdproto.negotiation.tpmap``): TP sizes divide one another,
-    this prefill rank feeds the decode rank, aux and state entries
-    match and split consistently, MHA heads split evenly ......... TOPOLOGY_TP_NOT_DIVISIBLE,
-    NOT_A_SENDER, AUX_*, STATE_*, LAYER_* (state tensors), KV_HEADS_MISMATCH
-
-Bytes per token of an entry = item_len / rows per page, where a target entry's page
-holds ``page_size`` rows and a draft entry's page holds ``page_size * dcp_size`` rows
-(the draft pool is never DCP-sharded, so it uses virtual pages).
+The rules, their order (the first failing rule is the one reported) and their reasons are
+the numbered table of ``docs/protocol.md`` section 1; ``_decide`` applies them in that order,
+and the rule numbers in comments here are that table's.
 
 Malformed input raises ``InvalidFieldError`` (reason INVALID_FIELD, ``field`` names the
 path) instead of returning a rejection: a page size of 0, an entry list that is empty,
@@ -302,7 +272,7 @@ def _token_bytes(item_len: int, page_size: int, dcp_size: int, role: EntryRole,
 
 def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
             backends: Collection[int] | None) -> Decision:
-    """Apply the rules in the module docstring; raise ``TopologyError`` on the first failure."""
+    """Apply the rules of docs/protocol.md section 1 in order; raise ``TopologyError`` on the first failure."""
     version = _version(info, reg)
 
     backend = backend_of(reg)
@@ -432,7 +402,7 @@ def _with_legacy_defaults(info: v1.PrefillServerInfo,
 
 def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
               backends: Collection[int] | None = None) -> Decision | Rejection:
-    """Decide how the prefill serves this decode peer (rules in the module docstring).
+    """Decide how the prefill serves this decode peer (rules: docs/protocol.md section 1).
 
     ``backends`` overrides ``info.backends`` as the set of ``Backend`` values served.
     Returns a ``Rejection`` for a well-formed pair that cannot be served; raises
