@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.dcp import runs as run_arith
 from pdproto.errors import PlanError, Reason
 
 I64 = npt.NDArray[np.int64]
@@ -87,13 +86,3 @@ def pages(name: str, value: PageList, rows_per_page: int) -> I64:
                         metadata={"argument": name, "index": bad, "value": high,
                                   "rows_per_page": rows_per_page})
     return out
-
-
-def runs(name: str, arr: I64) -> I64:
-    """Run rows from outside (a message): starts >= 0, strides >= 1, counts >= 1 (PLAN_BAD_OFFSET)."""
-    bad = run_arith.bad_run(arr)
-    if bad is not None:
-        row = arr[bad].tolist()
-        raise PlanError(f"{name}[{bad}]={row} has a negative start or a stride/count below 1",
-                        reason=Reason.PLAN_BAD_OFFSET, metadata={"argument": name, "index": bad, "run": row})
-    return arr

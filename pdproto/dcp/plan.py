@@ -33,11 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
-import numpy as np
-
-from pdproto import v1
 from pdproto.dcp import _checks
 from pdproto.dcp import runs as _runs
 from pdproto.dcp._checks import I64, PageList
@@ -51,7 +47,7 @@ def _readonly(runs: I64) -> I64:
     return runs
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)  # run arrays: no value equality
 class RelayoutPlan:
     """An exact row plan for one chunk, one source rank and one destination rank, as runs."""
 
@@ -71,21 +67,6 @@ class RelayoutPlan:
     """Decode prefix length in global tokens."""
     include_draft: bool = False
     """Whether draft runs were planned."""
-
-    def __eq__(self, other: object) -> bool:
-        """Equal when every field is equal, comparing run arrays by value."""
-        if not isinstance(other, RelayoutPlan):
-            return NotImplemented
-        return (
-            np.array_equal(self.target_runs, other.target_runs)
-            and np.array_equal(self.draft_runs, other.draft_runs)
-            and (self.num_tokens, self.src, self.dst, self.src_page_offset,
-                 self.decode_prefix_len, self.include_draft)
-            == (other.num_tokens, other.src, other.dst, other.src_page_offset,
-                other.decode_prefix_len, other.include_draft)
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # holds arrays; equality is by value
 
     def __repr__(self) -> str:
         """A one-line summary (run arrays can hold thousands of rows, too many for a log line)."""
@@ -117,46 +98,6 @@ class RelayoutPlan:
         runs = self.draft_runs if draft else self.target_runs
         # Packing gathers the source rows, in token order, into positions 0..n-1.
         return _runs.count_segments(_runs.pack_source(runs) if packed else runs)
-
-    def to_proto(self) -> v1.RelayoutPlan:
-        """This plan as a ``pdproto.v1.RelayoutPlan`` message."""
-        msg = v1.RelayoutPlan(
-            num_tokens=self.num_tokens,
-            src_page_size=self.src.page_size,
-            dst_page_size=self.dst.page_size,
-            src_dcp=self.src.group(),
-            dst_dcp=self.dst.group(),
-            src_page_offset=self.src_page_offset,
-            decode_prefix_len=self.decode_prefix_len,
-            include_draft=self.include_draft,
-        )
-        for runs, field in ((self.target_runs, msg.target_runs), (self.draft_runs, msg.draft_runs)):
-            add = field.add
-            for a, b, c, d, e in runs.tolist():
-                add(src_start=a, src_stride=b, dst_start=c, dst_stride=d, count=e)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: v1.RelayoutPlan) -> RelayoutPlan:
-        """Rebuild a plan from its message (an unset DCP group reads as dense); bad fields raise PlanError."""
-
-        def runs(name: str, items: Any) -> I64:
-            arr = np.array([(r.src_start, r.src_stride, r.dst_start, r.dst_stride, r.count) for r in items],
-                           dtype=np.int64).reshape(-1, 5)
-            return _readonly(_checks.runs(name, arr))
-
-        src = _checked("src", DcpLayout.from_proto(msg.src_page_size, msg.src_dcp))
-        dst = _checked("dst", DcpLayout.from_proto(msg.dst_page_size, msg.dst_dcp))
-        return cls(
-            target_runs=runs("target_runs", msg.target_runs),
-            draft_runs=runs("draft_runs", msg.draft_runs),
-            num_tokens=_checks.offset("num_tokens", msg.num_tokens),
-            src=src,
-            dst=dst,
-            src_page_offset=_checks.offset("src_page_offset", msg.src_page_offset),
-            decode_prefix_len=_checks.offset("decode_prefix_len", msg.decode_prefix_len),
-            include_draft=msg.include_draft,
-        )
 
 
 def _crt_first(src: DcpLayout, dst: DcpLayout, start: int) -> tuple[int, int] | None:
