@@ -141,14 +141,6 @@ class StatePairing:
             kind=self.kind,  # type: ignore[arg-type]
             tensors=[t.to_proto() for t in self.tensors])
 
-    @classmethod
-    def from_proto(cls, msg: server_info_pb2.StatePairing) -> StatePairing:
-        """Read a ``StatePairing``."""
-        return cls(msg.src_entry, msg.dst_entry, msg.kind, tuple(
-            StateTensorPairing(t.src_tensor, t.dst_tensor, t.src_item_len, t.dst_item_len,
-                               tuple(Segment.from_proto(s) for s in t.segments))
-            for t in msg.tensors))
-
 
 def _parallel(values: Sequence[int], n: int, field: str) -> None:
     """A list parallel to ``n`` entries must be empty or have ``n`` values."""

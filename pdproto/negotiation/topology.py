@@ -1,8 +1,8 @@
 """Topology negotiation: (PrefillServerInfo, KvRegistration) -> Decision or Rejection.
 
 One pure function decides, per decode peer, how the prefill lays rows out for it, so
-the prefill (``negotiate``) and the decode (``check_pair``) compute the same answer
-from the same pair. SGLang 0.5.23 ran two different rule sets on two threads and
+the prefill and a decode (or ``pdproto check``) that runs ``negotiate`` compute the same
+answer from the same pair. SGLang 0.5.23 ran two different rule sets on two threads and
 raised in a listener that served every peer; here an unsupported pair is a value.
 
 The rules, their order (the first failing rule is the one reported) and their reasons are
@@ -94,9 +94,8 @@ class Decision:
     """``pdproto.v1.Backend`` value that moves the bytes."""
     version: tuple[int, int]
     """Agreed (major, minor): the common major and the smaller minor."""
-    tp: TpPlan | None = None
-    """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices;
-    None only when read from a prefill that predates protocol 1.1."""
+    tp: TpPlan
+    """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices."""
 
     def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
         """The ``NegotiationResult`` message for this peer."""
@@ -111,8 +110,7 @@ class Decision:
             src_page_size=self.src.page_size,
             dst_page_size=self.dst.page_size,
         )
-        if self.tp is not None:
-            self.tp.fill(result)
+        self.tp.fill(result)
         return result
 
 
@@ -416,56 +414,13 @@ def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
         return Rejection(exc.reason, exc.message, exc.metadata)
 
 
-def from_result(result: v1.NegotiationResult) -> Decision | Rejection:
-    """Read a ``NegotiationResult`` back into a ``Decision`` or ``Rejection`` (decode side).
-
-    A rejection reason this package does not know (a newer peer) reads as INTERNAL, with
-    the original string kept in ``metadata["reason"]``; an accepted result without a
-    known mode raises ``InvalidFieldError``.
-    """
-    if result.HasField("rejection"):
-        rej = result.rejection
-        meta = dict(rej.metadata)
-        reason = Reason.__members__.get(rej.reason)
-        if reason is None:
-            reason, meta["reason"] = Reason.INTERNAL, rej.reason
-        return Rejection(reason, rej.message, meta)
-    if result.mode not in {m.value for m in Mode}:
-        raise InvalidFieldError("result.mode", f"accepted result has no known mode ({result.mode})")
-    return Decision(
-        mode=Mode(result.mode),
-        pairings=tuple(Pairing(p.src_entry, p.dst_entry, p.src_token_bytes, p.dst_token_bytes,
-                               EntryRole.from_proto(p.role)) for p in result.entries),
-        src=DcpLayout.from_proto(result.src_page_size, result.src_dcp),
-        dst=DcpLayout.from_proto(result.dst_page_size, result.dst_dcp),
-        backend=result.backend,
-        version=(result.version.major, result.version.minor),
-        tp=TpPlan.from_result(result),
-    )
-
-
-def check_pair(registration: v1.KvRegistration, info: v1.PrefillServerInfo, *,
-               backends: Collection[int] | None = None) -> Decision:
-    """Decode-side check of a prefill before registering: the Decision, or raise.
-
-    Raises ``TopologyError`` carrying the rejection's reason and metadata, and
-    ``InvalidFieldError`` for malformed input; the verdict is ``negotiate``'s.
-    """
-    result = negotiate(info, registration, backends=backends)
-    if isinstance(result, Rejection):
-        raise result.to_error()
-    return result
-
-
 __all__ = [
     "Decision",
     "Mode",
     "Pairing",
     "Rejection",
     "backend_of",
-    "check_pair",
     "example_registration",
     "example_server_info",
-    "from_result",
     "negotiate",
 ]
