@@ -29,7 +29,7 @@ from .base import (
     encode_notification,
 )
 from .engines._paths import INLINE_BYTES
-from .memory import CredentialSlot, aligned_dram, allocate, at_address, external
+from .memory import CredentialSlot, allocate, at_address
 
 
 def create_executor(backend: str, *, name: str | None = None, **options: Any) -> TransferExecutor:
@@ -72,11 +72,9 @@ __all__ = [
     "TransferJob",
     "TransferResult",
     "TransferStats",
-    "aligned_dram",
     "allocate",
     "at_address",
     "create_executor",
     "decode_notification",
     "encode_notification",
-    "external",
 ]
