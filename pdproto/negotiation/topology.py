@@ -30,7 +30,7 @@ from pdproto.negotiation._topology_examples import example_registration, example
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
-from pdproto.negotiation.extras import MLA_ATTENTION_KINDS, every_head
+from pdproto.negotiation.extras import MLA_ATTENTION_KINDS, enum_name, every_head
 from pdproto.negotiation.tpmap import TpPlan, plan_tp
 
 
@@ -160,14 +160,6 @@ def _reject(reason: Reason, message: str, **metadata: object) -> PdprotoError:
     return error_for(reason, message, metadata)
 
 
-def _enum_name(enum_type: object, value: int) -> str:
-    """Name of a proto enum value, or the number when unknown (newer peer)."""
-    try:
-        return str(enum_type.Name(value))  # type: ignore[attr-defined]
-    except ValueError:
-        return str(value)
-
-
 def _validate(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> None:
     """Raise ``InvalidFieldError`` for input that cannot be interpreted at all."""
     if info.page_size == 0:
@@ -281,9 +273,9 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
             Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
             "decode registration names no transport (mooncake, nixl or local)"
             if backend == v1.BACKEND_UNSPECIFIED else
-            f"decode backend {_enum_name(v1.Backend, backend)} is not served by this prefill",
-            decodeBackend=_enum_name(v1.Backend, backend),
-            servedBackends=",".join(_enum_name(v1.Backend, b) for b in served),
+            f"decode backend {enum_name(v1.Backend, backend)} is not served by this prefill",
+            decodeBackend=enum_name(v1.Backend, backend),
+            servedBackends=",".join(enum_name(v1.Backend, b) for b in served),
         )
 
     if info.model_id and reg.model_id and info.model_id != reg.model_id:
@@ -302,10 +294,10 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
     pk, dk = info.attention_kind, reg.attention_kind
     if pk and dk and pk != dk:
         raise _reject(Reason.TOPOLOGY_ATTENTION_KIND_MISMATCH,
-                      f"prefill KV pool is {_enum_name(v1.AttentionKind, pk)},"
-                      f" decode is {_enum_name(v1.AttentionKind, dk)}",
-                      prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
-                      decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
+                      f"prefill KV pool is {enum_name(v1.AttentionKind, pk)},"
+                      f" decode is {enum_name(v1.AttentionKind, dk)}",
+                      prefillAttentionKind=enum_name(v1.AttentionKind, pk),
+                      decodeAttentionKind=enum_name(v1.AttentionKind, dk))
 
     if info.kv_cache_dtype and reg.kv_cache_dtype and info.kv_cache_dtype != reg.kv_cache_dtype:
         raise _reject(Reason.TOPOLOGY_KV_DTYPE_MISMATCH,
@@ -320,8 +312,8 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
         raise _reject(Reason.TOPOLOGY_DCP_REQUIRES_MLA,
                       "DCP needs an MLA or hybrid-MLA KV pool on both sides",
                       prefillDcpSize=src.dcp_size, decodeDcpSize=dst.dcp_size,
-                      prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
-                      decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
+                      prefillAttentionKind=enum_name(v1.AttentionKind, pk),
+                      decodeAttentionKind=enum_name(v1.AttentionKind, dk))
     if dcp_used and info.enable_kv_cache_sharding:
         raise _reject(Reason.TOPOLOGY_KV_SHARDING_WITH_DCP,
                       "prefill KV cache sharding cannot be combined with DCP",
@@ -375,7 +367,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
             raise _reject(Reason.TOPOLOGY_MEMORY_KIND_MIXED,
                           "relayout destinations must all live in one memory kind",
                           decodeMemoryKinds=",".join(
-                              sorted(_enum_name(v1.MemoryKind, k) for k in kinds)))
+                              sorted(enum_name(v1.MemoryKind, k) for k in kinds)))
 
     tp = plan_tp(info, reg, kv_rows=[(p.src_token_bytes, p.dst_token_bytes) for p in pairings])
     return Decision(mode=mode, pairings=tuple(pairings), src=src, dst=dst,
