@@ -259,23 +259,16 @@ def plan_relayout(
 ) -> RelayoutPlan:
     """``plan_chunk`` with the layouts spelled as keywords (the documented API; defaults: dense -> DCP).
 
+    The other arguments, and the PlanError raised, are ``plan_chunk``'s.
+
     Args:
-        src_pages: the source rank's pages of this chunk.
-        dst_pages: the destination rank's full page list after the prefix.
         page_size: page size in tokens of both sides unless overridden below.
         dcp_size: destination DCP group size.
         dcp_rank: destination DCP rank.
-        src_page_offset: chunk start in source pages after the prefix.
-        decode_prefix_len: prefix length in global tokens; a multiple of both virtual pages.
-        num_kv_tokens: global tokens in the chunk; default ``len(src_pages) * Ps * Ns``.
         src_page_size: source page size (default ``page_size``).
         src_dcp_size: source DCP group size (default 1: dense).
         src_dcp_rank: source DCP rank.
         dst_page_size: destination page size (default ``page_size``).
-        include_draft: also plan the unsharded draft pool.
-
-    Raises:
-        PlanError: with a PLAN_* reason and the offending values in ``metadata``.
     """
     base = _checks.size("page_size", page_size)
     return plan_chunk(
