@@ -4,7 +4,7 @@ The baseline is written here from the wire inventory's description (sections 4.4
 4.5): per-token numpy index arrays for the target and draft entries, then
 ``group_concurrent_contiguous`` splitting the target rows into Python lists of runs,
 each run one descriptor per layer. Ours produces the same descriptor list
-(``contiguous_segments(packed=False)``), and the bench checks the two agree before it
+(``pdproto.dcp.runs.segments`` of its target runs), and the bench checks the two agree before it
 reports a ratio. Times are medians of several repeats, measured with perf_counter.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdproto.dcp import DcpLayout, plan_chunk
+from pdproto.dcp.runs import segments as run_segments
 
 I64 = npt.NDArray[np.int64]
 PAGE = 64
@@ -88,7 +89,7 @@ def bench_one(tokens: int, dcp: int, rng: np.random.Generator) -> dict[str, floa
 
     def ours() -> I64:
         plan = plan_chunk(src, dst, src_pages, dst_pages, num_kv_tokens=tokens, include_draft=True)
-        return plan.contiguous_segments(packed=False)
+        return run_segments(plan.target_runs)
 
     def ours_plan_only() -> None:
         plan_chunk(src, dst, src_pages, dst_pages, num_kv_tokens=tokens, include_draft=True)
@@ -120,7 +121,7 @@ def main() -> int:
     rows = [bench_one(tokens, dcp, rng) for tokens in (8192, 32768, 131072) for dcp in (4, 8)]
     print(f"one decode rank (rank {RANK}), page {PAGE}, dense prefill -> DCP decode, target + draft planned;")
     print("baseline = SGLang 0.5.23 per-token plan + group_concurrent_contiguous (this file); "
-          "ours = plan_chunk + contiguous_segments(packed=False), same descriptors")
+          "ours = plan_chunk + runs.segments(target_runs), same descriptors")
     head = ["tokens", "DCP", "baseline ms", "ours ms", "ratio", "plan-only ms", "runs",
             "desc/layer unpacked", "desc/layer packed", "dst page runs"]
     widths = [8, 5, 13, 10, 8, 14, 7, 21, 19, 15]

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdproto import v1
-from pdproto.dcp import DcpLayout, RelayoutPlan, draft_token_rows, plan_relayout, token_rows
+from pdproto.dcp import DcpLayout, plan_relayout, runs, token_rows
 
 from ._per_token import reference
 
@@ -108,7 +107,8 @@ def test_descriptors_and_segments_match_expanded_rows(lay, data):
         for packed in (False, True):
             expected = count_descriptors(src, dst, packed)
             assert plan.num_descriptors(packed, draft=draft) == expected
-            seg = plan.contiguous_segments(packed, draft=draft)
+            rr = plan.draft_runs if draft else plan.target_runs
+            seg = runs.segments(runs.pack_source(rr) if packed else rr)
             assert seg.shape == (expected, 3)
             rows = np.arange(seg[:, 2].sum()) - np.repeat(np.cumsum(seg[:, 2]) - seg[:, 2], seg[:, 2])
             seg_src = np.repeat(seg[:, 0], seg[:, 2]) + rows
@@ -138,13 +138,10 @@ def test_every_source_token_sent_once_and_no_destination_row_twice(lay):
 
 
 @given(layouts(), st.data())
-def test_proto_round_trip(lay, data):
+def test_plan_carries_its_layouts_and_cannot_be_edited(lay, data):
     plan = plan_for(lay, data.draw(st.integers(0, lay["Ns"] - 1)), data.draw(st.integers(0, lay["Nd"] - 1)))
-    msg = v1.RelayoutPlan.FromString(plan.to_proto().SerializeToString())
-    back = RelayoutPlan.from_proto(msg)
-    assert back == plan
-    assert back.src == DcpLayout(lay["Ps"], lay["Ns"], plan.src.dcp_rank)
-    assert not back.target_runs.flags.writeable
+    assert plan.src == DcpLayout(lay["Ps"], lay["Ns"], plan.src.dcp_rank)
+    assert not plan.target_runs.flags.writeable and not plan.draft_runs.flags.writeable
 
 
 @given(
@@ -164,7 +161,7 @@ def test_dense_to_dcp_matches_sglang_formula(P, D, data):
     src, dst = token_rows(src_pages, dst_pages, **kw)
     np.testing.assert_array_equal(src, t_src)
     np.testing.assert_array_equal(dst, t_dst)
-    dsrc, ddst = draft_token_rows(src_pages, dst_pages, **kw)
+    dsrc, ddst = plan_relayout(src_pages, dst_pages, **kw, include_draft=True).expand_draft()
     np.testing.assert_array_equal(dsrc, d_src)
     np.testing.assert_array_equal(ddst, d_dst)
     np.testing.assert_array_equal(plan_relayout(src_pages, dst_pages, **kw).expand()[0], t_src)
@@ -216,7 +213,7 @@ def test_inventory_worked_example_and_descriptor_counts():
 def test_empty_chunk_gives_empty_plan():
     plan = plan_relayout([], [], page_size=64, dcp_size=4, dcp_rank=3, include_draft=True)
     assert plan.num_rows == plan.num_draft_rows == 0 and plan.num_descriptors(True) == 0
-    assert plan.target_runs.shape == (0, 5) and plan.contiguous_segments(False).shape == (0, 3)
+    assert plan.target_runs.shape == (0, 5) and runs.segments(plan.target_runs).shape == (0, 3)
     assert "0 runs/0 rows" in repr(plan)
     src, dst = token_rows([1, 2], [], page_size=64, dcp_size=4, dcp_rank=3, num_kv_tokens=0)
     assert src.size == dst.size == 0 and src.dtype == np.int64

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdproto import v1
-from pdproto.dcp import RelayoutPlan, draft_token_rows, plan_relayout, token_rows
+from pdproto.dcp import plan_relayout, token_rows
 from pdproto.errors import PlanError, Reason
 
 OK = dict(page_size=4, dcp_size=2, dcp_rank=0)
@@ -55,8 +54,8 @@ def test_not_enough_dst_pages():
     # A chunk offset moves the destination further out.
     raises(Reason.PLAN_NOT_ENOUGH_DST_PAGES, token_rows, [0], [7], **OK, src_page_offset=2)
     # Draft pages hold P*D rows: the draft may need pages the target does not.
-    raises(Reason.PLAN_NOT_ENOUGH_DST_PAGES, draft_token_rows, [0, 1, 2], [7], page_size=4, dcp_size=2,
-           dcp_rank=1, num_kv_tokens=9)
+    raises(Reason.PLAN_NOT_ENOUGH_DST_PAGES, plan_relayout, [0, 1, 2], [7], page_size=4, dcp_size=2,
+           dcp_rank=1, num_kv_tokens=9, include_draft=True)
 
 
 def test_tokens_beyond_source():
@@ -95,20 +94,6 @@ def test_bad_page_index(src, dst):
 def test_negative_page_names_index_and_value():
     err = raises(Reason.PLAN_BAD_PAGE_INDEX, token_rows, [3, 4, -7], [0, 1], **OK)
     assert err.metadata["index"] == "2" and err.metadata["value"] == "-7"
-
-
-def test_from_proto_rejects_bad_layout():
-    raises(Reason.PLAN_BAD_SIZE, RelayoutPlan.from_proto, v1.RelayoutPlan(src_page_size=0, dst_page_size=4))
-    raises(Reason.PLAN_RANK_OUT_OF_RANGE, RelayoutPlan.from_proto,
-           v1.RelayoutPlan(src_page_size=4, dst_page_size=4, dst_dcp=v1.ParallelGroup(size=2, rank=2)))
-    bad_run = v1.RelayoutRun(src_start=0, src_stride=1, dst_start=-4, dst_stride=1, count=2)
-    err = raises(Reason.PLAN_BAD_OFFSET, RelayoutPlan.from_proto,
-                 v1.RelayoutPlan(src_page_size=4, dst_page_size=4, target_runs=[bad_run]))
-    assert err.metadata["argument"] == "target_runs"
-    raises(Reason.PLAN_BAD_OFFSET, RelayoutPlan.from_proto,
-           v1.RelayoutPlan(src_page_size=4, dst_page_size=4, draft_runs=[v1.RelayoutRun(src_stride=1, dst_stride=1)]))
-    raises(Reason.PLAN_BAD_OFFSET, RelayoutPlan.from_proto, v1.RelayoutPlan(src_page_size=4, dst_page_size=4,
-                                                                            num_tokens=-1))
 
 
 small = st.integers(-3, 12)

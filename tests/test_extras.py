@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.extras import (
     AuxPairing,
-    StatePairing,
     kv_row_writes,
     match_state,
     pair_aux,
@@ -298,10 +297,13 @@ def test_fan_in_senders_each_write_part_of_every_tensor() -> None:
     assert len(conv) == 3 * 3  # one block per window row and q/k/v group
 
 
-def test_state_pairing_proto_round_trip() -> None:
+def test_state_pairing_message_carries_every_segment() -> None:
     matches = match_state(info(4), reg(2), src_tp=4, dst_tp=2)
     plan = state_writes(matches, src_tp=4, dst_tp=2, dst_rank=0, senders=[0, 1])[1][0]
-    assert StatePairing.from_proto(plan.to_proto()) == plan
+    msg = plan.to_proto()
+    assert (msg.src_entry, msg.dst_entry, msg.kind) == (plan.src_entry, plan.dst_entry, plan.kind)
+    sent = [[(s.src_offset, s.dst_offset, s.length) for s in t.segments] for t in msg.tensors]
+    assert sent == [[(s.src_offset, s.dst_offset, s.length) for s in t.segments] for t in plan.tensors]
 
 
 # --- MHA head slicing -----------------------------------------------------------------------

@@ -8,10 +8,17 @@ from pdproto import backends, v1
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, TopologyError
 from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, kv_entries, make_registration
-from pdproto.negotiation.topology import Rejection, check_pair, example_server_info, negotiate
+from pdproto.negotiation.topology import Decision, Rejection, example_server_info, negotiate
 from pdproto.transfer import create_executor
 
 MOONCAKE = v1.MooncakeEndpoint(session_id="10.0.0.7:17000")
+
+
+def _accepted(reg: v1.KvRegistration, info: v1.PrefillServerInfo) -> Decision:
+    """negotiate, asserting acceptance."""
+    result = negotiate(info, reg)
+    assert isinstance(result, Decision), result
+    return result
 
 
 def _layout(**kw: object) -> DecodeLayout:
@@ -45,7 +52,7 @@ def test_draft_entries_get_virtual_pages_and_negotiate() -> None:
     assert layout.item_lens() == (16 * 1152,) * 4 + (16 * 4 * 1152,)
     reg = make_registration(layout, MOONCAKE, _regions(layout))
     assert reg.kv_buffers[4].role == v1.KV_ENTRY_ROLE_DRAFT
-    d = check_pair(reg, example_server_info(num_layers=4, num_draft=1, layer_ids=True))
+    d = _accepted(reg, example_server_info(num_layers=4, num_draft=1, layer_ids=True))
     assert [(p.dst_entry, p.role, p.dst_token_bytes) for p in d.pairings][-1] == (4, EntryRole.DRAFT, 1152)
 
 
@@ -53,7 +60,7 @@ def test_without_layer_ids_entries_pair_by_position() -> None:
     layout = _layout(kv=kv_entries(4, 1152, layer_ids=False))
     reg = make_registration(layout, MOONCAKE, _regions(layout))
     assert not any(b.HasField("layer_id") for b in reg.kv_buffers)
-    assert len(check_pair(reg, example_server_info()).pairings) == 4
+    assert len(_accepted(reg, example_server_info()).pairings) == 4
 
 
 def test_region_count_must_match_the_layout() -> None:
@@ -86,6 +93,6 @@ def test_executor_buffers_are_regions() -> None:
         assert backends.of_registration(reg) is backends.by_name("local")
         assert [(b.ptr, b.length, b.memory_kind) for b in reg.kv_buffers] == [(b.ptr, b.length, b.kind) for b in bufs]
         info = example_server_info(page_size=16, token_bytes=64, num_layers=2)
-        assert check_pair(reg, info).backend == v1.BACKEND_LOCAL
+        assert _accepted(reg, info).backend == v1.BACKEND_LOCAL
     finally:
         ex.close()

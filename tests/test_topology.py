@@ -11,16 +11,15 @@ from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.dcp import DcpLayout
 from pdproto.dcp.layers import EntryRole
 from pdproto.errors import InvalidFieldError, Reason, TopologyError
+from pdproto.negotiation.senders import SenderSet
 from pdproto.negotiation.topology import (
     PAGE_RELAYOUT,
     Decision,
     Mode,
     Rejection,
     backend_of,
-    check_pair,
     example_registration,
     example_server_info,
-    from_result,
     negotiate,
 )
 
@@ -36,12 +35,12 @@ def decide(info: Info, reg: Reg) -> Decision:
 
 
 def reject(info: Info, reg: Reg, reason: Reason) -> Rejection:
-    """negotiate, asserting a rejection with ``reason``; check_pair must agree."""
+    """negotiate, asserting a rejection with ``reason``; raised, it must say the same."""
     result = negotiate(info, reg)
     assert isinstance(result, Rejection), result
     assert result.reason is reason, result
     with pytest.raises(TopologyError) as exc:
-        check_pair(reg, info)
+        raise result.to_error()
     assert exc.value.reason is reason and exc.value.metadata == dict(result.metadata)
     return result
 
@@ -405,16 +404,6 @@ def test_decode_global_tp_rank_beyond_attention_tp_is_accepted() -> None:
     reject(info, reg, Reason.TOPOLOGY_RANK_OUT_OF_RANGE)
 
 
-def test_from_result_keeps_unknown_reasons() -> None:
-    msg = v1.NegotiationResult(rejection=v1.Rejection(reason="TOPOLOGY_FROM_THE_FUTURE", message="m",
-                                                      metadata={"a": "1"}))
-    r = from_result(msg)
-    assert isinstance(r, Rejection) and r.reason is Reason.INTERNAL
-    assert dict(r.metadata) == {"a": "1", "reason": "TOPOLOGY_FROM_THE_FUTURE"}
-    with pytest.raises(InvalidFieldError):
-        from_result(v1.NegotiationResult(peer_id="p"))
-
-
 def test_bridged_sglang_dcp_registration_is_judged_by_the_prefill_pool() -> None:
     """SGLang frames carry no pool kind: a real DCP 4 registration parsed from them negotiates."""
     from pdproto.legacy import mooncake
@@ -450,5 +439,7 @@ def test_the_tp_plan_survives_the_negotiation_result() -> None:
     d = decide(info, reg)
     assert d.tp is not None and d.tp.me.sends_kv and d.tp.me.sends_aux and d.tp.me.sends_state
     assert all(cut is not None and cut.length == 512 for cut in d.tp.row_slices)
-    back = from_result(d.to_proto("p-1"))
-    assert isinstance(back, Decision) and back.tp == d.tp
+    back = v1.NegotiationResult.FromString(d.to_proto("p-1").SerializeToString())
+    assert SenderSet.from_proto(back.senders) == d.tp.senders and len(back.aux) == 1
+    assert [len(t.segments) for t in back.state[0].tensors] == [len(t.segments) for t in d.tp.state[0].tensors]
+    assert [e.row_slice.length for e in back.entries] == [cut.length for cut in d.tp.row_slices if cut is not None]

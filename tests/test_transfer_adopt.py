@@ -15,7 +15,7 @@ import pytest
 
 from pdproto.dcp import plan_relayout
 from pdproto.errors import InvalidFieldError
-from pdproto.transfer import LayerSpan, TransferJob, at_address, external
+from pdproto.transfer import LayerSpan, TransferJob, at_address
 from pdproto.transfer.engines.mooncake import MooncakeExecutor
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
 
@@ -44,8 +44,8 @@ def test_an_adopted_engine_moves_a_relayout_and_outlives_the_executor(tmp_path: 
     try:
         for round_ in range(2):  # a second executor adopts the same engine after the first closed
             ex = MooncakeExecutor(engine=engine, session_id=session, staging_bytes=4 << 20)
-            assert ex.adopted and ex.endpoint().session_id == session
-            src = [at_address(external(a).addr, a.nbytes) for a in owned]  # the pool, known by address
+            assert ex.endpoint().session_id == session
+            src = [at_address(a.ctypes.data, a.nbytes) for a in owned]  # the pool, known by address
             ex.register_memory(src)
             ex.connect("d0", peer.registration)
             plan = plan_relayout(np.arange(PAGES), np.arange(PAGES // DCP)[::-1].copy(), page_size=PAGE,

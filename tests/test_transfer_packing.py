@@ -16,7 +16,7 @@ from pdproto.dcp.runs import expand, from_rows, segments, source_rows
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, remote_regions, validate_job
-from pdproto.transfer.packing import (TORCH_IMPORT_BYTES, Gatherer, copy_runs, packed_descriptors, packed_layers,
+from pdproto.transfer.packing import (TORCH_IMPORT_BYTES, Gatherer, copy_runs, packed_layers,
                                       packing_saves, row_descriptors, torch_or_none)
 from pdproto.v1 import registration_pb2
 
@@ -66,6 +66,11 @@ def test_row_descriptors_move_exactly_the_row_pairs(rows: list[tuple[int, int, i
     assert _bytes_moved(descs) == want
     assert len(descs) <= src.size
 
+
+
+def packed_descriptors(staging_addr: int, layer: LayerSpan, runs: np.ndarray) -> np.ndarray:
+    """One layer's descriptors after packing at ``staging_addr``."""
+    return packed_layers([staging_addr], [layer], runs)[0]
 
 @given(run_rows, spans())
 def test_packed_descriptors_read_staging_in_run_order(rows: list[tuple[int, int, int, int, int]],

@@ -7,6 +7,6 @@ input errors). layers.py pairs prefill and decode entries.
 """
 
 from pdproto.dcp.layout import DcpLayout
-from pdproto.dcp.plan import RelayoutPlan, draft_token_rows, plan_chunk, plan_relayout, token_rows
+from pdproto.dcp.plan import RelayoutPlan, plan_chunk, plan_relayout, token_rows
 
-__all__ = ["DcpLayout", "RelayoutPlan", "draft_token_rows", "plan_chunk", "plan_relayout", "token_rows"]
+__all__ = ["DcpLayout", "RelayoutPlan", "plan_chunk", "plan_relayout", "token_rows"]

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pdproto.dcp import runs as run_arith
 from pdproto.errors import PlanError, Reason
 
 I64 = npt.NDArray[np.int64]
@@ -26,43 +25,34 @@ MAX_ROW = 2**62
 PageList = Sequence[int] | npt.NDArray[np.integer]
 
 
-def _as_int(name: str, value: object, reason: Reason) -> int:
-    """The value as a Python int; bools and non-integers are rejected with ``reason``."""
-    if isinstance(value, bool | np.bool_):
-        raise PlanError(f"{name} must be an integer, got {value!r}", reason=reason,
-                        metadata={"argument": name, "value": value})
+def _int_in(name: str, value: object, low: int, high: int, reason: Reason) -> int:
+    """The value as a Python int in ``low..high``; bools, non-integers and values outside raise ``reason``."""
     try:
-        return operator.index(value)  # type: ignore[arg-type]
+        if isinstance(value, bool | np.bool_):
+            raise TypeError
+        n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise PlanError(f"{name} must be an integer, got {value!r}", reason=reason,
                         metadata={"argument": name, "value": value}) from None
+    if not low <= n <= high:
+        raise PlanError(f"{name}={n} is outside {low}..{high}", reason=reason,
+                        metadata={"argument": name, "value": n, "low": low, "high": high})
+    return n
 
 
 def size(name: str, value: object) -> int:
     """A page size or DCP size: an integer in 1..2**31-1 (PLAN_BAD_SIZE otherwise)."""
-    n = _as_int(name, value, Reason.PLAN_BAD_SIZE)
-    if not 1 <= n <= MAX_SIZE:
-        raise PlanError(f"{name} must be in 1..{MAX_SIZE}, got {n}", reason=Reason.PLAN_BAD_SIZE,
-                        metadata={"argument": name, "value": n})
-    return n
+    return _int_in(name, value, 1, MAX_SIZE, Reason.PLAN_BAD_SIZE)
 
 
 def rank(name: str, value: object, group_size: int) -> int:
     """A DCP rank: an integer in 0..group_size-1 (PLAN_RANK_OUT_OF_RANGE otherwise)."""
-    r = _as_int(name, value, Reason.PLAN_RANK_OUT_OF_RANGE)
-    if not 0 <= r < group_size:
-        raise PlanError(f"{name}={r} is outside 0..{group_size - 1}", reason=Reason.PLAN_RANK_OUT_OF_RANGE,
-                        metadata={"argument": name, "value": r, "size": group_size})
-    return r
+    return _int_in(name, value, 0, group_size - 1, Reason.PLAN_RANK_OUT_OF_RANGE)
 
 
 def offset(name: str, value: object) -> int:
     """A non-negative offset or count, bounded so positions stay in int64 (PLAN_BAD_OFFSET otherwise)."""
-    n = _as_int(name, value, Reason.PLAN_BAD_OFFSET)
-    if not 0 <= n <= MAX_ROW:
-        raise PlanError(f"{name} must be in 0..{MAX_ROW}, got {n}", reason=Reason.PLAN_BAD_OFFSET,
-                        metadata={"argument": name, "value": n})
-    return n
+    return _int_in(name, value, 0, MAX_ROW, Reason.PLAN_BAD_OFFSET)
 
 
 def pages(name: str, value: PageList, rows_per_page: int) -> I64:
@@ -96,13 +86,3 @@ def pages(name: str, value: PageList, rows_per_page: int) -> I64:
                         metadata={"argument": name, "index": bad, "value": high,
                                   "rows_per_page": rows_per_page})
     return out
-
-
-def runs(name: str, arr: I64) -> I64:
-    """Run rows from outside (a message): starts >= 0, strides >= 1, counts >= 1 (PLAN_BAD_OFFSET)."""
-    bad = run_arith.bad_run(arr)
-    if bad is not None:
-        row = arr[bad].tolist()
-        raise PlanError(f"{name}[{bad}]={row} has a negative start or a stride/count below 1",
-                        reason=Reason.PLAN_BAD_OFFSET, metadata={"argument": name, "index": bad, "run": row})
-    return arr

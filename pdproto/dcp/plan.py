@@ -24,8 +24,8 @@ destination rank receives every chunk token; a source rank sends the draft rows 
 tokens it owns, so across source ranks each draft row is sent once per destination rank.
 
 SGLang 0.5.23 (``build_dcp_token_transfer_plan``, dense -> DCP only, page sizes equal)
-is the special case ``Ps = Pd = P, Ns = 1``; ``token_rows`` / ``draft_token_rows``
-return its index arrays exactly (plus typed errors where it raises IndexError or
+is the special case ``Ps = Pd = P, Ns = 1``; ``token_rows`` (and ``expand_draft`` of a plan
+with ``include_draft``) return its index arrays exactly (plus typed errors where it raises IndexError or
 silently wraps ranks).
 """
 
@@ -33,11 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
-import numpy as np
-
-from pdproto import v1
 from pdproto.dcp import _checks
 from pdproto.dcp import runs as _runs
 from pdproto.dcp._checks import I64, PageList
@@ -51,7 +47,7 @@ def _readonly(runs: I64) -> I64:
     return runs
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)  # run arrays: no value equality
 class RelayoutPlan:
     """An exact row plan for one chunk, one source rank and one destination rank, as runs."""
 
@@ -71,21 +67,6 @@ class RelayoutPlan:
     """Decode prefix length in global tokens."""
     include_draft: bool = False
     """Whether draft runs were planned."""
-
-    def __eq__(self, other: object) -> bool:
-        """Equal when every field is equal, comparing run arrays by value."""
-        if not isinstance(other, RelayoutPlan):
-            return NotImplemented
-        return (
-            np.array_equal(self.target_runs, other.target_runs)
-            and np.array_equal(self.draft_runs, other.draft_runs)
-            and (self.num_tokens, self.src, self.dst, self.src_page_offset,
-                 self.decode_prefix_len, self.include_draft)
-            == (other.num_tokens, other.src, other.dst, other.src_page_offset,
-                other.decode_prefix_len, other.include_draft)
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # holds arrays; equality is by value
 
     def __repr__(self) -> str:
         """A one-line summary (run arrays can hold thousands of rows, too many for a log line)."""
@@ -109,65 +90,14 @@ class RelayoutPlan:
         return _runs.expand(self.target_runs)
 
     def expand_draft(self) -> tuple[I64, I64]:
-        """Draft (src_rows, dst_rows) per token, in token order; equals ``draft_token_rows``."""
+        """Draft (src_rows, dst_rows) per token, in token order (dst pages hold P*D rows), as SGLang computes them."""
         return _runs.expand(self.draft_runs)
-
-    def _runs_for(self, packed: bool, draft: bool) -> I64:
-        runs = self.draft_runs if draft else self.target_runs
-        # Packing gathers the source rows, in token order, into positions 0..n-1.
-        return _runs.pack_source(runs) if packed else runs
 
     def num_descriptors(self, packed: bool, *, draft: bool = False) -> int:
         """Transfer descriptors per layer: maximal runs contiguous on both sides (packed: on the destination)."""
-        return _runs.count_segments(self._runs_for(packed, draft))
-
-    def contiguous_segments(self, packed: bool, *, draft: bool = False) -> I64:
-        """(S, 3) int64 of (src_row, dst_row, nrows), one per descriptor, in token order.
-
-        With ``packed`` the src_row is the row's position in the packed buffer (rows
-        gathered in ``expand()`` order from 0; for ``draft`` relative to the draft region).
-        """
-        return _runs.segments(self._runs_for(packed, draft))
-
-    def to_proto(self) -> v1.RelayoutPlan:
-        """This plan as a ``pdproto.v1.RelayoutPlan`` message."""
-        msg = v1.RelayoutPlan(
-            num_tokens=self.num_tokens,
-            src_page_size=self.src.page_size,
-            dst_page_size=self.dst.page_size,
-            src_dcp=self.src.group(),
-            dst_dcp=self.dst.group(),
-            src_page_offset=self.src_page_offset,
-            decode_prefix_len=self.decode_prefix_len,
-            include_draft=self.include_draft,
-        )
-        for runs, field in ((self.target_runs, msg.target_runs), (self.draft_runs, msg.draft_runs)):
-            add = field.add
-            for a, b, c, d, e in runs.tolist():
-                add(src_start=a, src_stride=b, dst_start=c, dst_stride=d, count=e)
-        return msg
-
-    @classmethod
-    def from_proto(cls, msg: v1.RelayoutPlan) -> RelayoutPlan:
-        """Rebuild a plan from its message (an unset DCP group reads as dense); bad fields raise PlanError."""
-
-        def runs(name: str, items: Any) -> I64:
-            arr = np.array([(r.src_start, r.src_stride, r.dst_start, r.dst_stride, r.count) for r in items],
-                           dtype=np.int64).reshape(-1, 5)
-            return _readonly(_checks.runs(name, arr))
-
-        src = _checked("src", DcpLayout.from_proto(msg.src_page_size, msg.src_dcp))
-        dst = _checked("dst", DcpLayout.from_proto(msg.dst_page_size, msg.dst_dcp))
-        return cls(
-            target_runs=runs("target_runs", msg.target_runs),
-            draft_runs=runs("draft_runs", msg.draft_runs),
-            num_tokens=_checks.offset("num_tokens", msg.num_tokens),
-            src=src,
-            dst=dst,
-            src_page_offset=_checks.offset("src_page_offset", msg.src_page_offset),
-            decode_prefix_len=_checks.offset("decode_prefix_len", msg.decode_prefix_len),
-            include_draft=msg.include_draft,
-        )
+        runs = self.draft_runs if draft else self.target_runs
+        # Packing gathers the source rows, in token order, into positions 0..n-1.
+        return _runs.count_segments(_runs.pack_source(runs) if packed else runs)
 
 
 def _crt_first(src: DcpLayout, dst: DcpLayout, start: int) -> tuple[int, int] | None:
@@ -329,23 +259,16 @@ def plan_relayout(
 ) -> RelayoutPlan:
     """``plan_chunk`` with the layouts spelled as keywords (the documented API; defaults: dense -> DCP).
 
+    The other arguments, and the PlanError raised, are ``plan_chunk``'s.
+
     Args:
-        src_pages: the source rank's pages of this chunk.
-        dst_pages: the destination rank's full page list after the prefix.
         page_size: page size in tokens of both sides unless overridden below.
         dcp_size: destination DCP group size.
         dcp_rank: destination DCP rank.
-        src_page_offset: chunk start in source pages after the prefix.
-        decode_prefix_len: prefix length in global tokens; a multiple of both virtual pages.
-        num_kv_tokens: global tokens in the chunk; default ``len(src_pages) * Ps * Ns``.
         src_page_size: source page size (default ``page_size``).
         src_dcp_size: source DCP group size (default 1: dense).
         src_dcp_rank: source DCP rank.
         dst_page_size: destination page size (default ``page_size``).
-        include_draft: also plan the unsharded draft pool.
-
-    Raises:
-        PlanError: with a PLAN_* reason and the offending values in ``metadata``.
     """
     base = _checks.size("page_size", page_size)
     return plan_chunk(
@@ -372,22 +295,3 @@ def token_rows(
         src_pages, dst_pages, page_size=page_size, dcp_size=dcp_size, dcp_rank=dcp_rank,
         src_page_offset=src_page_offset, decode_prefix_len=decode_prefix_len, num_kv_tokens=num_kv_tokens,
     ).expand()
-
-
-def draft_token_rows(
-    src_pages: PageList,
-    dst_pages: PageList,
-    *,
-    page_size: int,
-    dcp_size: int,
-    dcp_rank: int,
-    src_page_offset: int = 0,
-    decode_prefix_len: int = 0,
-    num_kv_tokens: int | None = None,
-) -> tuple[I64, I64]:
-    """Dense -> DCP draft (src_rows, dst_rows) for the unsharded draft pool (dst pages hold P*D rows)."""
-    return plan_relayout(
-        src_pages, dst_pages, page_size=page_size, dcp_size=dcp_size, dcp_rank=dcp_rank,
-        src_page_offset=src_page_offset, decode_prefix_len=decode_prefix_len, num_kv_tokens=num_kv_tokens,
-        include_draft=True,
-    ).expand_draft()

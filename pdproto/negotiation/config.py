@@ -7,8 +7,8 @@ them at once instead of fixing one crash at a time. The rules are SGLang 0.5.23'
 pdproto, plus the cache rule SGLang lacked: a DCP decode keeps a chunk cache, because
 its radix tree would index rank-local rows as if they were whole virtual pages.
 
-Each finding has a stable ``code`` (UPPER_SNAKE_CASE, treated as API); an error
-finding becomes a ``ConfigError`` (reason CONFIG_INVALID) through ``to_error``.
+Each finding has a stable ``code`` (UPPER_SNAKE_CASE, treated as API) and a reason
+(CONFIG_INVALID), which ``pdproto check --json`` reports.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 
 from pdproto import backends
-from pdproto.errors import ConfigError, Reason
+from pdproto.errors import Reason
 
 
 class Role(enum.StrEnum):
@@ -103,10 +103,6 @@ class Finding:
     """What is wrong, with the values, and what to change."""
     reason: Reason = Reason.CONFIG_INVALID
     """Machine-readable reason an error carries."""
-
-    def to_error(self) -> ConfigError:
-        """This finding as a raisable ``ConfigError``."""
-        return ConfigError(self.message, reason=self.reason, metadata={"code": self.code})
 
 
 def effective_cache(cfg: DeploymentConfig) -> CacheMode:
@@ -221,15 +217,6 @@ def check_deployment(cfg: DeploymentConfig) -> list[Finding]:
     return out
 
 
-def require_valid(cfg: DeploymentConfig) -> list[Finding]:
-    """Raise the first error finding as a ``ConfigError``; return the warnings otherwise."""
-    findings = check_deployment(cfg)
-    for f in findings:
-        if f.severity is Severity.ERROR:
-            raise f.to_error()
-    return findings
-
-
 __all__ = [
     "ALLOCATION_POLICIES",
     "KNOWN_BACKENDS",
@@ -242,5 +229,4 @@ __all__ = [
     "Severity",
     "check_deployment",
     "effective_cache",
-    "require_valid",
 ]

@@ -141,14 +141,6 @@ class StatePairing:
             kind=self.kind,  # type: ignore[arg-type]
             tensors=[t.to_proto() for t in self.tensors])
 
-    @classmethod
-    def from_proto(cls, msg: server_info_pb2.StatePairing) -> StatePairing:
-        """Read a ``StatePairing``."""
-        return cls(msg.src_entry, msg.dst_entry, msg.kind, tuple(
-            StateTensorPairing(t.src_tensor, t.dst_tensor, t.src_item_len, t.dst_item_len,
-                               tuple(Segment.from_proto(s) for s in t.segments))
-            for t in msg.tensors))
-
 
 def _parallel(values: Sequence[int], n: int, field: str) -> None:
     """A list parallel to ``n`` entries must be empty or have ``n`` values."""
@@ -329,7 +321,8 @@ def _check_kinds(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.Stat
     if src.kind not in _KINDS:
         raise TopologyError(f"state entry {e}{named} has kind {src.kind}, which this negotiation cannot move",
                             reason=Reason.TOPOLOGY_STATE_KIND_UNSUPPORTED, metadata={**meta, "kind": src.kind})
-    (pk, dk), dn = (_kind_name(src.kind), _kind_name(dst.kind or src.kind)), dst.type_name or src.type_name
+    pk, dk = enum_name(common_pb2.StateKind, src.kind), enum_name(common_pb2.StateKind, dst.kind or src.kind)
+    dn = dst.type_name or src.type_name
     if pk != dk or (src.type_name and src.type_name != dn):  # a name only one side sends reads as agreeing
         raise TopologyError(f"state entry {e} is {pk} {src.type_name!r} on the prefill and {dk} {dn!r} on the decode",
                             reason=Reason.TOPOLOGY_STATE_KIND_MISMATCH,
@@ -341,11 +334,12 @@ def _check_kinds(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.Stat
             metadata={**meta, "prefillTpSize": src_tp, "decodeTpSize": dst_tp})
 
 
-def _kind_name(kind: int) -> str:
+def enum_name(enum_type: object, value: int) -> str:
+    """Name of a proto enum value, or the number when unknown (newer peer)."""
     try:
-        return str(common_pb2.StateKind.Name(kind))  # type: ignore[arg-type]
+        return str(enum_type.Name(value))  # type: ignore[attr-defined]
     except ValueError:
-        return str(kind)
+        return str(value)
 
 
 def state_writes(matches: Sequence[EntryMatch], *, src_tp: int, dst_tp: int, dst_rank: int,
@@ -421,4 +415,4 @@ def every_head(total_heads: int, src_row_bytes: int, dst_row_bytes: int, src_tp:
 
 
 __all__ = ["MLA_ATTENTION_KINDS", "AuxPairing", "EntryMatch", "StatePairing", "StateTensorPairing", "TensorMatch",
-           "every_head", "kv_row_writes", "match_state", "pair_aux", "state_writes"]
+           "enum_name", "every_head", "kv_row_writes", "match_state", "pair_aux", "state_writes"]

@@ -105,10 +105,9 @@ class StateEntry:
     """SGLang ``StateType`` value (``"dsa"``); when the prefill names its entry too, the names must agree."""
 
 
-def kv_entries(count: int, token_bytes: int, *, first_layer: int = 0,
-               layer_ids: bool = True) -> tuple[KvEntry, ...]:
-    """``count`` target entries of ``token_bytes`` each, for layers ``first_layer`` on."""
-    return tuple(KvEntry(token_bytes, first_layer + i if layer_ids else None) for i in range(count))
+def kv_entries(count: int, token_bytes: int, *, layer_ids: bool = True) -> tuple[KvEntry, ...]:
+    """``count`` target entries of ``token_bytes`` each, for layers 0 on."""
+    return tuple(KvEntry(token_bytes, i if layer_ids else None) for i in range(count))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,11 +47,6 @@ class Segment:
         return common_pb2.ByteSegment(src_offset=self.src_offset, dst_offset=self.dst_offset,
                                       length=self.length)
 
-    @classmethod
-    def from_proto(cls, msg: common_pb2.ByteSegment) -> Segment:
-        """Read a ``ByteSegment``."""
-        return cls(msg.src_offset, msg.dst_offset, msg.length)
-
 
 @dataclass(frozen=True)
 class SplitAxis:

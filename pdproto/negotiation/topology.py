@@ -1,43 +1,13 @@
 """Topology negotiation: (PrefillServerInfo, KvRegistration) -> Decision or Rejection.
 
 One pure function decides, per decode peer, how the prefill lays rows out for it, so
-the prefill (``negotiate``) and the decode (``check_pair``) compute the same answer
-from the same pair. SGLang 0.5.23 ran two different rule sets on two threads and
+the prefill and a decode (or ``pdproto check``) that runs ``negotiate`` compute the same
+answer from the same pair. SGLang 0.5.23 ran two different rule sets on two threads and
 raised in a listener that served every peer; here an unsupported pair is a value.
 
-Rules, checked in this order (the first failing rule is the one reported):
-
-1. protocol major versions equal (and spoken by this package) ..... UNSUPPORTED_VERSION
-2. the decode's transport is a backend the prefill serves ........ TOPOLOGY_BACKEND_UNSUPPORTED
-3. model ids equal when both are set ............................ TOPOLOGY_MODEL_MISMATCH
-4. every rank inside its group (DCP, PP; prefill attention TP/CP)  TOPOLOGY_RANK_OUT_OF_RANGE
-5. attention kinds equal when both are set ...................... TOPOLOGY_ATTENTION_KIND_MISMATCH
-6. KV dtypes equal when both are set ............................ TOPOLOGY_KV_DTYPE_MISMATCH
-7. DCP > 1 on either side needs MLA or hybrid MLA on both (an unset
-   decode kind, as from SGLang frames, is judged by the prefill's) TOPOLOGY_DCP_REQUIRES_MLA
-8. no prefill KV cache sharding with DCP on either side .......... TOPOLOGY_KV_SHARDING_WITH_DCP
-9. no prefill attention CP > 1 with DCP on either side ........... TOPOLOGY_PREFILL_CP_UNSUPPORTED
-10. decode PP equals prefill PP or is 1 ......................... TOPOLOGY_PP_MISMATCH
-11. layout: equal DCP sizes need equal ranks (SAME_LAYOUT); other
-    sizes need ranks that share tokens (s = d mod gcd) .......... TOPOLOGY_DCP_RANK_MISMATCH
-12. SAME_LAYOUT needs equal page sizes (relayout does not, nor a
-    decode announcing ``PAGE_RELAYOUT``) ........................ TOPOLOGY_PAGE_SIZE_MISMATCH
-13. entries resolve by layer id or position (pdproto.dcp.layers;
-    a decode stage of an equal PP size > 1 that sends no ids pairs
-    a plain prefill stage's entries by position) ............... LAYER_METADATA_ONE_SIDED,
-    LAYER_METADATA_PARTIAL, MISSING_LAYER, ENTRY_COUNT_MISMATCH
-14. per-entry bytes per token equal, with no remainder (MHA with
-    different attention TP sizes, or prefill rows of every head:
-    bytes per head, rule 16) .................................... TOPOLOGY_ROW_SIZE_MISMATCH
-15. relayout destinations all in one memory kind ................ TOPOLOGY_MEMORY_KIND_MIXED
-16. TP mapping (``pdproto.negotiation.tpmap``): TP sizes divide one another,
-    this prefill rank feeds the decode rank, aux and state entries
-    match and split consistently, MHA heads split evenly ......... TOPOLOGY_TP_NOT_DIVISIBLE,
-    NOT_A_SENDER, AUX_*, STATE_*, LAYER_* (state tensors), KV_HEADS_MISMATCH
-
-Bytes per token of an entry = item_len / rows per page, where a target entry's page
-holds ``page_size`` rows and a draft entry's page holds ``page_size * dcp_size`` rows
-(the draft pool is never DCP-sharded, so it uses virtual pages).
+The rules, their order (the first failing rule is the one reported) and their reasons are
+the numbered table of ``docs/protocol.md`` section 1; ``_decide`` applies them in that order,
+and the rule numbers in comments here are that table's.
 
 Malformed input raises ``InvalidFieldError`` (reason INVALID_FIELD, ``field`` names the
 path) instead of returning a rejection: a page size of 0, an entry list that is empty,
@@ -60,7 +30,7 @@ from pdproto.negotiation._topology_examples import example_registration, example
 from pdproto.dcp.layers import EntryRef, EntryRole, resolve_entries
 from pdproto.dcp.layout import DcpLayout
 from pdproto.errors import InvalidFieldError, PdprotoError, Reason, TopologyError, error_for
-from pdproto.negotiation.extras import MLA_ATTENTION_KINDS, every_head
+from pdproto.negotiation.extras import MLA_ATTENTION_KINDS, enum_name, every_head
 from pdproto.negotiation.tpmap import TpPlan, plan_tp
 
 
@@ -124,9 +94,8 @@ class Decision:
     """``pdproto.v1.Backend`` value that moves the bytes."""
     version: tuple[int, int]
     """Agreed (major, minor): the common major and the smaller minor."""
-    tp: TpPlan | None = None
-    """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices;
-    None only when read from a prefill that predates protocol 1.1."""
+    tp: TpPlan
+    """What this prefill rank writes besides token rows: senders, aux, state, MHA row slices."""
 
     def to_proto(self, peer_id: str = "") -> v1.NegotiationResult:
         """The ``NegotiationResult`` message for this peer."""
@@ -141,8 +110,7 @@ class Decision:
             src_page_size=self.src.page_size,
             dst_page_size=self.dst.page_size,
         )
-        if self.tp is not None:
-            self.tp.fill(result)
+        self.tp.fill(result)
         return result
 
 
@@ -190,14 +158,6 @@ def _reject(reason: Reason, message: str, **metadata: object) -> PdprotoError:
     subclass), which is what ``negotiate`` catches.
     """
     return error_for(reason, message, metadata)
-
-
-def _enum_name(enum_type: object, value: int) -> str:
-    """Name of a proto enum value, or the number when unknown (newer peer)."""
-    try:
-        return str(enum_type.Name(value))  # type: ignore[attr-defined]
-    except ValueError:
-        return str(value)
 
 
 def _validate(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> None:
@@ -302,7 +262,7 @@ def _token_bytes(item_len: int, page_size: int, dcp_size: int, role: EntryRole,
 
 def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
             backends: Collection[int] | None) -> Decision:
-    """Apply the rules in the module docstring; raise ``TopologyError`` on the first failure."""
+    """Apply the rules of docs/protocol.md section 1 in order; raise ``TopologyError`` on the first failure."""
     version = _version(info, reg)
 
     backend = backend_of(reg)
@@ -313,9 +273,9 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
             Reason.TOPOLOGY_BACKEND_UNSUPPORTED,
             "decode registration names no transport (mooncake, nixl or local)"
             if backend == v1.BACKEND_UNSPECIFIED else
-            f"decode backend {_enum_name(v1.Backend, backend)} is not served by this prefill",
-            decodeBackend=_enum_name(v1.Backend, backend),
-            servedBackends=",".join(_enum_name(v1.Backend, b) for b in served),
+            f"decode backend {enum_name(v1.Backend, backend)} is not served by this prefill",
+            decodeBackend=enum_name(v1.Backend, backend),
+            servedBackends=",".join(enum_name(v1.Backend, b) for b in served),
         )
 
     if info.model_id and reg.model_id and info.model_id != reg.model_id:
@@ -334,10 +294,10 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
     pk, dk = info.attention_kind, reg.attention_kind
     if pk and dk and pk != dk:
         raise _reject(Reason.TOPOLOGY_ATTENTION_KIND_MISMATCH,
-                      f"prefill KV pool is {_enum_name(v1.AttentionKind, pk)},"
-                      f" decode is {_enum_name(v1.AttentionKind, dk)}",
-                      prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
-                      decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
+                      f"prefill KV pool is {enum_name(v1.AttentionKind, pk)},"
+                      f" decode is {enum_name(v1.AttentionKind, dk)}",
+                      prefillAttentionKind=enum_name(v1.AttentionKind, pk),
+                      decodeAttentionKind=enum_name(v1.AttentionKind, dk))
 
     if info.kv_cache_dtype and reg.kv_cache_dtype and info.kv_cache_dtype != reg.kv_cache_dtype:
         raise _reject(Reason.TOPOLOGY_KV_DTYPE_MISMATCH,
@@ -352,8 +312,8 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
         raise _reject(Reason.TOPOLOGY_DCP_REQUIRES_MLA,
                       "DCP needs an MLA or hybrid-MLA KV pool on both sides",
                       prefillDcpSize=src.dcp_size, decodeDcpSize=dst.dcp_size,
-                      prefillAttentionKind=_enum_name(v1.AttentionKind, pk),
-                      decodeAttentionKind=_enum_name(v1.AttentionKind, dk))
+                      prefillAttentionKind=enum_name(v1.AttentionKind, pk),
+                      decodeAttentionKind=enum_name(v1.AttentionKind, dk))
     if dcp_used and info.enable_kv_cache_sharding:
         raise _reject(Reason.TOPOLOGY_KV_SHARDING_WITH_DCP,
                       "prefill KV cache sharding cannot be combined with DCP",
@@ -407,7 +367,7 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
             raise _reject(Reason.TOPOLOGY_MEMORY_KIND_MIXED,
                           "relayout destinations must all live in one memory kind",
                           decodeMemoryKinds=",".join(
-                              sorted(_enum_name(v1.MemoryKind, k) for k in kinds)))
+                              sorted(enum_name(v1.MemoryKind, k) for k in kinds)))
 
     tp = plan_tp(info, reg, kv_rows=[(p.src_token_bytes, p.dst_token_bytes) for p in pairings])
     return Decision(mode=mode, pairings=tuple(pairings), src=src, dst=dst,
@@ -432,7 +392,7 @@ def _with_legacy_defaults(info: v1.PrefillServerInfo,
 
 def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
               backends: Collection[int] | None = None) -> Decision | Rejection:
-    """Decide how the prefill serves this decode peer (rules in the module docstring).
+    """Decide how the prefill serves this decode peer (rules: docs/protocol.md section 1).
 
     ``backends`` overrides ``info.backends`` as the set of ``Backend`` values served.
     Returns a ``Rejection`` for a well-formed pair that cannot be served; raises
@@ -446,56 +406,13 @@ def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
         return Rejection(exc.reason, exc.message, exc.metadata)
 
 
-def from_result(result: v1.NegotiationResult) -> Decision | Rejection:
-    """Read a ``NegotiationResult`` back into a ``Decision`` or ``Rejection`` (decode side).
-
-    A rejection reason this package does not know (a newer peer) reads as INTERNAL, with
-    the original string kept in ``metadata["reason"]``; an accepted result without a
-    known mode raises ``InvalidFieldError``.
-    """
-    if result.HasField("rejection"):
-        rej = result.rejection
-        meta = dict(rej.metadata)
-        reason = Reason.__members__.get(rej.reason)
-        if reason is None:
-            reason, meta["reason"] = Reason.INTERNAL, rej.reason
-        return Rejection(reason, rej.message, meta)
-    if result.mode not in {m.value for m in Mode}:
-        raise InvalidFieldError("result.mode", f"accepted result has no known mode ({result.mode})")
-    return Decision(
-        mode=Mode(result.mode),
-        pairings=tuple(Pairing(p.src_entry, p.dst_entry, p.src_token_bytes, p.dst_token_bytes,
-                               EntryRole.from_proto(p.role)) for p in result.entries),
-        src=DcpLayout.from_proto(result.src_page_size, result.src_dcp),
-        dst=DcpLayout.from_proto(result.dst_page_size, result.dst_dcp),
-        backend=result.backend,
-        version=(result.version.major, result.version.minor),
-        tp=TpPlan.from_result(result),
-    )
-
-
-def check_pair(registration: v1.KvRegistration, info: v1.PrefillServerInfo, *,
-               backends: Collection[int] | None = None) -> Decision:
-    """Decode-side check of a prefill before registering: the Decision, or raise.
-
-    Raises ``TopologyError`` carrying the rejection's reason and metadata, and
-    ``InvalidFieldError`` for malformed input; the verdict is ``negotiate``'s.
-    """
-    result = negotiate(info, registration, backends=backends)
-    if isinstance(result, Rejection):
-        raise result.to_error()
-    return result
-
-
 __all__ = [
     "Decision",
     "Mode",
     "Pairing",
     "Rejection",
     "backend_of",
-    "check_pair",
     "example_registration",
     "example_server_info",
-    "from_result",
     "negotiate",
 ]

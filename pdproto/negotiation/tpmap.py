@@ -48,18 +48,6 @@ class TpPlan:
     """Per KV pairing, the part of each token row this rank writes; None: the whole row;
     a zero-length segment: nothing (another sender writes the row)."""
 
-    @classmethod
-    def from_result(cls, result: server_info_pb2.NegotiationResult) -> TpPlan | None:
-        """Read the plan back from a ``NegotiationResult`` (decode side); None from a 1.0 prefill."""
-        if not result.HasField("senders") or not result.senders.senders:
-            return None
-        senders = SenderSet.from_proto(result.senders)
-        return cls(senders=senders, me=senders.senders[result.senders.self_index],
-                   aux=tuple(AuxPairing(p.src_entry, p.dst_entry, p.item_len) for p in result.aux),
-                   state=tuple(StatePairing.from_proto(p) for p in result.state),
-                   row_slices=tuple(Segment.from_proto(e.row_slice) if e.HasField("row_slice") else None
-                                    for e in result.entries))
-
     def fill(self, result: server_info_pb2.NegotiationResult) -> None:
         """Write the plan into a ``NegotiationResult`` (aux, state, senders, row slices)."""
         result.aux.extend(p.to_proto() for p in self.aux)

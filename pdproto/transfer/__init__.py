@@ -29,24 +29,14 @@ from .base import (
     encode_notification,
 )
 from .engines._paths import INLINE_BYTES
-from .memory import CredentialSlot, aligned_dram, allocate, at_address, external
+from .memory import CredentialSlot, allocate, at_address
 
 
 def create_executor(backend: str, *, name: str | None = None, **options: Any) -> TransferExecutor:
     """Create the executor of a backend named in ``pdproto.backends`` ("local", "mooncake", "nixl").
 
-    Options (each backend ignores those its executor does not take):
-      name: engine identity (NIXL agent name; local arena (memfd) name).
-      staging_bytes: size of the registered packing region (0 disables packing).
-      inline_bytes: packed jobs up to this size are packed inline and sent as one
-        engine call (default 4 MiB, measured in docs/transfer.md); 0 always pipelines.
-      device: "cpu" or "cuda"; chooses DRAM or VRAM staging and torch packing on the GPU.
-      host: the address the engine advertises to peers (Mooncake's session id; NIXL keeps UCX
-        to that address's interface); default: ``PDPROTO_ADVERTISE_HOST``, else a routable
-        address of this host (``pdproto.transfer.address``).
-      protocol: Mooncake transport ("tcp", "rdma" or "auto").
-      transfer_timeout_s, connect_timeout_s: deadlines of engine calls and of connecting a peer.
-      arena_bytes: size of the local backend's shared-memory arena.
+    ``options`` are the table "Options of ``create_executor``" in this package's README (each
+    backend ignores those its executor does not take).
 
     An unknown name raises ``TopologyError`` (TOPOLOGY_BACKEND_UNSUPPORTED); the engine's
     package is imported only here, and a missing one raises ``EngineUnavailableError``.
@@ -72,11 +62,9 @@ __all__ = [
     "TransferJob",
     "TransferResult",
     "TransferStats",
-    "aligned_dram",
     "allocate",
     "at_address",
     "create_executor",
     "decode_notification",
     "encode_notification",
-    "external",
 ]

@@ -1,14 +1,9 @@
 """Executor interface and value types shared by every transfer backend.
 
-An executor moves KV rows from memory this process registered into memory a
-peer registered. Addresses follow one rule: a *local* address (``src_ptr``,
-``Buffer.addr``, staging) is a real pointer in this process; a *peer* address
-(``dst_ptr``, ``KvBuffer.ptr``) is whatever the peer advertised in its
-registration (a real pointer for Mooncake and NIXL, an arena offset for the
-local backend). ``Buffer.ptr`` is the value to advertise.
-
-A job says which rows move as the planner's runs (``pdproto.dcp.runs``), never as
-one index per row: executors gather, bound and cut descriptors from the runs.
+An executor moves KV rows from memory this process registered into memory a peer
+registered. Which addresses are local pointers and which the peer's, and how rows and
+their byte ranges are laid out: this package's README, "Addresses". A job says which
+rows move as the planner's runs (``pdproto.dcp.runs``), never as one index per row.
 """
 
 from __future__ import annotations
@@ -341,12 +336,9 @@ def byte_span(ptr: int, lo_row: int, hi_row: int, pitch: int, offset: int, nbyte
 def check_bounds(job: TransferJob, *, local: Sequence[tuple[int, int]], remote: Regions) -> None:
     """Raise unless every layer's rows lie inside its own registered region on each side; O(runs) per segment.
 
-    Each segment's runs give its lowest and highest row on each side (strides are
-    positive), so one span per layer and side covers every row. A layer's ``dst_ptr`` must
-    be the base of a region the peer registered (a KV buffer, an aux buffer, a state
-    tensor: a key of ``remote``, from ``remote_regions``), and its rows must stay inside
-    that region, not merely inside some region. A length of 0 (unknown) is not bounded, as
-    the schema allows.
+    Each segment's runs give its lowest and highest row on each side (strides are positive),
+    so one span per layer and side covers every row; the rule itself is the README's
+    ("Addresses": ``dst_ptr`` the base of a region in ``remote``, 0 is unbounded).
     """
     for i, (seg, layer) in enumerate(job.units()):
         smin, smax, dmin, dmax = seg.extents

@@ -38,7 +38,6 @@ from .base import (
     MemoryKind,
     Buffer,
     Endpoint,
-    Notification,
     TransferJob,
     TransferResult,
     TransferStats,
@@ -50,7 +49,7 @@ from .base import (
 )
 from .memory import host_view
 from .packing import copy_runs
-from .worker import PeerWorker, PeerWorkers, quiesce
+from .worker import PeerCalls, PeerWorkers
 
 
 @dataclass
@@ -70,7 +69,7 @@ class _Peer:
             self.lease.close()
 
 
-class LocalExecutor:
+class LocalExecutor(PeerCalls[_Peer]):
     """Copies rows between processes of one host through a decode's sealed memfd arena."""
 
     backend = "local"
@@ -168,14 +167,6 @@ class LocalExecutor:
         if old is not None:
             old.unmap()  # after a copy into the old arena that may still run
 
-    def _peer(self, peer_id: str) -> _Peer:
-        with self._lock:
-            peer = self._peers.get(peer_id)
-        if peer is None:
-            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
-                                metadata={"peer": peer_id})
-        return peer
-
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:
         """Copy every layer's rows into the peer's arena, one strided copy per run.
 
@@ -221,14 +212,6 @@ class LocalExecutor:
         return TransferResult(bytes=nbytes, descriptors=ndesc, seconds=time.perf_counter() - t0, packed=False,
                               fallback=False, segment_descriptors=job.by_segment(counts))
 
-    def worker(self, peer_id: str) -> PeerWorker:
-        """The peer's own worker (started on first use), for calls that must not hold a caller's thread."""
-        return self._workers.worker(peer_id)
-
-    def quiesce(self, peer_id: str, timeout: float) -> bool:
-        """Wait up to ``timeout`` until no call on the peer's worker runs (a copy ends with its call)."""
-        return quiesce(lambda: self.drained(peer_id), timeout)
-
     def drained(self, peer_id: str) -> Future[Any] | None:
         """A marker done once the calls on the peer's worker so far returned; None when none is there.
 
@@ -243,10 +226,6 @@ class LocalExecutor:
         """The local backend has no notification channel; always False."""
         self._peer(peer_id)
         return False
-
-    def notifications(self) -> list[Notification]:
-        """Always empty: completion travels over the control plane."""
-        return []
 
     def disconnect(self, peer_id: str) -> None:
         """Unmap the peer's arena and close its socket; the memory stays the decode's."""

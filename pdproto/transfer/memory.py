@@ -59,20 +59,6 @@ def allocate(nbytes: int, *, kind: MemoryKind = DRAM, device: int = 0) -> Buffer
     return Buffer(addr=addr, length=nbytes, ptr=addr, kind=DRAM, device=0, array=array)
 
 
-def external(array: Any, *, kind: MemoryKind | None = None, device: int = 0) -> Buffer:
-    """Wrap caller-owned memory (a numpy array or torch tensor) as a ``Buffer``."""
-    addr = array_addr(array)
-    if isinstance(array, np.ndarray):
-        nbytes = int(array.nbytes)
-        mem = DRAM
-    else:
-        nbytes = int(array.numel() * array.element_size())
-        mem = VRAM if array.is_cuda else DRAM
-        device = int(array.device.index or 0) if array.is_cuda else 0
-    return Buffer(addr=addr, length=nbytes, ptr=addr, kind=kind if kind is not None else mem,
-                  device=device, array=array)
-
-
 class _DeviceRegion:
     """A CUDA byte range described by ``__cuda_array_interface__``, so torch can view it without a copy."""
 
@@ -116,4 +102,4 @@ class CredentialSlot:
         return bytes(head if isinstance(head, np.ndarray) else head.cpu().numpy())
 
 
-__all__ = ["CredentialSlot", "aligned_dram", "allocate", "array_addr", "at_address", "external", "host_view", "torch_module"]
+__all__ = ["CredentialSlot", "aligned_dram", "allocate", "array_addr", "at_address", "host_view", "torch_module"]

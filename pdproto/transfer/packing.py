@@ -48,13 +48,9 @@ def row_descriptors(layer: LayerSpan, runs: Runs) -> Descs:
                        layer.dst_ptr + layer.dst_offset, layer.dst_pitch, layer.nbytes, segs)
 
 
-def packed_descriptors(staging_addr: int, layer: LayerSpan, runs: Runs) -> Descs:
-    """Descriptors after packing: staging holds the rows in run order, so they break only where dst does."""
-    return packed_layers([staging_addr], [layer], runs)[0]
-
-
 def packed_layers(staging_addrs: Sequence[int], layers: Sequence[LayerSpan], runs: Runs) -> list[Descs]:
-    """``packed_descriptors`` of every layer of one segment, layer i packed at ``staging_addrs[i]``.
+    """Descriptors after packing of every layer of one segment, layer i packed at ``staging_addrs[i]``: staging
+    holds the rows in run order, so they break only where the destination does.
 
     The segments depend only on the runs and a layer's (width, destination pitch), so
     they are cut once per shape and placed for all its layers in one vector operation:
@@ -80,7 +76,7 @@ def packed_layers(staging_addrs: Sequence[int], layers: Sequence[LayerSpan], run
 
 
 def packed_units(units: Sequence[tuple[Segment, LayerSpan]], staging_addrs: Sequence[int]) -> list[Descs]:
-    """``packed_descriptors`` of every unit, unit i packed at ``staging_addrs[i]``; cut once per segment."""
+    """``packed_layers`` of every unit, unit i packed at ``staging_addrs[i]``; cut once per segment."""
     out: list[Descs] = []
     start = 0
     while start < len(units):
@@ -200,7 +196,7 @@ class Gatherer:
 
 
 __all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
-           "packed_descriptors", "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none"]
+           "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none"]
 
 
 class StagingExtents:

@@ -1,21 +1,11 @@
 """Each peer's worker: one daemon thread that runs the peer's calls one at a time, each with a deadline.
 
-An engine call blocks a thread and cannot be interrupted (Mooncake blocks in native code while a
-frozen peer does not answer), so every peer gets a ``PeerWorker``, the only per-peer thread there is:
-the executors run their calls there, and the prefill service submits its own and awaits the futures.
-
-* Calls run in submission order on the peer's daemon thread: a stuck peer holds that thread and
-  no other peer's, and never keeps an exiting process alive.
-* ``submit`` returns a ``Call`` future that fails with DEADLINE_EXCEEDED ``deadline_s`` after it was
-  submitted (a cleanup call: after it started). A call past it makes the worker **stuck**: what
-  queues behind fails at once, and so does every new call, until the engine returns it; a cleanup
-  call (disconnect, drain marker) still queues. ``Call.returned`` is done once the thread is back
-  (or the call will never run): what a caller waits for before the destination's pages may be reused.
-* A call submitted from the worker's own thread runs in place, under the deadline of the call running.
-
-A stuck worker does not write its peer off: an engine can stall every peer at once (Mooncake does
-while one P2P handshake hangs). Like ``concurrent.futures`` pools, a worker takes no new work once
-the interpreter is exiting: whether a call still runs can then no longer be answered.
+How executors and the prefill service use it, and what *stuck* means, is in this package's README
+(reading order, item 3; "Prefill side"). Two details it leaves out: a call submitted from the
+worker's own thread runs in place, under the deadline of the call running; and like
+``concurrent.futures`` pools a worker takes no new work once the interpreter is exiting, as whether
+a call still runs can then no longer be answered. A stuck worker does not write its peer off: an
+engine can stall every peer at once (Mooncake does while one P2P handshake hangs).
 """
 
 from __future__ import annotations
@@ -31,11 +21,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason, ShuttingDownError
 
+if TYPE_CHECKING:
+    from .base import Notification
+
 _T = TypeVar("_T")
+_P = TypeVar("_P")
 log = logging.getLogger("pdproto.transfer.worker")
 
 _exiting = threading.Event()
@@ -326,22 +320,57 @@ class PeerWorkers:
             worker.shutdown()
 
 
-def quiesce(drained: Callable[[], Future[Any] | None], timeout: float) -> bool:
-    """``TransferExecutor.quiesce`` from its ``drained``: wait up to ``timeout`` for the marker; False when
-    it is not done by then, or when the process is exiting and cannot say."""
-    try:
-        marker = drained()
-    except ShuttingDownError:
-        return False
-    if marker is None:
+class PeerCalls(Generic[_P]):
+    """What every executor keeps per peer: its connected state and its worker, and the waits built on them.
+
+    The executor supplies ``_lock``, ``_peers``, ``_workers`` and ``drained``.
+    """
+
+    _lock: threading.Lock
+    _peers: dict[str, _P]
+    _workers: PeerWorkers
+
+    def drained(self, peer_id: str) -> Future[Any] | None:
+        """A future done once every call for the peer made so far has left the engine; None when none can be in it."""
+        raise NotImplementedError
+
+    def worker(self, peer_id: str) -> PeerWorker:
+        """The peer's own worker (started on first use): its calls run there, one at a time."""
+        return self._workers.worker(peer_id)
+
+    def quiesce(self, peer_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` until no call for the peer is inside the engine (``drained``); True once none is.
+
+        A call that overran its deadline may still be writing into the peer's pages; a caller that
+        lets the decode reuse them (an Abort acknowledgement) waits here first. False when the
+        process is exiting and a live peer's worker can no longer say.
+        """
+        try:
+            marker = self.drained(peer_id)
+        except ShuttingDownError:
+            return False
+        if marker is None:
+            return True
+        try:
+            marker.result(timeout=max(0.0, timeout))
+        except FutureTimeout:
+            return False
+        except PdprotoError:
+            pass  # the call failed, and it has left the engine
         return True
-    try:
-        marker.result(timeout=max(0.0, timeout))
-    except FutureTimeout:
-        return False
-    except PdprotoError:
-        pass  # the call failed, and it has left the engine
-    return True
+
+    def notifications(self) -> list[Notification]:
+        """Notifications received since the last call (decode side); empty unless the engine has them
+        (NIXL): elsewhere completion travels over the control plane."""
+        return []
+
+    def _peer(self, peer_id: str) -> _P:
+        """The connected peer; PEER_NOT_FOUND otherwise."""
+        with self._lock:
+            peer = self._peers.get(peer_id)
+        if peer is None:
+            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND, metadata={"peer": peer_id})
+        return peer
 
 
-__all__ = ["Call", "PeerWorker", "PeerWorkers", "quiesce"]
+__all__ = ["Call", "PeerCalls", "PeerWorker", "PeerWorkers"]

@@ -2,18 +2,9 @@
 
 Subclasses supply the engine calls (``_submit``, ``_wait``, ``_send_notification``
 and the registration hooks); this class turns a ``TransferJob``'s runs into
-per-layer descriptor batches, packing through staging where it can.
-
-Every engine call for a peer runs on that peer's own worker (``pdproto/transfer/worker.py``),
-which fails it with ``DEADLINE_EXCEEDED`` at ``transfer_timeout_s``. An engine call cannot be
-interrupted (Mooncake blocks in native code while a frozen or silent peer does not answer), so
-a call that overruns leaves only the peer's own worker busy: that peer's next calls fail at
-once until the engine gives the stuck call up, and no other peer waits for anything it holds.
-The stuck call
-keeps its staging extent and engine handles until the engine returns, then frees
-them like any finished call. An engine that returns before it let go of a transfer
-(NIXL, whose cancel may still be under way) leaves the peer *unsettled*: the job's
-extent, ``drained`` and ``quiesce`` wait for that transfer too.
+per-layer descriptor batches, packing through staging where it can. Every engine call
+for a peer runs on that peer's own worker; what a call past its deadline keeps (its
+staging extent, its engine handles, an *unsettled* peer) is in this package's README.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pdproto.errors import DeadlineExceededError, NotFoundError, PdprotoError, Reason, ShuttingDownError
+from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, ShuttingDownError
 from pdproto.v1 import registration_pb2
 
 from ..base import (
@@ -35,7 +26,6 @@ from ..base import (
     VRAM,
     Buffer,
     MemoryKind,
-    Notification,
     TransferJob,
     TransferResult,
     TransferStats,
@@ -49,7 +39,7 @@ from ._paths import INLINE_BYTES, JobPaths
 from ._settle import Settling, all_done
 from ..memory import allocate, host_view
 from ..packing import Gatherer, StagingExtents
-from ..worker import PeerWorker, PeerWorkers, quiesce
+from ..worker import PeerCalls, PeerWorker, PeerWorkers
 
 _T = TypeVar("_T")
 
@@ -84,7 +74,7 @@ class PeerState:
     a handle it would not release yet); None while there is none."""
 
 
-class EngineExecutor(JobPaths, Settling):
+class EngineExecutor(JobPaths, Settling, PeerCalls[PeerState]):
     """Base class of the Mooncake and NIXL executors (not a backend on its own)."""
 
     backend = "engine"
@@ -192,10 +182,6 @@ class EngineExecutor(JobPaths, Settling):
         return DRAM, 0
 
     # ---- peers ------------------------------------------------------------------------
-    def worker(self, peer_id: str) -> PeerWorker:
-        """The peer's own worker (started on first use): its engine calls run there, one at a time."""
-        return self._workers.worker(peer_id)
-
     def _count(self, error: BaseException | None) -> None:
         """A call on a worker completed: count a failure, and a timeout, once per call (the worker's
         deadline or the engine's own wait at the same deadline: NIXL releases the transfer there)."""
@@ -218,14 +204,6 @@ class EngineExecutor(JobPaths, Settling):
         if old is not None:
             self._retire(old, last=False)
 
-    def _peer(self, peer_id: str) -> PeerState:
-        with self._lock:
-            peer = self._peers.get(peer_id)
-        if peer is None:
-            raise NotFoundError("peer is not connected", reason=Reason.PEER_NOT_FOUND,
-                                metadata={"peer": peer_id})
-        return peer
-
     def disconnect(self, peer_id: str) -> None:
         """Forget the peer and drop its engine connection; unknown peers are ignored.
 
@@ -240,21 +218,12 @@ class EngineExecutor(JobPaths, Settling):
         else:
             self._workers.retire(peer_id)
 
-    def quiesce(self, peer_id: str, timeout: float) -> bool:
-        """Wait up to ``timeout`` until no call for the peer is inside the engine; True once none is.
-
-        A call that overran its deadline may still be writing into the peer's pages; a
-        caller that lets the decode reuse them (an Abort acknowledgement) waits here first.
-        A disconnected peer counts until its worker finished; an unknown one is quiet. False
-        when the process is exiting and a live peer's worker can no longer say.
-        """
-        return quiesce(lambda: self.drained(peer_id), timeout)
-
     def drained(self, peer_id: str) -> Future[Any] | None:
         """A future done once every call queued on the peer's worker so far has returned (None: no worker).
 
         The worker runs one call at a time, in order, so a marker queued now finishes after all
-        of them; a call the engine still holds past its deadline holds it too.
+        of them; a call the engine still holds past its deadline holds it too. A disconnected
+        peer counts until its worker finished; an unknown one is quiet.
         A transfer the engine has not let go of yet (``PeerState.unsettled``) holds it too.
         """
         with self._lock:
@@ -330,10 +299,6 @@ class EngineExecutor(JobPaths, Settling):
             return fn(*args)
 
         return worker.submit(run, what=f"the {what}").result()
-
-    def notifications(self) -> list[Notification]:
-        """Notifications received since the last call; empty unless the engine has them."""
-        return []
 
     # ---- execution --------------------------------------------------------------------
     def execute(self, peer_id: str, job: TransferJob) -> TransferResult:

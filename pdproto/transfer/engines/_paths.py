@@ -3,14 +3,8 @@
 ``EngineExecutor`` (``_engine.py``) checks a job, picks one of these paths and keeps the
 books; the paths turn units (one layer of one segment each) into descriptor batches for
 the engine hooks ``_submit`` and ``_wait``. Every path waits out what it submitted before
-it returns or raises, so no engine read outlives the call.
-
-* per-row (``_run_rows``): descriptors straight from the source buffers, consecutive units from
-  the same kind of memory in one batch.
-* packed (``_run_packed``): units gathered into staging in groups of up to ``inline_bytes``,
-  one batch per group. A job of one group is gathered on the calling thread and goes out
-  with one wait (inline, ``docs/transfer.md``, "Small chunks"); with more, a pack thread
-  gathers group g+1 while group g is in flight (pipelined).
+it returns or raises, so no engine read outlives the call. The paths themselves, groups,
+inline and pipelined: this package's README, "Packing".
 """
 
 from __future__ import annotations

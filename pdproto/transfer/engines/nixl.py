@@ -6,12 +6,7 @@ name NIXL reads from that metadata: it must equal the registered ``agent_name``
 peer uses it). Several peers may reach one agent; it is unloaded when the last of them
 disconnects, so one peer's Deregister never cuts off another's transfers. Descriptor
 lists are built from N×3 numpy arrays, because a tuple list costs 170 ms or more per
-58k descriptors. A job's completion notification goes out only after every WRITE of
-the job is DONE, so a notification never overtakes data; it is sent even when the job
-has no rows. A transfer still running at its deadline is released (UCX cancels it);
-a handle NIXL will not release yet (its cancel is still under way) is retried, never
-dropped, and until NIXL lets go of it the peer is *unsettled* (``_engine.py``): the job's
-staging extent stays reserved and ``drained``/``quiesce`` for that peer wait.
+58k descriptors. Notifications, and handles NIXL will not release yet: the package README.
 """
 
 from __future__ import annotations
