@@ -227,7 +227,7 @@ class Peer:
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
     bound: bool = False
-    """Part of its credential went through its transfer engine (``credential.py``)."""
+    """Part of its credential went through its transfer engine (``admission.EngineCredentials``)."""
     proven: bool = False
     """A call carried its whole credential; for a bound peer, proof that it owns its engine."""
     open: dict[int, Request] = field(default_factory=dict)
@@ -340,6 +340,11 @@ def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...
 
 CREDENTIAL_BYTES = 32
 """Random bytes in a peer credential (256 bits; the issue asks for at least 128)."""
+ENGINE_BYTES = 16
+"""Credential bytes a bound peer's credential has written through its engine (128 bits: what the issue asks
+of a credential; ``admission.EngineCredentials``)."""
+RESPONSE_BYTES = 16
+"""Credential bytes a bound peer gets in its ``RegisterResponse``."""
 
 
 class _KeyLocks:
@@ -524,5 +529,5 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["Allowance", "CALL_BURST_S", "CALL_HOLD_S", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer",
-           "PeerRegistry", "Request", "SNAPSHOT_BURST", "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]
+__all__ = ["Allowance", "CALL_BURST_S", "CALL_HOLD_S", "CREDENTIAL_BYTES", "ENGINE_BYTES", "Finished", "Limits", "Peer",
+           "PeerRegistry", "RESPONSE_BYTES", "Request", "SNAPSHOT_BURST", "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]

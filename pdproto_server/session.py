@@ -32,7 +32,7 @@ from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
 from ._status import Refused
 from .core import HandshakeCore
-from .expiry import Deadlines
+from .engine import Deadlines
 from .registry import Peer
 
 log = logging.getLogger("pdproto_server.session")
