@@ -19,7 +19,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -188,40 +188,6 @@ class Chunk:
     None: consecutive from ``page_offset``."""
 
 
-class RequestView(Protocol):
-    """What a room needs to know of a decode's request for it: its state, why it failed, what moved."""
-
-    @property
-    def state(self) -> int:
-        """``TransferState`` value."""
-        ...
-
-    @property
-    def failure_code(self) -> str:
-        """Reason code (``pdproto.errors.Reason`` name) once FAILED; empty otherwise."""
-        ...
-
-    @property
-    def failure_reason(self) -> str:
-        """Reason text once FAILED; empty otherwise."""
-        ...
-
-    @property
-    def bytes(self) -> int:
-        """KV bytes written so far."""
-        ...
-
-    @property
-    def aux_bytes(self) -> int:
-        """Aux bytes written so far."""
-        ...
-
-    @property
-    def state_bytes(self) -> int:
-        """State bytes written so far."""
-        ...
-
-
 @dataclass(frozen=True)
 class RoomStatus:
     """A room over every decode request for it: its state, the first failure's reason, the bytes moved."""
@@ -242,22 +208,25 @@ class RoomStatus:
     """Decode requests for the room (fan-out: one per decode rank the room feeds)."""
 
 
-@dataclass(frozen=True)
-class FinalState:
-    """What a room keeps of a finished request: its outcome (a ``RequestView``), not the request."""
+@dataclass
+class Outcome:
+    """What a room knows of a decode's request for it: its state, why it failed, the bytes it moved.
 
-    state: int
-    """``TransferState`` value (SUCCESS or FAILED)."""
+    A request (``registry.Request``) is one while it runs; a finished one leaves just this (not its pages).
+    """
+
+    state: int = common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
+    """``TransferState`` value."""
     failure_code: str = ""
-    """Reason code once FAILED."""
+    """Reason code (``pdproto.errors.Reason`` name) once FAILED; empty otherwise."""
     failure_reason: str = ""
-    """Reason text once FAILED."""
+    """Reason text once FAILED; empty otherwise."""
     bytes: int = 0
-    """KV bytes written."""
+    """KV bytes written so far."""
     aux_bytes: int = 0
-    """Aux bytes written."""
+    """Aux bytes written so far."""
     state_bytes: int = 0
-    """State bytes written."""
+    """State bytes written so far."""
 
 
 @dataclass
@@ -277,7 +246,7 @@ class RoomLog:
     """The decode's prefix (tokens it already holds), from the first request for the room."""
     expected: int = 1
     """Decode ranks that submit for the room on this prefill rank (SGLang required_dst_info_num)."""
-    requests: dict[str, RequestView] = field(default_factory=dict)
+    requests: dict[str, Outcome] = field(default_factory=dict)
     """The decodes' requests for the room, by peer id."""
     aborted: str = ""
     """Why the engine aborted the room; empty unless it did."""
@@ -362,7 +331,7 @@ class PrefillEngine:
         log.finished_at = time.monotonic()
         self.deadlines.add(log.finished_at + self.keep_finished, log)
 
-    def claim(self, room: int, *, peer_id: str = "", request: RequestView | None = None,
+    def claim(self, room: int, *, peer_id: str = "", request: Outcome | None = None,
               prefix_len: int | None = None, expected: int = 1) -> RoomLog:
         """The room's log, marked as wanted by a decode and tracking its request (loop thread only)."""
         log = self.room(room)
@@ -542,4 +511,4 @@ class PrefillEngine:
         return dropped
 
 
-__all__ = ["Chunk", "Deadlines", "FinalState", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "RoomStatus", "StateSlots"]
+__all__ = ["Chunk", "Deadlines", "KvSource", "Outcome", "PrefillEngine", "RoomLog", "RoomStatus", "StateSlots"]

@@ -11,11 +11,12 @@ returned yet included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import math
 import secrets
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -29,7 +30,7 @@ from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_p
 
 from pdproto.transfer.worker import Call, PeerWorker
 
-from .engine import RoomLog
+from .engine import Outcome, RoomLog
 
 TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
@@ -120,8 +121,8 @@ class Limits:
         return 2 * self.kept_per_peer
 
 
-@dataclass
-class Request:
+@dataclass(kw_only=True)
+class Request(Outcome):
     """One request of one peer: destination, progress, and where it is on its way to a terminal status."""
 
     peer_id: str
@@ -133,13 +134,7 @@ class Request:
     long (``LARGE_PAGE_LIST``: the planner reads the whole list at every chunk)."""
     prefix_len: int
     prefill_rank: int
-    state: int = common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
-    failure_code: str = ""
-    failure_reason: str = ""
-    bytes: int = 0
     descriptors: int = 0
-    aux_bytes: int = 0
-    state_bytes: int = 0
     aux_descriptors: int = 0
     state_descriptors: int = 0
     chunks_done: int = 0
@@ -347,58 +342,6 @@ RESPONSE_BYTES = 16
 """Credential bytes a bound peer gets in its ``RegisterResponse``."""
 
 
-class _KeyLocks:
-    """One asyncio lock per key, held in sorted key order, kept only while someone uses it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-
-    def holding(self, keys: tuple[str, ...]) -> _Holding:
-        """Hold every key's lock (sorted, so two callers never wait on each other in a cycle)."""
-        return _Holding(self._locks, sorted(set(keys)))
-
-
-class _Holding:
-    """``_KeyLocks.holding``: a class, not a generator, since every Register enters one."""
-
-    __slots__ = ("_entries", "_held", "_keys", "_locks")
-
-    def __init__(self, locks: dict[str, tuple[asyncio.Lock, list[int]]], keys: list[str]) -> None:
-        self._locks = locks
-        self._keys = keys
-        self._entries: list[tuple[asyncio.Lock, list[int]]] = []
-        self._held: list[asyncio.Lock] = []
-
-    async def __aenter__(self) -> None:
-        locks = self._locks
-        for key in self._keys:
-            entry = locks.get(key)
-            if entry is None:
-                entry = locks[key] = (asyncio.Lock(), [0])
-            entry[1][0] += 1
-            self._entries.append(entry)
-        try:
-            for lock, _ in self._entries:
-                await lock.acquire()
-                self._held.append(lock)
-        except BaseException:
-            self._release()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        for lock in reversed(self._held):
-            lock.release()
-        self._held.clear()
-        for key, (_, users) in zip(self._keys, self._entries, strict=True):
-            users[0] -= 1
-            if users[0] == 0:
-                del self._locks[key]
-        self._entries.clear()
-
-
 class PeerRegistry:
     """Peers by id and by identity; enforces ``Limits.max_peers``; checks peer credentials.
 
@@ -412,7 +355,8 @@ class PeerRegistry:
         self.peers: dict[str, Peer] = {}
         self.retired: dict[str, Peer] = {}
         self._by_identity: dict[str, str] = {}
-        self._identity_locks = _KeyLocks()
+        self._identity_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        """One lock per identity key, with its users: kept only while someone holds or waits for it."""
         # Compared against when the peer id is unknown, so both refusals take the same time.
         self._decoy = secrets.token_bytes(CREDENTIAL_BYTES)
 
@@ -478,9 +422,29 @@ class PeerRegistry:
                           "retryAfterMs": retry_after_ms(wait - CALL_HOLD_S)})
         return wait
 
-    def serialized(self, identity: tuple[str, ...]) -> _Holding:
-        """Hold while registering ``identity``: registrations of one decode rank run one at a time."""
-        return self._identity_locks.holding(identity)
+    @contextlib.asynccontextmanager
+    async def serialized(self, identity: tuple[str, ...]) -> AsyncIterator[None]:
+        """Hold while registering ``identity``: registrations of one decode rank run one at a time.
+
+        Every key's lock is taken in sorted order, so two registrations never wait on each other in a cycle.
+        """
+        keys = sorted(set(identity))
+        entries = [self._identity_locks.setdefault(key, (asyncio.Lock(), [0])) for key in keys]
+        for _, users in entries:
+            users[0] += 1
+        held: list[asyncio.Lock] = []
+        try:
+            for lock, _ in entries:
+                await lock.acquire()
+                held.append(lock)
+            yield
+        finally:
+            for lock in reversed(held):
+                lock.release()
+            for key, (_, users) in zip(keys, entries, strict=True):
+                users[0] -= 1
+                if users[0] == 0:
+                    del self._identity_locks[key]
 
     def stale_for(self, identity: tuple[str, ...]) -> list[Peer]:
         """Registered peers that share any identity key (a restarted decode rank)."""

@@ -27,7 +27,7 @@ from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, RequestF
 from pdproto.negotiation.slots import SlotCopy
 from pdproto.v1 import common_pb2
 
-from .engine import Chunk, FinalState, PrefillEngine, RoomLog
+from .engine import Chunk, Outcome, PrefillEngine, RoomLog
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, Request
 from .transfers import build_job, slot_copies
@@ -171,7 +171,7 @@ class TransferRunner:
         room_log = self.engine.rooms.get(request.room)
         if room_log is not None and room_log.requests.get(peer.peer_id) is request:
             # Not the request and its pages: its outcome, which PrefillEngine.status reports.
-            room_log.requests[peer.peer_id] = FinalState(
+            room_log.requests[peer.peer_id] = Outcome(
                 request.state, request.failure_code, request.failure_reason, request.bytes,
                 request.aux_bytes, request.state_bytes)
         if request.waiter is not None and request.room_log is not None:

@@ -30,7 +30,6 @@ from pdproto.rpc.status import command_error
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
-from ._status import Refused
 from .core import HandshakeCore
 from .engine import Deadlines
 from .registry import Peer
@@ -44,7 +43,7 @@ class Ctx(Protocol):
     """What a stream offers the hub: the gRPC call's context (``read``, ``write``)."""
 
     async def read(self) -> object:
-        """The next request, a ``Refused`` one, or ``grpc.aio.EOF``."""
+        """The next request, the typed error ``_status.tolerant`` refused it with, or ``grpc.aio.EOF``."""
 
     async def write(self, message: hs.SessionResponse) -> None:
         """Send one response."""
@@ -252,8 +251,8 @@ class SessionHub:
     async def serve(self, context: Ctx) -> None:
         """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
         first: object = await context.read()
-        if isinstance(first, Refused):
-            first.raise_error()
+        if isinstance(first, PdprotoError):
+            raise first
         if not isinstance(first, hs.SessionRequest):
             return  # EOF: the client left before opening
         await self.core.pace(first.open.peer_id, first.open.peer_credential)
@@ -357,8 +356,8 @@ class SessionHub:
                     if stream.closing:
                         return
                 received: object = await context.read()
-                if isinstance(received, Refused):
-                    received.raise_error()  # the reader's error ends the stream, typed
+                if isinstance(received, PdprotoError):
+                    raise received  # the reader's error ends the stream, typed
                 if not isinstance(received, hs.SessionRequest):
                     return  # EOF: the client closed its side
                 message = received
