@@ -57,12 +57,11 @@ def tolerant(parse: Callable[[bytes], Any], message_type: str, limit: int | None
 def with_tolerant_requests(handler: grpc.RpcMethodHandler[Any, Any],
                            limit: int | None = None) -> grpc.RpcMethodHandler[Any, Any]:
     """The same method handler, its request deserializer made ``tolerant`` (refusing bodies over ``limit``)."""
-    parse = handler.request_deserializer
-    if parse is None:
-        return handler
-    name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+    parse = handler.request_deserializer  # the generated code's ``Message.FromString``
+    assert parse is not None
+    name: str = parse.__self__.DESCRIPTOR.full_name  # type: ignore[attr-defined]
     replaced: grpc.RpcMethodHandler[Any, Any] = handler._replace(  # type: ignore[attr-defined]
-        request_deserializer=tolerant(parse, name.full_name if name is not None else "request", limit))
+        request_deserializer=tolerant(parse, name, limit))
     return replaced
 
 

@@ -19,7 +19,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -108,24 +108,31 @@ class KvSource:
     """Per ``info.state_entries`` entry, one registered buffer per tensor."""
 
     def __post_init__(self) -> None:
-        self._check_kv()
         info = self.info
+        if info.page_size <= 0:
+            raise InvalidFieldError("info.page_size", "page_size must be > 0")
+        if len(info.kv_entries) != len(self.buffers) or not self.buffers:
+            raise InvalidFieldError("buffers", f"{len(self.buffers)} buffers for {len(info.kv_entries)} KV entries",
+                                    metadata={"buffers": len(self.buffers), "entries": len(info.kv_entries)})
         if len(self.aux) != len(info.aux_entries):
             raise InvalidFieldError("aux", f"{len(self.aux)} buffers for {len(info.aux_entries)} aux entries")
-        for i, (a, buf) in enumerate(zip(info.aux_entries, self.aux, strict=True)):
-            if a.item_len == 0 or buf.length < a.item_len:
-                raise InvalidFieldError(f"info.aux_entries[{i}].item_len", "item_len must be > 0 and fit",
-                                        metadata={"itemLen": a.item_len, "bufferBytes": buf.length})
         if len(self.state) != len(info.state_entries):
             raise InvalidFieldError("state", f"{len(self.state)} buffer lists for"
                                     f" {len(info.state_entries)} state entries")
         for e, (entry, bufs) in enumerate(zip(info.state_entries, self.state, strict=True)):
             if len(bufs) != len(entry.tensors):
                 raise InvalidFieldError(f"state[{e}]", f"{len(bufs)} buffers for {len(entry.tensors)} tensors")
-            for t, (tensor, buf) in enumerate(zip(entry.tensors, bufs, strict=True)):
-                if tensor.item_len == 0 or buf.length < tensor.item_len:
-                    raise InvalidFieldError(f"info.state_entries[{e}].tensors[{t}].item_len",
-                                            "item_len must be > 0 and fit in the buffer")
+        # (field, its description with an item_len, its buffer) of every KV entry, aux entry and state tensor
+        described: list[tuple[str, Any, Buffer]] = [
+            *((f"info.kv_entries[{i}]", k, b) for i, (k, b) in enumerate(zip(info.kv_entries, self.buffers))),
+            *((f"info.aux_entries[{i}]", a, b) for i, (a, b) in enumerate(zip(info.aux_entries, self.aux))),
+            *((f"info.state_entries[{e}].tensors[{t}]", tensor, buf)
+              for e, (entry, bufs) in enumerate(zip(info.state_entries, self.state))
+              for t, (tensor, buf) in enumerate(zip(entry.tensors, bufs)))]
+        for field, item, buf in described:
+            if item.item_len == 0 or buf.length < item.item_len:
+                raise InvalidFieldError(f"{field}.item_len", "item_len must be > 0 and fit in the buffer",
+                                        metadata={"itemLen": item.item_len, "bufferBytes": buf.length})
 
     def aux_slots(self) -> int:
         """Aux slots every aux buffer holds (the smallest decides)."""
@@ -135,19 +142,6 @@ class KvSource:
         """Slots (or pages) every tensor of state ``entry`` holds (the smallest decides)."""
         return min(b.length // t.item_len
                    for b, t in zip(self.state[entry], self.info.state_entries[entry].tensors, strict=True))
-
-    def _check_kv(self) -> None:
-        entries = self.info.kv_entries
-        if self.info.page_size <= 0:
-            raise InvalidFieldError("info.page_size", "page_size must be > 0")
-        if len(entries) != len(self.buffers) or not entries:
-            raise InvalidFieldError("buffers", f"{len(self.buffers)} buffers for {len(entries)} KV entries",
-                                    metadata={"buffers": len(self.buffers), "entries": len(entries)})
-        for i, (entry, buf) in enumerate(zip(entries, self.buffers, strict=True)):
-            if entry.item_len == 0 or buf.length < entry.item_len:
-                raise InvalidFieldError(f"info.kv_entries[{i}].item_len",
-                                        "item_len must be > 0 and fit in the buffer",
-                                        metadata={"itemLen": entry.item_len, "bufferBytes": buf.length})
 
     @property
     def page_size(self) -> int:

@@ -214,7 +214,8 @@ class TransferRunner:
                     await self._move(peer, request, chunks)
                 except PdprotoError as exc:
                     request.moving = False
-                    self.finish(peer, request, FAILED, *self._stopped_or(request, exc.reason, exc.message))
+                    # A stopped request ends with why it was stopped, not with how its engine call ended.
+                    self.finish(peer, request, FAILED, *(request.cancel_reason or (exc.reason, exc.message)))
                     # A dead peer is written off whole; a stuck engine call fails only the requests it holds up.
                     if exc.reason is Reason.PEER_GONE and self.on_peer_gone is not None:
                         self.on_peer_gone(peer)
@@ -241,11 +242,6 @@ class TransferRunner:
                 del self._queues[peer.peer_id]
             if self._workers.get(peer.peer_id) is asyncio.current_task():
                 del self._workers[peer.peer_id]
-
-    @staticmethod
-    def _stopped_or(request: Request, reason: Reason, message: str) -> tuple[Reason, str]:
-        """A stopped request ends with why it was stopped, not with how its engine call ended."""
-        return request.cancel_reason or (reason, message)
 
     async def _move(self, peer: Peer, request: Request, chunks: list[Chunk]) -> None:
         """Move a run of chunks' KV rows as one job; the last chunk's state and aux slot ride in it too."""

@@ -381,7 +381,7 @@ class SessionHub:
                 if command.HasField("submit"):
                     stream.in_command = True
                     try:
-                        result = await self._submit(session.peer, command)
+                        result = await self._apply_one(session.peer, command)
                     except asyncio.CancelledError:
                         # The server stops: the command was applied, so it gets a result all the same.
                         log_.result(_refused(command.seq, PdprotoError("the submit was cancelled (the server "
@@ -392,25 +392,22 @@ class SessionHub:
                     log_.result(result)
                 elif command.HasField("abort"):
                     # An abort waits for an in-flight chunk to drain: the stream does not wait with it.
-                    task = asyncio.get_running_loop().create_task(self._abort(session.peer, command))
+                    task = asyncio.get_running_loop().create_task(self._apply_one(session.peer, command))
                     task.add_done_callback(_deliver(session, command.seq, task))
                 else:
                     log_.result(_refused(command.seq, InvalidFieldError("commands[].kind",
                                                                         "submit or abort is required")))
 
-    async def _submit(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
+    async def _apply_one(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
+        """A submit's status or an abort's acknowledgement, or the typed error the unary call would raise."""
         try:
-            status = await self.core.submit_to(peer, command.submit)
-        except PdprotoError as exc:
-            return _refused(command.seq, exc)
-        return session_pb2.CommandResult(command_seq=command.seq, submitted=status)
-
-    async def _abort(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
-        try:
+            if command.HasField("submit"):
+                status = await self.core.submit_to(peer, command.submit)
+                return session_pb2.CommandResult(command_seq=command.seq, submitted=status)
             ack = await self.core.abort_for(peer, command.abort)
+            return session_pb2.CommandResult(command_seq=command.seq, aborted=ack)
         except PdprotoError as exc:
             return _refused(command.seq, exc)
-        return session_pb2.CommandResult(command_seq=command.seq, aborted=ack)
 
 
 def _refused(seq: int, error: PdprotoError) -> session_pb2.CommandResult:
