@@ -300,7 +300,7 @@ class Admission:
         A dead peer (PEER_GONE) keeps its record: its final statuses stay visible, and it counts toward
         ``max_peers``, until the decode re-registers (which replaces it) or ``keep_finished`` passes.
         """
-        open_requests = peer.open_requests()
+        open_requests = list(peer.open.values())
         await asyncio.gather(*(self.core.runner.stop(peer, r, reason, message) for r in open_requests))
         peer.end_streams()
         return len(open_requests), self._disconnect_later(peer)

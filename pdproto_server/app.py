@@ -128,18 +128,18 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     return RunningServer(server=server, health=health, core=core, port=port, config=config, legacy=legacy)
 
 
-async def serve(core: HandshakeCore, config: ServerConfig, *,
-                ready: Callable[[RunningServer], None] | None = None,
-                stop: asyncio.Event | None = None) -> int:
-    """Run until SIGTERM/SIGINT (or ``stop``), then shut down gracefully; returns the exit status."""
+async def serve(core: HandshakeCore, config: ServerConfig, ready: Callable[[RunningServer], None]) -> int:
+    """Run until SIGTERM/SIGINT, then shut down gracefully; returns the exit status.
+
+    ``ready`` is called once the server accepts calls.
+    """
     running = await start_server(core, config)
-    stop = stop or asyncio.Event()
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        if ready is not None:
-            ready(running)
+        ready(running)
         await stop.wait()
         log.info("shutting down: draining for up to %.1fs", config.grace)
     finally:

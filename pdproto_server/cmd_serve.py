@@ -217,7 +217,7 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
                               "legacy_port": legacy}), flush=True)
 
         try:
-            return await serve(core, config, ready=ready)
+            return await serve(core, config, ready)
         finally:
             await producer.close()
     finally:

@@ -137,7 +137,7 @@ class HandshakeCore:
         if self.runner.open:
             log.info("draining %d in-flight requests (up to %.1fs)", self.runner.open, timeout)
             await self.runner.idle(timeout)
-        leftovers = [(p, r) for p in self.registry.peers.values() for r in p.open_requests()]
+        leftovers = [(p, r) for p in self.registry.peers.values() for r in list(p.open.values())]
         await asyncio.gather(*(self.runner.stop(p, r, Reason.SHUTTING_DOWN, "the prefill shut down")
                                for p, r in leftovers))
         self.streams_closed = True

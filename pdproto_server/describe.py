@@ -14,7 +14,7 @@ import heapq
 import time
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
-from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
 from .registry import Limits, Peer
@@ -59,7 +59,7 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         for r in oldest)
     if finished_limit and full:
         kept = list(peer.finished.values())[-finished_limit:]
-        view.finished.extend(f.status() for f in kept)
+        view.finished.extend(transfer_pb2.TransferStatus.FromString(f.blob) for f in kept)
     return view
 
 

@@ -1,13 +1,8 @@
 """The prefill engine's in-process API: hand over the pools once, then report chunks and poll rooms.
 
-The engine (the prefill scheduler) builds a ``KvSource`` from its registered KV, aux and
-state buffers and calls ``PrefillEngine.submit_chunk`` for every chunk it computes; the
-last chunk of a room also names the room's aux slot and state slots, which move after the
-last KV byte and before SUCCESS. The service matches each room's chunks with the decode
-peers' ``SubmitTransfer``; whichever side arrives first waits, with a deadline. The engine
-may ask a room's decode prefix length before it allocates (``decode_prefix_len``), poll a
-room through SGLang's KVPoll life cycle (``poll``), and abort a room with a reason the
-decodes see (``abort``). Every public method is safe from any thread.
+How a prefill scheduler uses it: ``pdproto_server/README.md``, "The prefill engine API". The
+service matches each room's chunks with the decode peers' ``SubmitTransfer``; whichever side
+arrives first waits, with a deadline.
 """
 
 from __future__ import annotations
@@ -143,15 +138,10 @@ class KvSource:
         return min(b.length // t.item_len
                    for b, t in zip(self.state[entry], self.info.state_entries[entry].tensors, strict=True))
 
-    @property
-    def page_size(self) -> int:
-        """Tokens per page."""
-        return int(self.info.page_size)
-
     @functools.cached_property
     def virtual_page(self) -> int:
         """Global tokens per source page index (``page_size * dcp.size``; dense: the page size)."""
-        return self.page_size * max(int(self.info.dcp.size), 1)
+        return int(self.info.page_size) * max(int(self.info.dcp.size), 1)
 
     @functools.cached_property
     def num_pages(self) -> int:
@@ -244,10 +234,6 @@ class RoomLog:
     """The decodes' requests for the room, by peer id."""
     aborted: str = ""
     """Why the engine aborted the room; empty unless it did."""
-
-    def poll(self) -> int:
-        """The room's ``TransferState`` over every decode's request (SGLang's KVPoll life cycle)."""
-        return self.status().state
 
     def status(self) -> RoomStatus:
         """The room's state, the first failed request's reason and the bytes moved, over every request."""

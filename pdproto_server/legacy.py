@@ -1,20 +1,9 @@
 """The legacy listener: unmodified SGLang 0.5.23 decodes, served by the same core as gRPC peers.
 
-An SGLang decode run with ``--disaggregation-transfer-backend mooncake`` (or ``nixl``) sends its
-positional frames to the ``rank_port`` of the prefill rank's bootstrap record (docs/migration.md).
-One thread per prefill rank reads them from a ZMQ PULL socket and parses them with
-``pdproto.legacy`` (a NIXL guard frame tells the layouts apart); the ``HandshakeCore`` does the
-rest on its loop, as for a gRPC peer: a registration is a Register (checked, negotiated, its own
-peer and worker; the peer is the decode rank its notify endpoint and engine identity name), a
-TransferInfo a SubmitTransfer, an ABORT an Abort. The decode learns how each request ended as
-SGLang's own prefill tells it: a status message pushed to the endpoint its frames name, with the
-reason (Mooncake's layout has no reason frame, but SGLang's decode reads a fourth one:
-``common/conn.py:777-781``). Nothing here negotiates or moves bytes. The prefill's engine
-decides which decodes it serves: a Mooncake decode's registration reaches a NIXL prefill as
-TOPOLOGY_BACKEND_UNSUPPORTED, told to the decode like any refusal.
-
-Off (``serve=False``), the port still answers each TransferInfo with a Failed status naming
-the setting, so a decode pointed at it fails at once instead of waiting for its timeout.
+What it serves, sends and refuses: docs/migration.md, "Mixed fleets". One thread per prefill
+rank reads the frames from a ZMQ PULL socket and parses them with ``pdproto.legacy`` (a NIXL
+guard frame tells the layouts apart); the ``HandshakeCore`` does the rest on its loop, as for a
+gRPC peer. Nothing here negotiates or moves bytes.
 """
 
 from __future__ import annotations

@@ -138,7 +138,6 @@ class Request(Outcome):
     aux_descriptors: int = 0
     state_descriptors: int = 0
     chunks_done: int = 0
-    finished_at: float | None = None
     admitted_at: float = field(default_factory=time.monotonic)
     room_log: RoomLog | None = field(default=None, repr=False)
     """The room it takes its chunks from, until it ends (``pdproto_server/runner.py``)."""
@@ -179,10 +178,6 @@ class Finished(NamedTuple):
     """Its generation (read without parsing ``blob``)."""
     blob: bytes
     """The serialized final ``TransferStatus``."""
-
-    def status(self) -> transfer_pb2.TransferStatus:
-        """The final status message."""
-        return transfer_pb2.TransferStatus.FromString(self.blob)
 
 
 class Snapshot(NamedTuple):
@@ -256,10 +251,6 @@ class Peer:
 
     def __hash__(self) -> int:
         return id(self)
-
-    def open_requests(self) -> list[Request]:
-        """Requests not yet SUCCESS or FAILED."""
-        return list(self.open.values())
 
     def generation_of(self, room: int) -> int | None:
         """The room's current generation (open or finished), None when the peer has no record of it."""

@@ -1,17 +1,9 @@
 """Requests from admission to their terminal status, with no task per request.
 
-A request waits for its room's chunks by callback: the room log calls it when a chunk
-arrives, and a timer (``loop.call_at``) fails it with MATCH_TIMEOUT when the next chunk
-does not come within ``match_timeout``. A dummy request (no KV for this rank) takes each
-chunk as it comes and ends on the last one, without leaving the callback. A chunk with
-bytes to move goes to its peer's queue, together with the request's later chunks that
-have arrived meanwhile (at most ``COALESCE``: one job, so no drain or hop between them);
-one task per peer with work (``_work``) takes the queue in order and hands each job to the
-peer's worker (``pdproto/transfer/worker.py``), which runs that peer's engine calls one at
-a time anyway, each with the executor's deadline. Every request ends exactly once, in
-SUCCESS or FAILED with a reason (``finish``), and FAILED is published only once no chunk
-of the request is inside the engine (or the drain timed out): the decode may reuse its
-pages when it sees it.
+How a request waits for chunks (a callback and a MATCH_TIMEOUT timer), moves them (one task
+per peer with work, on the peer's worker) and ends (``finish``, exactly once; FAILED only once
+no chunk of it is inside the engine, so the decode may reuse its pages when it sees it):
+``pdproto_server/README.md``, reading order 5.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -165,7 +156,6 @@ class TransferRunner:
         if reason is not None:
             request.failure_code = reason.code
             request.failure_reason = message or reason.code
-        request.finished_at = time.monotonic()
         if peer.open.get(request.room) is request:
             del peer.open[request.room]
         room_log = self.engine.rooms.get(request.room)

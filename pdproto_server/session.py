@@ -1,16 +1,10 @@
 """Session streams: one decode peer's submits and aborts in, results and status changes out.
 
-A ``ServerSession`` belongs to one peer and outlives its streams: it subscribes to the
-peer's statuses when it starts (in the same step as its snapshot, so no change is
-missed), and keeps its ``EventLog`` (``pdproto.session``) while no stream is attached,
-for ``Limits.keep_finished`` seconds, so a client that lost its stream resumes without
-losing or repeating an event.
-
-A stream (one gRPC ``Session`` call) is two coroutines: the handler writes (it sleeps until the log has something sendable, then
-writes everything the window allows in one message) and one reader task per stream
-applies acknowledgements and commands in order. A command beyond the client's command
-window is held unread; with ``command_window`` commands held the reader stops reading,
-so a flooding client stalls on HTTP/2 flow control while other peers' streams
+A ``ServerSession`` outlives its streams (``pdproto_server/README.md``, reading order 8): it
+keeps its ``EventLog`` for ``Limits.keep_finished`` seconds with no stream attached, so a
+client that lost its stream resumes without losing or repeating an event. The handler writes
+everything the window allows in one message; a command beyond the client's command window is
+held unread, so a flooding client stalls on HTTP/2 flow control while other peers' streams
 carry on. The credential is checked once per stream, in ``SessionOpen``.
 """
 

@@ -1,11 +1,8 @@
 """How a chunk becomes one executor job: plan with ``plan_chunk``, then KV, state and aux segments.
 
-A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when the TP
-sizes differ). The request's last chunk carries its state and aux slot in the same job,
-after the KV segments, so the tail of a request is one engine call; each segment's kind
-comes back with the job, so bytes and descriptors are still counted per kind. The request
-is SUCCESS only when the whole job landed, and the job carries the chunk notice.
-``pdproto_server/runner.py`` runs it on the peer's worker (``pdproto/transfer/worker.py``).
+The request's last chunk carries its state and aux slot in the same job, after the KV
+segments, so the tail of a request is one engine call; each segment's kind comes back with
+the job, so bytes and descriptors are still counted per kind.
 """
 
 from __future__ import annotations
