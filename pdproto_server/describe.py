@@ -1,11 +1,8 @@
 """``Describe``: the server's state for operators, read from the core in one step (no await).
 
-It shows peer ids, negotiated decisions, open requests and limits, and never a
-credential or a memory address (a registration's buffer pointers are left out). Room ids,
-final statuses, engine identities and notify endpoints are shown only to the operator
-token, or for one peer to a caller with its credential: a room id is enough to submit for
-that room and receive its KV, and an engine identity to replace the peer that has it
-(docs/security.md), so a token holder must not read them off other peers.
+It shows peer ids, negotiated decisions, open requests and limits, and never a credential or
+a memory address. Room ids, final statuses, engine identities and notify endpoints are shown
+only to the operator token, or for one peer to a caller with its credential (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Registered decode peers, their open requests, finished statuses and status streams, with limits.
 
-What the service keeps, and what bounds it (``docs/security.md``, "Memory and threads"):
-an open request keeps its ``TransferInfo`` and destination pages until it ends; a
-finished one keeps only its final ``TransferStatus`` (at most ``max_finished_per_peer``
-per peer, each for ``keep_finished`` seconds); a peer counts toward ``max_peers`` from
-registration until it is released, gone peers and peers whose engine call has not
-returned yet included.
+What the service keeps, for how long, and what bounds it: ``docs/security.md``, "Memory and threads".
 """
 
 from __future__ import annotations
