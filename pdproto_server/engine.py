@@ -37,7 +37,7 @@ StateSlots = tuple[tuple[int, ...], ...]
 
 _STATE = (common_pb2.TRANSFER_STATE_BOOTSTRAPPING, common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT,
           common_pb2.TRANSFER_STATE_TRANSFERRING, common_pb2.TRANSFER_STATE_SUCCESS)
-_DONE = (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED)
+TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 
 NUMPY_FROM = 256
@@ -211,6 +211,11 @@ class Outcome:
     """Aux bytes written so far."""
     state_bytes: int = 0
     """State bytes written so far."""
+
+    @property
+    def terminal(self) -> bool:
+        """SUCCESS or FAILED."""
+        return self.state in TERMINAL
 
 
 @dataclass
@@ -478,7 +483,7 @@ class PrefillEngine:
                 continue  # released, or replaced by a new prefill of the room
             orphan = not log.claimed and now - log.created >= self.orphan_after
             stale = log.finished_at is not None and now - log.finished_at >= self.keep_finished
-            over = all(r.state in _DONE for r in log.requests.values())
+            over = all(r.terminal for r in log.requests.values())
             abandoned = log.claimed and now - log.created >= self.orphan_after + self.keep_finished and over
             if orphan or stale or abandoned:
                 if not stale:
@@ -491,4 +496,4 @@ class PrefillEngine:
         return dropped
 
 
-__all__ = ["Chunk", "Deadlines", "KvSource", "Outcome", "PrefillEngine", "RoomLog", "RoomStatus", "StateSlots"]
+__all__ = ["TERMINAL", "Chunk", "Deadlines", "KvSource", "Outcome", "PrefillEngine", "RoomLog", "RoomStatus", "StateSlots"]

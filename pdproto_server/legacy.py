@@ -26,7 +26,8 @@ from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, 
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
-from .registry import TERMINAL, Peer, identity_of
+from .engine import TERMINAL
+from .registry import Peer, identity_of
 
 log = logging.getLogger("pdproto_server.legacy")
 

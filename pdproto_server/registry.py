@@ -21,13 +21,12 @@ import numpy.typing as npt
 from pdproto import backends
 from pdproto.errors import NotFoundError, Reason, ResourceLimitError
 from pdproto.negotiation.topology import Decision
-from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
+from pdproto.v1 import registration_pb2, server_info_pb2, transfer_pb2
 
 from pdproto.transfer.worker import Call, PeerWorker
 
 from .engine import Outcome, RoomLog
 
-TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 
 SNAPSHOT_BURST = 4
@@ -147,11 +146,6 @@ class Request(Outcome):
     """Why it was stopped (ABORTED, PEER_GONE, SHUTTING_DOWN); it ends FAILED with this."""
     final: transfer_pb2.TransferStatus | None = None
     """Its terminal status, once it has one (the message every stream got)."""
-
-    @property
-    def terminal(self) -> bool:
-        """SUCCESS or FAILED."""
-        return self.state in TERMINAL
 
     def status(self) -> transfer_pb2.TransferStatus:
         """The current status message."""
@@ -480,4 +474,4 @@ class PeerRegistry:
 
 
 __all__ = ["Allowance", "CALL_BURST_S", "CALL_HOLD_S", "CREDENTIAL_BYTES", "ENGINE_BYTES", "Finished", "Limits", "Peer",
-           "PeerRegistry", "RESPONSE_BYTES", "Request", "SNAPSHOT_BURST", "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]
+           "PeerRegistry", "RESPONSE_BYTES", "Request", "SNAPSHOT_BURST", "StatusSink", "identity_of", "retry_after_ms"]
