@@ -54,17 +54,6 @@ def tolerant(parse: Callable[[bytes], Any], message_type: str, limit: int | None
     return deserialize
 
 
-def with_tolerant_requests(handler: grpc.RpcMethodHandler[Any, Any],
-                           limit: int | None = None) -> grpc.RpcMethodHandler[Any, Any]:
-    """The same method handler, its request deserializer made ``tolerant`` (refusing bodies over ``limit``)."""
-    parse = handler.request_deserializer  # the generated code's ``Message.FromString``
-    assert parse is not None
-    name: str = parse.__self__.DESCRIPTOR.full_name  # type: ignore[attr-defined]
-    replaced: grpc.RpcMethodHandler[Any, Any] = handler._replace(  # type: ignore[attr-defined]
-        request_deserializer=tolerant(parse, name, limit))
-    return replaced
-
-
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 _Self = TypeVar("_Self")
@@ -115,5 +104,4 @@ __all__ = [
     "stream",
     "tolerant",
     "unary",
-    "with_tolerant_requests",
 ]
