@@ -103,12 +103,8 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     add_to_server(servicer, server)
     health = _health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = (
-        SERVICE_NAME,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     if config.tls_cert is not None and config.tls_key is not None:
         creds = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
         port = server.add_secure_port(config.listen, creds)

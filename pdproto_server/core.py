@@ -72,11 +72,6 @@ class HandshakeCore:
         """The published topology."""
         return self.engine.source.info
 
-    @property
-    def judged(self) -> int:
-        """Registrations on or waiting for the judge thread."""
-        return self.admission.judged
-
     def accepting(self) -> None:
         """Raise SHUTTING_DOWN once a drain began."""
         if self.shutting_down:

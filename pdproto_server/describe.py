@@ -114,7 +114,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
         rooms=len(core.engine.rooms),
         engine_calls=sum(1 for p in held if p.worker.busy),
         engine_calls_stuck=sum(1 for p in held if p.worker.stuck),
-        registrations_judged=core.judged,
+        registrations_judged=core.admission.judged,
     )
 
 
