@@ -33,48 +33,25 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
     )
 
 
-class Refused:
-    """A request body refused before any parsing or handler: too large for its method, or not the message.
-
-    grpc answers a deserializer's exception with a bare UNKNOWN before any handler runs, so the
-    service's deserializers return this instead (``tolerant``) and the handler's wrapper raises it.
-    """
-
-    def __init__(self, error: PdprotoError) -> None:
-        self.error = error
-
-    def raise_error(self) -> None:
-        """Raise the typed error the call is answered with (MESSAGE_TOO_LARGE or WIRE_MALFORMED)."""
-        raise self.error
-
-
 def tolerant(parse: Callable[[bytes], Any], message_type: str, limit: int | None = None) -> Callable[[bytes], Any]:
-    """A request deserializer that returns ``Refused`` for bytes over ``limit`` (unparsed) or not the message."""
+    """A request deserializer that returns, not raises, the typed error (MESSAGE_TOO_LARGE or WIRE_MALFORMED)
+    for bytes over ``limit`` (unparsed) or not the message; the handler's wrapper raises it.
+
+    grpc answers a deserializer's exception with a bare UNKNOWN before any handler runs.
+    """
 
     def deserialize(data: bytes) -> Any:
         if limit is not None and len(data) > limit:
-            return Refused(MessageTooLargeError(
+            return MessageTooLargeError(
                 f"a {message_type} of {len(data)} bytes is larger than the {limit} this server reads",
-                metadata={"messageType": message_type, "size": len(data), "limit": limit}))
+                metadata={"messageType": message_type, "size": len(data), "limit": limit})
         try:
             return parse(data)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and anything a parser raises
-            return Refused(WireError(f"the request is not a valid {message_type}: {exc}",
-                                     reason=Reason.WIRE_MALFORMED, metadata={"messageType": message_type}))
+            return WireError(f"the request is not a valid {message_type}: {exc}", reason=Reason.WIRE_MALFORMED,
+                             metadata={"messageType": message_type})
 
     return deserialize
-
-
-def with_tolerant_requests(handler: grpc.RpcMethodHandler[Any, Any],
-                           limit: int | None = None) -> grpc.RpcMethodHandler[Any, Any]:
-    """The same method handler, its request deserializer made ``tolerant`` (refusing bodies over ``limit``)."""
-    parse = handler.request_deserializer
-    if parse is None:
-        return handler
-    name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
-    replaced: grpc.RpcMethodHandler[Any, Any] = handler._replace(  # type: ignore[attr-defined]
-        request_deserializer=tolerant(parse, name.full_name if name is not None else "request", limit))
-    return replaced
 
 
 _Req = TypeVar("_Req")
@@ -91,8 +68,8 @@ def unary(fn: UnaryHandler[_Self, _Req, _Resp]) -> UnaryHandler[_Self, _Req, _Re
     @functools.wraps(fn)
     async def wrapper(self: _Self, request: _Req, context: grpc.aio.ServicerContext[_Req, _Resp]) -> _Resp:
         try:
-            if isinstance(request, Refused):
-                request.raise_error()
+            if isinstance(request, PdprotoError):  # refused by ``tolerant``
+                raise request
             return await fn(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -111,8 +88,8 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
         self: _Self, request: _Req, context: grpc.aio.ServicerContext[_Req, _Resp]
     ) -> AsyncIterator[_Resp]:
         try:
-            if isinstance(request, Refused):
-                request.raise_error()
+            if isinstance(request, PdprotoError):  # refused by ``tolerant``
+                raise request
             async for item in fn(self, request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -124,9 +101,7 @@ def stream(fn: StreamHandler[_Self, _Req, _Resp]) -> StreamHandler[_Self, _Req, 
 
 
 __all__ = [
-    "Refused",
     "stream",
     "tolerant",
     "unary",
-    "with_tolerant_requests",
 ]

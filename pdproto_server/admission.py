@@ -11,28 +11,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pdproto import backends
-from pdproto.errors import IdentityInUseError, NotFoundError, PdprotoError, Reason, ResourceLimitError
+from pdproto.errors import (IdentityInUseError, InvalidFieldError, NotFoundError, PdprotoError, Reason,
+                            ResourceLimitError)
 from pdproto.negotiation.topology import Decision, Rejection, negotiate
+from pdproto.transfer import Buffer, LayerSpan, TransferExecutor, TransferJob
 from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2
 
-from .credential import ENGINE_BYTES, RESPONSE_BYTES, EngineCredentials
-from .engine import PrefillEngine
-from .expiry import Deadlines
-from .metrics import ServiceMetrics
-from .registry import Allowance, Limits, Peer, PeerRegistry, identity_of, retry_after_ms
-from .runner import TransferRunner
+from .registry import ENGINE_BYTES, RESPONSE_BYTES, Allowance, Peer, identity_of, retry_after_ms
 from .validate import Bounds, check_registration, page_limit, registration_entries
 
 if TYPE_CHECKING:
-    from .housekeeping import Lifecycle
+    from .core import HandshakeCore
 
 log = logging.getLogger("pdproto_server.admission")
-"""An accepted registration's decision and its ``NegotiationResult`` without a peer id (shared: copy it)."""
 HEAVY_ENTRIES = 1024
 """A registration listing more buffers and tensors than this is checked and negotiated off the loop;
 real ones list a few hundred at most (two per layer for MHA, plus state tensors)."""
@@ -58,17 +58,11 @@ engine never makes one."""
 class Admission:
     """Register, Deregister, Evict, and the removal of restarted and dead peers."""
 
-    def __init__(self, engine: PrefillEngine, limits: Limits, metrics: ServiceMetrics, registry: PeerRegistry,
-                 runner: TransferRunner, deadlines: Deadlines[Peer], life: Lifecycle) -> None:
-        self.engine = engine
-        self.limits = limits
-        self.metrics = metrics
-        self.registry = registry
-        self.runner = runner
-        self.deadlines = deadlines
-        self.life = life
-        runner.on_peer_gone = self._peer_gone
-        self.credentials = EngineCredentials(engine.executor)
+    def __init__(self, core: HandshakeCore) -> None:
+        self.core = core
+        self.engine, self.limits, self.metrics, self.registry = core.engine, core.limits, core.metrics, core.registry
+        core.runner.on_peer_gone = self._peer_gone
+        self.credentials = EngineCredentials(core.engine.executor)
         self._registering = 0
         self._judge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdproto-judge")
         """Checks and negotiates registrations of more than ``HEAVY_ENTRIES`` buffers and tensors, one at
@@ -96,7 +90,7 @@ class Admission:
         return result
 
     async def _register(self, request: hs.RegisterRequest, origin: str) -> hs.RegisterResponse:
-        self.life.accepting()
+        self.core.accepting()
         verdict = None
         entries = registration_entries(request.registration)
         if entries > HEAVY_ENTRIES:
@@ -106,7 +100,7 @@ class Admission:
                 reg, verdict = await asyncio.wrap_future(self._judge.submit(self._check_and_negotiate, request, origin))
             finally:
                 self.judged -= 1
-            self.life.accepting()
+            self.core.accepting()
         else:
             reg = check_registration(request, origin)
         return await self._admit(reg, verdict or self._negotiate(reg))
@@ -151,9 +145,9 @@ class Admission:
         engine = backends.identity_key(reg)
         # Registrations of one decode rank run one at a time, so concurrent ones leave one peer.
         async with self.registry.serialized(identity):
-            self.life.accepting()
+            self.core.accepting()
             stale = await self._replaced(self.registry.stale_for(identity), identity, engine if bound else None)
-            self.life.accepting()  # a drain may have begun while it waited for a closing client's streams
+            self.core.accepting()  # a drain may have begun while it waited for a closing client's streams
             self.registry.check_capacity(self._registering - len(stale))
             for old in stale:
                 # Same notify endpoint or engine identity: the decode restarted (or one that binds its
@@ -288,16 +282,16 @@ class Admission:
                 if not peer.worker.busy:
                     self.registry.release(peer)
 
-        return self.life.spawn(disconnect(), f"disconnect-{peer.peer_id}")
+        return self.core.spawn(disconnect(), f"disconnect-{peer.peer_id}")
 
     def _peer_gone(self, peer: Peer) -> None:
         """The executor found the peer dead: free it in the background (once)."""
         if peer.closed or peer.gone_at is not None:
             return
         peer.gone_at = time.monotonic()
-        self.deadlines.add(peer.gone_at + self.limits.keep_finished, peer)
+        self.core.deadlines.add(peer.gone_at + self.limits.keep_finished, peer)
         log.warning("peer %s is gone (engine reported PEER_GONE); freeing its state", peer.peer_id)
-        self.life.spawn(self._release(peer, Reason.PEER_GONE, "the decode process is gone"), f"gone-{peer.peer_id}")
+        self.core.spawn(self._release(peer, Reason.PEER_GONE, "the decode process is gone"), f"gone-{peer.peer_id}")
 
     async def _release(self, peer: Peer, reason: Reason, message: str) -> tuple[int, asyncio.Task[object]]:
         """Fail the peer's open requests, end its streams, drop its engine connection in the background;
@@ -306,8 +300,8 @@ class Admission:
         A dead peer (PEER_GONE) keeps its record: its final statuses stay visible, and it counts toward
         ``max_peers``, until the decode re-registers (which replaces it) or ``keep_finished`` passes.
         """
-        open_requests = peer.open_requests()
-        await asyncio.gather(*(self.runner.stop(peer, r, reason, message) for r in open_requests))
+        open_requests = list(peer.open.values())
+        await asyncio.gather(*(self.core.runner.stop(peer, r, reason, message) for r in open_requests))
         peer.end_streams()
         return len(open_requests), self._disconnect_later(peer)
 
@@ -319,4 +313,65 @@ class Admission:
         self._judge.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["Admission", "HEAVY_ENTRIES", "JUDGE_BURST", "JUDGE_RATE", "MAX_JUDGED"]
+CREDENTIAL_SLOTS = 256
+"""Credential writes that may be in flight at once; each needs its own source bytes until its engine call ends."""
+
+
+class EngineCredentials:
+    """Writes the engine-bound part of peer credentials from a small registered source region.
+
+    A registration that names a ``credential_buffer`` gets the first ``RESPONSE_BYTES`` of its
+    credential in the ``RegisterResponse`` and the last ``ENGINE_BYTES`` written through the
+    transfer engine into that buffer, on the engine the registration names. Only the process that
+    owns that engine reads them, so a token holder that names another decode's engine (a Mooncake
+    session id is an address, so it can be guessed) gets a credential it cannot complete: it can
+    open no stream and submit nothing, so it never holds the identity against the decode that does
+    own the engine (docs/security.md).
+    """
+
+    def __init__(self, executor: TransferExecutor) -> None:
+        self._executor = executor
+        self._source: Buffer | None = None
+        self._free = list(range(CREDENTIAL_SLOTS))
+        self._lock = threading.Lock()
+
+    def _take(self) -> tuple[Buffer, int]:
+        with self._lock:
+            if self._source is None:
+                source = self._executor.allocate(ENGINE_BYTES * CREDENTIAL_SLOTS)
+                self._executor.register_memory([source])
+                self._source = source
+            if not self._free:
+                raise ResourceLimitError(
+                    f"{CREDENTIAL_SLOTS} registrations are writing their credentials at once; retry shortly",
+                    reason=Reason.TOO_MANY_REGISTRATIONS, metadata={"retryAfterMs": retry_after_ms(1.0)})
+            return self._source, self._free.pop()
+
+    def write(self, peer_id: str, registration: registration_pb2.KvRegistration) -> bytes:
+        """Write fresh random bytes into the peer's ``credential_buffer`` through the engine; return them.
+
+        Blocking (the peer's worker); the peer must be connected. A write the engine refuses
+        is an ``INVALID_FIELD`` naming the buffer.
+        """
+        secret = secrets.token_bytes(ENGINE_BYTES)
+        source, slot = self._take()
+        try:
+            offset = slot * ENGINE_BYTES
+            source.array[offset:offset + ENGINE_BYTES] = np.frombuffer(secret, dtype=np.uint8)
+            span = LayerSpan(src_ptr=source.addr + offset, dst_ptr=registration.credential_buffer.ptr,
+                             row_bytes=ENGINE_BYTES)
+            self._executor.execute(peer_id, TransferJob.of_runs([span], np.array([[0, 1, 0, 1, 1]], dtype=np.int64),
+                                                                pack=False))
+        except PdprotoError as exc:
+            raise InvalidFieldError(
+                "registration.credential_buffer",
+                "the prefill could not write this peer's credential into credential_buffer through the transfer "
+                f"engine ({exc.reason.name}: {exc.message}); it must be memory registered with the engine the "
+                "registration names", metadata={"peer": peer_id}) from exc
+        finally:
+            with self._lock:
+                self._free.append(slot)
+        return secret
+
+
+__all__ = ["Admission", "EngineCredentials", "HEAVY_ENTRIES", "JUDGE_BURST", "JUDGE_RATE", "MAX_JUDGED"]

@@ -103,12 +103,8 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     add_to_server(servicer, server)
     health = _health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = (
-        SERVICE_NAME,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     if config.tls_cert is not None and config.tls_key is not None:
         creds = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
         port = server.add_secure_port(config.listen, creds)
@@ -128,18 +124,18 @@ async def start_server(core: HandshakeCore, config: ServerConfig) -> RunningServ
     return RunningServer(server=server, health=health, core=core, port=port, config=config, legacy=legacy)
 
 
-async def serve(core: HandshakeCore, config: ServerConfig, *,
-                ready: Callable[[RunningServer], None] | None = None,
-                stop: asyncio.Event | None = None) -> int:
-    """Run until SIGTERM/SIGINT (or ``stop``), then shut down gracefully; returns the exit status."""
+async def serve(core: HandshakeCore, config: ServerConfig, ready: Callable[[RunningServer], None]) -> int:
+    """Run until SIGTERM/SIGINT, then shut down gracefully; returns the exit status.
+
+    ``ready`` is called once the server accepts calls.
+    """
     running = await start_server(core, config)
-    stop = stop or asyncio.Event()
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        if ready is not None:
-            ready(running)
+        ready(running)
         await stop.wait()
         log.info("shutting down: draining for up to %.1fs", config.grace)
     finally:

@@ -99,7 +99,7 @@ class TokenProof:
     against the nonce itself, and a flood of ``Authenticate`` calls holds no memory.
     """
 
-    def __init__(self, token: str | None, operator: str | None, *, ttl: float = PROOF_TTL_S) -> None:
+    def __init__(self, token: str | None, operator: str | None) -> None:
         self._tokens = {role: t for role, t in ((Role.PEER, token), (Role.OPERATOR, operator)) if t is not None}
         for role, t in self._tokens.items():
             if not t:
@@ -107,7 +107,6 @@ class TokenProof:
         self.names: ServedNames | None = None
         """Set once the server is bound (``start_server``); until then nothing is proven."""
         self._key = secrets.token_bytes(32)
-        self._ttl = ttl
 
     def _tag(self, issued: bytes, random: bytes, client_nonce: bytes) -> bytes:
         return hmac.new(self._key, issued + random + client_nonce, hashlib.sha256).digest()[:16]
@@ -143,7 +142,7 @@ class TokenProof:
         issued, random, tag = server_nonce[:8], server_nonce[8:24], server_nonce[24:]
         if len(server_nonce) != 40 or not hmac.compare_digest(tag, self._tag(issued, random, client_nonce)):
             return None
-        if time.time() - int.from_bytes(issued, "big") > self._ttl:
+        if time.time() - int.from_bytes(issued, "big") > PROOF_TTL_S:
             return None
         for role, token in self._tokens.items():
             if hmac.compare_digest(mac, proof.client_proof(token, server_nonce, client_nonce)):
@@ -191,14 +190,9 @@ class TokenProofInterceptor(grpc.aio.ServerInterceptor):
         return await continuation(handler_call_details)
 
 
-def is_loopback(address: str) -> bool:
-    """True when a listen address ("host:port") binds only to the loopback interface."""
-    return reach.is_loopback(address.rsplit(":", 1)[0])
-
-
 def require_token_policy(address: str, token: str | None, *, allow_insecure: bool = False) -> None:
     """Refuse to serve a non-loopback address without a token (unless explicitly allowed)."""
-    if token or allow_insecure or is_loopback(address):
+    if token or allow_insecure or reach.is_loopback(address.rsplit(":", 1)[0]):
         return
     raise ConfigError(
         f"refusing to listen on {address} without a deployment token; pass --token-file "
@@ -208,4 +202,4 @@ def require_token_policy(address: str, token: str | None, *, allow_insecure: boo
 
 
 __all__ = ["AUTHENTICATE", "EXEMPT_PREFIXES", "OPERATOR_METHODS", "PROOF_TTL_S", "Role", "ServedNames", "TokenProof",
-           "TokenProofInterceptor", "is_loopback", "require_token_policy"]
+           "TokenProofInterceptor", "require_token_policy"]

@@ -30,17 +30,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        if name != command:
-            continue
-        try:
+        if name == command:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            sp.set_defaults(_missing=module_name)
-            continue
-        module.add_arguments(sp)
-        sp.set_defaults(_run=module.run)
+            module.add_arguments(sp)
+            sp.set_defaults(_run=module.run)
     return parser
 
 
@@ -50,10 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     # The top level takes no options but --help, so the first other word names the command.
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
-    missing = getattr(args, "_missing", None)
-    if missing is not None:
-        print(f"pdproto {args.command}: not available in this build ({missing} missing)", file=sys.stderr)
-        return 2
     rc: int = args._run(args)
     return rc
 

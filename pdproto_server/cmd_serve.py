@@ -17,11 +17,10 @@ import logging
 import stat
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from pdproto.rpc import ChannelConfig
-from pdproto.errors import ConfigError, PdprotoError
 from pdproto import backends
+from pdproto.errors import ConfigError, PdprotoError
+from pdproto.rpc import ChannelConfig
 from pdproto.transfer import INLINE_BYTES, create_executor
 
 from .app import RunningServer, ServerConfig, serve
@@ -29,9 +28,6 @@ from .core import HandshakeCore
 from .engine import PrefillEngine
 from .metrics import ServiceMetrics, serve_metrics
 from .registry import Limits
-
-if TYPE_CHECKING:
-    from pdproto_demo.synthetic import SyntheticSpec
 
 
 def _rate(text: str) -> float:
@@ -176,20 +172,14 @@ def _inline_bytes(value: str) -> int:
     return n
 
 
-def _spec(args: argparse.Namespace) -> SyntheticSpec:
-    from pdproto_demo.synthetic import SyntheticSpec
+async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
+    from pdproto_demo.synthetic import SyntheticProducer, SyntheticSpec, build_source
 
-    return SyntheticSpec(layers=args.layers, row_bytes=args.row_bytes, pages=args.pages,
+    spec = SyntheticSpec(layers=args.layers, row_bytes=args.row_bytes, pages=args.pages,
                          page_size=args.page_size, prompt_tokens=args.prompt_tokens,
                          chunk_tokens=args.chunk_tokens, chunk_delay=args.chunk_delay_ms / 1000.0,
                          backend=args.backend, attention=args.attention, kv_cache_dtype=args.kv_dtype,
                          model_id=args.model_id)
-
-
-async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
-    from pdproto_demo.synthetic import SyntheticProducer, build_source
-
-    spec = _spec(args)
     inline_bytes = _inline_bytes(args.inline_bytes)
     # The local backend's arena holds only what this process advertises as a destination (nothing).
     # The executor's workers bound each engine call (a chunk's transfer, a connect) by --engine-timeout,
@@ -217,7 +207,7 @@ async def _main(args: argparse.Namespace, config: ServerConfig) -> int:
                               "legacy_port": legacy}), flush=True)
 
         try:
-            return await serve(core, config, ready=ready)
+            return await serve(core, config, ready)
         finally:
             await producer.close()
     finally:

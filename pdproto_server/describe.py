@@ -1,11 +1,8 @@
 """``Describe``: the server's state for operators, read from the core in one step (no await).
 
-It shows peer ids, negotiated decisions, open requests and limits, and never a
-credential or a memory address (a registration's buffer pointers are left out). Room ids,
-final statuses, engine identities and notify endpoints are shown only to the operator
-token, or for one peer to a caller with its credential: a room id is enough to submit for
-that room and receive its KV, and an engine identity to replace the peer that has it
-(docs/security.md), so a token holder must not read them off other peers.
+It shows peer ids, negotiated decisions, open requests and limits, and never a credential or
+a memory address. Room ids, final statuses, engine identities and notify endpoints are shown
+only to the operator token, or for one peer to a caller with its credential (docs/security.md).
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import heapq
 import time
 
 from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, backends
-from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs
+from pdproto.v1 import common_pb2, describe_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
 from .registry import Limits, Peer
@@ -59,7 +56,7 @@ def _peer_view(peer: Peer, hub: SessionHub, now: float, request_limit: int,
         for r in oldest)
     if finished_limit and full:
         kept = list(peer.finished.values())[-finished_limit:]
-        view.finished.extend(f.status() for f in kept)
+        view.finished.extend(transfer_pb2.TransferStatus.FromString(f.blob) for f in kept)
     return view
 
 
@@ -117,7 +114,7 @@ def describe(core: HandshakeCore, hub: SessionHub, request: hs.DescribeRequest, 
         rooms=len(core.engine.rooms),
         engine_calls=sum(1 for p in held if p.worker.busy),
         engine_calls_stuck=sum(1 for p in held if p.worker.stuck),
-        registrations_judged=core.judged,
+        registrations_judged=core.admission.judged,
     )
 
 

@@ -1,23 +1,20 @@
 """The prefill engine's in-process API: hand over the pools once, then report chunks and poll rooms.
 
-The engine (the prefill scheduler) builds a ``KvSource`` from its registered KV, aux and
-state buffers and calls ``PrefillEngine.submit_chunk`` for every chunk it computes; the
-last chunk of a room also names the room's aux slot and state slots, which move after the
-last KV byte and before SUCCESS. The service matches each room's chunks with the decode
-peers' ``SubmitTransfer``; whichever side arrives first waits, with a deadline. The engine
-may ask a room's decode prefix length before it allocates (``decode_prefix_len``), poll a
-room through SGLang's KVPoll life cycle (``poll``), and abort a room with a reason the
-decodes see (``abort``). Every public method is safe from any thread.
+How a prefill scheduler uses it: ``pdproto_server/README.md``, "The prefill engine API". The
+service matches each room's chunks with the decode peers' ``SubmitTransfer``; whichever side
+arrives first waits, with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -31,9 +28,8 @@ from pdproto.errors import (
 from pdproto.transfer import Buffer, TransferExecutor
 from pdproto.v1 import common_pb2, server_info_pb2
 
-from .expiry import Deadlines
-
 I64 = npt.NDArray[np.int64]
+T = TypeVar("T")
 
 
 StateSlots = tuple[tuple[int, ...], ...]
@@ -41,7 +37,7 @@ StateSlots = tuple[tuple[int, ...], ...]
 
 _STATE = (common_pb2.TRANSFER_STATE_BOOTSTRAPPING, common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT,
           common_pb2.TRANSFER_STATE_TRANSFERRING, common_pb2.TRANSFER_STATE_SUCCESS)
-_DONE = (common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED)
+TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 
 NUMPY_FROM = 256
@@ -55,6 +51,41 @@ def page_extent(pages: Sequence[int] | I64) -> tuple[int, int]:
         return int(array.min()), int(array.max())
     listed = pages.tolist() if isinstance(pages, np.ndarray) else pages
     return (min(listed), max(listed)) if len(listed) else (0, 0)
+
+
+class Deadlines(Generic[T]):
+    """Things to look at again at a given time, so that housekeeping costs what falls due, not what is kept.
+
+    The service keeps finished rooms, final statuses, gone peers and detached sessions for a
+    while; a tick that walked all of them would cost in proportion to everything retained (at
+    180,000 retained requests a tick took about 200 ms of the event loop). Instead each thing is
+    entered once, with its due time, and a tick takes only the entries due (``take_due``); it then
+    looks at each one again (a room may have been replaced, a session resumed) and drops it or
+    enters it again for later. ``work`` counts the entries taken, so tests can check that a tick's
+    cost follows what expired.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, T]] = []
+        self._order = itertools.count()
+        self.work = 0
+        """Entries taken so far (each taken once)."""
+
+    def add(self, due: float, item: T) -> None:
+        """Look at ``item`` again at ``due`` (monotonic seconds)."""
+        heapq.heappush(self._heap, (due, next(self._order), item))
+
+    def take_due(self, now: float) -> list[T]:
+        """Every item due at or before ``now``, oldest first, removed from the heap."""
+        out: list[T] = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            out.append(heapq.heappop(heap)[2])
+        self.work += len(out)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 @dataclass(frozen=True)
@@ -72,24 +103,31 @@ class KvSource:
     """Per ``info.state_entries`` entry, one registered buffer per tensor."""
 
     def __post_init__(self) -> None:
-        self._check_kv()
         info = self.info
+        if info.page_size <= 0:
+            raise InvalidFieldError("info.page_size", "page_size must be > 0")
+        if len(info.kv_entries) != len(self.buffers) or not self.buffers:
+            raise InvalidFieldError("buffers", f"{len(self.buffers)} buffers for {len(info.kv_entries)} KV entries",
+                                    metadata={"buffers": len(self.buffers), "entries": len(info.kv_entries)})
         if len(self.aux) != len(info.aux_entries):
             raise InvalidFieldError("aux", f"{len(self.aux)} buffers for {len(info.aux_entries)} aux entries")
-        for i, (a, buf) in enumerate(zip(info.aux_entries, self.aux, strict=True)):
-            if a.item_len == 0 or buf.length < a.item_len:
-                raise InvalidFieldError(f"info.aux_entries[{i}].item_len", "item_len must be > 0 and fit",
-                                        metadata={"itemLen": a.item_len, "bufferBytes": buf.length})
         if len(self.state) != len(info.state_entries):
             raise InvalidFieldError("state", f"{len(self.state)} buffer lists for"
                                     f" {len(info.state_entries)} state entries")
         for e, (entry, bufs) in enumerate(zip(info.state_entries, self.state, strict=True)):
             if len(bufs) != len(entry.tensors):
                 raise InvalidFieldError(f"state[{e}]", f"{len(bufs)} buffers for {len(entry.tensors)} tensors")
-            for t, (tensor, buf) in enumerate(zip(entry.tensors, bufs, strict=True)):
-                if tensor.item_len == 0 or buf.length < tensor.item_len:
-                    raise InvalidFieldError(f"info.state_entries[{e}].tensors[{t}].item_len",
-                                            "item_len must be > 0 and fit in the buffer")
+        # (field, its description with an item_len, its buffer) of every KV entry, aux entry and state tensor
+        described: list[tuple[str, Any, Buffer]] = [
+            *((f"info.kv_entries[{i}]", k, b) for i, (k, b) in enumerate(zip(info.kv_entries, self.buffers))),
+            *((f"info.aux_entries[{i}]", a, b) for i, (a, b) in enumerate(zip(info.aux_entries, self.aux))),
+            *((f"info.state_entries[{e}].tensors[{t}]", tensor, buf)
+              for e, (entry, bufs) in enumerate(zip(info.state_entries, self.state))
+              for t, (tensor, buf) in enumerate(zip(entry.tensors, bufs)))]
+        for field, item, buf in described:
+            if item.item_len == 0 or buf.length < item.item_len:
+                raise InvalidFieldError(f"{field}.item_len", "item_len must be > 0 and fit in the buffer",
+                                        metadata={"itemLen": item.item_len, "bufferBytes": buf.length})
 
     def aux_slots(self) -> int:
         """Aux slots every aux buffer holds (the smallest decides)."""
@@ -100,28 +138,10 @@ class KvSource:
         return min(b.length // t.item_len
                    for b, t in zip(self.state[entry], self.info.state_entries[entry].tensors, strict=True))
 
-    def _check_kv(self) -> None:
-        entries = self.info.kv_entries
-        if self.info.page_size <= 0:
-            raise InvalidFieldError("info.page_size", "page_size must be > 0")
-        if len(entries) != len(self.buffers) or not entries:
-            raise InvalidFieldError("buffers", f"{len(self.buffers)} buffers for {len(entries)} KV entries",
-                                    metadata={"buffers": len(self.buffers), "entries": len(entries)})
-        for i, (entry, buf) in enumerate(zip(entries, self.buffers, strict=True)):
-            if entry.item_len == 0 or buf.length < entry.item_len:
-                raise InvalidFieldError(f"info.kv_entries[{i}].item_len",
-                                        "item_len must be > 0 and fit in the buffer",
-                                        metadata={"itemLen": entry.item_len, "bufferBytes": buf.length})
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page."""
-        return int(self.info.page_size)
-
     @functools.cached_property
     def virtual_page(self) -> int:
         """Global tokens per source page index (``page_size * dcp.size``; dense: the page size)."""
-        return self.page_size * max(int(self.info.dcp.size), 1)
+        return int(self.info.page_size) * max(int(self.info.dcp.size), 1)
 
     @functools.cached_property
     def num_pages(self) -> int:
@@ -152,40 +172,6 @@ class Chunk:
     None: consecutive from ``page_offset``."""
 
 
-class RequestView(Protocol):
-    """What a room needs to know of a decode's request for it: its state, why it failed, what moved."""
-
-    @property
-    def state(self) -> int:
-        """``TransferState`` value."""
-        ...
-
-    @property
-    def failure_code(self) -> str:
-        """Reason code (``pdproto.errors.Reason`` name) once FAILED; empty otherwise."""
-        ...
-
-    @property
-    def failure_reason(self) -> str:
-        """Reason text once FAILED; empty otherwise."""
-        ...
-
-    @property
-    def bytes(self) -> int:
-        """KV bytes written so far."""
-        ...
-
-    @property
-    def aux_bytes(self) -> int:
-        """Aux bytes written so far."""
-        ...
-
-    @property
-    def state_bytes(self) -> int:
-        """State bytes written so far."""
-        ...
-
-
 @dataclass(frozen=True)
 class RoomStatus:
     """A room over every decode request for it: its state, the first failure's reason, the bytes moved."""
@@ -206,22 +192,30 @@ class RoomStatus:
     """Decode requests for the room (fan-out: one per decode rank the room feeds)."""
 
 
-@dataclass(frozen=True)
-class FinalState:
-    """What a room keeps of a finished request: its outcome (a ``RequestView``), not the request."""
+@dataclass
+class Outcome:
+    """What a room knows of a decode's request for it: its state, why it failed, the bytes it moved.
 
-    state: int
-    """``TransferState`` value (SUCCESS or FAILED)."""
+    A request (``registry.Request``) is one while it runs; a finished one leaves just this (not its pages).
+    """
+
+    state: int = common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
+    """``TransferState`` value."""
     failure_code: str = ""
-    """Reason code once FAILED."""
+    """Reason code (``pdproto.errors.Reason`` name) once FAILED; empty otherwise."""
     failure_reason: str = ""
-    """Reason text once FAILED."""
+    """Reason text once FAILED; empty otherwise."""
     bytes: int = 0
-    """KV bytes written."""
+    """KV bytes written so far."""
     aux_bytes: int = 0
-    """Aux bytes written."""
+    """Aux bytes written so far."""
     state_bytes: int = 0
-    """State bytes written."""
+    """State bytes written so far."""
+
+    @property
+    def terminal(self) -> bool:
+        """SUCCESS or FAILED."""
+        return self.state in TERMINAL
 
 
 @dataclass
@@ -241,14 +235,10 @@ class RoomLog:
     """The decode's prefix (tokens it already holds), from the first request for the room."""
     expected: int = 1
     """Decode ranks that submit for the room on this prefill rank (SGLang required_dst_info_num)."""
-    requests: dict[str, RequestView] = field(default_factory=dict)
+    requests: dict[str, Outcome] = field(default_factory=dict)
     """The decodes' requests for the room, by peer id."""
     aborted: str = ""
     """Why the engine aborted the room; empty unless it did."""
-
-    def poll(self) -> int:
-        """The room's ``TransferState`` over every decode's request (SGLang's KVPoll life cycle)."""
-        return self.status().state
 
     def status(self) -> RoomStatus:
         """The room's state, the first failed request's reason and the bytes moved, over every request."""
@@ -326,7 +316,7 @@ class PrefillEngine:
         log.finished_at = time.monotonic()
         self.deadlines.add(log.finished_at + self.keep_finished, log)
 
-    def claim(self, room: int, *, peer_id: str = "", request: RequestView | None = None,
+    def claim(self, room: int, *, peer_id: str = "", request: Outcome | None = None,
               prefix_len: int | None = None, expected: int = 1) -> RoomLog:
         """The room's log, marked as wanted by a decode and tracking its request (loop thread only)."""
         log = self.room(room)
@@ -493,7 +483,7 @@ class PrefillEngine:
                 continue  # released, or replaced by a new prefill of the room
             orphan = not log.claimed and now - log.created >= self.orphan_after
             stale = log.finished_at is not None and now - log.finished_at >= self.keep_finished
-            over = all(r.state in _DONE for r in log.requests.values())
+            over = all(r.terminal for r in log.requests.values())
             abandoned = log.claimed and now - log.created >= self.orphan_after + self.keep_finished and over
             if orphan or stale or abandoned:
                 if not stale:
@@ -506,4 +496,4 @@ class PrefillEngine:
         return dropped
 
 
-__all__ = ["Chunk", "FinalState", "KvSource", "PrefillEngine", "RequestView", "RoomLog", "RoomStatus", "StateSlots"]
+__all__ = ["TERMINAL", "Chunk", "Deadlines", "KvSource", "Outcome", "PrefillEngine", "RoomLog", "RoomStatus", "StateSlots"]

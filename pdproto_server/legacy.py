@@ -1,20 +1,9 @@
 """The legacy listener: unmodified SGLang 0.5.23 decodes, served by the same core as gRPC peers.
 
-An SGLang decode run with ``--disaggregation-transfer-backend mooncake`` (or ``nixl``) sends its
-positional frames to the ``rank_port`` of the prefill rank's bootstrap record (docs/migration.md).
-One thread per prefill rank reads them from a ZMQ PULL socket and parses them with
-``pdproto.legacy`` (a NIXL guard frame tells the layouts apart); the ``HandshakeCore`` does the
-rest on its loop, as for a gRPC peer: a registration is a Register (checked, negotiated, its own
-peer and worker; the peer is the decode rank its notify endpoint and engine identity name), a
-TransferInfo a SubmitTransfer, an ABORT an Abort. The decode learns how each request ended as
-SGLang's own prefill tells it: a status message pushed to the endpoint its frames name, with the
-reason (Mooncake's layout has no reason frame, but SGLang's decode reads a fourth one:
-``common/conn.py:777-781``). Nothing here negotiates or moves bytes. The prefill's engine
-decides which decodes it serves: a Mooncake decode's registration reaches a NIXL prefill as
-TOPOLOGY_BACKEND_UNSUPPORTED, told to the decode like any refusal.
-
-Off (``serve=False``), the port still answers each TransferInfo with a Failed status naming
-the setting, so a decode pointed at it fails at once instead of waiting for its timeout.
+What it serves, sends and refuses: docs/migration.md, "Mixed fleets". One thread per prefill
+rank reads the frames from a ZMQ PULL socket and parses them with ``pdproto.legacy`` (a NIXL
+guard frame tells the layouts apart); the ``HandshakeCore`` does the rest on its loop, as for a
+gRPC peer. Nothing here negotiates or moves bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +26,8 @@ from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, 
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
-from .registry import TERMINAL, Peer, identity_of
+from .engine import TERMINAL
+from .registry import Peer, identity_of
 
 log = logging.getLogger("pdproto_server.legacy")
 
@@ -314,24 +304,25 @@ class LegacyListener:
     async def _submit(self, info: transfer_pb2.TransferInfo, codec: Codec) -> None:
         """M2 (``TransferInfo``): SubmitTransfer for the decode's peer; a refusal answers Failed with why."""
         endpoint = (info.notify_endpoint.host, info.notify_endpoint.port)
-        known = self.decodes.get(endpoint)
-        async with known.order if known is not None else contextlib.nullcontext():
-            await self._submit_in_order(endpoint, info, codec)
+        async with self._in_order(endpoint):
+            try:
+                decode, peer = await self._peer(endpoint)
+                self._claim(info, peer)
+                info.generation = (peer.generation_of(info.room) or 0) + 1
+                if info.is_dummy:
+                    decode.silent.add(info.room)
+                status = await self.core.submit_to(peer, info)
+            except PdprotoError as exc:
+                if info.room not in self.aborted:
+                    self.tell(endpoint, info.room, common_pb2.TRANSFER_STATE_FAILED,
+                              f"{exc.reason.name}: {exc.message}", codec)
+                raise
+            decode.push(status)  # over already (the room's chunks were all there): its end, once
 
-    async def _submit_in_order(self, endpoint: Endpoint, info: transfer_pb2.TransferInfo, codec: Codec) -> None:
-        try:
-            decode, peer = await self._peer(endpoint)
-            self._claim(info, peer)
-            info.generation = (peer.generation_of(info.room) or 0) + 1
-            if info.is_dummy:
-                decode.silent.add(info.room)
-            status = await self.core.submit_to(peer, info)
-        except PdprotoError as exc:
-            if info.room not in self.aborted:
-                self.tell(endpoint, info.room, common_pb2.TRANSFER_STATE_FAILED, f"{exc.reason.name}: {exc.message}",
-                          codec)
-            raise
-        decode.push(status)  # over already (the room's chunks were all there): its end, once
+    def _in_order(self, endpoint: Endpoint) -> contextlib.AbstractAsyncContextManager[object]:
+        """Held while a TransferInfo or ABORT of the decode at ``endpoint`` is handled (``_Decode.order``)."""
+        known = self.decodes.get(endpoint)
+        return known.order if known is not None else contextlib.nullcontext()
 
     async def _peer(self, endpoint: Endpoint) -> tuple[_Decode, Peer]:
         decode = self.decodes.get(endpoint)
@@ -375,29 +366,25 @@ class LegacyListener:
             raise error_for(Reason.INVALID_FIELD, "an ABORT without a return address names no decode",
                             violations=[("decode_ip", "required")])
         endpoint = (note.reply_endpoint.host, note.reply_endpoint.port)
-        known = self.decodes.get(endpoint)
-        async with known.order if known is not None else contextlib.nullcontext():
-            await self._abort_in_order(endpoint, note)
-
-    async def _abort_in_order(self, endpoint: Endpoint, note: transfer_pb2.AbortNotification) -> None:
-        decode = self.decodes.get(endpoint)
-        peer = decode.peer.result() if decode is not None and decode.peer.done() and \
-            not decode.peer.exception() else None
-        if decode is not None and peer is not None and peer.peer_id in self._rooms.get(note.room, {}):
-            # Every rank of that decode aborts the room and records its own reason: none is told the room's
-            # end, also when this abort failed the room's other ranks first (SGLang's prefill tells none).
-            self.aborted[note.room] = None
-            _trim(self.aborted)
-            try:
-                await self.core.abort_for(peer, transfer_pb2.AbortNotification(room=note.room))
-            except NotFoundError:
-                pass  # nothing of the room is left to write its pages
-        ack = transfer_pb2.AbortAck(room=note.room)
-        if note.HasField("generation"):  # the decode's deferred release waits for this one
-            ack.prefill_rank, ack.generation = self.core.engine.prefill_rank, note.generation
-        elif decode is not None and decode.codec is nixl:
-            return  # SGLang's NIXL prefill acknowledges only a deferred release (nixl/conn.py:3340-3346)
-        self._queue(endpoint, mooncake.build_abort_ack(ack))
+        async with self._in_order(endpoint):
+            decode = self.decodes.get(endpoint)
+            peer = decode.peer.result() if decode is not None and decode.peer.done() and \
+                not decode.peer.exception() else None
+            if decode is not None and peer is not None and peer.peer_id in self._rooms.get(note.room, {}):
+                # Every rank of that decode aborts the room and records its own reason: none is told the room's
+                # end, also when this abort failed the room's other ranks first (SGLang's prefill tells none).
+                self.aborted[note.room] = None
+                _trim(self.aborted)
+                try:
+                    await self.core.abort_for(peer, transfer_pb2.AbortNotification(room=note.room))
+                except NotFoundError:
+                    pass  # nothing of the room is left to write its pages
+            ack = transfer_pb2.AbortAck(room=note.room)
+            if note.HasField("generation"):  # the decode's deferred release waits for this one
+                ack.prefill_rank, ack.generation = self.core.engine.prefill_rank, note.generation
+            elif decode is not None and decode.codec is nixl:
+                return  # SGLang's NIXL prefill acknowledges only a deferred release (nixl/conn.py:3340-3346)
+            self._queue(endpoint, mooncake.build_abort_ack(ack))
 
     async def _bootstrap(self, note: transfer_pb2.PrefillCompleteBootstrap, codec: Codec) -> None:
         """M6 (``BOOTSTRAP``, decode allocation policy ``prefill_complete``): not served; answered Failed."""

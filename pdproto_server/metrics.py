@@ -80,7 +80,11 @@ class ServiceMetrics:
 
     def registered(self, outcome: str) -> None:
         """Count one Register call ("ACCEPTED" or the rejection reason); the labelled child is looked up once."""
-        _child(self._registration_children, self.registrations, outcome).inc()
+        children = self._registration_children
+        child = children.get(outcome)
+        if child is None:
+            child = children[outcome] = self.registrations.labels(outcome=outcome)
+        child.inc()
 
 
 class _PerRequest(Collector):
@@ -103,14 +107,6 @@ class _PerRequest(Collector):
         yield done
         yield GaugeMetricFamily("pdproto_requests_inflight", "Open transfer requests.",
                                 value=self.metrics.open_requests())
-
-
-def _child(children: dict[str, Any], metric: Any, outcome: str) -> Any:
-    """``metric.labels(outcome=outcome)``, cached in ``children``."""
-    child = children.get(outcome)
-    if child is None:
-        child = children[outcome] = metric.labels(outcome=outcome)
-    return child
 
 
 def serve_metrics(metrics: ServiceMetrics, port: int, host: str = "127.0.0.1") -> int:

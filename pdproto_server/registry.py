@@ -1,21 +1,17 @@
 """Registered decode peers, their open requests, finished statuses and status streams, with limits.
 
-What the service keeps, and what bounds it (``docs/security.md``, "Memory and threads"):
-an open request keeps its ``TransferInfo`` and destination pages until it ends; a
-finished one keeps only its final ``TransferStatus`` (at most ``max_finished_per_peer``
-per peer, each for ``keep_finished`` seconds); a peer counts toward ``max_peers`` from
-registration until it is released, gone peers and peers whose engine call has not
-returned yet included.
+What the service keeps, for how long, and what bounds it: ``docs/security.md``, "Memory and threads".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import math
 import secrets
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -25,13 +21,12 @@ import numpy.typing as npt
 from pdproto import backends
 from pdproto.errors import NotFoundError, Reason, ResourceLimitError
 from pdproto.negotiation.topology import Decision
-from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2, transfer_pb2
+from pdproto.v1 import registration_pb2, server_info_pb2, transfer_pb2
 
 from pdproto.transfer.worker import Call, PeerWorker
 
-from .engine import RoomLog
+from .engine import Outcome, RoomLog
 
-TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 
 SNAPSHOT_BURST = 4
@@ -120,8 +115,8 @@ class Limits:
         return 2 * self.kept_per_peer
 
 
-@dataclass
-class Request:
+@dataclass(kw_only=True)
+class Request(Outcome):
     """One request of one peer: destination, progress, and where it is on its way to a terminal status."""
 
     peer_id: str
@@ -133,17 +128,10 @@ class Request:
     long (``LARGE_PAGE_LIST``: the planner reads the whole list at every chunk)."""
     prefix_len: int
     prefill_rank: int
-    state: int = common_pb2.TRANSFER_STATE_WAITING_FOR_INPUT
-    failure_code: str = ""
-    failure_reason: str = ""
-    bytes: int = 0
     descriptors: int = 0
-    aux_bytes: int = 0
-    state_bytes: int = 0
     aux_descriptors: int = 0
     state_descriptors: int = 0
     chunks_done: int = 0
-    finished_at: float | None = None
     admitted_at: float = field(default_factory=time.monotonic)
     room_log: RoomLog | None = field(default=None, repr=False)
     """The room it takes its chunks from, until it ends (``pdproto_server/runner.py``)."""
@@ -158,11 +146,6 @@ class Request:
     """Why it was stopped (ABORTED, PEER_GONE, SHUTTING_DOWN); it ends FAILED with this."""
     final: transfer_pb2.TransferStatus | None = None
     """Its terminal status, once it has one (the message every stream got)."""
-
-    @property
-    def terminal(self) -> bool:
-        """SUCCESS or FAILED."""
-        return self.state in TERMINAL
 
     def status(self) -> transfer_pb2.TransferStatus:
         """The current status message."""
@@ -184,10 +167,6 @@ class Finished(NamedTuple):
     """Its generation (read without parsing ``blob``)."""
     blob: bytes
     """The serialized final ``TransferStatus``."""
-
-    def status(self) -> transfer_pb2.TransferStatus:
-        """The final status message."""
-        return transfer_pb2.TransferStatus.FromString(self.blob)
 
 
 class Snapshot(NamedTuple):
@@ -227,7 +206,7 @@ class Peer:
     credential: bytes = field(default=b"", repr=False)
     """The peer's capability (``RegisterResponse.peer_credential``); every later call must present it."""
     bound: bool = False
-    """Part of its credential went through its transfer engine (``credential.py``)."""
+    """Part of its credential went through its transfer engine (``admission.EngineCredentials``)."""
     proven: bool = False
     """A call carried its whole credential; for a bound peer, proof that it owns its engine."""
     open: dict[int, Request] = field(default_factory=dict)
@@ -261,10 +240,6 @@ class Peer:
 
     def __hash__(self) -> int:
         return id(self)
-
-    def open_requests(self) -> list[Request]:
-        """Requests not yet SUCCESS or FAILED."""
-        return list(self.open.values())
 
     def generation_of(self, room: int) -> int | None:
         """The room's current generation (open or finished), None when the peer has no record of it."""
@@ -340,58 +315,11 @@ def identity_of(registration: registration_pb2.KvRegistration) -> tuple[str, ...
 
 CREDENTIAL_BYTES = 32
 """Random bytes in a peer credential (256 bits; the issue asks for at least 128)."""
-
-
-class _KeyLocks:
-    """One asyncio lock per key, held in sorted key order, kept only while someone uses it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-
-    def holding(self, keys: tuple[str, ...]) -> _Holding:
-        """Hold every key's lock (sorted, so two callers never wait on each other in a cycle)."""
-        return _Holding(self._locks, sorted(set(keys)))
-
-
-class _Holding:
-    """``_KeyLocks.holding``: a class, not a generator, since every Register enters one."""
-
-    __slots__ = ("_entries", "_held", "_keys", "_locks")
-
-    def __init__(self, locks: dict[str, tuple[asyncio.Lock, list[int]]], keys: list[str]) -> None:
-        self._locks = locks
-        self._keys = keys
-        self._entries: list[tuple[asyncio.Lock, list[int]]] = []
-        self._held: list[asyncio.Lock] = []
-
-    async def __aenter__(self) -> None:
-        locks = self._locks
-        for key in self._keys:
-            entry = locks.get(key)
-            if entry is None:
-                entry = locks[key] = (asyncio.Lock(), [0])
-            entry[1][0] += 1
-            self._entries.append(entry)
-        try:
-            for lock, _ in self._entries:
-                await lock.acquire()
-                self._held.append(lock)
-        except BaseException:
-            self._release()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        for lock in reversed(self._held):
-            lock.release()
-        self._held.clear()
-        for key, (_, users) in zip(self._keys, self._entries, strict=True):
-            users[0] -= 1
-            if users[0] == 0:
-                del self._locks[key]
-        self._entries.clear()
+ENGINE_BYTES = 16
+"""Credential bytes a bound peer's credential has written through its engine (128 bits: what the issue asks
+of a credential; ``admission.EngineCredentials``)."""
+RESPONSE_BYTES = 16
+"""Credential bytes a bound peer gets in its ``RegisterResponse``."""
 
 
 class PeerRegistry:
@@ -407,7 +335,8 @@ class PeerRegistry:
         self.peers: dict[str, Peer] = {}
         self.retired: dict[str, Peer] = {}
         self._by_identity: dict[str, str] = {}
-        self._identity_locks = _KeyLocks()
+        self._identity_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        """One lock per identity key, with its users: kept only while someone holds or waits for it."""
         # Compared against when the peer id is unknown, so both refusals take the same time.
         self._decoy = secrets.token_bytes(CREDENTIAL_BYTES)
 
@@ -473,9 +402,29 @@ class PeerRegistry:
                           "retryAfterMs": retry_after_ms(wait - CALL_HOLD_S)})
         return wait
 
-    def serialized(self, identity: tuple[str, ...]) -> _Holding:
-        """Hold while registering ``identity``: registrations of one decode rank run one at a time."""
-        return self._identity_locks.holding(identity)
+    @contextlib.asynccontextmanager
+    async def serialized(self, identity: tuple[str, ...]) -> AsyncIterator[None]:
+        """Hold while registering ``identity``: registrations of one decode rank run one at a time.
+
+        Every key's lock is taken in sorted order, so two registrations never wait on each other in a cycle.
+        """
+        keys = sorted(set(identity))
+        entries = [self._identity_locks.setdefault(key, (asyncio.Lock(), [0])) for key in keys]
+        for _, users in entries:
+            users[0] += 1
+        held: list[asyncio.Lock] = []
+        try:
+            for lock, _ in entries:
+                await lock.acquire()
+                held.append(lock)
+            yield
+        finally:
+            for lock in reversed(held):
+                lock.release()
+            for key, (_, users) in zip(keys, entries, strict=True):
+                users[0] -= 1
+                if users[0] == 0:
+                    del self._identity_locks[key]
 
     def stale_for(self, identity: tuple[str, ...]) -> list[Peer]:
         """Registered peers that share any identity key (a restarted decode rank)."""
@@ -524,5 +473,5 @@ class PeerRegistry:
             del self.retired[peer.peer_id]
 
 
-__all__ = ["Allowance", "CALL_BURST_S", "CALL_HOLD_S", "CREDENTIAL_BYTES", "Finished", "Limits", "Peer",
-           "PeerRegistry", "Request", "SNAPSHOT_BURST", "StatusSink", "TERMINAL", "identity_of", "retry_after_ms"]
+__all__ = ["Allowance", "CALL_BURST_S", "CALL_HOLD_S", "CREDENTIAL_BYTES", "ENGINE_BYTES", "Finished", "Limits", "Peer",
+           "PeerRegistry", "RESPONSE_BYTES", "Request", "SNAPSHOT_BURST", "StatusSink", "identity_of", "retry_after_ms"]

@@ -11,13 +11,12 @@ from pdproto.errors import (DeadlineExceededError, DuplicateRequestError, Invali
                             PdprotoError, Reason, RequestFailedError, ResourceLimitError)
 from pdproto.v1 import handshake_service_pb2 as hs, transfer_pb2
 
-from .engine import PrefillEngine
-from .registry import Limits, Peer, PeerRegistry, Request
-from .runner import TransferRunner, drained
+from .registry import Peer, Request
+from .runner import drained
 from .validate import check_transfer
 
 if TYPE_CHECKING:
-    from .housekeeping import Lifecycle
+    from .core import HandshakeCore
 
 LARGE_PAGE_LIST = 4096
 """Destination pages from which a request keeps its list as an int64 array (1M pages over 64 chunks:
@@ -27,17 +26,13 @@ about 230 ms of server CPU converting the protobuf list again at each chunk)."""
 class Requests:
     """SubmitTransfer and Abort: generations, supersession, the per-peer in-flight limit, drained aborts."""
 
-    def __init__(self, engine: PrefillEngine, limits: Limits, registry: PeerRegistry, runner: TransferRunner,
-                 life: Lifecycle) -> None:
-        self.engine = engine
-        self.limits = limits
-        self.registry = registry
-        self.runner = runner
-        self.life = life
+    def __init__(self, core: HandshakeCore) -> None:
+        self.core = core
+        self.engine, self.limits, self.registry, self.runner = core.engine, core.limits, core.registry, core.runner
 
     async def submit(self, request: hs.SubmitTransferRequest) -> transfer_pb2.TransferStatus:
         """Admit one request generation and start moving its chunks as they arrive."""
-        self.life.accepting()
+        self.core.accepting()
         peer = self.registry.peer(request.peer_id, request.peer_credential)
         if not request.HasField("transfer"):
             raise InvalidFieldError.of([("transfer", "required")])
@@ -45,7 +40,7 @@ class Requests:
 
     async def submit_to(self, peer: Peer, info: transfer_pb2.TransferInfo) -> transfer_pb2.TransferStatus:
         """``submit`` for a peer whose credential was already checked (a session stream checks it once)."""
-        self.life.accepting()
+        self.core.accepting()
         _check_alive(peer)
         pages = check_transfer(info, peer)
         current = peer.generation_of(info.room)

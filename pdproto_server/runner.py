@@ -1,17 +1,9 @@
 """Requests from admission to their terminal status, with no task per request.
 
-A request waits for its room's chunks by callback: the room log calls it when a chunk
-arrives, and a timer (``loop.call_at``) fails it with MATCH_TIMEOUT when the next chunk
-does not come within ``match_timeout``. A dummy request (no KV for this rank) takes each
-chunk as it comes and ends on the last one, without leaving the callback. A chunk with
-bytes to move goes to its peer's queue, together with the request's later chunks that
-have arrived meanwhile (at most ``COALESCE``: one job, so no drain or hop between them);
-one task per peer with work (``_work``) takes the queue in order and hands each job to the
-peer's worker (``pdproto/transfer/worker.py``), which runs that peer's engine calls one at
-a time anyway, each with the executor's deadline. Every request ends exactly once, in
-SUCCESS or FAILED with a reason (``finish``), and FAILED is published only once no chunk
-of the request is inside the engine (or the drain timed out): the decode may reuse its
-pages when it sees it.
+How a request waits for chunks (a callback and a MATCH_TIMEOUT timer), moves them (one task
+per peer with work, on the peer's worker) and ends (``finish``, exactly once; FAILED only once
+no chunk of it is inside the engine, so the decode may reuse its pages when it sees it):
+``pdproto_server/README.md``, reading order 5.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -27,7 +18,7 @@ from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, RequestF
 from pdproto.negotiation.slots import SlotCopy
 from pdproto.v1 import common_pb2
 
-from .engine import Chunk, FinalState, PrefillEngine, RoomLog
+from .engine import Chunk, Outcome, PrefillEngine, RoomLog
 from .metrics import ServiceMetrics
 from .registry import Limits, Peer, Request
 from .transfers import build_job, slot_copies
@@ -165,13 +156,12 @@ class TransferRunner:
         if reason is not None:
             request.failure_code = reason.code
             request.failure_reason = message or reason.code
-        request.finished_at = time.monotonic()
         if peer.open.get(request.room) is request:
             del peer.open[request.room]
         room_log = self.engine.rooms.get(request.room)
         if room_log is not None and room_log.requests.get(peer.peer_id) is request:
             # Not the request and its pages: its outcome, which PrefillEngine.status reports.
-            room_log.requests[peer.peer_id] = FinalState(
+            room_log.requests[peer.peer_id] = Outcome(
                 request.state, request.failure_code, request.failure_reason, request.bytes,
                 request.aux_bytes, request.state_bytes)
         if request.waiter is not None and request.room_log is not None:
@@ -214,7 +204,8 @@ class TransferRunner:
                     await self._move(peer, request, chunks)
                 except PdprotoError as exc:
                     request.moving = False
-                    self.finish(peer, request, FAILED, *self._stopped_or(request, exc.reason, exc.message))
+                    # A stopped request ends with why it was stopped, not with how its engine call ended.
+                    self.finish(peer, request, FAILED, *(request.cancel_reason or (exc.reason, exc.message)))
                     # A dead peer is written off whole; a stuck engine call fails only the requests it holds up.
                     if exc.reason is Reason.PEER_GONE and self.on_peer_gone is not None:
                         self.on_peer_gone(peer)
@@ -241,11 +232,6 @@ class TransferRunner:
                 del self._queues[peer.peer_id]
             if self._workers.get(peer.peer_id) is asyncio.current_task():
                 del self._workers[peer.peer_id]
-
-    @staticmethod
-    def _stopped_or(request: Request, reason: Reason, message: str) -> tuple[Reason, str]:
-        """A stopped request ends with why it was stopped, not with how its engine call ended."""
-        return request.cancel_reason or (reason, message)
 
     async def _move(self, peer: Peer, request: Request, chunks: list[Chunk]) -> None:
         """Move a run of chunks' KV rows as one job; the last chunk's state and aux slot ride in it too."""

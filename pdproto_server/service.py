@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message_factory import GetMessageClass
 
 from pdproto.errors import AuthError, Reason
 from pdproto.v1 import handshake_service_pb2 as hs
@@ -117,35 +118,26 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
         return hs.DeregisterResponse(failed_requests=await self.core.deregister(request))
 
 
-class _Handlers:
-    """Takes what the generated ``add_..._to_server`` registers, to pass it on changed."""
-
-    def __init__(self) -> None:
-        self.methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-        self.service = ""
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        """Ignored: the registered method handlers below carry the same methods."""
-
-    def add_registered_method_handlers(self, service: str,
-                                       methods: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
-        """The generated code's per-method handlers."""
-        self.service, self.methods = service, methods
-
-
 def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer as the generated code does, but refuse request bodies typed before parsing them.
+    """Register the servicer's methods, as the generated code would, but with ``_status.tolerant`` deserializers.
 
     A body over its method's ``request_limits`` (RESOURCE_EXHAUSTED, MESSAGE_TOO_LARGE, never parsed)
     or one that does not parse (INVALID_ARGUMENT, WIRE_MALFORMED) reaches the handler's wrapper instead
     of failing in grpc's deserializer, which answers a bare UNKNOWN.
     """
-    taken = _Handlers()
-    hs_grpc.add_HandshakeServiceServicer_to_server(servicer, taken)  # type: ignore[arg-type]
     caps = request_limits(servicer.core.limits)
-    methods = {name: _status.with_tolerant_requests(h, caps.get(name)) for name, h in taken.methods.items()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, methods),))
-    server.add_registered_method_handlers(taken.service, methods)
+    service = hs.DESCRIPTOR.services_by_name["HandshakeService"]
+    methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        request, response = (GetMessageClass(t) for t in (method.input_type, method.output_type))
+        handler: Any = (grpc.stream_stream_rpc_method_handler if method.client_streaming
+                        else grpc.unary_stream_rpc_method_handler if method.server_streaming
+                        else grpc.unary_unary_rpc_method_handler)
+        methods[method.name] = handler(
+            getattr(servicer, method.name), response_serializer=response.SerializeToString,
+            request_deserializer=_status.tolerant(request.FromString, method.input_type.full_name, caps.get(method.name)))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, methods),))
+    server.add_registered_method_handlers(service.full_name, methods)
 
 
 __all__ = ["SMALL_REQUEST_BYTES", "HandshakeServicer", "add_to_server", "request_limits"]

@@ -1,16 +1,10 @@
 """Session streams: one decode peer's submits and aborts in, results and status changes out.
 
-A ``ServerSession`` belongs to one peer and outlives its streams: it subscribes to the
-peer's statuses when it starts (in the same step as its snapshot, so no change is
-missed), and keeps its ``EventLog`` (``pdproto.session``) while no stream is attached,
-for ``Limits.keep_finished`` seconds, so a client that lost its stream resumes without
-losing or repeating an event.
-
-A stream (one gRPC ``Session`` call) is two coroutines: the handler writes (it sleeps until the log has something sendable, then
-writes everything the window allows in one message) and one reader task per stream
-applies acknowledgements and commands in order. A command beyond the client's command
-window is held unread; with ``command_window`` commands held the reader stops reading,
-so a flooding client stalls on HTTP/2 flow control while other peers' streams
+A ``ServerSession`` outlives its streams (``pdproto_server/README.md``, reading order 8): it
+keeps its ``EventLog`` for ``Limits.keep_finished`` seconds with no stream attached, so a
+client that lost its stream resumes without losing or repeating an event. The handler writes
+everything the window allows in one message; a command beyond the client's command window is
+held unread, so a flooding client stalls on HTTP/2 flow control while other peers' streams
 carry on. The credential is checked once per stream, in ``SessionOpen``.
 """
 
@@ -30,9 +24,8 @@ from pdproto.rpc.status import command_error
 from pdproto.session import DEFAULT_COMMAND_WINDOW, EventLog
 from pdproto.v1 import handshake_service_pb2 as hs, session_pb2, transfer_pb2
 
-from ._status import Refused
 from .core import HandshakeCore
-from .expiry import Deadlines
+from .engine import Deadlines
 from .registry import Peer
 
 log = logging.getLogger("pdproto_server.session")
@@ -44,7 +37,7 @@ class Ctx(Protocol):
     """What a stream offers the hub: the gRPC call's context (``read``, ``write``)."""
 
     async def read(self) -> object:
-        """The next request, a ``Refused`` one, or ``grpc.aio.EOF``."""
+        """The next request, the typed error ``_status.tolerant`` refused it with, or ``grpc.aio.EOF``."""
 
     async def write(self, message: hs.SessionResponse) -> None:
         """Send one response."""
@@ -252,8 +245,8 @@ class SessionHub:
     async def serve(self, context: Ctx) -> None:
         """Run one Session stream until the client leaves, the session ends or a newer stream resumes it."""
         first: object = await context.read()
-        if isinstance(first, Refused):
-            first.raise_error()
+        if isinstance(first, PdprotoError):
+            raise first
         if not isinstance(first, hs.SessionRequest):
             return  # EOF: the client left before opening
         await self.core.pace(first.open.peer_id, first.open.peer_credential)
@@ -357,8 +350,8 @@ class SessionHub:
                     if stream.closing:
                         return
                 received: object = await context.read()
-                if isinstance(received, Refused):
-                    received.raise_error()  # the reader's error ends the stream, typed
+                if isinstance(received, PdprotoError):
+                    raise received  # the reader's error ends the stream, typed
                 if not isinstance(received, hs.SessionRequest):
                     return  # EOF: the client closed its side
                 message = received
@@ -382,7 +375,7 @@ class SessionHub:
                 if command.HasField("submit"):
                     stream.in_command = True
                     try:
-                        result = await self._submit(session.peer, command)
+                        result = await self._apply_one(session.peer, command)
                     except asyncio.CancelledError:
                         # The server stops: the command was applied, so it gets a result all the same.
                         log_.result(_refused(command.seq, PdprotoError("the submit was cancelled (the server "
@@ -393,25 +386,22 @@ class SessionHub:
                     log_.result(result)
                 elif command.HasField("abort"):
                     # An abort waits for an in-flight chunk to drain: the stream does not wait with it.
-                    task = asyncio.get_running_loop().create_task(self._abort(session.peer, command))
+                    task = asyncio.get_running_loop().create_task(self._apply_one(session.peer, command))
                     task.add_done_callback(_deliver(session, command.seq, task))
                 else:
                     log_.result(_refused(command.seq, InvalidFieldError("commands[].kind",
                                                                         "submit or abort is required")))
 
-    async def _submit(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
+    async def _apply_one(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
+        """A submit's status or an abort's acknowledgement, or the typed error the unary call would raise."""
         try:
-            status = await self.core.submit_to(peer, command.submit)
-        except PdprotoError as exc:
-            return _refused(command.seq, exc)
-        return session_pb2.CommandResult(command_seq=command.seq, submitted=status)
-
-    async def _abort(self, peer: Peer, command: session_pb2.SessionCommand) -> session_pb2.CommandResult:
-        try:
+            if command.HasField("submit"):
+                status = await self.core.submit_to(peer, command.submit)
+                return session_pb2.CommandResult(command_seq=command.seq, submitted=status)
             ack = await self.core.abort_for(peer, command.abort)
+            return session_pb2.CommandResult(command_seq=command.seq, aborted=ack)
         except PdprotoError as exc:
             return _refused(command.seq, exc)
-        return session_pb2.CommandResult(command_seq=command.seq, aborted=ack)
 
 
 def _refused(seq: int, error: PdprotoError) -> session_pb2.CommandResult:

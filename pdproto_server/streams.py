@@ -14,11 +14,10 @@ from pdproto.errors import (InvalidFieldError, NotFoundError, PdprotoError, Reas
 from pdproto.v1 import handshake_service_pb2 as hs, transfer_pb2
 
 from .feed import StatusFeed
-from .metrics import ServiceMetrics
-from .registry import Allowance, Limits, Peer, PeerRegistry, Snapshot, StatusSink, retry_after_ms
+from .registry import Allowance, Peer, Snapshot, StatusSink, retry_after_ms
 
 if TYPE_CHECKING:
-    from .housekeeping import Lifecycle
+    from .core import HandshakeCore
 
 log = logging.getLogger("pdproto_server.streams")
 
@@ -26,18 +25,16 @@ log = logging.getLogger("pdproto_server.streams")
 class Streams:
     """A peer's status streams: what each starts with, when they end and why, and what snapshots cost."""
 
-    def __init__(self, limits: Limits, metrics: ServiceMetrics, registry: PeerRegistry, life: Lifecycle) -> None:
-        self.limits = limits
-        self.metrics = metrics
-        self.registry = registry
-        self.life = life
+    def __init__(self, core: HandshakeCore) -> None:
+        self.core = core
+        self.limits, self.metrics, self.registry = core.limits, core.metrics, core.registry
         self.anonymous = Allowance()
         """The snapshot allowance every ``Describe`` caller without a peer credential (nor the operator
         token) shares: one peer's, since no peer is named to charge."""
 
     def ended_reason(self, peer: Peer) -> PdprotoError:
         """Why ``peer``'s streams end: the server drains, the peer is gone, or it was removed."""
-        if self.life.streams_closed or self.life.shutting_down:
+        if self.core.streams_closed or self.core.shutting_down:
             return ShuttingDownError("the prefill is shutting down; its streams have ended")
         if peer.gone_at is not None:
             return RequestFailedError(f"peer {peer.peer_id} is gone; re-register", reason=Reason.PEER_GONE,
@@ -58,7 +55,7 @@ class Streams:
                 f"(limit {self.limits.max_streams_per_peer})",
                 reason=Reason.TOO_MANY_STREAMS,
                 metadata={"limit": self.limits.max_streams_per_peer, "streams": len(peer.feeds)})
-        ended = peer.streams_ended or self.life.streams_closed
+        ended = peer.streams_ended or self.core.streams_closed
         self.draw_snapshot(peer, peer.snapshot_size(rooms), "a new stream's snapshot")
         if not ended:
             peer.feeds.add(feed)

@@ -1,11 +1,8 @@
 """How a chunk becomes one executor job: plan with ``plan_chunk``, then KV, state and aux segments.
 
-A chunk moves as one job of KV segments (MHA rows cut to this rank's heads when the TP
-sizes differ). The request's last chunk carries its state and aux slot in the same job,
-after the KV segments, so the tail of a request is one engine call; each segment's kind
-comes back with the job, so bytes and descriptors are still counted per kind. The request
-is SUCCESS only when the whole job landed, and the job carries the chunk notice.
-``pdproto_server/runner.py`` runs it on the peer's worker (``pdproto/transfer/worker.py``).
+The request's last chunk carries its state and aux slot in the same job, after the KV
+segments, so the tail of a request is one engine call; each segment's kind comes back with
+the job, so bytes and descriptors are still counted per kind.
 """
 
 from __future__ import annotations
@@ -72,7 +69,8 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
         kinds += [kind] * len(more)
     # Packing buys nothing where every row set is page-to-page: it would copy each byte once more.
     return TransferJob(segments=tuple(segments), pack=packing_saves(segments),
-                       notification=tuple(chunk_notice(request, c) for c in chunks)), tuple(kinds)
+                       notification=tuple(encode_chunk_notice(ChunkNotice(request.room, request.generation, c.index,
+                                                                          c.last)) for c in chunks)), tuple(kinds)
 
 
 def chunk_plans(src: DcpLayout, dst: DcpLayout, chunk: Chunk, dst_pages: Sequence[int] | run_arith.I64, *,
@@ -98,11 +96,6 @@ def chunk_plans(src: DcpLayout, dst: DcpLayout, chunk: Chunk, dst_pages: Sequenc
                        decode_prefix_len=prefix_len, include_draft=include_draft,
                        num_kv_tokens=(b - a) * page if b < at.size else chunk.num_tokens - a * page)
             for a, b in zip(starts, ends, strict=True)]
-
-
-def chunk_notice(request: Request, chunk: Chunk) -> bytes:
-    """The engine notice that tells the decode this chunk of the request landed."""
-    return encode_chunk_notice(ChunkNotice(request.room, request.generation, chunk.index, chunk.last))
 
 
 def slot_copies(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> tuple[list[SlotCopy], list[SlotCopy]]:
@@ -155,4 +148,4 @@ def slot_segments(source: KvSource, peer: Peer, copies: list[SlotCopy]) -> list[
     return [Segment(runs, tuple(layers)) for runs, layers in layers_of.values()]
 
 
-__all__ = ["build_job", "chunk_notice", "slot_copies", "slot_segments"]
+__all__ = ["build_job", "slot_copies", "slot_segments"]

@@ -21,9 +21,8 @@ from pdproto.negotiation.slots import check_destination
 from pdproto.v1 import handshake_service_pb2 as hs
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
-from .credential import ENGINE_BYTES
 from .engine import page_extent
-from .registry import Peer
+from .registry import ENGINE_BYTES, Peer
 
 _MAX_PAGE = (1 << 31) - 1
 

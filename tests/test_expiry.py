@@ -1,9 +1,9 @@
 """Housekeeping costs what expires, not what is kept: counted work, no clocks.
 
 A tick used to walk every retained room and request (about 200 ms of the event loop at
-180,000 retained requests). Now each thing is looked at when it falls due
-(``pdproto_server/expiry.py``); the tests keep 100,000 finished requests and rooms, let a handful
-expire, and check how many entries one tick took.
+180,000 retained requests). Now each thing is looked at when it falls due (``Deadlines``
+in ``pdproto_server/engine.py``); the tests keep 100,000 finished requests and rooms, let a
+handful expire, and check how many entries one tick took.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pdproto_demo.decode import DecodeRank
 from pdproto_demo.synthetic import SyntheticSpec, build_source
 from pdproto_server.core import HandshakeCore
 from pdproto_server.engine import PrefillEngine
-from pdproto_server.expiry import Deadlines
+from pdproto_server.engine import Deadlines
 from pdproto_server.registry import Limits
 
 SPEC = SyntheticSpec(layers=1, row_bytes=64, pages=64, page_size=16, prompt_tokens=16, chunk_tokens=16)

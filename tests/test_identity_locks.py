@@ -39,7 +39,7 @@ def test_registrations_sharing_a_key_run_one_at_a_time_and_leave_no_lock_behind(
         release_first.set()
         await asyncio.gather(*tasks)
         assert order == ["first in", "unrelated in", "first out", "second in"], order
-        assert registry._identity_locks._locks == {}
+        assert registry._identity_locks == {}
 
     asyncio.run(main())
 
@@ -70,12 +70,12 @@ def test_a_registration_cancelled_while_it_waits_takes_its_keys_back_and_blocks_
         except asyncio.CancelledError:
             pass
         # The cancelled waiter's own key went with it; the holder's stays until it leaves.
-        assert set(registry._identity_locks._locks) == {"local:a"}
+        assert set(registry._identity_locks) == {"local:a"}
         done.set()
         await held
-        assert registry._identity_locks._locks == {}
+        assert registry._identity_locks == {}
         async with registry.serialized(("local:a", "notify:h:1")):  # free again
             pass
-        assert registry._identity_locks._locks == {}
+        assert registry._identity_locks == {}
 
     asyncio.run(main())
