@@ -9,7 +9,7 @@ import secrets
 
 import grpc
 
-from pdproto.errors import AuthError, PdprotoError, Reason
+from pdproto.errors import AuthError, Reason
 from pdproto.rpc import error_from_rpc
 from pdproto.rpc.proof import NONCE_BYTES, canonical_address, header, server_proof
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
@@ -63,10 +63,8 @@ class Proof:
                 return header(self._token, response.server_nonce, nonce)
             refusals.append("its proof does not match: it holds another token, or answers at another address "
                             "and relays the challenge there")
-        raise self._unproven("; ".join(dict.fromkeys(refusals)))
-
-    def _unproven(self, why: str) -> PdprotoError:
-        return AuthError(
+        why = "; ".join(dict.fromkeys(refusals))
+        raise AuthError(
             f"the server at {self.address} did not prove it holds this client's token, so it was sent nothing "
             f"else ({why}). Check that {self.address} is the prefill rank's own address (where it listens, or "
             f"PDPROTO_ADVERTISE_HOST there), that it runs pdproto with Authenticate, and that both hold the same "

@@ -1,12 +1,9 @@
 """The client's end of a Session stream (asyncio): one per registered peer, resumed after a break.
 
-``PeerSession`` numbers commands and drops repeated events with the rules of
-``pdproto.session``. One task per session (the pump) opens the stream, resumes it after
-a break (with backoff, for as long as a caller is waiting on it), reads events and
-resolves the callers: a command's result, a room's terminal status, a watcher's next
-status. A caller writes its own command (no task per request); while a write is in
-progress, later commands join the writer's next message. The blocking client runs the
-asyncio one, so this class, on the shared event loop thread (``pdproto.rpc.loop.LoopThread``).
+One task per session (the pump) opens the stream, resumes it after a break (with backoff,
+for as long as a caller is waiting on it), reads events and resolves the callers. A caller
+writes its own command (no task per request); while a write is in progress, later commands
+join the writer's next message.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import grpc.aio
 from grpc_status import rpc_status
 
 from pdproto.errors import PdprotoError, Reason, UnavailableError
-from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
+from pdproto.session import DEFAULT_COMMAND_WINDOW, CommandOutbox, EventInbox, StatusBook
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
 
 from pdproto.rpc.status import error_from_command, error_from_rpc
@@ -45,25 +42,17 @@ class CommandRefusedError(Exception):
         self.refusal = refusal
 
 
-class _Watcher:
-    """One ``watch_status`` consumer: which rooms, and where its statuses go."""
-
-    def __init__(self, rooms: frozenset[int], deliver: Deliver) -> None:
-        self.rooms = rooms
-        self.deliver = deliver
-
-
 class PeerSession:
     """A peer's session: commands out, events in, resumed on a new stream after a break."""
 
-    def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str, credential: bytes,
-                 *, event_window: int = DEFAULT_EVENT_WINDOW) -> None:
+    def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str,
+                 credential: bytes) -> None:
         self.peer_id = peer_id
         self.credential = credential
         self._stub = stub
         self._s = settings
         self.outbox = CommandOutbox()
-        self.inbox = EventInbox(event_window)
+        self.inbox = EventInbox()
         self.book = StatusBook()
         self.session_id = ""
         self.command_window = DEFAULT_COMMAND_WINDOW
@@ -80,7 +69,8 @@ class PeerSession:
         """Set whenever the pump's state or the credit changes; waiters re-check their condition."""
         self._futures: dict[int, asyncio.Future[session_pb2.CommandResult]] = {}
         self._waiters: dict[int, list[asyncio.Future[transfer_pb2.TransferStatus]]] = {}
-        self._watchers: set[_Watcher] = set()
+        self._watchers: set[tuple[frozenset[int], Deliver]] = set()
+        """Each watch's rooms (all when empty) and where its statuses go (a sink per watch)."""
         self._waiting = 0
         """Callers in ``_until`` (opening the session, or waiting for the command window)."""
         self._writing = False
@@ -100,7 +90,7 @@ class PeerSession:
             self._pump = asyncio.get_running_loop().create_task(self._run(), name=f"session-{self.peer_id}")
 
     async def _run(self) -> None:
-        backoffs = self._s.backoffs()
+        backoffs = self._s.retry.backoffs()
         while not self._closed:
             try:
                 await self._stream()
@@ -130,7 +120,7 @@ class PeerSession:
                 self._changed.set()
             self.broken = error
             if opened:  # the stream worked: the next break starts again from the first backoff
-                backoffs = self._s.backoffs()
+                backoffs = self._s.retry.backoffs()
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
@@ -207,8 +197,8 @@ class PeerSession:
         for fut in futures:
             if not fut.done():
                 fut.set_exception(error)
-        for watcher in list(self._watchers):
-            watcher.deliver(None)
+        for _, deliver in list(self._watchers):
+            deliver(None)
         self._watchers.clear()
         self._changed.set()
 
@@ -232,17 +222,17 @@ class PeerSession:
             status = event.status
             if not self.book.update(status):
                 continue
-            for watcher in self._watchers:
-                if not watcher.rooms or status.room in watcher.rooms:
-                    watcher.deliver(status)
+            for rooms, deliver in self._watchers:
+                if not rooms or status.room in rooms:
+                    deliver(status)
             if self.book.terminal(status.room) is status:
                 for fut in self._waiters.pop(status.room, ()):
                     if not fut.done():
                         fut.set_result(status)
 
-    async def flush(self) -> None:
-        """Write queued commands and a due acknowledgement; a caller that finds a write in progress
-        leaves it to that writer."""
+    async def flush(self, *, ack: bool = False) -> None:
+        """Write queued commands and a due acknowledgement (``ack``: acknowledge every result now, which
+        frees the command window); a caller that finds a write in progress leaves it to that writer."""
         if self._writing or self._call is None:
             return
         self._writing = True
@@ -250,23 +240,15 @@ class PeerSession:
         try:
             while True:
                 commands = self.outbox.take()
-                if not commands and not self.inbox.ack_due(self.command_window):
+                due = self.inbox.ack_due(self.command_window) or (ack and self.inbox.results_unacked > 0)
+                if not commands and not due:
                     return
+                ack = False
                 await call.write(hs.SessionRequest(commands=commands, event_ack=self.inbox.ack()))
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the stream broke; the pump resumes it and the outbox sends these again
         finally:
             self._writing = False
-
-    async def _ack_now(self) -> None:
-        if self._call is not None and not self._writing and self.inbox.results_unacked:
-            self._writing = True
-            try:
-                await self._call.write(hs.SessionRequest(event_ack=self.inbox.ack()))
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                pass
-            finally:
-                self._writing = False
 
     # -- what callers do --------------------------------------------------------
 
@@ -314,10 +296,9 @@ class PeerSession:
         """Send one command and wait for its result, within ``timeout`` seconds (resuming a broken stream)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if not self._ready.is_set() or self.error is not None:
-            await self._until(self._ready.is_set, deadline, "opening the session")
+        # The caller opened the session just before (``open``); a break since is resumed by the pump.
         if len(self.outbox.unanswered) + self.inbox.results_unacked >= self.command_window:
-            await self._ack_now()
+            await self.flush(ack=True)
             await self._until(lambda: len(self.outbox.unanswered) + self.inbox.results_unacked < self.command_window,
                               deadline, "waiting for the command window")
         seq = self.outbox.add(command)
@@ -396,7 +377,7 @@ class PeerSession:
         if self.error is not None:
             deliver(None)
             return lambda: None
-        watcher = _Watcher(rooms, deliver)
+        watcher = (rooms, deliver)
         self._watchers.add(watcher)
         self._start()
         return lambda: self._watchers.discard(watcher)
