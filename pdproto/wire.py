@@ -35,7 +35,6 @@ BODY_ONEOF: Final = "body"
 _MAX_HEADER_VERSION: Final = 0xFFFF
 _PREVIEW_BYTES: Final = 16
 
-E = TypeVar("E", bound=Message)
 M = TypeVar("M", bound=Message)
 
 
@@ -171,8 +170,8 @@ def decode_envelope(data: bytes, *, max_frame_bytes: int = ...) -> Envelope: ...
 
 @overload
 def decode_envelope(
-    data: bytes, envelope_type: type[E], *, max_frame_bytes: int = ...
-) -> E: ...
+    data: bytes, envelope_type: type[M], *, max_frame_bytes: int = ...
+) -> M: ...
 
 
 def decode_envelope(

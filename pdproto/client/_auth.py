@@ -26,14 +26,12 @@ class Proof:
         self.address = canonical_address(target)
         """The host:port dialed: the server must prove the token for exactly this address."""
         self._metadata: Metadata | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # binds to the loop that first waits on it (the client's)
 
     async def metadata(self, stub: hs_grpc.HandshakeServiceAsyncStub, timeout: float) -> Metadata:
         """The ``authorization`` metadata of a call; ``Authenticate`` first when there is none. Raises
         ``AuthError`` (``RANK_UNPROVEN``) when the server does not prove the token, or the ``grpc.RpcError``
         of an ``Authenticate`` that may be retried (UNAVAILABLE) or ran past its deadline."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
             if self._metadata is None:
                 self._metadata = (("authorization", await self._prove(stub, timeout)),)
