@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -24,7 +25,8 @@ from pdproto.v1 import (
     transfer_pb2,
 )
 
-from ._rpc import CredentialReader, RetryConfig, Tries, deadline_error, make_settings
+from ._auth import Proof
+from ._rpc import CredentialReader, RetryConfig, Settings, Tries, deadline_error
 from ._session import PeerSession, SessionUnsupportedError
 
 
@@ -39,7 +41,18 @@ class AsyncHandshakeClient:
                  tls: bool = False, timeout: float = 5.0, retry: RetryConfig | None = None,
                  channel: ChannelConfig | None = None, server_name: str | None = None,
                  session: bool = True) -> None:
-        self._s = make_settings(target, token, root_cert, timeout, retry, channel, server_name, tls)
+        self._s = Settings(Proof(token, target) if token else None, timeout, retry or RetryConfig())
+        cert = root_cert if root_cert is None or isinstance(root_cert, bytes) else Path(root_cert).read_bytes()
+        options = (channel or ChannelConfig()).client_options()
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        # The channel itself is made on first use, on the loop that runs the client (``_stub``).
+        self._open_channel: Callable[[], grpc.aio.Channel]
+        if tls or cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=cert)
+            self._open_channel = functools.partial(grpc.aio.secure_channel, target, creds, options=options)
+        else:
+            self._open_channel = functools.partial(grpc.aio.insecure_channel, target, options=options)
         self._creds: dict[str, bytes] = {}
         """The credential of each peer this client registered (or was handed)."""
         self._use_session = session
@@ -53,12 +66,7 @@ class AsyncHandshakeClient:
     def _stub(self) -> hs_grpc.HandshakeServiceAsyncStub:
         """The aio stub (its channel is created on first use, on the running loop)."""
         if self._lazy_stub is None:
-            s = self._s
-            if s.tls:
-                creds = grpc.ssl_channel_credentials(root_certificates=s.root_cert)
-                self._channel = grpc.aio.secure_channel(s.target, creds, options=s.options())
-            else:
-                self._channel = grpc.aio.insecure_channel(s.target, options=s.options())
+            self._channel = self._open_channel()
             self._lazy_stub = hs_grpc.HandshakeServiceStub(self._channel)
         return self._lazy_stub
 

@@ -8,15 +8,13 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import grpc
 
 from pdproto import errors as E
 from pdproto.errors import PdprotoError, Reason
-from pdproto.rpc import ChannelConfig, error_from_rpc
+from pdproto.rpc import error_from_rpc
 from pdproto.v1 import handshake_service_pb2_grpc as hs_grpc
 
 from ._auth import Metadata, Proof
@@ -83,39 +81,17 @@ def next_try(error: PdprotoError, backoffs: Iterator[float]) -> float | None:
 
 @dataclass(frozen=True)
 class Settings:
-    """What both client flavours share: target, credentials, deadlines, options."""
+    """What a client's calls and sessions share: the token's proof, the default deadline, the retry policy."""
 
-    target: str
     proof: Proof | None
     """The client's proof of its token to the server (None: no token, calls carry no credentials)."""
-    root_cert: bytes | None
     timeout: float
     retry: RetryConfig
-    channel: ChannelConfig
-    server_name: str | None
-    tls: bool
-    """Whether the channel uses TLS (asked for, or implied by a root certificate)."""
 
     async def metadata(self, stub: hs_grpc.HandshakeServiceAsyncStub, timeout: float) -> Metadata:
         """Call metadata: the proof of the token (``Authenticate`` on first use), when there is one."""
         return () if self.proof is None else await self.proof.metadata(stub, timeout)
 
-    def options(self) -> list[tuple[str, Any]]:
-        """Channel arguments."""
-        opts = self.channel.client_options()
-        if self.server_name:
-            opts.append(("grpc.ssl_target_name_override", self.server_name))
-        return opts
-
-
-def make_settings(target: str, token: str | None, root_cert: bytes | str | Path | None, timeout: float,
-                  retry: RetryConfig | None, channel: ChannelConfig | None, server_name: str | None,
-                  tls: bool) -> Settings:
-    """The settings of a client (``root_cert``: the certificate's bytes or its file)."""
-    cert = root_cert if root_cert is None or isinstance(root_cert, bytes) else Path(root_cert).read_bytes()
-    return Settings(target=target, proof=Proof(token, target) if token else None, root_cert=cert, timeout=timeout,
-                    retry=retry or RetryConfig(), channel=channel or ChannelConfig(), server_name=server_name,
-                    tls=tls or cert is not None)
 
 
 class Tries:
@@ -195,7 +171,6 @@ __all__ = [
     "Settings",
     "Tries",
     "deadline_error",
-    "make_settings",
     "next_try",
     "retry_hint",
 ]
