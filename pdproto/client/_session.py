@@ -58,6 +58,8 @@ class PeerSession:
         self.command_window = DEFAULT_COMMAND_WINDOW
         self.error: BaseException | None = None
         """Set when the session is over for good (peer removed, protocol error, no Session RPC)."""
+        self.failure: BaseException | None = None
+        """What the session's waits and watches were last ended with (``error``, or a failure a later call retries)."""
         self.broken: PdprotoError | None = None
         """Why the last stream broke, until a new one opens: a deadline passing meanwhile reports it."""
         self._resent: set[int] = set()
@@ -68,7 +70,6 @@ class PeerSession:
         self._changed = asyncio.Event()
         """Set whenever the pump's state or the credit changes; waiters re-check their condition."""
         self._futures: dict[int, asyncio.Future[session_pb2.CommandResult]] = {}
-        self._waiters: dict[int, list[asyncio.Future[transfer_pb2.TransferStatus]]] = {}
         self._watchers: set[tuple[frozenset[int], Deliver]] = set()
         """Each watch's rooms (all when empty) and where its statuses go (a sink per watch)."""
         self._waiting = 0
@@ -83,7 +84,7 @@ class PeerSession:
     # -- the pump -----------------------------------------------------------
 
     def _interested(self) -> bool:
-        return bool(self._futures or self._waiters or self._watchers or self._waiting)
+        return bool(self._futures or self._watchers or self._waiting)
 
     def _start(self) -> None:
         if self._pump is None or self._pump.done():
@@ -191,12 +192,11 @@ class PeerSession:
 
     def _fail(self, error: BaseException) -> None:
         """Fail what waits on the session now and end its watchers."""
-        futures: list[asyncio.Future[Any]] = [*self._futures.values()]
-        futures += [f for futs in self._waiters.values() for f in futs]
-        self._futures, self._waiters = {}, {}
-        for fut in futures:
+        futures, self._futures = self._futures, {}
+        for fut in futures.values():
             if not fut.done():
                 fut.set_exception(error)
+        self.failure = error
         for _, deliver in list(self._watchers):
             deliver(None)
         self._watchers.clear()
@@ -225,10 +225,6 @@ class PeerSession:
             for rooms, deliver in self._watchers:
                 if not rooms or status.room in rooms:
                     deliver(status)
-            if self.book.terminal(status.room) is status:
-                for fut in self._waiters.pop(status.room, ()):
-                    if not fut.done():
-                        fut.set_result(status)
 
     async def flush(self, *, ack: bool = False) -> None:
         """Write queued commands and a due acknowledgement (``ack``: acknowledge every result now, which
@@ -333,38 +329,33 @@ class PeerSession:
         raise error
 
     async def wait(self, rooms: Iterable[int], timeout: float) -> dict[int, transfer_pb2.TransferStatus]:
-        """The terminal status of each room, within ``timeout`` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        """The terminal status of each room, within ``timeout`` seconds: a watch of the rooms until then."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        pending = set(rooms)
         done: dict[int, transfer_pb2.TransferStatus] = {}
-        futs: list[tuple[int, asyncio.Future[transfer_pb2.TransferStatus]]] = []
-        for room in rooms:
-            known = self.book.terminal(room)
-            if known is not None:
-                done[room] = known
-            else:
-                fut: asyncio.Future[transfer_pb2.TransferStatus] = loop.create_future()
-                self._waiters.setdefault(room, []).append(fut)
-                futs.append((room, fut))
-        if not futs:
-            return done
-        if self.error is not None:
-            raise self.error
-        self._start()
+        over = asyncio.Event()
+
+        def deliver(status: transfer_pb2.TransferStatus | None) -> None:
+            if status is None:  # the session failed
+                over.set()
+            elif status.room in pending and self.book.terminal(status.room) is status:  # not an older generation's
+                done[status.room] = status
+                pending.discard(status.room)
+                if not pending:
+                    over.set()
+
+        stop = self.watch(frozenset(pending), deliver)
         try:
-            async with asyncio.timeout_at(deadline):
-                for room, fut in futs:
-                    done[room] = await fut
+            if pending:
+                async with asyncio.timeout_at(deadline):
+                    await over.wait()
         except TimeoutError:
-            pending = sorted(room for room, fut in futs if not fut.done())
-            raise self.late_error("no terminal status before the deadline", rooms=pending) from None
+            raise self.late_error("no terminal status before the deadline", rooms=sorted(pending)) from None
         finally:
-            for room, fut in futs:
-                waiting = self._waiters.get(room)
-                if waiting is not None and fut in waiting:
-                    waiting.remove(fut)
-                    if not waiting:
-                        del self._waiters[room]
+            stop()
+        if pending:
+            assert self.failure is not None
+            raise self.failure
         return done
 
     def watch(self, rooms: frozenset[int], deliver: Deliver) -> Callable[[], None]:
