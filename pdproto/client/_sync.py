@@ -29,6 +29,7 @@ def _blocking(method: Callable[Concatenate[AsyncHandshakeClient, _P], Coroutine[
     def run(self: HandshakeClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         return self._loop.run(method(self._async, *args, **kwargs))
     functools.update_wrapper(run, method)  # its name and docstring
+    run.__qualname__ = f"HandshakeClient.{method.__name__}"
     return run
 
 
