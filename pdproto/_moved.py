@@ -4,9 +4,9 @@
 through one minor release after the move; then the table below goes. A finder at the end
 of ``sys.meta_path`` is asked only for names no other finder found, so it never shadows a
 real module: for an old name in ``MOVED`` it makes a module that warns once, when it is
-imported, and whose attributes are those of the new module(s) (looked up, not copied; the
-first module of the row that has the name wins). Nothing inside the project imports an
-old path (``tests/test_moved_imports.py``). Core: no sockets, threads or event loops.
+imported, and whose attributes are those of the new module (looked up, not copied). Nothing
+inside the project imports an old path (``tests/test_moved_imports.py``). Core: no sockets,
+threads or event loops.
 """
 
 from __future__ import annotations
@@ -15,45 +15,42 @@ import importlib
 import sys
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from importlib.abc import Loader
 from importlib.machinery import ModuleSpec
 from typing import Any
 
-MOVED: Mapping[str, tuple[str, ...]] = {
-    "pdproto.topology": ("pdproto.negotiation.topology",),
-    "pdproto.tpmap": ("pdproto.negotiation.tpmap",),
-    "pdproto.shards": ("pdproto.negotiation.shards",),
-    "pdproto.senders": ("pdproto.negotiation.senders",),
-    "pdproto.extras": ("pdproto.negotiation.extras",),
-    "pdproto.slots": ("pdproto.negotiation.slots",),
-    "pdproto.reach": ("pdproto.negotiation.reach",),
-    "pdproto.config": ("pdproto.negotiation.config",),
-    "pdproto.registration": ("pdproto.negotiation.registration",),
-    "pdproto.fanin": ("pdproto.negotiation.fanin",),
-    # client_rpc held the client's settings and the status -> error reading, now in two places.
-    "pdproto.client_rpc": ("pdproto.client._rpc", "pdproto.rpc"),
-    "pdproto.client_session": ("pdproto.client._session",),
-    "pdproto.transfer.mooncake": ("pdproto.transfer.engines.mooncake",),
-    "pdproto.transfer.nixl": ("pdproto.transfer.engines.nixl",),
+MOVED: Mapping[str, str] = {
+    "pdproto.topology": "pdproto.negotiation.topology",
+    "pdproto.tpmap": "pdproto.negotiation.tpmap",
+    "pdproto.shards": "pdproto.negotiation.shards",
+    "pdproto.senders": "pdproto.negotiation.senders",
+    "pdproto.extras": "pdproto.negotiation.extras",
+    "pdproto.slots": "pdproto.negotiation.slots",
+    "pdproto.reach": "pdproto.negotiation.reach",
+    "pdproto.config": "pdproto.negotiation.config",
+    "pdproto.registration": "pdproto.negotiation.registration",
+    "pdproto.fanin": "pdproto.negotiation.fanin",
+    "pdproto.transfer.mooncake": "pdproto.transfer.engines.mooncake",
+    "pdproto.transfer.nixl": "pdproto.transfer.engines.nixl",
 }
-"""Old module -> the module(s) its names live in now."""
+"""Old module -> the module its names live in now. (The client's private modules, ``client_rpc`` and
+``client_session``, that no doc named as an import, have no row.)"""
 
 
 class _Moved(types.ModuleType):
-    """An old module: every attribute read comes from the new module(s)."""
+    """An old module: every attribute read comes from the new module."""
 
-    _targets: Sequence[types.ModuleType] = ()
+    _target: types.ModuleType
     __all__: list[str]
 
     def __getattr__(self, name: str) -> Any:
-        for target in self._targets:
-            if hasattr(target, name):
-                return getattr(target, name)
+        if name != "_target" and hasattr(self._target, name):
+            return getattr(self._target, name)
         raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
     def __dir__(self) -> list[str]:
-        return sorted({n for t in self._targets for n in dir(t)})
+        return dir(self._target)
 
 
 class _Finder(Loader):
@@ -68,12 +65,12 @@ class _Finder(Loader):
         return _Moved(spec.name)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Import the new module(s), point the old one at them, and warn the importer."""
+        """Import the new module, point the old one at it, and warn the importer."""
         new = MOVED[module.__name__]
         assert isinstance(module, _Moved)
-        module._targets = tuple(importlib.import_module(name) for name in new)
-        module.__all__ = sorted({n for t in module._targets for n in getattr(t, "__all__", ())})
-        warnings.warn(f"{module.__name__} moved to {' and '.join(new)}; import it from there "
+        module._target = importlib.import_module(new)
+        module.__all__ = list(getattr(module._target, "__all__", ()))
+        warnings.warn(f"{module.__name__} moved to {new}; import it from there "
                       "(the old path goes after the next minor release)", DeprecationWarning,
                       stacklevel=2)  # warnings skips importlib's frames: this names the import statement
 

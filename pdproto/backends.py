@@ -1,17 +1,8 @@
 """The transfer-engine registry: one row per engine, read by every module that names one.
 
-A row ties together what used to be spelled out separately in each module: the CLI and
-config name, the ``pdproto.v1.Backend`` value a prefill publishes, the
-``KvRegistration.transport`` oneof field and its endpoint message, the endpoint field
-that names a decode's engine across restarts, and where the executor class lives.
-Adding an engine is one row here plus its executor module (and, in the schema, its
-endpoint message, oneof case and enum value).
-
-This module is core: it imports no gRPC, thread, asyncio or engine module. The executor
-is named by a dotted path that only ``pdproto.transfer.create_executor`` imports, when a
-caller asks for that backend. A name, enum value, oneof field or endpoint type with no row
-raises ``TopologyError`` (reason TOPOLOGY_BACKEND_UNSUPPORTED); nothing falls back to a
-default engine.
+Core: the executor is named by a dotted path that only ``pdproto.transfer.create_executor``
+imports. A name, enum value, oneof field or endpoint type with no row raises ``TopologyError``
+(TOPOLOGY_BACKEND_UNSUPPORTED); nothing falls back to a default engine.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Typed errors, declared once: each class names its reasons, gRPC code and retryability.
 
-Every error pdproto raises is a ``PdprotoError`` carrying a ``Reason`` (mirrors the proto
-enum ``ErrorReason``) and the offending values in ``metadata``. Each error class is
-declared with ``@_declares(...)``: the reasons it owns (by name or by family prefix), the
-gRPC status code it is answered with, and whether the same call may simply be retried.
-Everything else is derived from those declarations: ``error_class`` (reason -> class,
-which the client uses), ``GRPC_CODE_NAMES`` (reason -> code, which the server and
-docs/errors.md use). A reason has exactly one class, and an error can only be built
-with a reason its class owns, so one reason gives one class on both sides of the wire.
-Code names are strings: this module never imports grpc.
+How the declarations (``@_declares``) work and what is derived from them: docs/errors.md,
+"Classes: where each fact is declared". Code names are strings: this module never imports grpc.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Session stream rules, for both ends: numbering, acknowledgements, windows and replay (pure).
 
-``HandshakeService.Session`` carries one decode peer's commands (submit, abort) to the
-prefill and events (command results, status changes) back, on one stream. A stream can
-break (a network cut, a restart of either side's channel); the session outlives it, and
-the client resumes it on a new stream. These classes hold what each side must remember
-so that resuming loses nothing and repeats nothing:
-
-* The client numbers its commands 1, 2, 3... (``CommandOutbox``) and keeps each until its
-  result arrives. On resume the server says which it has applied
-  (``SessionOpened.applied_command_seq``): the client sends again only those after it.
-* The server numbers its events 1, 2, 3... (``EventLog``) and keeps each until the client
-  acknowledges it (``SessionRequest.event_ack``, cumulative). On resume it sends again
-  every event after the acknowledgement, with the same numbers; the client
-  (``EventInbox``) drops any number it has already seen.
-
-Flow control has two windows. The server sends at most ``event_window`` events beyond
-the client's acknowledgement; the client acknowledges once half of it is used. And the
-server applies at most ``command_window`` commands whose results the client has not
-acknowledged (a command in progress counts too); the client sends no more than that.
-A client that ignores the command window gets its surplus commands held unread, and its
-stream stalls under HTTP/2 flow control (``pdproto_server/session.py``).
-
-Progress statuses waiting to be sent coalesce under backlog (only the newest status of a
-request generation is kept); results and terminal statuses never do, so a terminal
-status is sent exactly once per session, and sent again only as the same event.
+The rules themselves (a session outlives its stream; commands and events numbered 1, 2,
+3...; cumulative acknowledgements; the event and command windows; what coalesces): docs/protocol.md,
+section 2b. The client's side is ``CommandOutbox``, ``EventInbox`` and ``StatusBook``; the
+server's is ``EventLog``.
 """
 
 from __future__ import annotations
@@ -42,12 +22,13 @@ MAX_EVENT_WINDOW = 8192
 DEFAULT_COMMAND_WINDOW = 256
 """Commands a client may have out (sent, result not acknowledged)."""
 
-_TERMINAL = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
+TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
+"""The states a request generation ends in."""
 
 
 def is_terminal(status: transfer_pb2.TransferStatus) -> bool:
     """SUCCESS or FAILED."""
-    return status.state in _TERMINAL
+    return status.state in TERMINAL_STATES
 
 
 class CommandOutbox:
@@ -358,5 +339,6 @@ __all__ = [
     "EventLog",
     "MAX_EVENT_WINDOW",
     "StatusBook",
+    "TERMINAL_STATES",
     "is_terminal",
 ]

@@ -1,17 +1,8 @@
 """Envelope framing: one pdproto message <-> one bytes frame (one ZMQ frame).
 
-A frame is a 10-byte header followed by the serialized ``pdproto.v1.Envelope``::
-
-    offset  size  field
-    0       2     magic 0xB7 0x50 (0xB7 is not ASCII and cannot start UTF-8 text)
-    2       2     protocol major, unsigned big-endian
-    4       2     protocol minor, unsigned big-endian
-    6       4     payload length in bytes, unsigned big-endian
-    10      n     Envelope protobuf bytes (n == payload length)
-
-The header carries the version so a reader rejects an unknown major before it
-parses a byte of protobuf, and the length tells truncation apart from garbage.
-See docs/protocol.md for the compatibility rules.
+A frame is a 10-byte header (magic 0xB7 0x50, protocol major and minor, payload length)
+and the serialized ``pdproto.v1.Envelope``: the layout, the checks and their reasons are
+in docs/protocol.md, section 4.
 """
 
 from __future__ import annotations
@@ -44,7 +35,6 @@ BODY_ONEOF: Final = "body"
 _MAX_HEADER_VERSION: Final = 0xFFFF
 _PREVIEW_BYTES: Final = 16
 
-E = TypeVar("E", bound=Message)
 M = TypeVar("M", bound=Message)
 
 
@@ -148,7 +138,16 @@ def decode(
     ``decode_envelope`` to keep such a frame whole).
     """
     envelope = decode_envelope(data, envelope_type, max_frame_bytes=max_frame_bytes)
-    return _body_of(envelope)
+    case = envelope.WhichOneof(BODY_ONEOF)
+    if case is None:  # only unknown fields are set
+        version = getattr(envelope, "version")
+        raise WireError(
+            f"body kind unknown to this reader (sender speaks {version.major}.{version.minor}, "
+            f"reader {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}); decode_envelope keeps it whole",
+            reason=Reason.WIRE_UNKNOWN_BODY,
+            metadata={"major": version.major, "minor": version.minor},
+        )
+    return cast(Message, getattr(envelope, case))
 
 
 def decode_as(
@@ -171,8 +170,8 @@ def decode_envelope(data: bytes, *, max_frame_bytes: int = ...) -> Envelope: ...
 
 @overload
 def decode_envelope(
-    data: bytes, envelope_type: type[E], *, max_frame_bytes: int = ...
-) -> E: ...
+    data: bytes, envelope_type: type[M], *, max_frame_bytes: int = ...
+) -> M: ...
 
 
 def decode_envelope(
@@ -190,7 +189,13 @@ def decode_envelope(
     Fields and body kinds from a newer minor are kept and survive re-encoding.
     Raises WireError, and nothing else, on any input.
     """
-    view = _as_bytes(data)
+    try:  # any bytes-like frame (bytearray, memoryview, zmq frames' buffers)
+        view = data if isinstance(data, bytes) else bytes(memoryview(data))
+    except TypeError:
+        raise WireError(
+            f"expected a bytes-like frame, found {type(data).__name__}",
+            reason=Reason.WIRE_MALFORMED,
+        ) from None
     major, minor, payload = _split_frame(view, max_frame_bytes)
     envelope = envelope_type()
     try:
@@ -218,19 +223,6 @@ def decode_envelope(
             reason=Reason.WIRE_EMPTY_BODY,
         )
     return envelope
-
-
-def _as_bytes(data: object) -> bytes:
-    """Accept bytes-like input (bytes, bytearray, memoryview, zmq frames' buffers)."""
-    if isinstance(data, bytes):
-        return data
-    try:
-        return bytes(memoryview(data))  # type: ignore[arg-type]
-    except TypeError:
-        raise WireError(
-            f"expected a bytes-like frame, found {type(data).__name__}",
-            reason=Reason.WIRE_MALFORMED,
-        ) from None
 
 
 def _split_frame(data: bytes, max_frame_bytes: int) -> tuple[int, int, bytes]:
@@ -301,20 +293,6 @@ def _has_unknown_fields(message: Message) -> bool:
     for field, _ in probe.ListFields():
         probe.ClearField(field.name)
     return probe.ByteSize() > 0
-
-
-def _body_of(envelope: Message) -> Message:
-    """The envelope's body message; WIRE_UNKNOWN_BODY when only unknown fields are set."""
-    case = envelope.WhichOneof(BODY_ONEOF)
-    if case is None:
-        version = getattr(envelope, "version")
-        raise WireError(
-            f"body kind unknown to this reader (sender speaks {version.major}.{version.minor}, "
-            f"reader {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}); decode_envelope keeps it whole",
-            reason=Reason.WIRE_UNKNOWN_BODY,
-            metadata={"major": version.major, "minor": version.minor},
-        )
-    return cast(Message, getattr(envelope, case))
 
 
 __all__ = [

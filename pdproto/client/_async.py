@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -14,7 +15,7 @@ import grpc.aio
 
 from pdproto.errors import ConfigError, Reason
 from pdproto.rpc import ChannelConfig
-from pdproto.session import StatusBook
+from pdproto.session import TERMINAL_STATES, StatusBook
 from pdproto.v1 import (
     handshake_service_pb2 as hs,
     handshake_service_pb2_grpc as hs_grpc,
@@ -24,17 +25,8 @@ from pdproto.v1 import (
     transfer_pb2,
 )
 
-from ._rpc import (
-    TERMINAL_STATES,
-    CredentialReader,
-    Credentials,
-    RetryConfig,
-    Tries,
-    abort_request,
-    deadline_error,
-    describe_request,
-    make_settings,
-)
+from ._auth import Proof
+from ._rpc import CredentialReader, RetryConfig, Settings, Tries, deadline_error
 from ._session import PeerSession, SessionUnsupportedError
 
 
@@ -49,8 +41,20 @@ class AsyncHandshakeClient:
                  tls: bool = False, timeout: float = 5.0, retry: RetryConfig | None = None,
                  channel: ChannelConfig | None = None, server_name: str | None = None,
                  session: bool = True) -> None:
-        self._s, self._secure = make_settings(target, token, root_cert, timeout, retry, channel, server_name, tls)
-        self._creds = Credentials()
+        self._s = Settings(Proof(token, target) if token else None, timeout, retry or RetryConfig())
+        cert = root_cert if root_cert is None or isinstance(root_cert, bytes) else Path(root_cert).read_bytes()
+        options = (channel or ChannelConfig()).client_options()
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        # The channel itself is made on first use, on the loop that runs the client (``_stub``).
+        self._open_channel: Callable[[], grpc.aio.Channel]
+        if tls or cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=cert)
+            self._open_channel = functools.partial(grpc.aio.secure_channel, target, creds, options=options)
+        else:
+            self._open_channel = functools.partial(grpc.aio.insecure_channel, target, options=options)
+        self._creds: dict[str, bytes] = {}
+        """The credential of each peer this client registered (or was handed)."""
         self._use_session = session
         self._channel: grpc.aio.Channel | None = None
         self._lazy_stub: hs_grpc.HandshakeServiceAsyncStub | None = None
@@ -62,17 +66,16 @@ class AsyncHandshakeClient:
     def _stub(self) -> hs_grpc.HandshakeServiceAsyncStub:
         """The aio stub (its channel is created on first use, on the running loop)."""
         if self._lazy_stub is None:
-            s = self._s
-            if self._secure:
-                creds = grpc.ssl_channel_credentials(root_certificates=s.root_cert)
-                self._channel = grpc.aio.secure_channel(s.target, creds, options=s.options())
-            else:
-                self._channel = grpc.aio.insecure_channel(s.target, options=s.options())
+            self._channel = self._open_channel()
             self._lazy_stub = hs_grpc.HandshakeServiceStub(self._channel)
         return self._lazy_stub
 
     def _budget(self, timeout: float | None) -> float:
         return self._s.timeout if timeout is None else timeout
+
+    def _cred(self, peer_id: str, given: bytes | None) -> bytes:
+        """The credential to send for ``peer_id``: the one given, else the one kept, else none."""
+        return given if given is not None else self._creds.get(peer_id, b"")
 
     async def _call(self, fn: Callable[..., Any], request: Any, timeout: float | None) -> Any:
         """One unary call with a deadline, retried (``Tries``) inside that deadline."""
@@ -85,7 +88,7 @@ class AsyncHandshakeClient:
         """The peer's open session, or None when the unary calls must be used."""
         if not self._use_session:
             return None
-        cred = self._creds.of(peer_id, credential)
+        cred = self._cred(peer_id, credential)
         s = self._sessions.get(peer_id)
         if s is None or s.credential != cred:
             if s is not None:
@@ -100,11 +103,11 @@ class AsyncHandshakeClient:
 
     def credential(self, peer_id: str) -> bytes:
         """The credential this client holds for ``peer_id`` (empty if none): hand it to another process."""
-        return self._creds.of(peer_id, None)
+        return self._creds.get(peer_id, b"")
 
     def adopt(self, peer_id: str, credential: bytes) -> None:
         """Act for a peer that another client registered, with the credential it was given."""
-        self._creds.adopt(peer_id, credential)
+        self._creds[peer_id] = credential
 
     async def get_server_info(self, *, timeout: float | None = None) -> server_info_pb2.PrefillServerInfo:
         """The prefill rank's topology."""
@@ -119,7 +122,8 @@ class AsyncHandshakeClient:
         ``peer_id``'s credential (given, or kept from its Register) goes along, so that peer is
         shown in full; other peers' rooms and engine identities need the operator token.
         """
-        req = describe_request(peer_id, request_limit, include_finished, self._creds.of(peer_id, credential))
+        req = hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished,
+                                 peer_credential=self._cred(peer_id, credential) if peer_id else b"")
         resp: hs.DescribeResponse = await self._call(self._stub.Describe, req, timeout)
         return resp
 
@@ -144,8 +148,9 @@ class AsyncHandshakeClient:
         resp: hs.RegisterResponse = await self._call(self._stub.Register, hs.RegisterRequest(registration=registration),
                                                      timeout)
         n = resp.credential_bytes_in_engine
-        tail = read_credential(n) if n and read_credential is not None else b""
-        return self._creds.keep(resp, tail)
+        tail = read_credential(n) if n and read_credential is not None else b""  # the part in the engine
+        self._creds[resp.result.peer_id] = resp.peer_credential + tail
+        return resp.result
 
     async def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
                               timeout: float | None = None,
@@ -158,7 +163,7 @@ class AsyncHandshakeClient:
             assert isinstance(out, transfer_pb2.TransferStatus)
             return out
         req = hs.SubmitTransferRequest(peer_id=peer_id, transfer=transfer,
-                                       peer_credential=self._creds.of(peer_id, credential))
+                                       peer_credential=self._cred(peer_id, credential))
         resp: hs.SubmitTransferResponse = await self._call(self._stub.SubmitTransfer, req, timeout)
         return resp.status
 
@@ -176,7 +181,7 @@ class AsyncHandshakeClient:
         s = await self._session(peer_id, credential, budget)
         if s is None:
             req = hs.WatchStatusRequest(peer_id=peer_id, rooms=list(wanted),
-                                        peer_credential=self._creds.of(peer_id, credential))
+                                        peer_credential=self._cred(peer_id, credential))
             book = StatusBook()
             async for attempt in Tries(self._s, timeout):
                 with attempt:
@@ -228,24 +233,27 @@ class AsyncHandshakeClient:
                     timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.AbortAck:
         """Abort a request generation; returns once its in-flight chunks drained."""
         budget = self._budget(timeout)
-        req = abort_request(peer_id, self._creds.of(peer_id, credential), room, generation)
+        note = transfer_pb2.AbortNotification(room=room)
+        if generation is not None:
+            note.generation = generation
         s = await self._session(peer_id, credential, budget)
         if s is not None:
-            out = s.outcome(await s.command(session_pb2.SessionCommand(abort=req.abort), budget))
+            out = s.outcome(await s.command(session_pb2.SessionCommand(abort=note), budget))
             assert isinstance(out, transfer_pb2.AbortAck)
             return out
+        req = hs.AbortRequest(peer_id=peer_id, abort=note, peer_credential=self._cred(peer_id, credential))
         resp: hs.AbortResponse = await self._call(self._stub.Abort, req, timeout)
         return resp.ack
 
     async def deregister(self, peer_id: str, *, timeout: float | None = None, credential: bytes | None = None) -> int:
         """Remove this peer; returns how many open requests were failed with PEER_GONE."""
-        req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._creds.of(peer_id, credential))
+        req = hs.DeregisterRequest(peer_id=peer_id, peer_credential=self._cred(peer_id, credential))
         resp: hs.DeregisterResponse = await self._call(self._stub.Deregister, req, timeout)
         # No new call uses the peer's session; the server ends it once it sent everything.
         s = self._sessions.pop(peer_id, None)
         if s is not None and s.error is None:
             self._ending.add(s)
-        self._creds.forget(peer_id)
+        self._creds.pop(peer_id, None)
         return int(resp.failed_requests)
 
     async def close(self) -> None:

@@ -9,7 +9,7 @@ import secrets
 
 import grpc
 
-from pdproto.errors import AuthError, PdprotoError, Reason
+from pdproto.errors import AuthError, Reason
 from pdproto.rpc import error_from_rpc
 from pdproto.rpc.proof import NONCE_BYTES, canonical_address, header, server_proof
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
@@ -26,14 +26,12 @@ class Proof:
         self.address = canonical_address(target)
         """The host:port dialed: the server must prove the token for exactly this address."""
         self._metadata: Metadata | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # binds to the loop that first waits on it (the client's)
 
     async def metadata(self, stub: hs_grpc.HandshakeServiceAsyncStub, timeout: float) -> Metadata:
         """The ``authorization`` metadata of a call; ``Authenticate`` first when there is none. Raises
         ``AuthError`` (``RANK_UNPROVEN``) when the server does not prove the token, or the ``grpc.RpcError``
         of an ``Authenticate`` that may be retried (UNAVAILABLE) or ran past its deadline."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
             if self._metadata is None:
                 self._metadata = (("authorization", await self._prove(stub, timeout)),)
@@ -63,10 +61,8 @@ class Proof:
                 return header(self._token, response.server_nonce, nonce)
             refusals.append("its proof does not match: it holds another token, or answers at another address "
                             "and relays the challenge there")
-        raise self._unproven("; ".join(dict.fromkeys(refusals)))
-
-    def _unproven(self, why: str) -> PdprotoError:
-        return AuthError(
+        why = "; ".join(dict.fromkeys(refusals))
+        raise AuthError(
             f"the server at {self.address} did not prove it holds this client's token, so it was sent nothing "
             f"else ({why}). Check that {self.address} is the prefill rank's own address (where it listens, or "
             f"PDPROTO_ADVERTISE_HOST there), that it runs pdproto with Authenticate, and that both hold the same "

@@ -1,9 +1,4 @@
-"""The client's settings, retries (the policy and the one retry loop), credentials, request builders.
-
-The transport options (``ChannelConfig``) and the reading of a refusal into its typed
-error (``error_from_rpc``, ``error_from_command``) are ``pdproto.rpc``'s, which the server
-shares.
-"""
+"""The client's settings and retries: the policy and the one retry loop (README.md here)."""
 
 from __future__ import annotations
 
@@ -13,21 +8,16 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import grpc
 
 from pdproto import errors as E
 from pdproto.errors import PdprotoError, Reason
-from pdproto.rpc import ChannelConfig, error_from_rpc
-from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc
-from pdproto.v1 import server_info_pb2, transfer_pb2
+from pdproto.rpc import error_from_rpc
+from pdproto.v1 import handshake_service_pb2_grpc as hs_grpc
 
 from ._auth import Metadata, Proof
-
-TERMINAL_STATES = frozenset({common_pb2.TRANSFER_STATE_SUCCESS, common_pb2.TRANSFER_STATE_FAILED})
 
 CredentialReader = Callable[[int], bytes]
 """Reads the first n bytes of the decode's ``credential_buffer`` (``pdproto.transfer.CredentialSlot.read``)."""
@@ -61,6 +51,13 @@ class RetryConfig:
         if not 0 <= self.jitter < 1:
             raise E.ConfigError(f"RetryConfig.jitter is {self.jitter}: within [0, 1)")
 
+    def backoffs(self) -> Iterator[float]:
+        """Sleeps between the tries of one call (or of one session's resumes)."""
+        delay = self.initial_backoff
+        for _ in itertools.count() if self.attempts is None else range(self.attempts - 1):
+            yield delay * random.uniform(1 - self.jitter, 1 + self.jitter)
+            delay = min(delay * self.multiplier, self.max_backoff)
+
 
 def retry_hint(error: PdprotoError) -> float | None:
     """Seconds a refusal says to wait before asking again (``retryAfterMs``: a peer's snapshot allowance,
@@ -82,54 +79,19 @@ def next_try(error: PdprotoError, backoffs: Iterator[float]) -> float | None:
     return None if delay is None else max(delay, hint or 0.0)
 
 
-def read_cert(value: bytes | str | Path | None) -> bytes | None:
-    """Certificate bytes from bytes or a file path."""
-    if value is None or isinstance(value, bytes):
-        return value
-    return Path(value).read_bytes()
-
-
 @dataclass(frozen=True)
 class Settings:
-    """What both client flavours share: target, credentials, deadlines, options."""
+    """What a client's calls and sessions share: the token's proof, the default deadline, the retry policy."""
 
-    target: str
     proof: Proof | None
     """The client's proof of its token to the server (None: no token, calls carry no credentials)."""
-    root_cert: bytes | None
     timeout: float
     retry: RetryConfig
-    channel: ChannelConfig
-    server_name: str | None = None
 
     async def metadata(self, stub: hs_grpc.HandshakeServiceAsyncStub, timeout: float) -> Metadata:
         """Call metadata: the proof of the token (``Authenticate`` on first use), when there is one."""
         return () if self.proof is None else await self.proof.metadata(stub, timeout)
 
-    def options(self) -> list[tuple[str, Any]]:
-        """Channel arguments."""
-        opts = self.channel.client_options()
-        if self.server_name:
-            opts.append(("grpc.ssl_target_name_override", self.server_name))
-        return opts
-
-    def backoffs(self) -> Iterator[float]:
-        """Sleeps between UNAVAILABLE retries."""
-        delay = self.retry.initial_backoff
-        tries = itertools.count() if self.retry.attempts is None else range(self.retry.attempts - 1)
-        for _ in tries:
-            yield delay * random.uniform(1 - self.retry.jitter, 1 + self.retry.jitter)
-            delay = min(delay * self.retry.multiplier, self.retry.max_backoff)
-
-
-def make_settings(target: str, token: str | None, root_cert: bytes | str | Path | None, timeout: float,
-                  retry: RetryConfig | None, channel: ChannelConfig | None, server_name: str | None,
-                  tls: bool) -> tuple[Settings, bool]:
-    """The settings of a client, and whether its channel uses TLS."""
-    s = Settings(target=target, proof=Proof(token, target) if token else None, root_cert=read_cert(root_cert),
-                 timeout=timeout, retry=retry or RetryConfig(), channel=channel or ChannelConfig(),
-                 server_name=server_name)
-    return s, tls or s.root_cert is not None
 
 
 class Tries:
@@ -150,7 +112,7 @@ class Tries:
     def __init__(self, s: Settings, timeout: float | None) -> None:
         self._s = s
         self._end = time.monotonic() + (s.timeout if timeout is None else timeout)
-        self._backoffs = s.backoffs()
+        self._backoffs = s.retry.backoffs()
         self._failed: grpc.RpcError | None = None
         self._tried = False
         self._used: Metadata = ()
@@ -198,61 +160,17 @@ class Tries:
         return False
 
 
-class Credentials:
-    """The credential of each peer this client registered (or was handed), by peer id."""
-
-    def __init__(self) -> None:
-        self._by_peer: dict[str, bytes] = {}
-
-    def keep(self, response: hs.RegisterResponse, tail: bytes = b"") -> server_info_pb2.NegotiationResult:
-        """Remember the credential of a Register answer (``tail``: its part read from the engine); returns its result."""
-        self._by_peer[response.result.peer_id] = response.peer_credential + tail
-        return response.result
-
-    def of(self, peer_id: str, given: bytes | None) -> bytes:
-        """The credential to send for ``peer_id``: the one given, else the one kept, else none."""
-        return given if given is not None else self._by_peer.get(peer_id, b"")
-
-    def adopt(self, peer_id: str, credential: bytes) -> None:
-        """Use ``credential`` for ``peer_id`` from now on."""
-        self._by_peer[peer_id] = credential
-
-    def forget(self, peer_id: str) -> None:
-        """Drop a deregistered peer's credential."""
-        self._by_peer.pop(peer_id, None)
-
-
 def deadline_error(message: str, **metadata: object) -> E.DeadlineExceededError:
     """A deadline the client itself saw pass (as the server's DEADLINE_EXCEEDED reads)."""
     return E.DeadlineExceededError(message, reason=Reason.DEADLINE_EXCEEDED,
                                    metadata={"grpcCode": "DEADLINE_EXCEEDED", **metadata})
 
 
-def describe_request(peer_id: str, request_limit: int, include_finished: bool, credential: bytes) -> hs.DescribeRequest:
-    """A DescribeRequest; the credential only with a peer id (it shows that peer in full)."""
-    return hs.DescribeRequest(peer_id=peer_id, request_limit=request_limit, include_finished=include_finished,
-                              peer_credential=credential if peer_id else b"")
-
-
-def abort_request(peer_id: str, credential: bytes, room: int, generation: int | None) -> hs.AbortRequest:
-    """An AbortRequest for one room (and generation, when given)."""
-    note = transfer_pb2.AbortNotification(room=room)
-    if generation is not None:
-        note.generation = generation
-    return hs.AbortRequest(peer_id=peer_id, abort=note, peer_credential=credential)
-
-
 __all__ = [
-    "Credentials",
     "RetryConfig",
     "Settings",
-    "TERMINAL_STATES",
     "Tries",
-    "abort_request",
     "deadline_error",
-    "describe_request",
-    "make_settings",
     "next_try",
-    "read_cert",
     "retry_hint",
 ]

@@ -1,12 +1,9 @@
 """The client's end of a Session stream (asyncio): one per registered peer, resumed after a break.
 
-``PeerSession`` numbers commands and drops repeated events with the rules of
-``pdproto.session``. One task per session (the pump) opens the stream, resumes it after
-a break (with backoff, for as long as a caller is waiting on it), reads events and
-resolves the callers: a command's result, a room's terminal status, a watcher's next
-status. A caller writes its own command (no task per request); while a write is in
-progress, later commands join the writer's next message. The blocking client runs the
-asyncio one, so this class, on the shared event loop thread (``pdproto.rpc.loop.LoopThread``).
+One task per session (the pump) opens the stream, resumes it after a break (with backoff,
+for as long as a caller is waiting on it), reads events and resolves the callers. A caller
+writes its own command (no task per request); while a write is in progress, later commands
+join the writer's next message.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import grpc.aio
 from grpc_status import rpc_status
 
 from pdproto.errors import PdprotoError, Reason, UnavailableError
-from pdproto.session import DEFAULT_COMMAND_WINDOW, DEFAULT_EVENT_WINDOW, CommandOutbox, EventInbox, StatusBook
+from pdproto.session import DEFAULT_COMMAND_WINDOW, CommandOutbox, EventInbox, StatusBook
 from pdproto.v1 import handshake_service_pb2 as hs, handshake_service_pb2_grpc as hs_grpc, session_pb2, transfer_pb2
 
 from pdproto.rpc.status import error_from_command, error_from_rpc
@@ -45,30 +42,24 @@ class CommandRefusedError(Exception):
         self.refusal = refusal
 
 
-class _Watcher:
-    """One ``watch_status`` consumer: which rooms, and where its statuses go."""
-
-    def __init__(self, rooms: frozenset[int], deliver: Deliver) -> None:
-        self.rooms = rooms
-        self.deliver = deliver
-
-
 class PeerSession:
     """A peer's session: commands out, events in, resumed on a new stream after a break."""
 
-    def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str, credential: bytes,
-                 *, event_window: int = DEFAULT_EVENT_WINDOW) -> None:
+    def __init__(self, stub: hs_grpc.HandshakeServiceAsyncStub, settings: Settings, peer_id: str,
+                 credential: bytes) -> None:
         self.peer_id = peer_id
         self.credential = credential
         self._stub = stub
         self._s = settings
         self.outbox = CommandOutbox()
-        self.inbox = EventInbox(event_window)
+        self.inbox = EventInbox()
         self.book = StatusBook()
         self.session_id = ""
         self.command_window = DEFAULT_COMMAND_WINDOW
         self.error: BaseException | None = None
         """Set when the session is over for good (peer removed, protocol error, no Session RPC)."""
+        self.failure: BaseException | None = None
+        """What the session's waits and watches were last ended with (``error``, or a failure a later call retries)."""
         self.broken: PdprotoError | None = None
         """Why the last stream broke, until a new one opens: a deadline passing meanwhile reports it."""
         self._resent: set[int] = set()
@@ -79,8 +70,8 @@ class PeerSession:
         self._changed = asyncio.Event()
         """Set whenever the pump's state or the credit changes; waiters re-check their condition."""
         self._futures: dict[int, asyncio.Future[session_pb2.CommandResult]] = {}
-        self._waiters: dict[int, list[asyncio.Future[transfer_pb2.TransferStatus]]] = {}
-        self._watchers: set[_Watcher] = set()
+        self._watchers: set[tuple[frozenset[int], Deliver]] = set()
+        """Each watch's rooms (all when empty) and where its statuses go (a sink per watch)."""
         self._waiting = 0
         """Callers in ``_until`` (opening the session, or waiting for the command window)."""
         self._writing = False
@@ -93,14 +84,14 @@ class PeerSession:
     # -- the pump -----------------------------------------------------------
 
     def _interested(self) -> bool:
-        return bool(self._futures or self._waiters or self._watchers or self._waiting)
+        return bool(self._futures or self._watchers or self._waiting)
 
     def _start(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run(), name=f"session-{self.peer_id}")
 
     async def _run(self) -> None:
-        backoffs = self._s.backoffs()
+        backoffs = self._s.retry.backoffs()
         while not self._closed:
             try:
                 await self._stream()
@@ -130,7 +121,7 @@ class PeerSession:
                 self._changed.set()
             self.broken = error
             if opened:  # the stream worked: the next break starts again from the first backoff
-                backoffs = self._s.backoffs()
+                backoffs = self._s.retry.backoffs()
             if error.reason is Reason.SESSION_NOT_FOUND:
                 self._restart()
                 continue
@@ -201,14 +192,13 @@ class PeerSession:
 
     def _fail(self, error: BaseException) -> None:
         """Fail what waits on the session now and end its watchers."""
-        futures: list[asyncio.Future[Any]] = [*self._futures.values()]
-        futures += [f for futs in self._waiters.values() for f in futs]
-        self._futures, self._waiters = {}, {}
-        for fut in futures:
+        futures, self._futures = self._futures, {}
+        for fut in futures.values():
             if not fut.done():
                 fut.set_exception(error)
-        for watcher in list(self._watchers):
-            watcher.deliver(None)
+        self.failure = error
+        for _, deliver in list(self._watchers):
+            deliver(None)
         self._watchers.clear()
         self._changed.set()
 
@@ -232,17 +222,13 @@ class PeerSession:
             status = event.status
             if not self.book.update(status):
                 continue
-            for watcher in self._watchers:
-                if not watcher.rooms or status.room in watcher.rooms:
-                    watcher.deliver(status)
-            if self.book.terminal(status.room) is status:
-                for fut in self._waiters.pop(status.room, ()):
-                    if not fut.done():
-                        fut.set_result(status)
+            for rooms, deliver in self._watchers:
+                if not rooms or status.room in rooms:
+                    deliver(status)
 
-    async def flush(self) -> None:
-        """Write queued commands and a due acknowledgement; a caller that finds a write in progress
-        leaves it to that writer."""
+    async def flush(self, *, ack: bool = False) -> None:
+        """Write queued commands and a due acknowledgement (``ack``: acknowledge every result now, which
+        frees the command window); a caller that finds a write in progress leaves it to that writer."""
         if self._writing or self._call is None:
             return
         self._writing = True
@@ -250,23 +236,15 @@ class PeerSession:
         try:
             while True:
                 commands = self.outbox.take()
-                if not commands and not self.inbox.ack_due(self.command_window):
+                due = self.inbox.ack_due(self.command_window) or (ack and self.inbox.results_unacked > 0)
+                if not commands and not due:
                     return
+                ack = False
                 await call.write(hs.SessionRequest(commands=commands, event_ack=self.inbox.ack()))
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the stream broke; the pump resumes it and the outbox sends these again
         finally:
             self._writing = False
-
-    async def _ack_now(self) -> None:
-        if self._call is not None and not self._writing and self.inbox.results_unacked:
-            self._writing = True
-            try:
-                await self._call.write(hs.SessionRequest(event_ack=self.inbox.ack()))
-            except (grpc.RpcError, asyncio.InvalidStateError):
-                pass
-            finally:
-                self._writing = False
 
     # -- what callers do --------------------------------------------------------
 
@@ -314,10 +292,9 @@ class PeerSession:
         """Send one command and wait for its result, within ``timeout`` seconds (resuming a broken stream)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if not self._ready.is_set() or self.error is not None:
-            await self._until(self._ready.is_set, deadline, "opening the session")
+        # The caller opened the session just before (``open``); a break since is resumed by the pump.
         if len(self.outbox.unanswered) + self.inbox.results_unacked >= self.command_window:
-            await self._ack_now()
+            await self.flush(ack=True)
             await self._until(lambda: len(self.outbox.unanswered) + self.inbox.results_unacked < self.command_window,
                               deadline, "waiting for the command window")
         seq = self.outbox.add(command)
@@ -352,38 +329,33 @@ class PeerSession:
         raise error
 
     async def wait(self, rooms: Iterable[int], timeout: float) -> dict[int, transfer_pb2.TransferStatus]:
-        """The terminal status of each room, within ``timeout`` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        """The terminal status of each room, within ``timeout`` seconds: a watch of the rooms until then."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        pending = set(rooms)
         done: dict[int, transfer_pb2.TransferStatus] = {}
-        futs: list[tuple[int, asyncio.Future[transfer_pb2.TransferStatus]]] = []
-        for room in rooms:
-            known = self.book.terminal(room)
-            if known is not None:
-                done[room] = known
-            else:
-                fut: asyncio.Future[transfer_pb2.TransferStatus] = loop.create_future()
-                self._waiters.setdefault(room, []).append(fut)
-                futs.append((room, fut))
-        if not futs:
-            return done
-        if self.error is not None:
-            raise self.error
-        self._start()
+        over = asyncio.Event()
+
+        def deliver(status: transfer_pb2.TransferStatus | None) -> None:
+            if status is None:  # the session failed
+                over.set()
+            elif status.room in pending and self.book.terminal(status.room) is status:  # not an older generation's
+                done[status.room] = status
+                pending.discard(status.room)
+                if not pending:
+                    over.set()
+
+        stop = self.watch(frozenset(pending), deliver)
         try:
-            async with asyncio.timeout_at(deadline):
-                for room, fut in futs:
-                    done[room] = await fut
+            if pending:
+                async with asyncio.timeout_at(deadline):
+                    await over.wait()
         except TimeoutError:
-            pending = sorted(room for room, fut in futs if not fut.done())
-            raise self.late_error("no terminal status before the deadline", rooms=pending) from None
+            raise self.late_error("no terminal status before the deadline", rooms=sorted(pending)) from None
         finally:
-            for room, fut in futs:
-                waiting = self._waiters.get(room)
-                if waiting is not None and fut in waiting:
-                    waiting.remove(fut)
-                    if not waiting:
-                        del self._waiters[room]
+            stop()
+        if pending:
+            assert self.failure is not None
+            raise self.failure
         return done
 
     def watch(self, rooms: frozenset[int], deliver: Deliver) -> Callable[[], None]:
@@ -396,7 +368,7 @@ class PeerSession:
         if self.error is not None:
             deliver(None)
             return lambda: None
-        watcher = _Watcher(rooms, deliver)
+        watcher = (rooms, deliver)
         self._watchers.add(watcher)
         self._start()
         return lambda: self._watchers.discard(watcher)

@@ -2,30 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+import functools
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pdproto.rpc import ChannelConfig
 from pdproto.rpc.loop import LoopThread
-from pdproto.v1 import handshake_service_pb2 as hs, registration_pb2, server_info_pb2, transfer_pb2
+from pdproto.v1 import transfer_pb2
 
 from ._async import AsyncHandshakeClient
-from ._rpc import CredentialReader, RetryConfig
+from ._rpc import RetryConfig
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 async def _next(items: AsyncIterator[_T]) -> _T | None:
     return await anext(items, None)
 
 
+def _blocking(method: Callable[Concatenate[AsyncHandshakeClient, _P], Coroutine[Any, Any, _T]],
+              ) -> Callable[Concatenate[HandshakeClient, _P], _T]:
+    """``method`` of the async client as a blocking one: run on the shared loop thread, waited for."""
+    def run(self: HandshakeClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return self._loop.run(method(self._async, *args, **kwargs))
+    functools.update_wrapper(run, method)  # its name and docstring
+    run.__qualname__ = f"HandshakeClient.{method.__name__}"
+    return run
+
+
 class HandshakeClient:
     """Blocking client; reuse one per prefill rank (the channel is long-lived), from any threads.
 
-    Each method runs the ``AsyncHandshakeClient`` method of the same name on one event loop
-    thread that the process's blocking clients share (``LoopThread.shared``), and waits for it.
+    Each method runs the ``AsyncHandshakeClient`` method of the same name (and docstring) on one
+    event loop thread that the process's blocking clients share (``LoopThread.shared``), and waits for it.
     """
 
     def __init__(self, target: str, *, token: str | None = None, root_cert: bytes | str | Path | None = None,
@@ -44,31 +56,15 @@ class HandshakeClient:
         """Act for a peer that another client registered, with the credential it was given."""
         self._async.adopt(peer_id, credential)
 
-    def get_server_info(self, *, timeout: float | None = None) -> server_info_pb2.PrefillServerInfo:
-        """The prefill rank's topology."""
-        return self._loop.run(self._async.get_server_info(timeout=timeout))
-
-    def describe(self, *, peer_id: str = "", request_limit: int = 0, include_finished: bool = False,
-                 timeout: float | None = None, credential: bytes | None = None) -> hs.DescribeResponse:
-        """The server's state for operators (as ``AsyncHandshakeClient.describe``; ``pdproto status``)."""
-        return self._loop.run(self._async.describe(peer_id=peer_id, request_limit=request_limit,
-                                                   include_finished=include_finished, timeout=timeout,
-                                                   credential=credential))
-
-    def evict(self, peer_id: str, *, timeout: float | None = None) -> int:
-        """Drop another peer, as the operator; returns how many open requests failed (``pdproto evict``)."""
-        return self._loop.run(self._async.evict(peer_id, timeout=timeout))
-
-    def register(self, registration: registration_pb2.KvRegistration, *, timeout: float | None = None,
-                 read_credential: CredentialReader | None = None) -> server_info_pb2.NegotiationResult:
-        """Register this decode rank (keeping its credential); raises ``TopologyError`` (or another class)
-        on rejection (``read_credential``: as ``AsyncHandshakeClient.register``)."""
-        return self._loop.run(self._async.register(registration, timeout=timeout, read_credential=read_credential))
-
-    def submit_transfer(self, peer_id: str, transfer: transfer_pb2.TransferInfo, *,
-                        timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.TransferStatus:
-        """Hand the prefill one request's destination; returns the status right after."""
-        return self._loop.run(self._async.submit_transfer(peer_id, transfer, timeout=timeout, credential=credential))
+    get_server_info = _blocking(AsyncHandshakeClient.get_server_info)
+    describe = _blocking(AsyncHandshakeClient.describe)
+    evict = _blocking(AsyncHandshakeClient.evict)
+    register = _blocking(AsyncHandshakeClient.register)
+    submit_transfer = _blocking(AsyncHandshakeClient.submit_transfer)
+    wait_for = _blocking(AsyncHandshakeClient.wait_for)
+    abort = _blocking(AsyncHandshakeClient.abort)
+    deregister = _blocking(AsyncHandshakeClient.deregister)
+    close = _blocking(AsyncHandshakeClient.close)
 
     def watch_status(self, peer_id: str, rooms: Iterable[int] = (), *, timeout: float | None = None,
                      credential: bytes | None = None) -> Iterator[transfer_pb2.TransferStatus]:
@@ -83,24 +79,6 @@ class HandshakeClient:
                 yield status
         finally:
             self._loop.run(statuses.aclose())
-
-    def wait_for(self, peer_id: str, rooms: Iterable[int], *, timeout: float | None = None,
-                 credential: bytes | None = None) -> dict[int, transfer_pb2.TransferStatus]:
-        """Block until every room is SUCCESS or FAILED; returns the terminal statuses."""
-        return self._loop.run(self._async.wait_for(peer_id, list(rooms), timeout=timeout, credential=credential))
-
-    def abort(self, peer_id: str, room: int, generation: int | None = None, *,
-              timeout: float | None = None, credential: bytes | None = None) -> transfer_pb2.AbortAck:
-        """Abort a request generation; returns once its in-flight chunks drained."""
-        return self._loop.run(self._async.abort(peer_id, room, generation, timeout=timeout, credential=credential))
-
-    def deregister(self, peer_id: str, *, timeout: float | None = None, credential: bytes | None = None) -> int:
-        """Remove this peer; returns how many open requests were failed with PEER_GONE."""
-        return self._loop.run(self._async.deregister(peer_id, timeout=timeout, credential=credential))
-
-    def close(self) -> None:
-        """Close the sessions and the channel (closing again does nothing)."""
-        self._loop.run(self._async.close())
 
     def __enter__(self) -> HandshakeClient:
         return self

@@ -1,23 +1,11 @@
 """The decode peer: one decode rank's registrations with its prefill ranks, its requests and their outcomes.
 
-Every engine adapter's decode side and the demo's decode rank (``pdproto_demo.decode``) are
-built on ``DecodePeer``. Each prefill rank it is pointed at (``connect``, host:port) gets one
-``AsyncHandshakeClient``, one ``Register`` of the decode's ``KvRegistration`` and one long-lived
-status stream. The rank's ``NegotiationResult`` tells whether it writes anything here (a
-*dummy* is submitted to, with ``is_dummy``, but not waited for) and how many decode ranks it
-serves per request.
-
-``submit`` hands each rank of a request (room id) its ``TransferInfo``; the statuses of the
-ranks that write are folded by ``pdproto.negotiation.fanin.FanInTracker`` into one outcome per
-room, handed once to ``on_outcome`` and to whoever ``wait``s for it. ``abort`` waits for the
-room's submit to each rank first: calls on one channel may be served out of order, and a rank
-that saw the abort first would acknowledge it and then write pages the caller freed.
-
-A rank whose status stream breaks is *lost*: the rooms waiting on it fail at once, and it is
-registered again on next use. A rank the caller ``drop``s is deregistered in the background
-(``_release``); a new registration there waits for that, or the prefill, alive after all,
-would read this live decode as an impostor (IDENTITY_IN_USE). A rank whose registration failed
-is not tried again for ``RETRY_AFTER_S``.
+What it does, and who uses it: README.md here (``peer.py``). Two orderings matter. ``abort``
+waits for the room's submit to each rank first: calls on one channel may be served out of
+order, and a rank that saw the abort first would acknowledge it and then write pages the
+caller freed. A new registration with a rank the caller ``drop``ped waits for its release
+(``Deregister``), or the prefill, alive after all, would read this live decode as an
+impostor (IDENTITY_IN_USE).
 
 The network calls run on the shared event loop (``pdproto.rpc.loop.LoopThread``); the public
 methods may be called from any thread. ``connect`` blocks (one Register per new rank); ``submit``
@@ -41,10 +29,11 @@ from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, error_fo
 from pdproto.negotiation.fanin import FanInTracker, Outcome
 from pdproto.negotiation.senders import SenderSet
 from pdproto.rpc.loop import LoopThread
+from pdproto.session import TERMINAL_STATES
 from pdproto.v1 import registration_pb2, server_info_pb2, transfer_pb2
 
 from ._async import AsyncHandshakeClient
-from ._rpc import TERMINAL_STATES, CredentialReader
+from ._rpc import CredentialReader
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +135,7 @@ class DecodePeer:
         self._lock = threading.Lock()
         """Guards the tracker, the outcome futures and the ranks' room sets (callers and the loop)."""
         self._outcomes: dict[int, concurrent.futures.Future[Outcome]] = {}
-        self._closing: dict[str, asyncio.Task[int]] = {}
+        self._closing: dict[str, asyncio.Task[None]] = {}
         """Dropped ranks being released (deregistered, their clients closed), by address (loop only)."""
         self._submits: dict[int, dict[str, Submitted]] = {}
         """Submits by room and rank address, for the aborts that must wait for them."""
@@ -269,9 +258,9 @@ class DecodePeer:
         self._closing[rank.address] = self.loop.loop.create_task(
             self._release(rank, min(RELEASE_S, self.timeout)), name=f"release-{rank.address}")
 
-    async def _release(self, rank: PrefillRank, deregister_s: float | None) -> int:
+    async def _release(self, rank: PrefillRank, deregister_s: float | None) -> None:
         """Stop the rank's status stream (unless it is the caller), deregister (within ``deregister_s``;
-        None: not at all), close its client; returns the requests the Deregister failed.
+        None: not at all), close its client.
 
         A host engine drops a rank on missed heartbeats, and may be wrong: a prefill that is alive
         would go on writing the rooms just failed and maybe reused. ``Deregister`` returns once
@@ -283,14 +272,13 @@ class DecodePeer:
             rank.watch.cancel()
         try:
             if deregister_s is not None:
-                return await rank.client.deregister(rank.peer_id, timeout=deregister_s)
+                await rank.client.deregister(rank.peer_id, timeout=deregister_s)
         except PdprotoError as exc:
             log.info("pdproto: deregistering from prefill rank %s: %s", rank.address, exc.reason.name)
         except Exception:  # noqa: BLE001 - the client must still close
             log.exception("pdproto: deregistering from prefill rank %s failed", rank.address)
         finally:
             await rank.client.close()
-        return 0
 
     async def _released(self, address: str, timeout: float | None = None) -> None:
         """Wait for the release of the rank dropped at ``address``, if there is one (loop only)."""
@@ -457,27 +445,20 @@ class DecodePeer:
 
     # -- life cycle -----------------------------------------------------------------------
 
-    def deregister(self, timeout: float = RELEASE_S) -> int:
-        """Deregister from every prefill rank and close its client; returns the requests that failed with it."""
-        return self._release_all(timeout)
-
     def close(self, *, deregister: bool = True) -> None:
         """Release every prefill rank: deregistered first, or (``deregister=False``) left to find out, as
         after a crash, once this decode's streams closed."""
-        self._release_all(RELEASE_S if deregister else None)
-
-    def _release_all(self, deregister_s: float | None) -> int:
+        deregister_s = RELEASE_S if deregister else None
         with self._ranks_lock:
             ranks, self._ranks = list(self._ranks.values()), {}
 
-        async def release() -> int:
-            failed = await asyncio.gather(*(self._release(r, deregister_s) for r in ranks))
+        async def release() -> None:
+            await asyncio.gather(*(self._release(r, deregister_s) for r in ranks))
             if self._closing:
                 await asyncio.wait(self._closing.values(), timeout=RELEASE_S)
-            return sum(failed)
 
-        return self.loop.run(release(), timeout=(deregister_s or 0) + RELEASE_S + self.timeout,
-                             what="releasing the prefill ranks")
+        self.loop.run(release(), timeout=(deregister_s or 0) + RELEASE_S + self.timeout,
+                      what="releasing the prefill ranks")
 
 
 __all__ = ["PROBE_S", "RELEASE_S", "RETRY_AFTER_S", "WATCH_S", "DecodePeer", "OutcomeHandler", "PrefillRank"]

@@ -1,8 +1,4 @@
-"""An asyncio event loop on a thread of its own, for hosts that are not asyncio.
-
-One class serves the blocking client's sessions, the prefill service embedded in a
-scheduler (``pdproto_server.app.ServiceThread``) and an engine adapter's decode side.
-"""
+"""An asyncio event loop on a thread of its own, for hosts that are not asyncio (who uses it: README.md here)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Proof of a token without sending it: the MACs both ends compute (``Authenticate``, docs/security.md).
+"""Proof of a token without sending it: the MACs both ends compute (``Authenticate``, docs/protocol.md 2c).
 
-The client sends a fresh nonce and the address it dialed; the server answers a nonce of its
-own and ``server_proof``, a MAC keyed by the token over both nonces and that address, so a
-server that does not hold the token, or relays the challenge to one at another address,
-cannot answer it. The client then names both nonces and ``client_proof`` in every call's
-``authorization`` metadata (``header``). Every MAC field is length-prefixed, and each side's
-MAC starts with its own label, so no message of one kind reads as another.
+Every MAC field is length-prefixed, and each side's MAC starts with its own label, so no
+message of one kind reads as another.
 """
 
 from __future__ import annotations

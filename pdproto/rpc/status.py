@@ -1,12 +1,8 @@
-"""Typed errors to gRPC statuses and back: the one conversion both ends use.
+"""Typed errors to gRPC statuses and back: the one conversion both ends use (README.md here).
 
-Every non-OK status pdproto sends carries exactly one ``google.rpc.ErrorInfo`` (reason,
-domain ``pdproto``, metadata) and, for invalid fields, one ``google.rpc.BadRequest``
-(``status_for``; a refused session command carries the same as a ``CommandError``,
-``command_error``). The client reads either back into the ``pdproto.errors`` class of the
-reason (``error_from_rpc``, ``error_from_command``), so both paths raise the same class with
-the same metadata. The reason's gRPC code comes from its class's declaration in
-``pdproto.errors``.
+Every status pdproto sends carries exactly one ``google.rpc.ErrorInfo`` (and a ``BadRequest``
+for invalid fields); the client reads it, or a session's ``CommandError``, back into the class
+of the reason, so both paths raise the same class with the same metadata.
 """
 
 from __future__ import annotations
