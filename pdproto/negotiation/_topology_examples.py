@@ -16,10 +16,6 @@ from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, make
 
 _DEFAULT_TOKEN_BYTES = 1152
 """576 bf16 values: one DeepSeek-style MLA latent row."""
-_BASE_PTR = 0x1000_0000
-"""Where an example decode's first buffer starts; the others follow end to end."""
-_PAGES = 64
-"""Pages each example decode buffer holds."""
 
 
 def _layer_plan(num_layers: int, num_draft: int, pp_size: int,
@@ -46,6 +42,7 @@ def example_server_info(
     num_layers: int = 4,
     token_bytes: int = _DEFAULT_TOKEN_BYTES,
     num_draft: int = 0,
+    draft_token_bytes: int | None = None,
     dtype: str = "bfloat16",
     attention: int = v1.ATTENTION_KIND_MLA,
     backends: Iterable[int] = (v1.BACKEND_MOONCAKE, v1.BACKEND_NIXL, v1.BACKEND_LOCAL),
@@ -57,9 +54,10 @@ def example_server_info(
 ) -> v1.PrefillServerInfo:
     """A prefill rank's ``PrefillServerInfo`` for the given topology."""
     start, plan = _layer_plan(num_layers, num_draft, pp_size, pp_rank)
+    draft_bytes = token_bytes if draft_token_bytes is None else draft_token_bytes
     entries = [
         v1.KvEntryInfo(
-            item_len=token_bytes * page_size * (dcp_size if draft else 1),
+            item_len=(draft_bytes * page_size * dcp_size) if draft else token_bytes * page_size,
             layer_id=layer if layer_ids else None,
             role=v1.KV_ENTRY_ROLE_DRAFT if draft else v1.KV_ENTRY_ROLE_TARGET,
         )
@@ -98,28 +96,32 @@ def example_registration(
     num_layers: int = 4,
     token_bytes: int = _DEFAULT_TOKEN_BYTES,
     num_draft: int = 0,
+    draft_token_bytes: int | None = None,
     dtype: str = "bfloat16",
     attention: int = v1.ATTENTION_KIND_MLA,
     backend: int = v1.BACKEND_MOONCAKE,
     model_id: str = "",
     layer_ids: bool = False,
+    num_pages: int = 64,
+    base_ptr: int = 0x1000_0000,
     memory_kind: int = v1.MEMORY_KIND_VRAM,
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> v1.KvRegistration:
     """A decode rank's ``KvRegistration`` for the given topology; buffers are laid end to end."""
     _, plan = _layer_plan(num_layers, num_draft, pp_size, pp_rank)
+    draft_bytes = token_bytes if draft_token_bytes is None else draft_token_bytes
     layout = DecodeLayout(
         page_size=page_size,
-        kv=tuple(KvEntry(token_bytes, layer if layer_ids else None,
+        kv=tuple(KvEntry(draft_bytes if draft else token_bytes, layer if layer_ids else None,
                          EntryRole.DRAFT if draft else EntryRole.TARGET) for layer, draft in plan),
         kv_cache_dtype=dtype, attention_kind=attention,  # type: ignore[arg-type]
         attn_tp_size=tp_size, attn_tp_rank=tp_rank, dcp_size=dcp_size, dcp_rank=dcp_rank,
         pp_size=pp_size, pp_rank=pp_rank, model_id=model_id, notify_host=host, notify_port=port)
     regions: list[Region] = []
     for item_len in layout.item_lens():
-        start = regions[-1].ptr + regions[-1].length if regions else _BASE_PTR
-        regions.append(Region(start, item_len * _PAGES, memory_kind))  # type: ignore[arg-type]
+        start = regions[-1].ptr + regions[-1].length if regions else base_ptr
+        regions.append(Region(start, item_len * num_pages, memory_kind))  # type: ignore[arg-type]
     endpoint = None
     if backend != v1.BACKEND_UNSPECIFIED:
         spec = backends.by_enum(backend)
