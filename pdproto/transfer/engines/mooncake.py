@@ -116,6 +116,8 @@ class MooncakeExecutor(EngineExecutor):
                          inline_bytes=inline_bytes)
         self.connect_timeout_s = connect_timeout_s
         self._probing = 0
+        self.adopted = engine is not None
+        """The engine belongs to someone else in this process (``engine`` was given)."""
         if engine is not None:
             if not session_id or ":" not in session_id:
                 raise InvalidFieldError("session_id", "an adopted Mooncake engine needs its session id (host:port)",
