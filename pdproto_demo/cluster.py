@@ -21,6 +21,7 @@ from pdproto.negotiation.senders import target_tp_ranks
 
 from . import data
 from .decode import DecodeConfig, DecodeProcess
+from .prefill import PrefillConfig
 from .proc import Child, Reply, close_all
 
 
@@ -193,29 +194,25 @@ class Cluster:
         self._room = 1000
         self._src_groups = tuple(src_groups)
 
-    def _prefill(self, ns: int, r: int, port: int = 0) -> Child:
-        g = self.geo
-        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill",
-                           ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size),
-                            "--dcp-size", str(ns), "--dcp-rank", str(r % ns),
-                            "--model", self.model, "--tp-size", str(self.src_tp), "--tp-rank", str(r // ns),
-                            "--slots", str(self.slots), "--replicated-bytes", str(self.replicated_bytes),
-                            "--window-pages", str(self.window_pages),
-                            "--kda-heads", str(self.kda[0]), "--kda-head-dim", str(self.kda[1]),
-                            "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
-                            "--port", str(port), *self.prefill_args,
-                            "--operator-token", self.operator_token,
-                            *(["--token", self.token] if self.token else [])],
+    def _rank(self) -> dict[str, Any]:
+        """The fields every rank of the cluster shares (``model.RankConfig``)."""
+        return dict(backend=self.backend, layers=self.geo.layers, page_size=self.geo.page_size, model=self.model,
+                    slots=self.slots, replicated_bytes=self.replicated_bytes, window_pages=self.window_pages,
+                    kda_heads=self.kda[0], kda_head_dim=self.kda[1])
+
+    def spawn_prefill(self, ns: int, r: int, port: int = 0) -> Child:
+        """Start prefill rank ``r`` of the DCP ``ns`` group without waiting for it (its ready line has its port)."""
+        config = PrefillConfig(**self._rank(), dcp_size=ns, dcp_rank=r % ns, tp_size=self.src_tp, tp_rank=r // ns,
+                               pages=self.geo.src_pages(ns), name=f"prefill-{ns}-{r}-{self.run_id}", port=port,
+                               operator_token=self.operator_token, token=self.token or "")
+        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill", [*config.argv(), *self.prefill_args],
                            env=self.env, log_dir=self.log_dir)
 
-    def _decode(self, d: int) -> DecodeProcess:
-        g = self.geo
-        config = DecodeConfig(backend=self.backend, layers=g.layers, page_size=g.page_size,
-                              pages=g.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp, dcp_rank=d % self.dst_dcp,
-                              name=f"decode-{d}-{self.run_id}", notify_port=self.notify_ports[d],
-                              model=self.model, tp_size=self.dst_tp, tp_rank=d % self.dst_tp,
-                              slots=self.slots, replicated_bytes=self.replicated_bytes,
-                              kda_heads=self.kda[0], kda_head_dim=self.kda[1], window_pages=self.window_pages)
+    def spawn_decode(self, d: int) -> DecodeProcess:
+        """Start decode rank ``d`` without waiting for it (``await_ready`` next)."""
+        config = DecodeConfig(**self._rank(), pages=self.geo.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp,
+                              dcp_rank=d % self.dst_dcp, name=f"decode-{d}-{self.run_id}",
+                              notify_port=self.notify_ports[d], tp_size=self.dst_tp, tp_rank=d % self.dst_tp)
         return DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env, log_dir=self.log_dir)
 
     def launch(self, timeout: float = 120.0) -> None:
@@ -223,27 +220,12 @@ class Cluster:
         per_group = max(self.dst_dcp, self.dst_tp)
         self.notify_ports = [free_port() for _ in range(per_group * self.dst_groups)]
         for ns in self._src_groups:
-            self.prefills[ns] = [self._prefill(ns, r) for r in range(ns * self.src_tp)]
-        self.decodes = [self._decode(d) for d in range(per_group * self.dst_groups)]
+            self.prefills[ns] = [self.spawn_prefill(ns, r) for r in range(ns * self.src_tp)]
+        self.decodes = [self.spawn_decode(d) for d in range(per_group * self.dst_groups)]
         for ns, group in self.prefills.items():
             self.ports[ns] = [int(c.recv(timeout)["port"]) for c in group]
         for c in self.decodes:
             c.await_ready(timeout)
-
-    def restart_decode(self, d: int, *, same_address: bool = True, timeout: float = 120.0) -> None:
-        """Kill decode rank ``d`` (if alive) and start a fresh process; same notify endpoint by default."""
-        self.decodes[d].close(timeout=5)
-        if not same_address:
-            self.notify_ports[d] = free_port()
-        self.decodes[d] = self._decode(d)
-        self.decodes[d].await_ready(timeout)
-
-    def restart_prefill(self, ns: int, r: int, *, same_port: bool = True, timeout: float = 120.0) -> None:
-        """Stop prefill rank ``r`` of group ``ns`` (if alive) and start a fresh one."""
-        self.prefills[ns][r].close(timeout=15)
-        port = self.ports[ns][r] if same_port else 0
-        self.prefills[ns][r] = self._prefill(ns, r, port)
-        self.ports[ns][r] = int(self.prefills[ns][r].recv(timeout)["port"])
 
     def targets(self, topo: Topology, dst_rank: int) -> list[str]:
         """host:port of each prefill rank a decode rank registers with."""
@@ -261,11 +243,6 @@ class Cluster:
         self.topology = topo
         return replies
 
-    def next_room(self) -> int:
-        """A fresh request id."""
-        self._room += 1
-        return self._room
-
     def begin(self, tokens: int, prefix: int, *, corrupt: bool = False, timeout: float = 60.0,
               decodes: Sequence[int] | None = None, room: int | None = None, generation: int = 0,
               dst_offset: int = 0, slot: int = 0) -> Flight:
@@ -273,7 +250,9 @@ class Cluster:
         topo = self.topology
         assert topo is not None, "connect() first"
         g = self.geo
-        room = self.next_room() if room is None else room
+        if room is None:
+            self._room += 1
+            room = self._room
         n = tokens - prefix
         vs = g.page_size * topo.src_dcp
         vd = g.page_size * self.dst_dcp
@@ -336,14 +315,10 @@ class Cluster:
         for c in f.sources:
             c.recv(timeout)
         res = RequestResult(f.room, f.tokens, f.prefix, len(f.bounds), all(r["ok"] for r in replies))
+        for key in ("bytes", "descriptors", "aux_bytes", "state_bytes", "aux_descriptors", "state_descriptors",
+                    "checked"):
+            setattr(res, key, sum(int(r[key]) for r in replies))
         for r in replies:
-            res.bytes += int(r["bytes"])
-            res.descriptors += int(r["descriptors"])
-            res.aux_bytes += int(r.get("aux_bytes", 0))
-            res.state_bytes += int(r.get("state_bytes", 0))
-            res.aux_descriptors += int(r.get("aux_descriptors", 0))
-            res.state_descriptors += int(r.get("state_descriptors", 0))
-            res.checked += int(r["checked"])
             res.failures += r["failures"]
             if r.get("failure_code"):
                 res.failure_codes.append(r["failure_code"])

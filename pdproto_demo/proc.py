@@ -40,9 +40,6 @@ class Child:
         log_dir: str | None = None,
     ) -> Self:
         """Start ``python -m module args`` in its own process group; stderr goes to ``log_dir/name.log``."""
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
         log = open(os.path.join(log_dir, f"{name}.log"), "ab") if log_dir else None
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -51,7 +48,7 @@ class Child:
             stderr=log,
             text=True,
             bufsize=1,
-            env=full_env,
+            env={"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})},
             start_new_session=True,
         )
         if log is not None:
