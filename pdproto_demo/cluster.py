@@ -35,15 +35,6 @@ class Topology:
     dst_tp: int = 1
 
     @property
-    def name(self) -> str:
-        """Short label: dense->dcp4, dcp2->dcp4, tp4->tp4dcp4."""
-        src = f"tp{self.src_tp}" if self.src_tp > 1 else ("dense" if self.src_dcp == 1 else f"dcp{self.src_dcp}")
-        if self.src_tp > 1 and self.src_dcp > 1:
-            src += f"dcp{self.src_dcp}"
-        dst = f"tp{self.dst_tp}" if self.dst_tp > 1 else ""
-        return f"{src}->{dst}dcp{self.dst_dcp}" if self.dst_dcp > 1 else f"{src}->{dst or 'dense'}"
-
-    @property
     def dst_ranks(self) -> int:
         """Decode processes of one group: TP ranks (DCP ranks are TP rank mod DCP size)."""
         return max(self.dst_tp, self.dst_dcp)
@@ -151,14 +142,6 @@ def free_port(span: int = 1) -> int:
     raise RuntimeError(f"no {span} free ports in a row between {low} and {high} on 127.0.0.1")
 
 
-def chunk_bounds(n: int, quantum: int, *, parts: int = 4, cap: int = 4096) -> list[tuple[int, int]]:
-    """Split n relative tokens into chunks that are multiples of ``quantum`` (except the last)."""
-    if n <= 0:
-        return [(0, 0)]
-    size = min(max(quantum, math.ceil(math.ceil(n / parts) / quantum) * quantum), max(cap, quantum))
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
-
-
 class Cluster:
     """Prefill and decode rank processes of one backend; reused across requests and topologies."""
 
@@ -256,8 +239,10 @@ class Cluster:
         n = tokens - prefix
         vs = g.page_size * topo.src_dcp
         vd = g.page_size * self.dst_dcp
+        # Chunks of whole virtual pages, a quarter of the request each (at most 4096 tokens); the last takes the rest.
+        size = min(max(vs, math.ceil(math.ceil(n / 4) / vs) * vs), max(4096, vs))
         f = Flight(room=room, tokens=tokens, prefix=prefix, vs=vs,
-                   bounds=chunk_bounds(n, math.lcm(vs, g.page_size)),
+                   bounds=[(a, min(a + size, n)) for a in range(0, n, size)] or [(0, 0)],
                    src_pages=data.page_list(1 + slot * g.slot_pages(topo.src_dcp), max(1, math.ceil(n / vs)),
                                             scramble=True),
                    decodes=list(range(topo.dst_ranks) if decodes is None else decodes),

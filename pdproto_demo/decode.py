@@ -100,7 +100,9 @@ class DecodeRank:
         self.aux = [self.executor.allocate(a.item_len * c.slots) for a in layout.aux]
         self.state = [[self.executor.allocate(t.item_len * n) for t in e.tensors]
                       for n, e in zip(items, layout.state, strict=True)]
-        self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
+        self.extras = [*self.aux, *(b for e in self.state for b in e)]
+        """Every aux buffer, then every state tensor's (``ModelShape.extra_writes``'s order)."""
+        self.executor.register_memory([*self.buffers, *self.extras])
         self.credential = CredentialSlot(self.executor, self.buffers[0])
         """Where each prefill writes its part of this rank's peer credential (``connect`` binds it)."""
         self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
@@ -166,36 +168,25 @@ class DecodeRank:
                 for i in range(len(self.state)))
         return info
 
-    def _extras(self, slot: int, index: Sequence[int]) -> list[tuple[str, int, Buffer, list[int], int]]:
-        """(kind, number, buffer, items, item bytes) of every aux and state buffer: the items a request in
-        ``slot`` with DSA ``index`` pages holds there (state buffers numbered across entries)."""
-        c, m = self.config, self.model
-        entries = m.state_tensors()
-        return [("aux", i, b, [slot], b.length // c.slots) for i, b in enumerate(self.aux)] + [
-            ("state", k, b, m.state_pages(entries[k], slot, "decode", index),
-             b.length // m.entry_items(entries[k], c.slots, c.pages * c.dcp_size))
-            for k, b in enumerate(b for e in self.state for b in e)]
-
     def verify_extras(self, rooms: Mapping[int, tuple[int, Sequence[int]]]) -> tuple[int, str | None]:
         """Check every aux and state byte: each room's items hold the model's bytes, the rest background.
 
         ``rooms`` maps room -> (slot, DSA index pages); returns (bytes checked, first problem or None).
         """
-        c, m = self.config, self.model
+        c = self.config
+        placed = [self.model.extra_writes(room, slot, index, "decode", c.tp_size, c.tp_rank)
+                  for room, (slot, index) in rooms.items()]
         checked = 0
-        placed = {room: self._extras(*at) for room, at in rooms.items()}
-        for n, (name, i, buf, _, _) in enumerate(self._extras(0, ())):
+        for n, buf in enumerate(self.extras):
             arr = np.asarray(buf.array)
             expected = np.full(arr.shape, c.background, dtype=np.uint8)
-            for room, extras in placed.items():
-                items = extras[n][3]
-                writes = [(items[0], m.aux_item(room, i))] if name == "aux" else \
-                    m.state_writes(room, i, c.tp_size, c.tp_rank, items)
-                for item, block in writes:
+            for writes in placed:
+                for item, block in writes[n]:
                     expected[item * block.size:(item + 1) * block.size] = block
             checked += arr.nbytes
             if not np.array_equal(arr, expected):
                 at = int(np.argwhere(arr != expected)[0][0])
+                name, i = ("aux", n) if n < len(self.aux) else ("state", n - len(self.aux))
                 return checked, f"{name} buffer {i}: byte {at} is {arr[at]}, expected {expected[at]}"
         return checked, None
 
@@ -290,9 +281,10 @@ class DecodeRank:
         data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=c.page_size,
                    background=c.background)
         if p.slot and p.slot < c.slots:
-            for _, _, buf, items, n in self._extras(p.slot, p.index):
-                for item in items:
-                    buf.array[item * n:(item + 1) * n] = c.background
+            writes = self.model.extra_writes(0, p.slot, p.index, "decode", c.tp_size, c.tp_rank)
+            for buf, items in zip(self.extras, writes, strict=True):
+                for item, block in items:
+                    buf.array[item * block.size:(item + 1) * block.size] = c.background
         if p.pooled:
             self._free_slots.append(p.slot)
 
@@ -382,7 +374,7 @@ class DecodeRank:
 
     def fill(self, value: int) -> Reply:
         """Set every byte of every KV, aux and state buffer to ``value``."""
-        for b in [*self.buffers, *self.aux, *(t for e in self.state for t in e)]:
+        for b in [*self.buffers, *self.extras]:
             b.array[:] = value
         return {}
 

@@ -87,7 +87,9 @@ class PrefillRank:
                        for t in e.tensors] for i, e in enumerate(self.info.state_entries)]
         self.index: dict[int, list[int]] = {}
         """Per room, its DSA index pages (named on its last chunk)."""
-        self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
+        self.extras = [*self.aux, *(b for e in self.state for b in e)]
+        """Every aux buffer, then every state tensor's (``ModelShape.extra_writes``'s order)."""
+        self.executor.register_memory([*self.bufs, *self.extras])
         if args.cp_size > 1:  # every CP rank sends its share of the pages (SGLang enable_all_cp_ranks_for_transfer)
             self.info.attn_cp.size, self.info.attn_cp.rank = args.cp_size, args.cp_rank
             self.info.cp_ranks_split_pages = not args.layer_split
@@ -117,13 +119,10 @@ class PrefillRank:
         a, m = self.args, self.model
         rows = data.fill(self.pool, self.shard, data.Placement(room, prefix, total, pages),
                          page_size=a.page_size, reference=HeadReference(m, a.tp_size, a.tp_rank))
-        for i, buf in enumerate(self.aux):
-            n = m.aux_lens[i]
-            buf.array[slot * n:(slot + 1) * n] = m.aux_item(room, i)
         self.index[room] = m.index_pages(pages, total - prefix, a.dcp_size)
-        for k, (entry, buf) in enumerate(zip(m.state_tensors(), (b for e in self.state for b in e), strict=True)):
-            for item, block in m.state_writes(room, k, a.tp_size, a.tp_rank,
-                                              m.state_pages(entry, slot, "prefill", self.index[room])):
+        writes = m.extra_writes(room, slot, self.index[room], "prefill", a.tp_size, a.tp_rank)
+        for buf, items in zip(self.extras, writes, strict=True):
+            for item, block in items:
                 buf.array[item * block.size:(item + 1) * block.size] = block
         if corrupt and rows:
             # Flip one byte in the middle of the request: the decode's check must catch it.
