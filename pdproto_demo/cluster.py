@@ -21,6 +21,7 @@ from pdproto.negotiation.senders import target_tp_ranks
 
 from . import data
 from .decode import DecodeConfig, DecodeProcess
+from .model import RankConfig
 from .prefill import PrefillConfig
 from .proc import Child, Reply, close_all
 
@@ -148,18 +149,15 @@ class Cluster:
     def __init__(self, backend: str, geometry: Geometry, *, dst_dcp: int = 4, dst_groups: int = 1,
                  src_groups: Sequence[int] = (1, 2), token: str | None = None,
                  env: dict[str, str] | None = None, log_dir: str | None = None,
-                 prefill_args: Sequence[str] = (), model: str = "mla", src_tp: int = 1, dst_tp: int = 1,
-                 replicated_bytes: int = 0, slots: int = 8, kda_heads: int = 8, kda_head_dim: int = 8,
-                 window_pages: int = 0) -> None:
+                 prefill: dict[str, Any] | None = None, src_tp: int = 1, dst_tp: int = 1, **shape: Any) -> None:
+        """``shape``: the other ``model.RankConfig`` fields every rank shares (``model``, ``slots``, ...);
+        ``prefill``: further ``prefill.PrefillConfig`` fields of the prefill ranks."""
         self.backend = backend
-        self.model = model
         self.src_tp, self.dst_tp = src_tp, dst_tp
-        self.replicated_bytes = replicated_bytes
-        self.window_pages = window_pages
-        self.slots = slots
-        self.kda = (kda_heads, kda_head_dim)
+        self.shape = {"backend": backend, "layers": geometry.layers, "page_size": geometry.page_size, **shape}
+        self.slots = int(shape.get("slots", RankConfig.slots))
         self.dst_groups = dst_groups
-        self.prefill_args = list(prefill_args)
+        self.prefill = prefill or {}
         self.notify_ports: list[int] = []
         self.peer_ids: dict[int, list[str]] = {}
         self.run_id = os.urandom(3).hex()
@@ -177,23 +175,17 @@ class Cluster:
         self._room = 1000
         self._src_groups = tuple(src_groups)
 
-    def _rank(self) -> dict[str, Any]:
-        """The fields every rank of the cluster shares (``model.RankConfig``)."""
-        return dict(backend=self.backend, layers=self.geo.layers, page_size=self.geo.page_size, model=self.model,
-                    slots=self.slots, replicated_bytes=self.replicated_bytes, window_pages=self.window_pages,
-                    kda_heads=self.kda[0], kda_head_dim=self.kda[1])
-
     def spawn_prefill(self, ns: int, r: int, port: int = 0) -> Child:
         """Start prefill rank ``r`` of the DCP ``ns`` group without waiting for it (its ready line has its port)."""
-        config = PrefillConfig(**self._rank(), dcp_size=ns, dcp_rank=r % ns, tp_size=self.src_tp, tp_rank=r // ns,
-                               pages=self.geo.src_pages(ns), name=f"prefill-{ns}-{r}-{self.run_id}", port=port,
-                               operator_token=self.operator_token, token=self.token or "")
-        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill", [*config.argv(), *self.prefill_args],
-                           env=self.env, log_dir=self.log_dir)
+        config = PrefillConfig(**self.shape, **self.prefill, dcp_size=ns, dcp_rank=r % ns, tp_size=self.src_tp,
+                               tp_rank=r // ns, pages=self.geo.src_pages(ns), name=f"prefill-{ns}-{r}-{self.run_id}",
+                               port=port, operator_token=self.operator_token, token=self.token or "")
+        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill", config.argv(), env=self.env,
+                           log_dir=self.log_dir)
 
     def spawn_decode(self, d: int) -> DecodeProcess:
         """Start decode rank ``d`` without waiting for it (``await_ready`` next)."""
-        config = DecodeConfig(**self._rank(), pages=self.geo.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp,
+        config = DecodeConfig(**self.shape, pages=self.geo.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp,
                               dcp_rank=d % self.dst_dcp, name=f"decode-{d}-{self.run_id}",
                               notify_port=self.notify_ports[d], tp_size=self.dst_tp, tp_rank=d % self.dst_tp)
         return DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env, log_dir=self.log_dir)
