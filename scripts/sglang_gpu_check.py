@@ -1,19 +1,11 @@
 #!/usr/bin/env python3
 """GPU check of the SGLang backend: a real ``sglang.launch_server`` prefill/decode pair with pdproto.
 
-Runs on a machine with an NVIDIA GPU and, installed with pip, ``sglang==0.5.23`` (with its
-own GPU requirements), ``mooncake-transfer-engine`` (the CUDA build) and this repository
-(``pip install -e .``); nothing is downloaded: the model must already be on disk
-(``--model-path``; any small causal LM SGLang serves, e.g. Qwen2.5-0.5B-Instruct).
-
-1. A plain (not disaggregated) server answers each prompt greedily: the reference.
-2. A prefill and a decode server start with ``--disaggregation-transfer-backend pdproto``;
-   this script is their router: it posts each prompt to both with one
-   ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, as SGLang's router does.
-3. The decode's first ``--tokens`` generated token ids must equal the reference's.
-
-Prints one line per prompt and ``PASS`` or ``FAIL``; exits 0 on PASS. Every server log is
-kept under ``--log-dir``. ``--dry-run`` prints the three server command lines and exits.
+A plain server answers each prompt greedily (the reference); then a prefill and a decode server with
+``--disaggregation-transfer-backend pdproto``, this script as their router (one ``bootstrap_room`` per
+prompt, as SGLang's router posts it), must generate the same first ``--tokens`` token ids. Needs a GPU,
+``sglang==0.5.23``, ``mooncake-transfer-engine`` and this repository installed, and the model on disk
+(nothing is downloaded); every server log is kept under ``--log-dir``. How to run it: ``docs/sglang.md``.
 
     python scripts/sglang_gpu_check.py --model-path /models/Qwen2.5-0.5B-Instruct
 """

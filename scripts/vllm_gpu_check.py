@@ -1,22 +1,12 @@
 #!/usr/bin/env python3
 """GPU check of the vLLM connector: a real ``vllm serve`` prefill/decode pair with PdprotoConnector.
 
-Runs on a machine with NVIDIA GPUs and, installed with pip, ``vllm==0.33.0`` (with its own GPU
-requirements), ``mooncake-transfer-engine`` (the CUDA build) and this repository
-(``pip install -e .``); nothing is downloaded: the model must already be on disk (``--model``;
-an MLA model vLLM serves, e.g. DeepSeek-V2-Lite: the connector moves MLA caches only).
-
-1. A plain (not disaggregated) server answers each prompt greedily: the reference.
-2. A prefill (``kv_producer``) and a decode (``kv_consumer``) start with
-   ``--kv-transfer-config`` naming ``PdprotoConnector`` from ``pdproto.integrations.vllm``;
-   this script is their router: it posts each prompt to both at once with one
-   ``transfer_id`` in ``kv_transfer_params`` (the prefill with ``max_tokens`` 1), and tells
-   the decode where the prefill's ranks listen.
-3. The decode's greedy completion must equal the reference's.
-
-``--decode-tp 4`` runs the decode with TP 4 = DCP 4 (4 GPUs). Prints one line per prompt and
-``PASS`` or ``FAIL``; exits 0 on PASS. Every server log is kept under ``--log-dir``.
-``--dry-run`` prints the three server command lines and exits.
+A plain server answers each prompt greedily (the reference); then a prefill (``kv_producer``) and a
+decode (``kv_consumer``) with ``--kv-transfer-config`` naming ``PdprotoConnector``, this script as their
+router (both posted at once, ``kv_transfer_params`` as ``docs/vllm.md`` lists them), must complete it the
+same. Needs NVIDIA GPUs, ``vllm==0.33.0``, ``mooncake-transfer-engine`` and this repository installed, and
+an MLA model on disk (the connector moves MLA caches only; nothing is downloaded). ``--decode-tp 4`` runs
+the decode with TP 4 = DCP 4 (4 GPUs); every server log is kept under ``--log-dir``.
 
     python scripts/vllm_gpu_check.py --model /models/DeepSeek-V2-Lite-Chat
 """
