@@ -114,14 +114,6 @@ class Flight:
     """The prefill's aux and state slot for the request (hybrid models)."""
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(span: int = 1) -> int:
     """A TCP port free on 127.0.0.1 now, with the ``span - 1`` after it.
 
@@ -129,7 +121,11 @@ def free_port(span: int = 1) -> int:
     its port from that range, and one did take a port found free there before the server meant
     for it started (a vLLM prefill failed to bind). A random draw keeps parallel tests apart.
     """
-    high = _ephemeral_low()
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
     low = max(1024, high - 12000)
     for _ in range(1000):
         port = secrets.randbelow(high - low - span) + low

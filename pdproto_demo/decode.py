@@ -433,13 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     out = redirect_stdout_to_stderr()
     rank = DecodeRank(config)
     try:
-        reg = rank.registration().SerializeToString().hex()
-        out.write('{"ready": true, "pid": %d, "registration": "%s"}\n' % (os.getpid(), reg))
-        out.flush()
         commands: dict[str, Any] = {
             "connect": rank.connect, "request": rank.request, "wait": rank.wait, "abort": rank.abort,
             "dump": rank.dump, "fill": rank.fill, "notices": rank.notices, "untouched": rank.untouched}
-        serve_commands(commands, out)
+        serve_commands(commands, out, {"registration": rank.registration().SerializeToString().hex()})
     finally:
         rank.close()
     return 0

@@ -193,11 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     out = redirect_stdout_to_stderr()
     rank = PrefillRank(args)
     try:
-        port = rank.service.start(60)
-        out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
-        out.flush()
-        serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,
-                        "poll": rank.poll, "abort_room": rank.abort_room, "stats": rank.stats}, out)
+        serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release, "poll": rank.poll,
+                        "abort_room": rank.abort_room, "stats": rank.stats}, out, {"port": rank.service.start(60)})
     finally:
         rank.close()
     return 0
