@@ -198,16 +198,13 @@ class Cluster:
         for c in self.decodes:
             c.await_ready(timeout)
 
-    def targets(self, topo: Topology, dst_rank: int) -> list[str]:
-        """host:port of each prefill rank a decode rank registers with."""
-        return [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(dst_rank % topo.dst_ranks)]
-
     def connect(self, topo: Topology, timeout: float = 60.0, ranks: Sequence[int] | None = None,
                 **options: Any) -> list[Reply]:
         """Register decode ranks (all by default) with their prefill ranks for ``topo``."""
         ranks = list(range(len(self.decodes))) if ranks is None else list(ranks)
         for d in ranks:
-            self.decodes[d].send("connect", targets=self.targets(topo, d), token=self.token, **options)
+            targets = [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(d % topo.dst_ranks)]
+            self.decodes[d].send("connect", targets=targets, token=self.token, **options)
         replies = [self.decodes[d].recv(timeout) for d in ranks]
         for d, r in zip(ranks, replies, strict=True):
             self.peer_ids[d] = list(r["peers"])

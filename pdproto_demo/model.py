@@ -185,23 +185,6 @@ class ModelShape:
         dim = local_width(layout, tp)
         return layout.outer * dim * layout.element_bytes, dim
 
-    def state_info(self, tp: int) -> list[server_info_pb2.StateEntryInfo]:
-        """The prefill's ``state_entries`` at TP size ``tp``."""
-        out = []
-        for kind, layouts in self.entries():
-            entry = server_info_pb2.StateEntryInfo(kind=kind, type_name=_TYPE_NAMES[kind])
-            if kind == common_pb2.STATE_KIND_PAGED:
-                entry.tp_policy = common_pb2.STATE_TP_POLICY_REPLICATED
-            for layout, layer in layouts:
-                item, dim = self._tensor(layout, tp)
-                t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
-                if isinstance(layout, SplitAxis):
-                    t.outer_count = layout.outer
-                    if len(layout.groups) > 1:
-                        t.shard_groups.extend(layout.groups)
-            out.append(entry)
-        return out
-
     def decode_state(self, tp: int) -> tuple[StateEntry, ...]:
         """The decode layout's state entries at TP size ``tp``."""
         return tuple(StateEntry(kind, tuple(StateTensor(*self._tensor(layout, tp), layer) for layout, layer in layouts),
@@ -220,7 +203,17 @@ class ModelShape:
                                 role=common_pb2.KV_ENTRY_ROLE_TARGET)
         if self.hybrid:
             info.aux_entries.extend(server_info_pb2.AuxEntryInfo(item_len=n) for n in self.aux_lens)
-        info.state_entries.extend(self.state_info(tp))
+        for kind, layouts in self.entries():
+            entry = info.state_entries.add(kind=kind, type_name=_TYPE_NAMES[kind])
+            if kind == common_pb2.STATE_KIND_PAGED:
+                entry.tp_policy = common_pb2.STATE_TP_POLICY_REPLICATED
+            for layout, layer in layouts:
+                item, dim = self._tensor(layout, tp)
+                t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
+                if isinstance(layout, SplitAxis):
+                    t.outer_count = layout.outer
+                    if len(layout.groups) > 1:
+                        t.shard_groups.extend(layout.groups)
         info.total_kv_heads = self.total_kv_heads()
         return info
 

@@ -160,17 +160,11 @@ class PrefillRank:
         return {}
 
     def stats(self) -> Reply:
-        """What the service wrote per kind and what the executor did (the service's state: ``Describe``)."""
-        out: Reply = self.service.call(self._moved(), 10)
-        st = self.executor.stats
-        out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
-                           "packed_jobs": st.packed_jobs, "pack_fallbacks": st.pack_fallbacks,
-                           "failures": st.failures}
-        return out
+        """What this process's service wrote, per kind, from its metrics (its peers and requests: ``Describe``)."""
+        return self.service.call(self._moved(), 10)
 
     async def _moved(self) -> Reply:
-        """What this process's service wrote, per kind, from its metrics (read on the service's loop;
-        its peers and requests: ``Describe``)."""
+        """``stats``, read on the service's loop."""
         m = self.core.metrics
         moved: Reply = {"kv_bytes": m.bytes_moved._value.get(), "aux_bytes": m.aux_bytes._value.get(),
                         "state_bytes": m.state_bytes._value.get()}
