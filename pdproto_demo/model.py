@@ -340,7 +340,7 @@ class RankConfig:
     @classmethod
     def parse(cls, argv: Sequence[str] | None = None) -> Self:
         """Read ``argv()`` output back (the process's flags: those of the subclass's fields)."""
-        ap = argparse.ArgumentParser(prog=f"python -m {cls.__module__}", description=sys.modules[cls.__module__].__doc__,
+        ap = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
         for key, value in asdict(cls()).items():
             flag = "--" + key.replace("_", "-")
