@@ -26,8 +26,7 @@ import numpy as np
 from pdproto.transfer import LayerSpan, TransferJob
 from pdproto_demo import data
 from pdproto_demo.decode import DecodeConfig, DecodeProcess
-from pdproto_demo.prefill import PrefillRank
-from pdproto_demo.prefill import parser as prefill_parser
+from pdproto_demo.prefill import PrefillConfig, PrefillRank
 
 TOKENS = 32768
 PAGE = 64
@@ -40,18 +39,15 @@ ROUNDS = 3
 def measure(backend: str, model: str, layers: int, **shape: int) -> dict[str, float]:
     """Median seconds and bytes of the request and of the dense transfer on one engine; ``shape``: the
     model's other fields, as ``DecodeConfig`` names them (``kda_heads=32``)."""
-    # The prefill process's own parser, so a flag added there has its default here too.
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in shape.items()]
-    rank = PrefillRank(prefill_parser().parse_args([
-        "--backend", backend, "--name", f"bench-{model}-prefill-{os.getpid()}", "--layers", str(layers),
-        "--model", model, "--tp-size", str(TP), "--tp-rank", str(RANK), "--slots", "4", *flags,
-        "--pages", str(TOKENS // PAGE + 8), "--page-size", str(PAGE), "--staging-mb", "256"]))
-    port = rank.launch_service()
+    common = dict(backend=backend, layers=layers, page_size=PAGE, model=model, tp_size=TP, tp_rank=RANK, slots=4,
+                  **shape)
+    rank = PrefillRank(PrefillConfig(name=f"bench-{model}-prefill-{os.getpid()}", pages=TOKENS // PAGE + 8,
+                                     staging_mb=256, **common))  # type: ignore[arg-type]
+    port = rank.service.start(60)
     # Enough decode pages for the request and for the dense copy of its bytes.
     pages = 2 * math.ceil(TOKENS / (PAGE * DCP)) + 16
-    peer = DecodeProcess.launch(DecodeConfig(backend=backend, layers=layers, pages=pages, page_size=PAGE,
-                                             dcp_size=DCP, dcp_rank=RANK, model=model, tp_size=TP,
-                                             tp_rank=RANK, slots=4, **shape), timeout=120)  # type: ignore[arg-type]
+    peer = DecodeProcess.launch(DecodeConfig(pages=pages, dcp_size=DCP, dcp_rank=RANK, **common),  # type: ignore[arg-type]
+                                timeout=120)
     try:
         peer.call("connect", 60, targets=[f"127.0.0.1:{port}"])
         dst_pages = data.page_list(0, math.ceil(TOKENS / (PAGE * DCP)), scramble=True)

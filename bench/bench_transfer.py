@@ -142,7 +142,7 @@ def bench_small(ex: TransferExecutor, backend: str, srcs: list[Buffer], src: np.
                     "per_row": (TransferJob.of_runs(spans, plan.target_runs, pack=False), 0)}
             for mode, (job, threshold) in jobs.items():
                 # Warm-up, and each mode's bytes checked from a zeroed peer.
-                peer.fill(0)
+                peer.call("fill", value=0)
                 ex.inline_bytes = threshold
                 res = ex.execute("small", job)
                 if (res.inline, res.packed) != (mode == "inline", mode != "per_row"):
@@ -170,7 +170,7 @@ def _verify(peer: DecodeProcess, src: np.ndarray, src_rows: np.ndarray, dst_rows
     """Every destination row of the first ``upto`` layers (all by default) holds its source row."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "dump.bin")
-        peer.dump(path)
+        peer.call("dump", path=path)
         got = np.fromfile(path, dtype=np.uint8).reshape(layers, rows, ROW)
     for i in range(layers if upto is None else upto):
         if not np.array_equal(got[i][dst_rows], src[src_rows]):

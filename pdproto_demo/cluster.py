@@ -21,6 +21,8 @@ from pdproto.negotiation.senders import target_tp_ranks
 
 from . import data
 from .decode import DecodeConfig, DecodeProcess
+from .model import RankConfig
+from .prefill import PrefillConfig
 from .proc import Child, Reply, close_all
 
 
@@ -32,15 +34,6 @@ class Topology:
     dst_dcp: int
     src_tp: int = 1
     dst_tp: int = 1
-
-    @property
-    def name(self) -> str:
-        """Short label: dense->dcp4, dcp2->dcp4, tp4->tp4dcp4."""
-        src = f"tp{self.src_tp}" if self.src_tp > 1 else ("dense" if self.src_dcp == 1 else f"dcp{self.src_dcp}")
-        if self.src_tp > 1 and self.src_dcp > 1:
-            src += f"dcp{self.src_dcp}"
-        dst = f"tp{self.dst_tp}" if self.dst_tp > 1 else ""
-        return f"{src}->{dst}dcp{self.dst_dcp}" if self.dst_dcp > 1 else f"{src}->{dst or 'dense'}"
 
     @property
     def dst_ranks(self) -> int:
@@ -121,14 +114,6 @@ class Flight:
     """The prefill's aux and state slot for the request (hybrid models)."""
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(span: int = 1) -> int:
     """A TCP port free on 127.0.0.1 now, with the ``span - 1`` after it.
 
@@ -136,7 +121,11 @@ def free_port(span: int = 1) -> int:
     its port from that range, and one did take a port found free there before the server meant
     for it started (a vLLM prefill failed to bind). A random draw keeps parallel tests apart.
     """
-    high = _ephemeral_low()
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 32768
     low = max(1024, high - 12000)
     for _ in range(1000):
         port = secrets.randbelow(high - low - span) + low
@@ -150,32 +139,21 @@ def free_port(span: int = 1) -> int:
     raise RuntimeError(f"no {span} free ports in a row between {low} and {high} on 127.0.0.1")
 
 
-def chunk_bounds(n: int, quantum: int, *, parts: int = 4, cap: int = 4096) -> list[tuple[int, int]]:
-    """Split n relative tokens into chunks that are multiples of ``quantum`` (except the last)."""
-    if n <= 0:
-        return [(0, 0)]
-    size = min(max(quantum, math.ceil(math.ceil(n / parts) / quantum) * quantum), max(cap, quantum))
-    return [(a, min(a + size, n)) for a in range(0, n, size)]
-
-
 class Cluster:
     """Prefill and decode rank processes of one backend; reused across requests and topologies."""
 
     def __init__(self, backend: str, geometry: Geometry, *, dst_dcp: int = 4, dst_groups: int = 1,
                  src_groups: Sequence[int] = (1, 2), token: str | None = None,
                  env: dict[str, str] | None = None, log_dir: str | None = None,
-                 prefill_args: Sequence[str] = (), model: str = "mla", src_tp: int = 1, dst_tp: int = 1,
-                 replicated_bytes: int = 0, slots: int = 8, kda_heads: int = 8, kda_head_dim: int = 8,
-                 window_pages: int = 0) -> None:
+                 prefill: dict[str, Any] | None = None, src_tp: int = 1, dst_tp: int = 1, **shape: Any) -> None:
+        """``shape``: the other ``model.RankConfig`` fields every rank shares (``model``, ``slots``, ...);
+        ``prefill``: further ``prefill.PrefillConfig`` fields of the prefill ranks."""
         self.backend = backend
-        self.model = model
         self.src_tp, self.dst_tp = src_tp, dst_tp
-        self.replicated_bytes = replicated_bytes
-        self.window_pages = window_pages
-        self.slots = slots
-        self.kda = (kda_heads, kda_head_dim)
+        self.shape = {"backend": backend, "layers": geometry.layers, "page_size": geometry.page_size, **shape}
+        self.slots = int(shape.get("slots", RankConfig.slots))
         self.dst_groups = dst_groups
-        self.prefill_args = list(prefill_args)
+        self.prefill = prefill or {}
         self.notify_ports: list[int] = []
         self.peer_ids: dict[int, list[str]] = {}
         self.run_id = os.urandom(3).hex()
@@ -193,29 +171,19 @@ class Cluster:
         self._room = 1000
         self._src_groups = tuple(src_groups)
 
-    def _prefill(self, ns: int, r: int, port: int = 0) -> Child:
-        g = self.geo
-        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill",
-                           ["--backend", self.backend, "--layers", str(g.layers), "--page-size", str(g.page_size),
-                            "--dcp-size", str(ns), "--dcp-rank", str(r % ns),
-                            "--model", self.model, "--tp-size", str(self.src_tp), "--tp-rank", str(r // ns),
-                            "--slots", str(self.slots), "--replicated-bytes", str(self.replicated_bytes),
-                            "--window-pages", str(self.window_pages),
-                            "--kda-heads", str(self.kda[0]), "--kda-head-dim", str(self.kda[1]),
-                            "--pages", str(self.geo.src_pages(ns)), "--name", f"prefill-{ns}-{r}-{self.run_id}",
-                            "--port", str(port), *self.prefill_args,
-                            "--operator-token", self.operator_token,
-                            *(["--token", self.token] if self.token else [])],
-                           env=self.env, log_dir=self.log_dir)
+    def spawn_prefill(self, ns: int, r: int, port: int = 0) -> Child:
+        """Start prefill rank ``r`` of the DCP ``ns`` group without waiting for it (its ready line has its port)."""
+        config = PrefillConfig(**self.shape, **self.prefill, dcp_size=ns, dcp_rank=r % ns, tp_size=self.src_tp,
+                               tp_rank=r // ns, pages=self.geo.src_pages(ns), name=f"prefill-{ns}-{r}-{self.run_id}",
+                               port=port, operator_token=self.operator_token, token=self.token or "")
+        return Child.spawn(f"prefill-dcp{ns}-r{r}", "pdproto_demo.prefill", config.argv(), env=self.env,
+                           log_dir=self.log_dir)
 
-    def _decode(self, d: int) -> DecodeProcess:
-        g = self.geo
-        config = DecodeConfig(backend=self.backend, layers=g.layers, page_size=g.page_size,
-                              pages=g.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp, dcp_rank=d % self.dst_dcp,
-                              name=f"decode-{d}-{self.run_id}", notify_port=self.notify_ports[d],
-                              model=self.model, tp_size=self.dst_tp, tp_rank=d % self.dst_tp,
-                              slots=self.slots, replicated_bytes=self.replicated_bytes,
-                              kda_heads=self.kda[0], kda_head_dim=self.kda[1], window_pages=self.window_pages)
+    def spawn_decode(self, d: int) -> DecodeProcess:
+        """Start decode rank ``d`` without waiting for it (``await_ready`` next)."""
+        config = DecodeConfig(**self.shape, pages=self.geo.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp,
+                              dcp_rank=d % self.dst_dcp, name=f"decode-{d}-{self.run_id}",
+                              notify_port=self.notify_ports[d], tp_size=self.dst_tp, tp_rank=d % self.dst_tp)
         return DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env, log_dir=self.log_dir)
 
     def launch(self, timeout: float = 120.0) -> None:
@@ -223,48 +191,25 @@ class Cluster:
         per_group = max(self.dst_dcp, self.dst_tp)
         self.notify_ports = [free_port() for _ in range(per_group * self.dst_groups)]
         for ns in self._src_groups:
-            self.prefills[ns] = [self._prefill(ns, r) for r in range(ns * self.src_tp)]
-        self.decodes = [self._decode(d) for d in range(per_group * self.dst_groups)]
+            self.prefills[ns] = [self.spawn_prefill(ns, r) for r in range(ns * self.src_tp)]
+        self.decodes = [self.spawn_decode(d) for d in range(per_group * self.dst_groups)]
         for ns, group in self.prefills.items():
             self.ports[ns] = [int(c.recv(timeout)["port"]) for c in group]
         for c in self.decodes:
             c.await_ready(timeout)
-
-    def restart_decode(self, d: int, *, same_address: bool = True, timeout: float = 120.0) -> None:
-        """Kill decode rank ``d`` (if alive) and start a fresh process; same notify endpoint by default."""
-        self.decodes[d].close(timeout=5)
-        if not same_address:
-            self.notify_ports[d] = free_port()
-        self.decodes[d] = self._decode(d)
-        self.decodes[d].await_ready(timeout)
-
-    def restart_prefill(self, ns: int, r: int, *, same_port: bool = True, timeout: float = 120.0) -> None:
-        """Stop prefill rank ``r`` of group ``ns`` (if alive) and start a fresh one."""
-        self.prefills[ns][r].close(timeout=15)
-        port = self.ports[ns][r] if same_port else 0
-        self.prefills[ns][r] = self._prefill(ns, r, port)
-        self.ports[ns][r] = int(self.prefills[ns][r].recv(timeout)["port"])
-
-    def targets(self, topo: Topology, dst_rank: int) -> list[str]:
-        """host:port of each prefill rank a decode rank registers with."""
-        return [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(dst_rank % topo.dst_ranks)]
 
     def connect(self, topo: Topology, timeout: float = 60.0, ranks: Sequence[int] | None = None,
                 **options: Any) -> list[Reply]:
         """Register decode ranks (all by default) with their prefill ranks for ``topo``."""
         ranks = list(range(len(self.decodes))) if ranks is None else list(ranks)
         for d in ranks:
-            self.decodes[d].send("connect", targets=self.targets(topo, d), token=self.token, **options)
+            targets = [f"127.0.0.1:{self.ports[topo.src_dcp][s]}" for s in topo.sources_of(d % topo.dst_ranks)]
+            self.decodes[d].send("connect", targets=targets, token=self.token, **options)
         replies = [self.decodes[d].recv(timeout) for d in ranks]
         for d, r in zip(ranks, replies, strict=True):
             self.peer_ids[d] = list(r["peers"])
         self.topology = topo
         return replies
-
-    def next_room(self) -> int:
-        """A fresh request id."""
-        self._room += 1
-        return self._room
 
     def begin(self, tokens: int, prefix: int, *, corrupt: bool = False, timeout: float = 60.0,
               decodes: Sequence[int] | None = None, room: int | None = None, generation: int = 0,
@@ -273,12 +218,16 @@ class Cluster:
         topo = self.topology
         assert topo is not None, "connect() first"
         g = self.geo
-        room = self.next_room() if room is None else room
+        if room is None:
+            self._room += 1
+            room = self._room
         n = tokens - prefix
         vs = g.page_size * topo.src_dcp
         vd = g.page_size * self.dst_dcp
+        # Chunks of whole virtual pages, a quarter of the request each (at most 4096 tokens); the last takes the rest.
+        size = min(max(vs, math.ceil(math.ceil(n / 4) / vs) * vs), max(4096, vs))
         f = Flight(room=room, tokens=tokens, prefix=prefix, vs=vs,
-                   bounds=chunk_bounds(n, math.lcm(vs, g.page_size)),
+                   bounds=[(a, min(a + size, n)) for a in range(0, n, size)] or [(0, 0)],
                    src_pages=data.page_list(1 + slot * g.slot_pages(topo.src_dcp), max(1, math.ceil(n / vs)),
                                             scramble=True),
                    decodes=list(range(topo.dst_ranks) if decodes is None else decodes),
@@ -336,14 +285,10 @@ class Cluster:
         for c in f.sources:
             c.recv(timeout)
         res = RequestResult(f.room, f.tokens, f.prefix, len(f.bounds), all(r["ok"] for r in replies))
+        for key in ("bytes", "descriptors", "aux_bytes", "state_bytes", "aux_descriptors", "state_descriptors",
+                    "checked"):
+            setattr(res, key, sum(int(r[key]) for r in replies))
         for r in replies:
-            res.bytes += int(r["bytes"])
-            res.descriptors += int(r["descriptors"])
-            res.aux_bytes += int(r.get("aux_bytes", 0))
-            res.state_bytes += int(r.get("state_bytes", 0))
-            res.aux_descriptors += int(r.get("aux_descriptors", 0))
-            res.state_descriptors += int(r.get("state_descriptors", 0))
-            res.checked += int(r["checked"])
             res.failures += r["failures"]
             if r.get("failure_code"):
                 res.failure_codes.append(r["failure_code"])

@@ -98,12 +98,6 @@ class Placement:
     """The rank's pages, in token order."""
 
 
-def owned_tokens(shard: Shard, first: int, end: int) -> I64:
-    """Global tokens in [first, end) that this rank holds, in rank-local order."""
-    start = first + ((shard.rank - first) % shard.size)
-    return np.arange(start, end, shard.size, dtype=np.int64)
-
-
 def local_rows(pages: Sequence[int] | I64, count: int, page_size: int) -> I64:
     """Physical rows of the first ``count`` rank-local positions laid out over ``pages``."""
     loc = np.arange(count, dtype=np.int64)
@@ -114,8 +108,8 @@ def local_rows(pages: Sequence[int] | I64, count: int, page_size: int) -> I64:
 
 
 def _placed(shard: Shard, at: Placement, page_size: int) -> tuple[I64, I64]:
-    """(global tokens, physical rows) of one placement on this rank."""
-    toks = owned_tokens(shard, at.first, at.end)
+    """(global tokens, physical rows) of one placement on this rank: the tokens it holds, in rank-local order."""
+    toks = np.arange(at.first + (shard.rank - at.first) % shard.size, at.end, shard.size, dtype=np.int64)
     return toks, local_rows(at.pages, len(toks), page_size)
 
 

@@ -1,43 +1,21 @@
-"""The decode peer: one decode rank with registered KV memory, for the demo, the reliability runs, tests and benches.
+"""The decode rank every test, bench and the demo writes into: registered memory with known contents, byte checks.
 
-One program, two ways to use it:
-
-* **As a process** (``python -m pdproto_demo.decode --backend nixl --dcp-size 4 ...``), driven
-  through ``DecodeProcess``. It prints ``{"ready": true, "pid": N, "registration": HEX}``
-  (its ``KvRegistration``, serialized), then answers JSON-line commands (``pdproto_demo.proc``):
-
-  ========== ====================================================================
-  connect    register with prefill ranks (host:port) through the handshake client
-  request    lay down the decode prefix and submit the destination pages
-  wait       wait for every (non-dummy) prefill rank's terminal status, check every byte
-  abort      abort a request generation on every prefill rank
-  dump       write every KV buffer, back to back, to a file
-  fill       set every byte of every KV buffer to one value
-  notices    rooms of the engine notifications received since the last call
-  untouched  check that every KV, aux and state byte still holds the background
-  ========== ====================================================================
-
-  ``quit`` (or end of input) closes it.
-* **In process** (``DecodeRank``), for tests that drive their own client: ``registration()``,
-  ``pages_for()``, ``transfer_info()`` and ``verify()``.
-
-The registration comes from ``pdproto.negotiation.registration.make_registration``; the expected bytes
-from a ``data.Reference`` (the demo's tokens, or ``SyntheticSpec`` for ``pdproto serve``) and,
-for aux and state, from ``model.ModelShape``. Registering, submitting, folding the prefill
-ranks' statuses and aborting are the library's decode peer (``pdproto.client.DecodePeer``): a
-request is SUCCESS only when each rank that writes succeeded, FAILED with the first failing
-rank's reason (the others are then aborted so nothing writes into reused slots).
+As a process (``python -m pdproto_demo.decode --backend nixl --dcp-size 4 ...``, flags: the fields of
+``DecodeConfig``; driven through ``DecodeProcess``) it prints ``{"ready": true, "pid": N, "registration":
+HEX}`` (its ``KvRegistration``, serialized), then answers the JSON-line commands of ``main``
+(``pdproto_demo.proc``); ``quit`` or end of input closes it. In process (``DecodeRank``) it serves tests that
+drive their own client. Registering, submitting, folding the prefill ranks' statuses and aborting are the
+library's decode peer (``pdproto.client.DecodePeer``); the commands: ``pdproto_demo/README.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import itertools
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,7 +30,7 @@ from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 from . import data
-from .model import ModelShape
+from .model import HeadReference, RankConfig
 from .proc import Child, Reply, redirect_stdout_to_stderr, serve_commands
 from .synthetic import SyntheticSpec
 
@@ -61,25 +39,9 @@ _notify_ports = itertools.count(20000 + (os.getpid() % 4000) * 10)
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(RankConfig):
     """Shape of one decode rank; each field is also a command-line flag of the process."""
 
-    backend: str = "local"
-    """Transfer backend (``pdproto.backends``)."""
-    layers: int = 8
-    """Model layers (KV entries for ``mla`` and ``mha``; a hybrid has one KV layer in four)."""
-    pages: int = 64
-    """Pages per entry."""
-    page_size: int = 64
-    """Tokens per page."""
-    row_bytes: int = data.ROW_BYTES
-    """Bytes per token per layer."""
-    dcp_size: int = 1
-    """Decode DCP size (1: plain TP)."""
-    dcp_rank: int = 0
-    """This rank's DCP index."""
-    name: str = ""
-    """Engine identity (NIXL agent name) and ``TransferInfo.peer_name``; empty: from the pid."""
     notify_port: int = 0
     """Control endpoint port; the prefill knows a restarted decode by it. 0: a fresh one."""
     device: str = "cpu"
@@ -92,52 +54,8 @@ class DecodeConfig:
     """Register global layer ids (the prefill pairs entries by them)."""
     background: int = data.BACKGROUND
     """Byte every buffer starts with; rows nobody wrote must still hold it."""
-    model: str = "mla"
-    """Model shape (``model.KINDS``): KV only, Kimi-shaped hybrid with state and aux, MHA, or DSA (MLA + index)."""
-    tp_size: int = 1
-    """Attention TP size of the decode."""
-    tp_rank: int = 0
-    """This rank's attention TP index."""
-    pp_size: int = 1
-    """Pipeline stages of the decode (``mla``, ``mha``); a stage registers only its layers."""
-    pp_rank: int = 0
-    """This rank's pipeline stage."""
-    slots: int = 8
-    """Aux and state slots (hybrid); slot 0 is never used, as in SGLang."""
-    replicated_bytes: int = 0
-    """Bytes of a state tensor whole on every rank (hybrid); 0: none."""
-    window_pages: int = 0
-    """Pages of the sliding-window state entry a request names (hybrid); 0: no such entry."""
-    kda_heads: int = ModelShape.kda_heads
-    """KDA heads of the model before TP (hybrid)."""
-    kda_head_dim: int = ModelShape.kda_head_dim
-    """KDA head dimension (hybrid)."""
     advertise_host: str = ""
     """Address the engine advertises to prefills (empty: ``PDPROTO_ADVERTISE_HOST``, else a routable one)."""
-
-    def argv(self) -> list[str]:
-        """The command line that starts this rank as a process."""
-        out: list[str] = []
-        for key, value in asdict(self).items():
-            flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                out += [flag if value else "--no-" + flag[2:]]
-            else:
-                out += [flag, str(value)]
-        return out
-
-    @classmethod
-    def parse(cls, argv: Sequence[str] | None = None) -> DecodeConfig:
-        """Read ``argv()`` output back."""
-        ap = argparse.ArgumentParser(prog="python -m pdproto_demo.decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-        for key, value in asdict(cls()).items():
-            flag = "--" + key.replace("_", "-")
-            if isinstance(value, bool):
-                ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
-            else:
-                ap.add_argument(flag, type=type(value), default=value)
-        return cls(**vars(ap.parse_args(argv)))
 
 
 @dataclass
@@ -162,11 +80,8 @@ class DecodeRank:
         self.config = c = config
         self.name = c.name or f"decode-{os.getpid()}"
         self.notify_port = c.notify_port or next(_notify_ports)
-        self.model = m = ModelShape(kind=c.model, layers=c.layers, row_bytes=c.row_bytes,
-                                    replicated_bytes=c.replicated_bytes, kda_heads=c.kda_heads,
-                                    kda_head_dim=c.kda_head_dim, window_pages=c.window_pages, page_size=c.page_size,
-                                    pp_size=c.pp_size, pp_rank=c.pp_rank)
-        self.reference = reference or m.kv_reference(c.tp_size, c.tp_rank)
+        self.model = m = c.shape()
+        self.reference = reference or HeadReference(m, c.tp_size, c.tp_rank)
         rows, row_bytes = c.pages * c.page_size, m.kv_row_bytes(c.tp_size)
         layout = m.decode_layout(tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size)
         # A DSA index holds every token's page: a DCP rank's KV page stands for dcp of them.
@@ -185,7 +100,9 @@ class DecodeRank:
         self.aux = [self.executor.allocate(a.item_len * c.slots) for a in layout.aux]
         self.state = [[self.executor.allocate(t.item_len * n) for t in e.tensors]
                       for n, e in zip(items, layout.state, strict=True)]
-        self.executor.register_memory([*self.buffers, *self.aux, *(b for e in self.state for b in e)])
+        self.extras = [*self.aux, *(b for e in self.state for b in e)]
+        """Every aux buffer, then every state tensor's (``ModelShape.extra_writes``'s order)."""
+        self.executor.register_memory([*self.buffers, *self.extras])
         self.credential = CredentialSlot(self.executor, self.buffers[0])
         """Where each prefill writes its part of this rank's peer credential (``connect`` binds it)."""
         self.pool = [] if vram else [np.asarray(b.array).reshape(rows, row_bytes) for b in self.buffers]
@@ -251,36 +168,25 @@ class DecodeRank:
                 for i in range(len(self.state)))
         return info
 
-    def _extras(self, slot: int, index: Sequence[int]) -> list[tuple[str, int, Buffer, list[int], int]]:
-        """(kind, number, buffer, items, item bytes) of every aux and state buffer: the items a request in
-        ``slot`` with DSA ``index`` pages holds there (state buffers numbered across entries)."""
-        c, m = self.config, self.model
-        entries = m.state_tensors()
-        return [("aux", i, b, [slot], b.length // c.slots) for i, b in enumerate(self.aux)] + [
-            ("state", k, b, m.state_pages(entries[k], slot, "decode", index),
-             b.length // m.entry_items(entries[k], c.slots, c.pages * c.dcp_size))
-            for k, b in enumerate(b for e in self.state for b in e)]
-
     def verify_extras(self, rooms: Mapping[int, tuple[int, Sequence[int]]]) -> tuple[int, str | None]:
         """Check every aux and state byte: each room's items hold the model's bytes, the rest background.
 
         ``rooms`` maps room -> (slot, DSA index pages); returns (bytes checked, first problem or None).
         """
-        c, m = self.config, self.model
+        c = self.config
+        placed = [self.model.extra_writes(room, slot, index, "decode", c.tp_size, c.tp_rank)
+                  for room, (slot, index) in rooms.items()]
         checked = 0
-        placed = {room: self._extras(*at) for room, at in rooms.items()}
-        for n, (name, i, buf, _, _) in enumerate(self._extras(0, ())):
+        for n, buf in enumerate(self.extras):
             arr = np.asarray(buf.array)
             expected = np.full(arr.shape, c.background, dtype=np.uint8)
-            for room, extras in placed.items():
-                items = extras[n][3]
-                writes = [(items[0], m.aux_item(room, i))] if name == "aux" else \
-                    m.state_writes(room, i, c.tp_size, c.tp_rank, items)
-                for item, block in writes:
+            for writes in placed:
+                for item, block in writes[n]:
                     expected[item * block.size:(item + 1) * block.size] = block
             checked += arr.nbytes
             if not np.array_equal(arr, expected):
                 at = int(np.argwhere(arr != expected)[0][0])
+                name, i = ("aux", n) if n < len(self.aux) else ("state", n - len(self.aux))
                 return checked, f"{name} buffer {i}: byte {at} is {arr[at]}, expected {expected[at]}"
         return checked, None
 
@@ -375,9 +281,10 @@ class DecodeRank:
         data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=c.page_size,
                    background=c.background)
         if p.slot and p.slot < c.slots:
-            for _, _, buf, items, n in self._extras(p.slot, p.index):
-                for item in items:
-                    buf.array[item * n:(item + 1) * n] = c.background
+            writes = self.model.extra_writes(0, p.slot, p.index, "decode", c.tp_size, c.tp_rank)
+            for buf, items in zip(self.extras, writes, strict=True):
+                for item, block in items:
+                    buf.array[item * block.size:(item + 1) * block.size] = c.background
         if p.pooled:
             self._free_slots.append(p.slot)
 
@@ -467,7 +374,7 @@ class DecodeRank:
 
     def fill(self, value: int) -> Reply:
         """Set every byte of every KV, aux and state buffer to ``value``."""
-        for b in [*self.buffers, *self.aux, *(t for e in self.state for t in e)]:
+        for b in [*self.buffers, *self.extras]:
             b.array[:] = value
         return {}
 
@@ -519,18 +426,6 @@ class DecodeProcess(Child):
         self.registration = registration_pb2.KvRegistration.FromString(bytes.fromhex(ready["registration"]))
         return ready
 
-    def dump(self, path: str, timeout: float = 60.0) -> None:
-        """Ask the rank to write all its buffers to ``path``."""
-        self.call("dump", timeout, path=path)
-
-    def fill(self, value: int, timeout: float = 60.0) -> None:
-        """Ask the rank to set every buffer byte to ``value``."""
-        self.call("fill", timeout, value=value)
-
-    def notified_rooms(self, wait_s: float = 5.0) -> list[int]:
-        """Rooms of the engine notifications the rank received (waits up to ``wait_s`` for the first)."""
-        return [int(r) for r in self.call("notices", wait_s + 30.0, wait=wait_s)["rooms"]]
-
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the decode rank process."""
@@ -538,13 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     out = redirect_stdout_to_stderr()
     rank = DecodeRank(config)
     try:
-        reg = rank.registration().SerializeToString().hex()
-        out.write('{"ready": true, "pid": %d, "registration": "%s"}\n' % (os.getpid(), reg))
-        out.flush()
         commands: dict[str, Any] = {
             "connect": rank.connect, "request": rank.request, "wait": rank.wait, "abort": rank.abort,
             "dump": rank.dump, "fill": rank.fill, "notices": rank.notices, "untouched": rank.untouched}
-        serve_commands(commands, out)
+        serve_commands(commands, out, {"registration": rank.registration().SerializeToString().hex()})
     finally:
         rank.close()
     return 0

@@ -1,39 +1,21 @@
 """Model shapes beyond dense MLA: Kimi-Linear-shaped hybrids (MLA + KDA state + aux), DSA and MHA heads.
 
-A ``ModelShape`` says what each rank of a TP group holds and what a monolithic (TP 1)
-run holds, so a decode rank checks every byte it received against first principles:
-
-* **KV.** MLA rows are whole on every rank (``data.token_rows``). MHA rows hold this
-  rank's share of the KV heads: the monolithic row of all heads, projected through
-  ``pdproto.negotiation.shards.local_bytes``.
-* **State.** One recurrent entry, Kimi's layout: for every KDA layer a conv state
-  ``[K-1, q|k|v]`` (bf16 channels, each group split by TP), then for every KDA layer a
-  temporal state ``[H, hd, hd]`` (fp32, split by head); optionally one tensor whole on
-  every rank (replicated), which must reach each decode rank exactly once. A slot's
-  monolithic bytes are a function of (room, tensor, byte), projected onto each rank.
-* **Sliding window** (``window_pages`` > 0). A second state entry, SGLang's ``swa`` pool: for
-  every MLA layer one tensor whose item is one page of the window (``[rows, heads, bytes]``,
-  split by head), and a request names ``window_pages`` of them on each side. A slot is
-  ``window_pages`` consecutive items; the prefill lists them in window order and the decode
-  in reverse, so the i-th prefill page must land on the i-th decode page, not the same item.
-* **DSA index** (``dsa``: DeepSeek-V3.2-shaped, every layer MLA). A paged state entry, SGLang's
-  ``dsa`` pool: for every layer one tensor whose item is one index-K page (``page_size`` tokens of
-  128 fp8 bytes + 4 scale bytes), whole on every rank (replicated). A request names the index
-  pages of its tokens on each side (``index_pages``): a rank's index space holds every token's
-  page, so on a DCP rank each KV page stands for ``dcp`` index pages.
-* **Aux.** Buffers whose slot bytes are a function of (room, buffer): every prefill rank
-  holds the same (the first output token is not split by TP).
-* **Pipeline stages** (``pp_size`` > 1; ``mla`` and ``mha`` only). A rank holds the KV entries
-  of its stage's layers (``pdproto.dcp.layers.stage_layer_range``), whose rows are those of
-  the same layers in the whole model.
-
-Layers follow Kimi Linear's ratio: every fourth layer (3, 7, ...) is MLA, the other three KDA.
+A ``ModelShape`` says what each rank of a TP group holds (``pdproto_demo/README.md`` lists it per kind):
+each item is the monolithic (TP 1) item, bytes that are a function of (room, tensor, byte), projected
+onto the rank (``pdproto.negotiation.shards.local_bytes``), so a decode checks every byte from first
+principles. Kimi's recurrent state: for every KDA layer a conv state ``[K-1, q|k|v]`` (bf16 channels, each
+group split by TP), then for every KDA layer a temporal state ``[H, hd, hd]`` (fp32, split by head); every
+fourth layer (3, 7, ...) is MLA, the other three KDA. Aux bytes are the same on every prefill rank (the
+first output token is not split by TP).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Self
 
 import numpy as np
 
@@ -44,7 +26,7 @@ from pdproto.negotiation.shards import Layout, SplitAxis, Whole, head_axis, loca
 from pdproto.negotiation.topology import example_server_info
 from pdproto.v1 import common_pb2, server_info_pb2
 
-from .data import I64, ROW_BYTES, U8, Reference, _mix, token_rows
+from .data import I64, ROW_BYTES, U8, _mix, token_rows
 
 KINDS = ("mla", "hybrid", "mha", "dsa")
 """``mla``: dense MLA rows only; ``hybrid``: Kimi-Linear-shaped; ``mha``: KV heads split by TP; ``dsa``: MLA
@@ -150,10 +132,6 @@ class ModelShape:
         """``total_kv_heads`` to publish (0 unless MHA)."""
         return self.kv_heads if self.kind == "mha" else 0
 
-    def kv_reference(self, tp: int, rank: int) -> Reference:
-        """The KV rows a rank holds: whole rows, or its heads of the monolithic row."""
-        return HeadReference(self, tp, rank)
-
     # -- state and aux ----------------------------------------------------------------
 
     def entries(self) -> list[tuple[common_pb2.StateKind.ValueType, list[tuple[Layout, int]]]]:
@@ -207,23 +185,6 @@ class ModelShape:
         dim = local_width(layout, tp)
         return layout.outer * dim * layout.element_bytes, dim
 
-    def state_info(self, tp: int) -> list[server_info_pb2.StateEntryInfo]:
-        """The prefill's ``state_entries`` at TP size ``tp``."""
-        out = []
-        for kind, layouts in self.entries():
-            entry = server_info_pb2.StateEntryInfo(kind=kind, type_name=_TYPE_NAMES[kind])
-            if kind == common_pb2.STATE_KIND_PAGED:
-                entry.tp_policy = common_pb2.STATE_TP_POLICY_REPLICATED
-            for layout, layer in layouts:
-                item, dim = self._tensor(layout, tp)
-                t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
-                if isinstance(layout, SplitAxis):
-                    t.outer_count = layout.outer
-                    if len(layout.groups) > 1:
-                        t.shard_groups.extend(layout.groups)
-            out.append(entry)
-        return out
-
     def decode_state(self, tp: int) -> tuple[StateEntry, ...]:
         """The decode layout's state entries at TP size ``tp``."""
         return tuple(StateEntry(kind, tuple(StateTensor(*self._tensor(layout, tp), layer) for layout, layer in layouts),
@@ -242,7 +203,17 @@ class ModelShape:
                                 role=common_pb2.KV_ENTRY_ROLE_TARGET)
         if self.hybrid:
             info.aux_entries.extend(server_info_pb2.AuxEntryInfo(item_len=n) for n in self.aux_lens)
-        info.state_entries.extend(self.state_info(tp))
+        for kind, layouts in self.entries():
+            entry = info.state_entries.add(kind=kind, type_name=_TYPE_NAMES[kind])
+            if kind == common_pb2.STATE_KIND_PAGED:
+                entry.tp_policy = common_pb2.STATE_TP_POLICY_REPLICATED
+            for layout, layer in layouts:
+                item, dim = self._tensor(layout, tp)
+                t = entry.tensors.add(item_len=item, dim=dim, layer_id=layer)
+                if isinstance(layout, SplitAxis):
+                    t.outer_count = layout.outer
+                    if len(layout.groups) > 1:
+                        t.shard_groups.extend(layout.groups)
         info.total_kv_heads = self.total_kv_heads()
         return info
 
@@ -270,6 +241,14 @@ class ModelShape:
         """(item, bytes) of ``room``'s state ``tensor`` on a rank: the i-th of the ``items`` a side lists
         (``state_pages``) holds page i of the request (a recurrent slot is one item)."""
         return [(item, self.state_item(room, tensor, tp, rank, page)) for page, item in enumerate(items)]
+
+    def extra_writes(self, room: int, slot: int, index: Sequence[int], side: str, tp: int,
+                     rank: int) -> list[list[tuple[int, U8]]]:
+        """(item, bytes) of ``room`` in ``slot`` (with DSA ``index`` pages) on a rank, in each aux buffer, then
+        in each state tensor, at the items ``side`` lists (``state_pages``)."""
+        aux = [[(slot, self.aux_item(room, i))] for i in range(len(self.aux_lens))] if self.hybrid else []
+        return aux + [self.state_writes(room, k, tp, rank, self.state_pages(entry, slot, side, index))
+                      for k, entry in enumerate(self.state_tensors())]
 
     def state_tensors(self) -> list[int]:
         """The entry of each state tensor, in their numbering across entries."""
@@ -299,4 +278,77 @@ class HeadReference:
         return out
 
 
-__all__ = ["KINDS", "HeadReference", "ModelShape"]
+@dataclass(frozen=True)
+class RankConfig:
+    """What shapes a prefill or decode rank process; each field is also a command-line flag of the process."""
+
+    backend: str = "local"
+    """Transfer backend (``pdproto.backends``)."""
+    name: str = ""
+    """Engine identity (NIXL agent name, a decode's ``TransferInfo.peer_name``); empty: from the pid."""
+    layers: int = 8
+    """Model layers (KV entries for ``mla`` and ``mha``; a hybrid has one KV layer in four)."""
+    pages: int = 64
+    """Pages per entry."""
+    page_size: int = 64
+    """Tokens per page."""
+    row_bytes: int = ROW_BYTES
+    """Bytes per token per layer."""
+    dcp_size: int = 1
+    """DCP size (1: plain TP)."""
+    dcp_rank: int = 0
+    """This rank's DCP index."""
+    model: str = "mla"
+    """Model shape (``KINDS``): KV only, Kimi-shaped hybrid with state and aux, MHA, or DSA (MLA + index)."""
+    tp_size: int = 1
+    """Attention TP size."""
+    tp_rank: int = 0
+    """This rank's attention TP index."""
+    pp_size: int = 1
+    """Pipeline stages (``mla``, ``mha``); a stage holds only its layers."""
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
+    slots: int = 8
+    """Aux and state slots (hybrid); slot 0 is never used, as in SGLang."""
+    replicated_bytes: int = 0
+    """Bytes of a state tensor whole on every rank (hybrid); 0: none."""
+    window_pages: int = 0
+    """Pages of the sliding-window state entry a request names (hybrid); 0: no such entry."""
+    kda_heads: int = ModelShape.kda_heads
+    """KDA heads of the model before TP (hybrid)."""
+    kda_head_dim: int = ModelShape.kda_head_dim
+    """KDA head dimension (hybrid)."""
+
+    def shape(self) -> ModelShape:
+        """The model shape this rank holds."""
+        return ModelShape(kind=self.model, layers=self.layers, row_bytes=self.row_bytes,
+                          replicated_bytes=self.replicated_bytes, kda_heads=self.kda_heads,
+                          kda_head_dim=self.kda_head_dim, window_pages=self.window_pages, page_size=self.page_size,
+                          pp_size=self.pp_size, pp_rank=self.pp_rank)
+
+    def argv(self) -> list[str]:
+        """The command line that starts this rank as a process."""
+        out: list[str] = []
+        for key, value in asdict(self).items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                out += [flag if value else "--no-" + flag[2:]]
+            else:
+                out += [flag, str(value)]
+        return out
+
+    @classmethod
+    def parse(cls, argv: Sequence[str] | None = None) -> Self:
+        """Read ``argv()`` output back (the process's flags: those of the subclass's fields)."""
+        ap = argparse.ArgumentParser(description=sys.modules[cls.__module__].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        for key, value in asdict(cls()).items():
+            flag = "--" + key.replace("_", "-")
+            if isinstance(value, bool):
+                ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            else:
+                ap.add_argument(flag, type=type(value), default=value)
+        return cls(**vars(ap.parse_args(argv)))
+
+
+__all__ = ["KINDS", "HeadReference", "ModelShape", "RankConfig"]

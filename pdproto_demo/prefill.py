@@ -1,24 +1,16 @@
 """A prefill rank as its own process: KV pool with known contents, the real handshake service.
 
-Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...``
-(``--model hybrid --tp-size 4 --tp-rank 1`` for rank 1 of a Kimi-Linear-shaped TP 4 group,
-``--model dsa`` for MLA rows with a DeepSeek-V3.2 index, ``--pp-size 2 --pp-rank 1`` for the
-second pipeline stage, which holds and numbers only its own layers, ``--cp-size 2 --cp-rank 1`` for
-attention-CP rank 1 of a prefill whose CP ranks each send their share of the pages (with ``--layer-split``:
-every page of their own layers, as a stage holds them, SGLang's DSA cache layer split), ``--kv-sharding``
-for an MLA TP rank that holds and sends every TP-size-th page, SGLang's ``--enable-kv-cache-sharding``).
-The service runs on its own asyncio loop in a thread; the main thread answers JSON-line
-commands: ``prepare`` writes a request's rows (and its state and aux slot), ``chunk`` calls
-the engine's ``submit_chunk`` (the last one with the slots), ``poll``, ``prefix`` and
-``abort_room`` call the engine's room API, ``stats`` reads what the service and its executor
-wrote (what the service holds is its ``Describe`` RPC: ``pdproto status``).
+Run as ``python -m pdproto_demo.prefill --backend mooncake --dcp-size 2 --dcp-rank 0 ...`` (flags: the
+fields of ``PrefillConfig``). The service runs on its own asyncio loop in a thread; the main thread answers
+the JSON-line commands of ``main`` (``pdproto_demo/README.md``); what the service holds is its ``Describe``
+RPC (``pdproto status``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,28 +24,60 @@ from pdproto_server.engine import KvSource, PrefillEngine
 from pdproto_server.registry import Limits
 
 from . import data
-from .model import KINDS, ModelShape
+from .model import HeadReference, ModelShape, RankConfig
 from .proc import Reply, redirect_stdout_to_stderr, serve_commands
+
+
+@dataclass(frozen=True)
+class PrefillConfig(RankConfig):
+    """Shape and service of one prefill rank; each field is also a command-line flag of the process."""
+
+    host: str = "127.0.0.1"
+    """Address the service listens on."""
+    port: int = 0
+    """Port the service listens on (0: any free one, reported by the ready line)."""
+    tls_cert: str = ""
+    """PEM certificate file of the service (empty: plaintext)."""
+    tls_key: str = ""
+    """PEM key file of the service."""
+    token: str = ""
+    """The deployment's token (empty: none)."""
+    operator_token: str = ""
+    """The token ``Describe`` shows every peer's rooms to."""
+    cp_size: int = 1
+    """Attention CP ranks, each sending its share of the pages."""
+    cp_rank: int = 0
+    """This rank's attention CP index."""
+    layer_split: bool = False
+    """Each CP rank sends every page of its own layers, as a stage holds them (SGLang's DSA cache layer split)."""
+    kv_sharding: bool = False
+    """An MLA TP rank holds and sends every TP-size-th page (SGLang's ``--enable-kv-cache-sharding``)."""
+    staging_mb: int = 64
+    """Staging memory of the executor, MiB."""
+    info_minor: int = 0
+    """Publish this protocol minor (skew tests)."""
+    limits: str = ""
+    """JSON keywords of ``pdproto_server.registry.Limits``."""
+
+    def shape(self) -> ModelShape:
+        """The model shape this rank holds: a layer-split CP rank holds its layers as a stage would."""
+        whole = super().shape()
+        return replace(whole, pp_size=self.cp_size, pp_rank=self.cp_rank) if self.layer_split else whole
 
 
 class PrefillRank:
     """State of one prefill rank process."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: PrefillConfig) -> None:
         self.args = args
         self.shard = data.Shard(args.dcp_size, args.dcp_rank)
-        self.model = ModelShape(kind=args.model, layers=args.layers, replicated_bytes=args.replicated_bytes,
-                                kda_heads=args.kda_heads, kda_head_dim=args.kda_head_dim,
-                                window_pages=args.window_pages, page_size=args.page_size,
-                                pp_size=args.cp_size if args.layer_split else args.pp_size,
-                                pp_rank=args.cp_rank if args.layer_split else args.pp_rank)
-        m, tp = self.model, args.tp_size
-        rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(tp)
-        self.executor = create_executor(args.backend, name=None if args.backend == "local" else args.name,
-                                        staging_bytes=args.staging_mb << 20)
+        self.model = m = args.shape()
+        rows, row_bytes = args.pages * args.page_size, m.kv_row_bytes(args.tp_size)
+        self.executor = create_executor(args.backend, staging_bytes=args.staging_mb << 20,
+                                        name=None if args.backend == "local" else args.name or f"prefill-{os.getpid()}")
         self.bufs = [self.executor.allocate(rows * row_bytes) for _ in m.kv_layers()]
         self.pool = [np.asarray(b.array).reshape(rows, row_bytes) for b in self.bufs]
-        self.info = m.server_info(tp=tp, rank=args.tp_rank, page_size=args.page_size, dcp_size=args.dcp_size,
+        self.info = m.server_info(tp=args.tp_size, rank=args.tp_rank, page_size=args.page_size, dcp_size=args.dcp_size,
                                   dcp_rank=args.dcp_rank, backend=backends.by_name(args.backend).enum,
                                   port=args.port)
         # Aux and state pools hold ``slots`` requests each, like SGLang's per-request slots (a sliding
@@ -63,7 +87,9 @@ class PrefillRank:
                        for t in e.tensors] for i, e in enumerate(self.info.state_entries)]
         self.index: dict[int, list[int]] = {}
         """Per room, its DSA index pages (named on its last chunk)."""
-        self.executor.register_memory([*self.bufs, *self.aux, *(b for e in self.state for b in e)])
+        self.extras = [*self.aux, *(b for e in self.state for b in e)]
+        """Every aux buffer, then every state tensor's (``ModelShape.extra_writes``'s order)."""
+        self.executor.register_memory([*self.bufs, *self.extras])
         if args.cp_size > 1:  # every CP rank sends its share of the pages (SGLang enable_all_cp_ranks_for_transfer)
             self.info.attn_cp.size, self.info.attn_cp.rank = args.cp_size, args.cp_rank
             self.info.cp_ranks_split_pages = not args.layer_split
@@ -79,16 +105,12 @@ class PrefillRank:
                           state=tuple(tuple(e) for e in self.state))
         rank = (args.tp_rank * args.dcp_size + args.dcp_rank) * args.cp_size + args.cp_rank
         self.engine = PrefillEngine(source, self.executor, prefill_rank=rank)
-        a = self.args
-        self.core = HandshakeCore(self.engine, limits=Limits(**json.loads(a.limits)) if a.limits else Limits())
-        config = ServerConfig(listen=f"{a.host}:{a.port}", token=a.token, operator_token=a.operator_token, grace=2.0,
-                              tls_cert=Path(a.tls_cert).read_bytes() if a.tls_cert else None,
-                              tls_key=Path(a.tls_key).read_bytes() if a.tls_key else None)
+        self.core = HandshakeCore(self.engine, limits=Limits(**json.loads(args.limits)) if args.limits else Limits())
+        config = ServerConfig(listen=f"{args.host}:{args.port}", token=args.token or None,
+                              operator_token=args.operator_token or None, grace=2.0,
+                              tls_cert=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+                              tls_key=Path(args.tls_key).read_bytes() if args.tls_key else None)
         self.service = ServiceThread(self.core, config, name="service")
-
-    def launch_service(self) -> int:
-        """Start the service thread and return the bound port."""
-        return self.service.start(60)
 
     def prepare(self, room: int, prefix: int, total: int, pages: list[int], corrupt: bool = False,
                 slot: int = 0) -> Reply:
@@ -96,14 +118,11 @@ class PrefillRank:
         state and aux into ``slot`` (hybrid models)."""
         a, m = self.args, self.model
         rows = data.fill(self.pool, self.shard, data.Placement(room, prefix, total, pages),
-                         page_size=a.page_size, reference=m.kv_reference(a.tp_size, a.tp_rank))
-        for i, buf in enumerate(self.aux):
-            n = m.aux_lens[i]
-            buf.array[slot * n:(slot + 1) * n] = m.aux_item(room, i)
+                         page_size=a.page_size, reference=HeadReference(m, a.tp_size, a.tp_rank))
         self.index[room] = m.index_pages(pages, total - prefix, a.dcp_size)
-        for k, (entry, buf) in enumerate(zip(m.state_tensors(), (b for e in self.state for b in e), strict=True)):
-            for item, block in m.state_writes(room, k, a.tp_size, a.tp_rank,
-                                              m.state_pages(entry, slot, "prefill", self.index[room])):
+        writes = m.extra_writes(room, slot, self.index[room], "prefill", a.tp_size, a.tp_rank)
+        for buf, items in zip(self.extras, writes, strict=True):
+            for item, block in items:
                 buf.array[item * block.size:(item + 1) * block.size] = block
         if corrupt and rows:
             # Flip one byte in the middle of the request: the decode's check must catch it.
@@ -141,17 +160,11 @@ class PrefillRank:
         return {}
 
     def stats(self) -> Reply:
-        """What the service wrote per kind and what the executor did (the service's state: ``Describe``)."""
-        out: Reply = self.service.call(self._moved(), 10)
-        st = self.executor.stats
-        out["executor"] = {"jobs": st.jobs, "bytes": st.bytes, "descriptors": st.descriptors,
-                           "packed_jobs": st.packed_jobs, "pack_fallbacks": st.pack_fallbacks,
-                           "failures": st.failures}
-        return out
+        """What this process's service wrote, per kind, from its metrics (its peers and requests: ``Describe``)."""
+        return self.service.call(self._moved(), 10)
 
     async def _moved(self) -> Reply:
-        """What this process's service wrote, per kind, from its metrics (read on the service's loop;
-        its peers and requests: ``Describe``)."""
+        """``stats``, read on the service's loop."""
         m = self.core.metrics
         moved: Reply = {"kv_bytes": m.bytes_moved._value.get(), "aux_bytes": m.aux_bytes._value.get(),
                         "state_bytes": m.state_bytes._value.get()}
@@ -168,54 +181,14 @@ class PrefillRank:
         self.executor.close()
 
 
-def parser() -> argparse.ArgumentParser:
-    """The prefill rank's flags (a caller in process builds its arguments here, defaults included)."""
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--backend", required=True)
-    ap.add_argument("--name", default=f"prefill-{os.getpid()}")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--tls-cert", default=None)
-    ap.add_argument("--tls-key", default=None)
-    ap.add_argument("--token", default=None)
-    ap.add_argument("--operator-token", default=None, help="the token Describe shows every peer's rooms to")
-    ap.add_argument("--dcp-size", type=int, default=1)
-    ap.add_argument("--dcp-rank", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--model", choices=KINDS, default="mla", help="KV only (mla), Kimi-shaped (hybrid), mha,"
-                    " DeepSeek-V3.2-shaped (dsa)")
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--tp-rank", type=int, default=0)
-    ap.add_argument("--pp-size", type=int, default=1, help="pipeline stages (mla, mha)")
-    ap.add_argument("--pp-rank", type=int, default=0)
-    ap.add_argument("--cp-size", type=int, default=1, help="attention CP ranks, each sending its share of pages")
-    ap.add_argument("--cp-rank", type=int, default=0)
-    ap.add_argument("--layer-split", action="store_true", help="each CP rank holds its own layers (mla, mha, dsa)")
-    ap.add_argument("--kv-sharding", action="store_true", help="MLA pages striped across the TP ranks")
-    ap.add_argument("--slots", type=int, default=8, help="aux and state slots (hybrid)")
-    ap.add_argument("--replicated-bytes", type=int, default=0, help="a state tensor whole on every rank")
-    ap.add_argument("--window-pages", type=int, default=0, help="pages of a sliding-window state entry (hybrid)")
-    ap.add_argument("--kda-heads", type=int, default=ModelShape.kda_heads, help="KDA heads before TP (hybrid)")
-    ap.add_argument("--kda-head-dim", type=int, default=ModelShape.kda_head_dim, help="KDA head dimension")
-    ap.add_argument("--pages", type=int, required=True)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--staging-mb", type=int, default=64)
-    ap.add_argument("--info-minor", type=int, default=0, help="publish this protocol minor (skew tests)")
-    ap.add_argument("--limits", default="", help="JSON keywords of pdproto_server.registry.Limits")
-    return ap
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the prefill rank process."""
-    args = parser().parse_args(argv)
+    args = PrefillConfig.parse(argv)
     out = redirect_stdout_to_stderr()
     rank = PrefillRank(args)
     try:
-        port = rank.launch_service()
-        out.write('{"ready": true, "port": %d, "pid": %d}\n' % (port, os.getpid()))
-        out.flush()
-        serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release,
-                        "poll": rank.poll, "abort_room": rank.abort_room, "stats": rank.stats}, out)
+        serve_commands({"prepare": rank.prepare, "chunk": rank.chunk, "release": rank.release, "poll": rank.poll,
+                        "abort_room": rank.abort_room, "stats": rank.stats}, out, {"port": rank.service.start(60)})
     finally:
         rank.close()
     return 0

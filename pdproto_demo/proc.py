@@ -40,9 +40,6 @@ class Child:
         log_dir: str | None = None,
     ) -> Self:
         """Start ``python -m module args`` in its own process group; stderr goes to ``log_dir/name.log``."""
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
         log = open(os.path.join(log_dir, f"{name}.log"), "ab") if log_dir else None
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -51,7 +48,7 @@ class Child:
             stderr=log,
             text=True,
             bufsize=1,
-            env=full_env,
+            env={"PYTHONUNBUFFERED": "1", **os.environ, **(env or {})},
             start_new_session=True,
         )
         if log is not None:
@@ -153,9 +150,11 @@ def close_all(children: Iterable[Child], timeout: float = 10.0) -> None:
             pass
 
 
-def serve_commands(handlers: dict[str, Callable[..., Reply]], out: IO[str] | None = None) -> None:
-    """Child side: read commands from stdin and answer each with one JSON line until ``quit`` or EOF."""
-    stream = out or sys.stdout
+def serve_commands(handlers: dict[str, Callable[..., Reply]], out: IO[str], ready: Reply) -> None:
+    """Child side: write the ready line (``ready``, with the pid), then read commands from stdin and answer
+    each with one JSON line on ``out`` until ``quit`` or EOF."""
+    out.write(json.dumps({"ready": True, "pid": os.getpid(), **ready}) + "\n")
+    out.flush()
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -168,8 +167,8 @@ def serve_commands(handlers: dict[str, Callable[..., Reply]], out: IO[str] | Non
         except Exception as exc:  # every failure goes back to the parent, typed where possible
             reason = getattr(getattr(exc, "reason", None), "name", type(exc).__name__)
             reply = {"error": f"{op}: {reason}: {exc}"}
-        stream.write(json.dumps(reply) + "\n")
-        stream.flush()
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
 
 
 def redirect_stdout_to_stderr() -> IO[str]:

@@ -1,13 +1,8 @@
-"""``pdproto demo``: real prefill and decode processes, real engines, every byte checked.
+"""``pdproto demo``: real prefill and decode processes, real engines, every byte checked (``pdproto_demo/README.md``).
 
-For each backend it starts prefill ranks (dense, and a DCP 2 group) and four DCP 4 decode
-ranks on 127.0.0.1, then sends each prompt in several chunks with a decode prefix on the
-long ones. The Kimi-Linear-shaped case runs a hybrid model (MLA layers and KDA
-recurrent-state layers 1:3, two aux buffers) from prefill TP 4 (four processes, KDA heads
-split four ways, MLA KV on every rank) to decode TP 4 with DCP 4. Each decode rank compares
-its whole KV pool, and its aux and state slots, with what a monolithic run would hold there,
-and the demo prints one row per (backend, topology, prompt) with bytes and descriptors per
-kind (KV, aux, state).
+Per backend and model one cluster of ranks on 127.0.0.1 serves every topology of that model; each prompt
+goes in several chunks (with a decode prefix on long ones), and each decode rank compares its whole KV pool,
+aux and state slots with what a monolithic run would hold. One table row per (backend, topology, prompt).
 """
 
 from __future__ import annotations

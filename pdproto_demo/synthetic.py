@@ -84,12 +84,11 @@ def _pages_from(start: int, n: int, pages: int) -> I64:
     return out
 
 
-def server_info(spec: SyntheticSpec, *, host: str = "127.0.0.1", port: int = 0) -> server_info_pb2.PrefillServerInfo:
+def server_info(spec: SyntheticSpec) -> server_info_pb2.PrefillServerInfo:
     """The PrefillServerInfo of a dense (TP 1, DCP 1) synthetic prefill."""
     info = example_server_info(page_size=spec.page_size, num_layers=spec.layers, token_bytes=spec.row_bytes,
                                dtype=spec.kv_cache_dtype, attention=_ATTENTION[spec.attention],
-                               backends=[backends.by_name(spec.backend).enum], model_id=spec.model_id,
-                               host=host, port=port)
+                               backends=[backends.by_name(spec.backend).enum], model_id=spec.model_id)
     info.capabilities.append("dcp-relayout")
     return info
 

@@ -40,20 +40,16 @@ class ProtoFile:
     """Service names; the stubs module is kept only when this is non-empty."""
 
 
-def proto_sources() -> list[str]:
-    """Every .proto under protos/, relative and sorted (stable output)."""
-    return sorted(p.relative_to(PROTOS).as_posix() for p in PROTOS.rglob("*.proto"))
-
-
 def run_protoc(out: Path, descriptors: Path) -> None:
     """Run the pinned generators into ``out`` and write the FileDescriptorSet."""
+    sources = sorted(p.relative_to(PROTOS).as_posix() for p in PROTOS.rglob("*.proto"))  # sorted: stable output
     env = dict(os.environ)
     # protoc finds protoc-gen-mypy / protoc-gen-mypy_grpc next to this interpreter.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     cmd = [
         sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTOS}",
         f"--python_out={out}", f"--grpc_python_out={out}", f"--mypy_out={out}",
-        f"--mypy_grpc_out={out}", f"--descriptor_set_out={descriptors}", *proto_sources(),
+        f"--mypy_grpc_out={out}", f"--descriptor_set_out={descriptors}", *sources,
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if run.returncode != 0:

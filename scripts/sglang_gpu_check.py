@@ -1,19 +1,11 @@
 #!/usr/bin/env python3
 """GPU check of the SGLang backend: a real ``sglang.launch_server`` prefill/decode pair with pdproto.
 
-Runs on a machine with an NVIDIA GPU and, installed with pip, ``sglang==0.5.23`` (with its
-own GPU requirements), ``mooncake-transfer-engine`` (the CUDA build) and this repository
-(``pip install -e .``); nothing is downloaded: the model must already be on disk
-(``--model-path``; any small causal LM SGLang serves, e.g. Qwen2.5-0.5B-Instruct).
-
-1. A plain (not disaggregated) server answers each prompt greedily: the reference.
-2. A prefill and a decode server start with ``--disaggregation-transfer-backend pdproto``;
-   this script is their router: it posts each prompt to both with one
-   ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, as SGLang's router does.
-3. The decode's first ``--tokens`` generated token ids must equal the reference's.
-
-Prints one line per prompt and ``PASS`` or ``FAIL``; exits 0 on PASS. Every server log is
-kept under ``--log-dir``. ``--dry-run`` prints the three server command lines and exits.
+A plain server answers each prompt greedily (the reference); then a prefill and a decode server with
+``--disaggregation-transfer-backend pdproto``, this script as their router (one ``bootstrap_room`` per
+prompt, as SGLang's router posts it), must generate the same first ``--tokens`` token ids. Needs a GPU,
+``sglang==0.5.23``, ``mooncake-transfer-engine`` and this repository installed, and the model on disk
+(nothing is downloaded); every server log is kept under ``--log-dir``. How to run it: ``docs/sglang.md``.
 
     python scripts/sglang_gpu_check.py --model-path /models/Qwen2.5-0.5B-Instruct
 """
@@ -34,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,49 +127,44 @@ class Servers:
         self.procs.clear()
 
 
-def main() -> int:
-    """Run the check; 0 on PASS."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", required=True, help="a model directory on this machine (nothing is downloaded)")
-    ap.add_argument("--tokens", type=int, default=8, help="generated tokens compared per prompt")
-    ap.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of each server")
-    ap.add_argument("--decode-gpu", type=int, default=0, help="--base-gpu-id of the decode (0: share the GPU)")
-    ap.add_argument("--decode-tp", type=int, default=1, help="decode TP = DCP size (MLA models, that many GPUs)")
+def add_common_arguments(ap: argparse.ArgumentParser, *, tokens: int, memory_flag: str) -> None:
+    """The options both GPU checks share (the model flag and engine-specific ones are the caller's)."""
+    ap.add_argument("--tokens", type=int, default=tokens, help="generated tokens compared per prompt")
+    ap.add_argument("--mem-fraction", type=float, default=0.3, help=f"{memory_flag} of each server")
     ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs (slower start)")
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--log-dir", default="")
     ap.add_argument("--dry-run", action="store_true", help="print the server commands and exit")
-    args = ap.parse_args()
-    ports = {name: free_port() for name in ("reference", "prefill", "decode", "bootstrap")}
-    cmds = commands(args, ports)
+
+
+def run_check(args: argparse.Namespace, cmds: dict[str, list[str]], ports: dict[str, int], env: dict[str, str],
+              answer: Callable[[int, str], Any], pair: Callable[[str], tuple[Callable[[], Any], Callable[[], Any]]],
+              log_prefix: str) -> int:
+    """Answer every prompt on the reference, then on the prefill/decode pair (``pair``: the two posts of
+    one prompt); PASS when the decode's answers equal the reference's. 0 on PASS."""
     if args.dry_run:
         print(json.dumps(cmds, indent=1))
         return 0
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdproto-gpu-check-"))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=log_prefix))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, SGLANG_HOST_IP=HOST, PDPROTO_TOKEN=os.environ.get("PDPROTO_TOKEN", os.urandom(16).hex()))
     servers = Servers(log_dir, env)
+    ok = True
     try:
         ref = servers.start("reference", cmds["reference"])
         wait_healthy(ports["reference"], ref, args.start_timeout)
-        expected = [generate(ports["reference"], p, args.tokens) for p in PROMPTS]
+        expected = [answer(ports["reference"], p) for p in PROMPTS]
         servers.stop()
         prefill = servers.start("prefill", cmds["prefill"])
         decode = servers.start("decode", cmds["decode"])
         wait_healthy(ports["prefill"], prefill, args.start_timeout)
         wait_healthy(ports["decode"], decode, args.start_timeout)
-        ok = True
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            for prompt, want in zip(PROMPTS, expected):
-                boot = {"bootstrap_host": HOST, "bootstrap_port": ports["bootstrap"],
-                        "bootstrap_room": random.getrandbits(63)}
-                p = pool.submit(generate, ports["prefill"], prompt, args.tokens, **boot)
-                d = pool.submit(generate, ports["decode"], prompt, args.tokens, **boot)
+            for prompt, want in zip(PROMPTS, expected, strict=True):
+                p, d = (pool.submit(post) for post in pair(prompt))
                 p.result()
                 got = d.result()
-                same = got[:args.tokens] == want[:args.tokens]
-                ok &= same
-                print(f"{'same' if same else 'DIFFERENT'}  {prompt!r}: pd={got[:args.tokens]} reference={want}",
+                ok &= got == want
+                print(f"{'same' if got == want else 'DIFFERENT'}  {prompt!r}: pd={got!r} reference={want!r}",
                       flush=True)
     except Exception as exc:  # noqa: BLE001 - reported as the check's verdict
         print(f"FAIL: {type(exc).__name__}: {exc} (logs: {log_dir})")
@@ -185,6 +173,27 @@ def main() -> int:
         servers.stop()
     print(("PASS" if ok else "FAIL") + f" (logs: {log_dir})")
     return 0 if ok else 1
+
+
+def main() -> int:
+    """Run the check; 0 on PASS."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", required=True, help="a model directory on this machine (nothing is downloaded)")
+    ap.add_argument("--decode-gpu", type=int, default=0, help="--base-gpu-id of the decode (0: share the GPU)")
+    ap.add_argument("--decode-tp", type=int, default=1, help="decode TP = DCP size (MLA models, that many GPUs)")
+    add_common_arguments(ap, tokens=8, memory_flag="--mem-fraction-static")
+    args = ap.parse_args()
+    ports = {name: free_port() for name in ("reference", "prefill", "decode", "bootstrap")}
+    env = dict(os.environ, SGLANG_HOST_IP=HOST, PDPROTO_TOKEN=os.environ.get("PDPROTO_TOKEN", os.urandom(16).hex()))
+
+    def answer(port: int, prompt: str, **bootstrap: Any) -> list[int]:
+        return generate(port, prompt, args.tokens, **bootstrap)[:args.tokens]
+
+    def pair(prompt: str) -> tuple[Callable[[], list[int]], Callable[[], list[int]]]:
+        boot = {"bootstrap_host": HOST, "bootstrap_port": ports["bootstrap"], "bootstrap_room": random.getrandbits(63)}
+        return lambda: answer(ports["prefill"], prompt, **boot), lambda: answer(ports["decode"], prompt, **boot)
+
+    return run_check(args, commands(args, ports), ports, env, answer, pair, "pdproto-gpu-check-")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,12 @@
 #!/usr/bin/env python3
 """GPU check of the vLLM connector: a real ``vllm serve`` prefill/decode pair with PdprotoConnector.
 
-Runs on a machine with NVIDIA GPUs and, installed with pip, ``vllm==0.33.0`` (with its own GPU
-requirements), ``mooncake-transfer-engine`` (the CUDA build) and this repository
-(``pip install -e .``); nothing is downloaded: the model must already be on disk (``--model``;
-an MLA model vLLM serves, e.g. DeepSeek-V2-Lite: the connector moves MLA caches only).
-
-1. A plain (not disaggregated) server answers each prompt greedily: the reference.
-2. A prefill (``kv_producer``) and a decode (``kv_consumer``) start with
-   ``--kv-transfer-config`` naming ``PdprotoConnector`` from ``pdproto.integrations.vllm``;
-   this script is their router: it posts each prompt to both at once with one
-   ``transfer_id`` in ``kv_transfer_params`` (the prefill with ``max_tokens`` 1), and tells
-   the decode where the prefill's ranks listen.
-3. The decode's greedy completion must equal the reference's.
-
-``--decode-tp 4`` runs the decode with TP 4 = DCP 4 (4 GPUs). Prints one line per prompt and
-``PASS`` or ``FAIL``; exits 0 on PASS. Every server log is kept under ``--log-dir``.
-``--dry-run`` prints the three server command lines and exits.
+A plain server answers each prompt greedily (the reference); then a prefill (``kv_producer``) and a
+decode (``kv_consumer``) with ``--kv-transfer-config`` naming ``PdprotoConnector``, this script as their
+router (both posted at once, ``kv_transfer_params`` as ``docs/vllm.md`` lists them), must complete it the
+same. Needs NVIDIA GPUs, ``vllm==0.33.0``, ``mooncake-transfer-engine`` and this repository installed, and
+an MLA model on disk (the connector moves MLA caches only; nothing is downloaded). ``--decode-tp 4`` runs
+the decode with TP 4 = DCP 4 (4 GPUs); every server log is kept under ``--log-dir``.
 
     python scripts/vllm_gpu_check.py --model /models/DeepSeek-V2-Lite-Chat
 """
@@ -24,24 +14,16 @@ an MLA model vLLM serves, e.g. DeepSeek-V2-Lite: the connector moves MLA caches 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import sys
-import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_gpu_check import HOST, Servers, _post, free_port, wait_healthy  # noqa: E402 - the same harness
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "In one sentence, a transformer language model is",
-    "List three prime numbers:",
-]
+from sglang_gpu_check import HOST, _post, add_common_arguments, free_port, run_check  # noqa: E402 - the same harness
 
 
 def server_command(args: argparse.Namespace, port: int, *extra: str) -> list[str]:
@@ -84,52 +66,21 @@ def main() -> int:
     """Run the check; 0 on PASS."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an MLA model directory on this machine (nothing is downloaded)")
-    ap.add_argument("--tokens", type=int, default=16, help="generated tokens compared per prompt")
-    ap.add_argument("--mem-fraction", type=float, default=0.3, help="--gpu-memory-utilization of each server")
     ap.add_argument("--decode-tp", type=int, default=1, help="decode TP = DCP size (that many GPUs)")
-    ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs (slower start)")
-    ap.add_argument("--start-timeout", type=float, default=900.0)
-    ap.add_argument("--log-dir", default="")
-    ap.add_argument("--dry-run", action="store_true", help="print the server commands and exit")
+    add_common_arguments(ap, tokens=16, memory_flag="--gpu-memory-utilization")
     args = ap.parse_args()
     ports = {name: free_port() for name in ("reference", "prefill", "decode", "pdproto")}
-    cmds = commands(args, ports)
-    if args.dry_run:
-        print(json.dumps(cmds, indent=1))
-        return 0
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdproto-vllm-gpu-check-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PDPROTO_ADVERTISE_HOST=HOST,
                PDPROTO_TOKEN=os.environ.get("PDPROTO_TOKEN", os.urandom(16).hex()))
-    servers = Servers(log_dir, env)
-    ok = True
-    try:
-        ref = servers.start("reference", cmds["reference"])
-        wait_healthy(ports["reference"], ref, args.start_timeout)
-        expected = [complete(ports["reference"], args, p, args.tokens) for p in PROMPTS]
-        servers.stop()
-        prefill = servers.start("prefill", cmds["prefill"])
-        decode = servers.start("decode", cmds["decode"])
-        wait_healthy(ports["prefill"], prefill, args.start_timeout)
-        wait_healthy(ports["decode"], decode, args.start_timeout)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            for prompt, want in zip(PROMPTS, expected, strict=True):
-                tid = uuid.uuid4().hex
-                p = pool.submit(complete, ports["prefill"], args, prompt, 1, do_remote_decode=True, transfer_id=tid)
-                d = pool.submit(complete, ports["decode"], args, prompt, args.tokens, do_remote_prefill=True,
-                                remote_host=HOST, remote_port=ports["pdproto"], remote_tp_size=1, transfer_id=tid)
-                p.result()
-                got = d.result()
-                ok &= got == want
-                print(f"{'same' if got == want else 'DIFFERENT'}  {prompt!r}: pd={got!r} reference={want!r}",
-                      flush=True)
-    except Exception as exc:  # noqa: BLE001 - reported as the check's verdict
-        print(f"FAIL: {type(exc).__name__}: {exc} (logs: {log_dir})")
-        return 1
-    finally:
-        servers.stop()
-    print(("PASS" if ok else "FAIL") + f" (logs: {log_dir})")
-    return 0 if ok else 1
+
+    def pair(prompt: str) -> tuple[Callable[[], str], Callable[[], str]]:
+        tid = uuid.uuid4().hex
+        return (lambda: complete(ports["prefill"], args, prompt, 1, do_remote_decode=True, transfer_id=tid),
+                lambda: complete(ports["decode"], args, prompt, args.tokens, do_remote_prefill=True,
+                                 remote_host=HOST, remote_port=ports["pdproto"], remote_tp_size=1, transfer_id=tid))
+
+    return run_check(args, commands(args, ports), ports, env,
+                     lambda port, prompt: complete(port, args, prompt, args.tokens), pair, "pdproto-vllm-gpu-check-")
 
 
 if __name__ == "__main__":

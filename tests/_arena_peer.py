@@ -165,9 +165,7 @@ def main() -> int:
     out = redirect_stdout_to_stderr()
     peer = HostilePeer()
     try:
-        out.write('{"ready": true, "pid": %d}\n' % os.getpid())
-        out.flush()
-        serve_commands({"serve": peer.serve, "shrink": peer.shrink, "ping": lambda: {"pong": True}}, out)
+        serve_commands({"serve": peer.serve, "shrink": peer.shrink, "ping": lambda: {"pong": True}}, out, {})
     finally:
         peer.close()
     return 0

@@ -133,7 +133,7 @@ class Rig:
     def dumped(self, name: str) -> np.ndarray:
         """The peer's buffer, as it is now."""
         path = os.path.join(tempfile.mkdtemp(), "dump.bin")
-        self.peers[name].dump(path)
+        self.peers[name].call("dump", path=path)
         return np.fromfile(path, dtype=np.uint8)
 
     def exact(self, name: str) -> bool:
@@ -158,7 +158,7 @@ def _until_released(rig: Rig, timeout: float, poll: float) -> float:
 def _thaw_and_resume(rig: Rig, report: dict[str, Any]) -> None:
     """SIGCONT decode A, clear its memory, and report whether its next job lands byte-exact."""
     rig.peers["A"].kill(signal.SIGCONT)
-    rig.peers["A"].fill(0)
+    rig.peers["A"].call("fill", value=0)
     # The engine may still be tearing the stuck call down: retry a few times.
     for _ in range(20):
         report["resumed"] = _outcome(lambda: rig.ex.execute("A", rig.job("A")))
@@ -186,7 +186,7 @@ def frozen(rig: Rig, report: dict[str, Any]) -> None:
     rig.add("A")
     rig.add("B")
     report["warm"] = [_warm(rig, n) for n in ("A", "B")]
-    rig.peers["B"].fill(0)
+    rig.peers["B"].call("fill", value=0)
     _freeze(rig.peers["A"])
     result: dict[str, Any] = {}
     stuck = threading.Thread(target=lambda: result.update(_outcome(lambda: rig.ex.execute("A", rig.job("A")))))
@@ -219,7 +219,7 @@ def slow(rig: Rig, report: dict[str, Any]) -> None:
     """
     a = rig.add("A")
     report["warm"] = _warm(rig, "A")
-    rig.peers["A"].fill(0)
+    rig.peers["A"].call("fill", value=0)
     rig.ex.max_batch = 1
     quarter = ROWS // 4
     dst = a.registration.kv_buffers[0].ptr
@@ -267,7 +267,7 @@ def blackhole(rig: Rig, report: dict[str, Any]) -> None:
     with _black_hole() as hole:
         rig.add("B")
         report["warm"] = _warm(rig, "B")
-        rig.peers["B"].fill(0)
+        rig.peers["B"].call("fill", value=0)
         reg = registration_pb2.KvRegistration()
         reg.mooncake.session_id = hole
         reg.kv_buffers.add(ptr=1 << 40, length=ROWS * ROW)

@@ -53,6 +53,10 @@ def test_decode_config_round_trips_through_its_command_line() -> None:
                           layer_ids=False, background=0)
     assert DecodeConfig.parse(config.argv()) == config
     assert DecodeConfig.parse([]) == DecodeConfig()
+    from pdproto_demo.prefill import PrefillConfig
+
+    prefill = PrefillConfig(model="dsa", cp_size=2, cp_rank=1, layer_split=True, token="t", limits='{"a": 1}')
+    assert PrefillConfig.parse(prefill.argv()) == prefill and prefill.shape().pp_size == 2
 
 
 def test_the_decode_checks_every_dsa_index_page_including_those_no_request_names() -> None:

@@ -129,7 +129,7 @@ def pair(request: pytest.FixtureRequest, pairs: dict[str, Pair]) -> Iterator[Pai
     if backend not in pairs:
         pairs[backend] = Pair(backend)
     yield pairs[backend]
-    pairs[backend].peer.fill(0)
+    pairs[backend].peer.call("fill", value=0)
     _use(pairs[backend].pre.ex, "default")
 
 
@@ -167,7 +167,7 @@ def _dcp(seed: int, rank: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _dump(peer: DecodeProcess, tmp: str) -> np.ndarray:
     """The peer's buffers, (layers, DST_ROWS, ROW)."""
     path = os.path.join(tmp, "dump.bin")
-    peer.dump(path)
+    peer.call("dump", path=path)
     return np.fromfile(path, dtype=np.uint8).reshape(LAYERS, DST_ROWS, ROW)
 
 
@@ -221,7 +221,7 @@ def test_staging_too_small_falls_back_per_row_and_counts(pairs: dict[str, Pair],
         _check(pre, peer, str(tmp_path), src_rows, dst_rows)
     finally:
         pre.ex.close()
-        peer.fill(0)
+        peer.call("fill", value=0)
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "per_row"])
@@ -253,12 +253,12 @@ def test_zero_row_rank_still_gets_its_notifications_in_order(pair: Pair) -> None
         assert res.notified
         rooms: list[int] = []
         for _ in range(5):  # each call waits up to 10 s for the first notice it has not returned yet
-            rooms += peer.notified_rooms(wait_s=10)
+            rooms += peer.call("notices", 40, wait=10)["rooms"]
             if len(rooms) >= 2:
                 break
         assert rooms == [42, 44]
         assert pre.ex.notify("d0", 43, b"done")
-        assert peer.notified_rooms(wait_s=10) == [43]
+        assert peer.call("notices", 40, wait=10)["rooms"] == [43]
     else:
         assert not res.notified and not pre.ex.notify("d0", 43, b"")
 
@@ -337,7 +337,7 @@ def test_inline_pipelined_and_per_row_write_the_same_bytes(pair: Pair, tmp_path:
     notifies = backends.by_name(pre.ex.backend).notifications
     dumps = []
     for room, mode in enumerate(MODES, start=100):
-        peer.fill(0)
+        peer.call("fill", value=0)
         res = pre.ex.execute("d0", pre.job(peer, runs, pack=_use(pre.ex, mode), room=room))
         assert res.bytes == rows * ROW * LAYERS <= EXTENT
         if pre.ex.backend != "local":
@@ -345,7 +345,7 @@ def test_inline_pipelined_and_per_row_write_the_same_bytes(pair: Pair, tmp_path:
         # Every path sends the job's notification once its bytes are written (NIXL).
         assert res.notified is notifies
         if notifies:
-            assert peer.notified_rooms(wait_s=10) == [room]
+            assert peer.call("notices", 40, wait=10)["rooms"] == [room]
         dumps.append(_dump(peer, str(tmp_path)))
     assert all(np.array_equal(dumps[0], d) for d in dumps[1:])
     _check_layers(pre, dumps[0], {layer: (src_rows, dst_rows) for layer in range(LAYERS)})
@@ -371,7 +371,7 @@ def test_a_job_right_at_the_inline_threshold_takes_each_path(pair: Pair, tmp_pat
                                                                                                           inline)
         assert ex.stats.pack_fallbacks == before.pack_fallbacks and ex.stats.jobs == before.jobs + 1
         _check(pre, peer, str(tmp_path), src_rows, dst_rows)
-        peer.fill(0)
+        peer.call("fill", value=0)
     # Per-row is neither packed nor inline, and is no fallback: packing was not asked for.
     ex.inline_bytes = job.nbytes
     before = dataclasses.replace(ex.stats)
@@ -482,7 +482,7 @@ def test_executing_runs_writes_what_the_per_token_formula_says(pair: Pair, mode:
                                                                chunk: dict[str, object]) -> None:
     # One job, two segments: target runs into layer 0 and draft runs into layer 1.
     pre, peer = pair.pre, pair.peer
-    peer.fill(0)
+    peer.call("fill", value=0)
     c: dict[str, object] = dict(chunk)
     src, dst = c.pop("src_pages"), c.pop("dst_pages")
     plan = plan_chunk(DcpLayout(c["Ps"], c["Ns"], c["s"]), DcpLayout(c["Pd"], c["Nd"], c["d"]), src, dst,

@@ -55,7 +55,7 @@ def test_an_adopted_engine_moves_a_relayout_and_outlives_the_executor(tmp_path: 
             result = ex.execute("d0", job)
             assert result.packed and not result.fallback
             path = os.path.join(str(tmp_path), f"dump{round_}.bin")
-            peer.dump(path)
+            peer.call("dump", path=path)
             got = np.fromfile(path, dtype=np.uint8).reshape(LAYERS, rows // DCP, ROW)
             src_rows, dst_rows, _, _ = reference(list(range(PAGES)), list(range(PAGES // DCP))[::-1], Ps=PAGE,
                                                  Ns=1, s=0, Pd=PAGE, Nd=DCP, d=1, off=0, N=rows)
@@ -63,7 +63,7 @@ def test_an_adopted_engine_moves_a_relayout_and_outlives_the_executor(tmp_path: 
                 assert np.array_equal(got[layer][dst_rows], owned[layer].reshape(rows, ROW)[src_rows])
             assert result.bytes == src_rows.size * ROW * LAYERS
             ex.close()
-            peer.fill(0)
+            peer.call("fill", value=0)
         # Closing the executors left the engine running for its owner.
         assert f"127.0.0.1:{engine.get_rpc_port()}" == session  # type: ignore[attr-defined]
     finally:

@@ -107,7 +107,7 @@ def _rig(backend: str, sessions: int) -> dict[str, object]:
                         failures.append(error)
                         continue
                     path = os.path.join(tmp, f"{i}.bin")
-                    peers[i].dump(path)
+                    peers[i].call("dump", path=path)
                     got = np.fromfile(path, dtype=np.uint8).reshape(layers, ROWS, ROW)
                     src, dst = expected[i]
                     checked += got.nbytes

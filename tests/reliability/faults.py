@@ -72,6 +72,20 @@ def _healthy(c: Cluster, out: Outcome, *, expect_peers: int) -> None:
         out.notes.append(f"server holds {st['peers']} peers, {expect_peers} alive")
 
 
+def _restart_decode(c: Cluster, d: int) -> None:
+    """Close decode rank ``d`` (if alive) and start a fresh process on the same notify endpoint."""
+    c.decodes[d].close(timeout=5)
+    c.decodes[d] = c.spawn_decode(d)
+    c.decodes[d].await_ready(120)
+
+
+def _restart_prefill(c: Cluster, ns: int, r: int) -> None:
+    """Stop prefill rank ``r`` of group ``ns`` (if alive) and start a fresh one on the same port."""
+    c.prefills[ns][r].close(timeout=15)
+    c.prefills[ns][r] = c.spawn_prefill(ns, r, c.ports[ns][r])
+    c.ports[ns][r] = int(c.prefills[ns][r].recv(120)["port"])
+
+
 def decode_killed(backend: str) -> Outcome:
     """SIGKILL one decode rank while its request is mid-transfer; the survivor completes."""
     out = Outcome("decode killed mid-transfer", backend)
@@ -91,7 +105,7 @@ def decode_killed(backend: str) -> Outcome:
         freed = wait_until(lambda: prefill_stats(c)["live_peers"] == 1, DEADLINE)
         out.expect(bool(freed), f"dead peer still held as live: {prefill_stats(c)['live_peers']} live peers")
         # The restarted rank registers from the same address: stale state is replaced.
-        c.restart_decode(1)
+        _restart_decode(c, 1)
         c.connect(DENSE_TO_DCP2, ranks=[1])
         _healthy(c, out, expect_peers=2)
     finally:
@@ -108,7 +122,7 @@ def decode_restart_same_address(backend: str) -> Outcome:
         old = c.peer_ids[1][0]
         f = c.begin(8192, 256, decodes=[1])
         c.send_chunks(f, upto=1)
-        c.restart_decode(1)  # closes the old process first: a crash-restart
+        _restart_decode(c, 1)  # closes the old process first: a crash-restart
         out.faults += 1
         c.connect(DENSE_TO_DCP2, ranks=[1])
         new = c.peer_ids[1][0]
@@ -159,7 +173,7 @@ def prefill_killed(backend: str) -> Outcome:
         for d in range(len(c.decodes)):
             c.decodes[d].send("wait", room=f.room, timeout=DEADLINE)
         _expect_failed_waits(c, out, "request survived a dead prefill")
-        c.restart_prefill(1, 0, same_port=True)
+        _restart_prefill(c, 1, 0)
         c.connect(DENSE_TO_DCP2)
         _healthy(c, out, expect_peers=2)
     finally:
@@ -177,7 +191,7 @@ def server_restart(backend: str) -> Outcome:
         c.send_chunks(f, upto=1)
         for d in range(len(c.decodes)):
             c.decodes[d].send("wait", room=f.room, timeout=DEADLINE)
-        c.restart_prefill(1, 0, same_port=True)  # quit: drain, then a new process on the port
+        _restart_prefill(c, 1, 0)  # quit: drain, then a new process on the port
         out.faults += 1
         _expect_failed_waits(c, out, "unfinished request reported ok")
         c.connect(DENSE_TO_DCP2)

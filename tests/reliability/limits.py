@@ -49,7 +49,7 @@ def resource_limits(backend: str) -> Outcome:
     out = Outcome("limits -> RESOURCE_EXHAUSTED", backend)
     limits = {"max_peers": 2, "max_inflight_per_peer": 2}
     c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR,
-                prefill_args=["--limits", json.dumps(limits)])
+                prefill={"limits": json.dumps(limits)})
     try:
         c.launch()
         c.connect(TOPO)
@@ -137,7 +137,7 @@ def tls(backend: str) -> Outcome:
     with tempfile.TemporaryDirectory() as tmp:
         cert, key = _make_cert(tmp)
         c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR, token="tls-token",
-                    prefill_args=["--tls-cert", cert, "--tls-key", key])
+                    prefill={"tls_cert": cert, "tls_key": key})
         try:
             c.launch()
             c.connect(TOPO, root_cert=cert)

@@ -12,7 +12,7 @@ def minor_skew(backend: str) -> Outcome:
     """Older-minor decode vs newer-minor server, and a newer-minor decode with unknown fields."""
     out = Outcome("minor version skew + unknown fields", backend)
     c = Cluster(backend, FAULT_GEOMETRY, dst_dcp=2, src_groups=(1,), log_dir=LOG_DIR,
-                prefill_args=["--info-minor", "1"])
+                prefill={"info_minor": 1})
     try:
         c.launch()
         topo = Topology(1, 2)

@@ -148,9 +148,7 @@ def main() -> None:
             w[:] = 0
         return {}
 
-    out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
-    out.flush()
-    serve_commands({"step": step, "fill": fill, "check": check, "zero": zero, "connect": connect}, out)
+    serve_commands({"step": step, "fill": fill, "check": check, "zero": zero, "connect": connect}, out, {})
     connector.shutdown()
 
 
