@@ -118,6 +118,10 @@ class HandshakeServicer(hs_grpc.HandshakeServiceServicer):
         return hs.DeregisterResponse(failed_requests=await self.core.deregister(request))
 
 
+_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
 def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
     """Register the servicer's methods, as the generated code would, but with ``_status.tolerant`` deserializers.
 
@@ -130,9 +134,7 @@ def add_to_server(servicer: HandshakeServicer, server: grpc.aio.Server) -> None:
     methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
         request, response = (GetMessageClass(t) for t in (method.input_type, method.output_type))
-        handler: Any = (grpc.stream_stream_rpc_method_handler if method.client_streaming
-                        else grpc.unary_stream_rpc_method_handler if method.server_streaming
-                        else grpc.unary_unary_rpc_method_handler)
+        handler: Any = _HANDLERS[method.client_streaming, method.server_streaming]
         methods[method.name] = handler(
             getattr(servicer, method.name), response_serializer=response.SerializeToString,
             request_deserializer=_status.tolerant(request.FromString, method.input_type.full_name, caps.get(method.name)))
