@@ -21,7 +21,9 @@ gates: setup
 ## collection order, which starts the long ones (tests/conftest.py); xdist's own order, most
 ## tests first, left the 3-test SGLang harness to run alone at the end.
 TEST_WORKERS ?= 2
-test: setup
+## .venv-vllm finishes building meanwhile; tests/vllm runs last and waits for it.
+test:
+	@PDPROTO_VLLM_LATER=1 $(SETUP)
 	@bash scripts/gates.sh
 	@bash scripts/run_tests.sh -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
@@ -51,4 +53,4 @@ baseline: setup
 	@.venv/bin/buf build --exclude-source-info -o '-#format=json' | $(PY) -m json.tool --indent 1 > compat/pdproto.v1.baseline.json
 
 clean:
-	rm -rf .venv .venv-vllm .pytest_cache .mypy_cache .hypothesis
+	rm -rf .venv .venv-vllm .venv-vllm.lock .pytest_cache .mypy_cache .hypothesis

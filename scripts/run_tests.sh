@@ -11,6 +11,7 @@ rc=$?
 if [ "$rc" -eq 5 ]; then echo "run_tests: no tests were collected" >&2; rc=1; fi
 # tests/vllm in vLLM's own virtualenv (scripts/setup_vllm.sh; the main one leaves them out), with
 # the same options: vLLM 0.33.0's pins conflict with SGLang's.
+bash scripts/setup_vllm.sh  # waits for a build setup.sh left running (PDPROTO_VLLM_LATER)
 .venv-vllm/bin/python -m pytest -q tests/vllm "$@"
 vrc=$?
 if [ "$vrc" -eq 5 ]; then echo "run_tests: no vLLM tests were collected" >&2; vrc=1; fi

@@ -11,6 +11,10 @@ VLLM_VERSION=0.33.0  # the vLLM release pdproto.integrations.vllm targets
 PY=${PYTHON:-python3}
 VENV=.venv-vllm
 stamp=$VENV/.pdproto-installed
+# One build at a time: a second caller (scripts/run_tests.sh, while setup.sh's background build
+# runs) waits here for the first, then finds its stamp.
+exec 9>"$VENV.lock"
+flock 9
 want=$(cat pyproject.toml scripts/setup_vllm.sh | sha256sum | cut -d' ' -f1)
 [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && exit 0
 start=$(date +%s)
