@@ -101,7 +101,9 @@ class DecodeRank:
         self.state = [[self.executor.allocate(t.item_len * n) for t in e.tensors]
                       for n, e in zip(items, layout.state, strict=True)]
         self.extras = [*self.aux, *(b for e in self.state for b in e)]
-        """Every aux buffer, then every state tensor's (``ModelShape.extra_writes``'s order)."""
+        """Every aux buffer, then every state tensor's (``ModelShape.extra_items``'s order)."""
+        self.extra_item_bytes = [a.item_len for a in layout.aux] + [t.item_len for e in layout.state for t in e.tensors]
+        """Bytes of one item of each of ``extras``."""
         self.executor.register_memory([*self.buffers, *self.extras])
         self.credential = CredentialSlot(self.executor, self.buffers[0])
         """Where each prefill writes its part of this rank's peer credential (``connect`` binds it)."""
@@ -281,10 +283,10 @@ class DecodeRank:
         data.reset(self.pool, [pg for at in p.placements for pg in at.pages], page_size=c.page_size,
                    background=c.background)
         if p.slot and p.slot < c.slots:
-            writes = self.model.extra_writes(0, p.slot, p.index, "decode", c.tp_size, c.tp_rank)
-            for buf, items in zip(self.extras, writes, strict=True):
-                for item, block in items:
-                    buf.array[item * block.size:(item + 1) * block.size] = c.background
+            items = self.model.extra_items(p.slot, p.index, "decode")
+            for buf, held, n in zip(self.extras, items, self.extra_item_bytes, strict=True):
+                for item in held:
+                    buf.array[item * n:(item + 1) * n] = c.background
         if p.pooled:
             self._free_slots.append(p.slot)
 

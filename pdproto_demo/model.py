@@ -242,13 +242,18 @@ class ModelShape:
         (``state_pages``) holds page i of the request (a recurrent slot is one item)."""
         return [(item, self.state_item(room, tensor, tp, rank, page)) for page, item in enumerate(items)]
 
+    def extra_items(self, slot: int, index: Sequence[int], side: str) -> list[list[int]]:
+        """The items a request in ``slot`` (with DSA ``index`` pages) holds in each aux buffer, then in each
+        state tensor, as ``side`` lists them (``state_pages``)."""
+        aux = [[slot] for _ in self.aux_lens] if self.hybrid else []
+        return aux + [self.state_pages(entry, slot, side, index) for entry in self.state_tensors()]
+
     def extra_writes(self, room: int, slot: int, index: Sequence[int], side: str, tp: int,
                      rank: int) -> list[list[tuple[int, U8]]]:
-        """(item, bytes) of ``room`` in ``slot`` (with DSA ``index`` pages) on a rank, in each aux buffer, then
-        in each state tensor, at the items ``side`` lists (``state_pages``)."""
+        """(item, bytes) of ``room`` on a rank at each of ``extra_items``."""
         aux = [[(slot, self.aux_item(room, i))] for i in range(len(self.aux_lens))] if self.hybrid else []
-        return aux + [self.state_writes(room, k, tp, rank, self.state_pages(entry, slot, side, index))
-                      for k, entry in enumerate(self.state_tensors())]
+        return aux + [self.state_writes(room, k, tp, rank, items)
+                      for k, items in enumerate(self.extra_items(slot, index, side)[len(aux):])]
 
     def state_tensors(self) -> list[int]:
         """The entry of each state tensor, in their numbering across entries."""

@@ -88,7 +88,7 @@ class PrefillRank:
         self.index: dict[int, list[int]] = {}
         """Per room, its DSA index pages (named on its last chunk)."""
         self.extras = [*self.aux, *(b for e in self.state for b in e)]
-        """Every aux buffer, then every state tensor's (``ModelShape.extra_writes``'s order)."""
+        """Every aux buffer, then every state tensor's (``ModelShape.extra_items``'s order)."""
         self.executor.register_memory([*self.bufs, *self.extras])
         if args.cp_size > 1:  # every CP rank sends its share of the pages (SGLang enable_all_cp_ranks_for_transfer)
             self.info.attn_cp.size, self.info.attn_cp.rank = args.cp_size, args.cp_rank
