@@ -28,7 +28,7 @@ def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
     """The span of KV pairing ``index``: whole rows, this rank's heads, or None (another rank writes them)."""
     d = peer.decision
     p = d.pairings[index]
-    cut = d.tp.row_slices[index] if d.tp is not None else None
+    cut = d.tp.row_slices[index]
     src, dst = source.buffers[p.src_entry].addr, peer.registration.kv_buffers[p.dst_entry].ptr
     if cut is None:
         return LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=p.src_token_bytes)
@@ -101,7 +101,7 @@ def chunk_plans(src: DcpLayout, dst: DcpLayout, chunk: Chunk, dst_pages: Sequenc
 def slot_copies(source: KvSource, peer: Peer, request: Request, chunk: Chunk) -> tuple[list[SlotCopy], list[SlotCopy]]:
     """(state, aux) copies of the request's last chunk: what this rank writes, item by item."""
     tp = peer.decision.tp
-    if tp is None or request.transfer.is_dummy or not (tp.state or tp.aux):
+    if request.transfer.is_dummy or not (tp.state or tp.aux):
         return [], []
     t = request.transfer
     state: list[SlotCopy] = []
