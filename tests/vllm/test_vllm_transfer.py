@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -77,10 +77,18 @@ def step(children: list[Child], **meta: Any) -> list[dict[str, Any]]:
     return replies
 
 
-def until(children: list[Child], want: dict[str, tuple[str, str]], timeout: float = 60.0) -> dict[str, list[str]]:
+def until(children: list[Child], want: dict[str, tuple[str, str]], timeout: float = 60.0, *,
+          earlier: Iterable[tuple[Child, dict[str, Any]]] = ()) -> dict[str, list[str]]:
     """Step every worker (as vLLM steps both engines all along) until each named in ``want`` reported its
-    request id under its key (a rank reports an id once); returns every id each reported, by key."""
+    request id under its key (a rank reports an id once); returns every id each reported, by key.
+
+    ``earlier``: the replies of the steps that handed the workers their requests. A rank may report in
+    that very step (a dummy prefill rank whose decode submitted already ends as soon as it is held).
+    """
     seen: dict[str, dict[str, list[str]]] = {c.name: {"sent": [], "received": [], "failed": []} for c in children}
+    for c, r in earlier:
+        for key in ("sent", "received", "failed"):
+            seen[c.name][key] += r[key]
     end = time.monotonic() + timeout
     while True:
         missing = sorted(n for n, (key, rid) in want.items() if rid not in seen[n][key])
@@ -104,13 +112,14 @@ def transfer(prefill: Child | list[Child], decodes: list[Child], *, tokens: int,
     blocks = {"state": [dst_state]} if state else {}
     for p in prefills:  # each prefill TP rank fills what it holds: MLA the whole row, MHA its heads
         p.call("fill", blocks=src, tokens=tokens, seed=seed, state_block=src_state)
-    step(decodes, recvs=[{"request_id": f"d{seed}", "room": room,
-                          "addresses": [f"127.0.0.1:{port + r}" for r in range(len(prefills))],
-                          "blocks": dst[prefix // dst_block:], "prefix": prefix, **blocks}])
-    step(prefills, sends=[{"request_id": f"p{seed}", "room": room, "blocks": src, "num_tokens": tokens,
-                           "lease_s": 30.0, **({"state": [src_state]} if state else {})}], finished=[f"p{seed}"])
+    submitted = step(decodes, recvs=[{"request_id": f"d{seed}", "room": room,
+                                      "addresses": [f"127.0.0.1:{port + r}" for r in range(len(prefills))],
+                                      "blocks": dst[prefix // dst_block:], "prefix": prefix, **blocks}])
+    held = step(prefills, sends=[{"request_id": f"p{seed}", "room": room, "blocks": src, "num_tokens": tokens,
+                                  "lease_s": 30.0, **({"state": [src_state]} if state else {})}],
+                finished=[f"p{seed}"])
     want = {**{d.name: ("received", f"d{seed}") for d in decodes}, **{p.name: ("sent", f"p{seed}") for p in prefills}}
-    seen = until([*prefills, *decodes], want)
+    seen = until([*prefills, *decodes], want, earlier=[*zip(decodes, submitted), *zip(prefills, held)])
     assert not any(i.startswith("failed:") for ids in seen.values() for i in ids), seen
     for d in decodes:
         got = d.call("check", blocks=dst, tokens=tokens, seed=seed, prefix=prefix, state_block=dst_state)
@@ -134,8 +143,9 @@ def test_mla_tp1_to_tp1(engine: str, model: str, tmp_path: Path) -> None:
         step(decode, recvs=[{"request_id": "d-x", "room": room_of("req-x"), "addresses": [f"127.0.0.1:{port}"],
                              "blocks": [50, 51], "prefix": 0}])
         step([*prefill, *decode])
-        step(decode, cancels=["d-x"])
-        seen = until([*prefill, *decode], {decode[0].name: ("failed", "d-x")}, timeout=90.0)
+        cancelled = step(decode, cancels=["d-x"])
+        seen = until([*prefill, *decode], {decode[0].name: ("failed", "d-x")}, timeout=90.0,
+                     earlier=zip(decode, cancelled))
         assert "received:d-x" in seen[decode[0].name]
 
 
@@ -239,9 +249,9 @@ def test_a_dead_peer_ends_the_transfer_on_the_other_side(model: str, tmp_path: P
                               "blocks": [6, 7], "prefix": 0}])
         step([prefill, doomed, decode])  # one step each: both submits are on their way
         doomed.kill_and_reap()
-        step([prefill], sends=[{"request_id": "p-a", "room": room_of("req-a"), "blocks": [4, 5], "num_tokens": 20,
-                                "lease_s": 30.0}])
-        seen = until([prefill, decode], {prefill.name: ("sent", "p-a")}, timeout=120.0)
+        held = step([prefill], sends=[{"request_id": "p-a", "room": room_of("req-a"), "blocks": [4, 5],
+                                       "num_tokens": 20, "lease_s": 30.0}])
+        seen = until([prefill, decode], {prefill.name: ("sent", "p-a")}, timeout=120.0, earlier=zip([prefill], held))
         assert not any(i.endswith("d-b") for i in seen[decode.name]), seen  # b waits on: its prefill lives
         prefill.kill_and_reap()
         seen = until([decode], {decode.name: ("failed", "d-b")}, timeout=60.0)  # its 10 s deadline, then a probe
