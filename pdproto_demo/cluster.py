@@ -145,15 +145,17 @@ class Cluster:
     def __init__(self, backend: str, geometry: Geometry, *, dst_dcp: int = 4, dst_groups: int = 1,
                  src_groups: Sequence[int] = (1, 2), token: str | None = None,
                  env: dict[str, str] | None = None, log_dir: str | None = None,
-                 prefill: dict[str, Any] | None = None, src_tp: int = 1, dst_tp: int = 1, **shape: Any) -> None:
+                 prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None, src_tp: int = 1,
+                 dst_tp: int = 1, **shape: Any) -> None:
         """``shape``: the other ``model.RankConfig`` fields every rank shares (``model``, ``slots``, ...);
-        ``prefill``: further ``prefill.PrefillConfig`` fields of the prefill ranks."""
+        ``prefill`` and ``decode``: further ``PrefillConfig`` and ``DecodeConfig`` fields of those ranks."""
         self.backend = backend
         self.src_tp, self.dst_tp = src_tp, dst_tp
         self.shape = {"backend": backend, "layers": geometry.layers, "page_size": geometry.page_size, **shape}
         self.slots = int(shape.get("slots", RankConfig.slots))
         self.dst_groups = dst_groups
         self.prefill = prefill or {}
+        self.decode = decode or {}
         self.notify_ports: list[int] = []
         self.peer_ids: dict[int, list[str]] = {}
         self.run_id = os.urandom(3).hex()
@@ -181,7 +183,7 @@ class Cluster:
 
     def spawn_decode(self, d: int) -> DecodeProcess:
         """Start decode rank ``d`` without waiting for it (``await_ready`` next)."""
-        config = DecodeConfig(**self.shape, pages=self.geo.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp,
+        config = DecodeConfig(**self.shape, **self.decode, pages=self.geo.dst_pages(self.dst_dcp), dcp_size=self.dst_dcp,
                               dcp_rank=d % self.dst_dcp, name=f"decode-{d}-{self.run_id}",
                               notify_port=self.notify_ports[d], tp_size=self.dst_tp, tp_rank=d % self.dst_tp)
         return DecodeProcess.spawn_rank(config, label=f"decode-r{d}", env=self.env, log_dir=self.log_dir)

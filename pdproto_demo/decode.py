@@ -25,8 +25,10 @@ from pdproto.client import DecodePeer, PrefillRank
 from pdproto.errors import PdprotoError, Reason, error_for
 from pdproto.negotiation.fanin import KindTotals
 from pdproto.negotiation.registration import make_registration
+from pdproto.negotiation.tpmap import PACKED_FAN_IN
 from pdproto.transfer import VRAM, Buffer, CredentialSlot, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
+from pdproto.transfer.packing import unpack_fan_in
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 from . import data
@@ -56,6 +58,8 @@ class DecodeConfig(RankConfig):
     """Byte every buffer starts with; rows nobody wrote must still hold it."""
     advertise_host: str = ""
     """Address the engine advertises to prefills (empty: ``PDPROTO_ADVERTISE_HOST``, else a routable one)."""
+    packed_fan_in: bool = True
+    """Ask for MHA heads packed per page (``PACKED_FAN_IN``), and put them back in row order once a request succeeded."""
 
 
 @dataclass
@@ -137,7 +141,8 @@ class DecodeRank:
         layout = self.model.decode_layout(
             tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size, dcp_size=c.dcp_size, dcp_rank=c.dcp_rank,
             layer_ids=c.layer_ids, kv_cache_dtype=c.kv_dtype, model_id=c.model_id,
-            notify_host="127.0.0.1", notify_port=self.notify_port, capabilities=("dcp-relayout", "packed"),
+            notify_host="127.0.0.1", notify_port=self.notify_port,
+            capabilities=("dcp-relayout", "packed", *((PACKED_FAN_IN,) if c.packed_fan_in else ())),
             gpu_id=self.buffers[0].device, minor=minor)
         reg = make_registration(layout, self.executor.endpoint(), self.buffers, aux=self.aux, state=self.state)
         if bound:
@@ -319,6 +324,9 @@ class DecodeRank:
                 except (PdprotoError, concurrent.futures.TimeoutError) as exc:
                     reason = exc.reason.name if isinstance(exc, PdprotoError) else Reason.DEADLINE_EXCEEDED.name
                     failures.append(f"{address}: abort after failure: {reason}")
+        if not failures and self.pool:
+            for entry, slices in peer.fan_in(self.addresses).items():
+                unpack_fan_in(self.pool[entry], p.placements[-1].pages[:-1], self.config.page_size, slices)
         peer.forget(room)
         totals = KindTotals.of(finals)
         chunks = sum(st.chunks_done for st in finals)

@@ -24,8 +24,12 @@ from .engine import Chunk, KvSource
 from .registry import Peer, Request
 
 
-def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
-    """The span of KV pairing ``index``: whole rows, this rank's heads, or None (another rank writes them)."""
+def _kv_layer(source: KvSource, peer: Peer, index: int, *, packed: bool = False) -> LayerSpan | None:
+    """The span of KV pairing ``index``: whole rows, this rank's heads, or None (another rank writes them).
+
+    ``packed``: the heads as rows of their own width (rows remapped by ``runs.packed_fan_in``;
+    docs/protocol.md section 3, packed fan-in).
+    """
     d = peer.decision
     p = d.pairings[index]
     cut = d.tp.row_slices[index]
@@ -34,6 +38,9 @@ def _kv_layer(source: KvSource, peer: Peer, index: int) -> LayerSpan | None:
         return LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=p.src_token_bytes)
     if cut.length == 0:
         return None
+    if packed:
+        return LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=p.src_token_bytes, dst_row_bytes=cut.length,
+                         src_offset=cut.src_offset, width=cut.length)
     return LayerSpan(src_ptr=src, dst_ptr=dst, row_bytes=p.src_token_bytes, dst_row_bytes=p.dst_token_bytes,
                      src_offset=cut.src_offset, dst_offset=cut.dst_offset, width=cut.length)
 
@@ -51,9 +58,16 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
     """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
-    layers = {role: tuple(layer for i, p in enumerate(d.pairings) if p.role is role
+    packed = d.tp.packed_fan_in or (False,) * len(d.pairings)
+    layers = {role: tuple(layer for i, p in enumerate(d.pairings) if p.role is role and not packed[i]
                           if (layer := _kv_layer(source, peer, i)) is not None)
               for role in (EntryRole.TARGET, EntryRole.DRAFT)}
+    # Packed fan-in pairings by how many slices fill a destination row and which is this rank's (the runs'
+    # remapping; normally one group: every layer's heads are cut alike).
+    fan_in: dict[tuple[EntryRole, int, int], list[int]] = {}
+    for i, (p, cut) in enumerate(zip(d.pairings, d.tp.row_slices, strict=True)):
+        if packed[i] and cut is not None:
+            fan_in.setdefault((p.role, p.dst_token_bytes // cut.length, cut.dst_offset // cut.length), []).append(i)
     segments = []
     for chunk in chunks:
         plans = chunk_plans(d.src, d.dst, chunk, request.dst_pages, prefix_len=request.prefix_len,
@@ -62,6 +76,14 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
             runs = np.concatenate([p.target_runs if role is EntryRole.TARGET else p.draft_runs for p in plans])
             if layers[role] and runs.shape[0]:
                 segments.append(Segment(runs, layers[role]))
+            for (of, factor, slot), pairings in fan_in.items():
+                if of is not role or not runs.shape[0]:
+                    continue
+                inner, tail = run_arith.packed_fan_in(runs, d.dst.page_size, factor, slot, int(request.dst_pages[-1]))
+                for rows, pack in ((inner, True), (tail, False)):
+                    spans = tuple(span for i in pairings if (span := _kv_layer(source, peer, i, packed=pack)) is not None)
+                    if rows.shape[0] and spans:
+                        segments.append(Segment(rows, spans))
     kinds = ["kv"] * len(segments)
     for kind, copies in extras:
         more = slot_segments(source, peer, copies)

@@ -87,3 +87,25 @@ def test_a_wait_on_a_killed_prefill_ends_at_its_deadline_with_the_cause() -> Non
         finally:
             peer.close()
             rank.close()
+
+
+def test_prefill_ranks_that_disagree_on_packed_fan_in_refuse_the_request() -> None:
+    """Heads written packed by one prefill rank and row by row by another (two releases) have no right order on
+    the decode: the peer refuses before submitting. Agreeing ranks give every slice of each packed entry."""
+    from pdproto.client.peer import _fan_in_slices
+    from pdproto.negotiation.senders import SenderSet
+    from pdproto.v1 import server_info_pb2
+
+    def rank(index: int, offset: int, packed: bool) -> PrefillRank:
+        result = server_info_pb2.NegotiationResult(peer_id=f"p{index}")
+        for entry in (0, 1):
+            e = result.entries.add(dst_entry=entry, packed_fan_in=packed)
+            e.row_slice.dst_offset, e.row_slice.length = offset, 512
+        return PrefillRank(f"127.0.0.1:{index}", index, None, result, SenderSet((), 1), dummy=False)  # type: ignore[arg-type]
+
+    assert _fan_in_slices([rank(0, 0, True), rank(1, 512, True)]) == {0: [(0, 512), (512, 512)],
+                                                                     1: [(0, 512), (512, 512)]}
+    assert _fan_in_slices([rank(0, 0, False), rank(1, 512, False)]) == {}
+    with pytest.raises(PdprotoError) as caught:
+        _fan_in_slices([rank(0, 0, True), rank(1, 512, False)])
+    assert caught.value.reason is Reason.UNSUPPORTED_VERSION and caught.value.metadata["entries"] == "0,1"

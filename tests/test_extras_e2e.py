@@ -24,11 +24,12 @@ GEO = Geometry(layers=8, page_size=16, max_tokens=512, max_prefix=64)
 
 
 @contextlib.contextmanager
-def cluster(backend: str, src_tp: int, dst_tp: int, *, model: str = "hybrid",
-            replicated_bytes: int = 0, window_pages: int = 0, dst_dcp: int = 1) -> Iterator[tuple[Cluster, Topology]]:
+def cluster(backend: str, src_tp: int, dst_tp: int, *, model: str = "hybrid", replicated_bytes: int = 0,
+            window_pages: int = 0, dst_dcp: int = 1, decode: dict[str, Any] | None = None,
+            ) -> Iterator[tuple[Cluster, Topology]]:
     """Prefill TP ``src_tp`` (dense) feeding decode TP ``dst_tp`` (DCP ``dst_dcp``), connected."""
     c = Cluster(backend, GEO, dst_dcp=dst_dcp, src_groups=(1,), model=model, src_tp=src_tp, dst_tp=dst_tp,
-                replicated_bytes=replicated_bytes, window_pages=window_pages,
+                replicated_bytes=replicated_bytes, window_pages=window_pages, decode=decode,
                 log_dir=tempfile.mkdtemp(prefix="pdproto-extras-"))
     try:
         c.launch()
@@ -90,6 +91,22 @@ def test_mha_kv_rows_are_sliced_by_head(backend: str, src_tp: int, dst_tp: int) 
             ok(c.run_request(tokens, 0))
         # With fan-in every prefill rank writes its heads of every row.
         assert all(s["kv_bytes"] > 0 for s in moved(c))
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_mha_fan_in_goes_packed_per_page_when_the_decode_reorders_it(backend: str) -> None:
+    """Prefill TP 4 -> decode TP 2: each prefill rank writes its heads of a destination page as one block, the
+    last page row by row; the decode puts the pages back in row order. The same requests with a decode that does
+    not ask for it (an older one) go row by row; every byte checked both ways, decode prefixes and chunks included."""
+    descriptors = {}
+    for packed in (True, False):
+        with cluster(backend, 4, 2, model="mha", decode={"packed_fan_in": packed}) as (c, _):
+            results = [c.run_request(tokens, prefix) for tokens, prefix in ((63, 0), (256, 0), (300, 32))]
+            for r in results:
+                ok(r)
+            descriptors[packed] = sum(r.descriptors for r in results)
+    # 16-row pages: a page's block is one descriptor instead of 16, and the last page of each request stays per row.
+    assert descriptors[True] * 4 < descriptors[False], descriptors
 
 
 def test_state_only_peer_writes_state_and_nothing_else() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from pdproto.errors import Reason, TopologyError
 from pdproto.negotiation.shards import Segment
-from pdproto.negotiation.tpmap import TpPlan, plan_tp
+from pdproto.negotiation.tpmap import PACKED_FAN_IN, TpPlan, fan_in_packable, plan_tp
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 from tests._tp_model import KimiShape
 
@@ -65,6 +65,31 @@ def test_mha_fan_in_every_rank_writes_its_heads() -> None:
                      decode(2, 0, state=False), kv_rows=[(512, 1024)]) for r in (0, 1)]
     assert [p.row_slices for p in plans] == [(Segment(0, 0, 512),), (Segment(0, 512, 512),)]
     assert all(p.me.sends_kv for p in plans) and plans[0].senders.required_responses == 2
+
+
+def test_mha_fan_in_goes_packed_only_for_a_decode_that_asks() -> None:
+    def plans(*capabilities: str) -> list[TpPlan]:
+        reg = decode(2, 0, state=False)
+        reg.capabilities.extend(capabilities)
+        return [plan_tp(prefill(4, r, kind=common_pb2.ATTENTION_KIND_MHA, heads=8, state=False), reg,
+                        kv_rows=[(512, 1024), (512, 1024)]) for r in (0, 1)]
+
+    assert [p.packed_fan_in for p in plans(PACKED_FAN_IN)] == [(True, True), (True, True)]
+    assert [p.packed_fan_in for p in plans()] == [(False, False), (False, False)]
+    result = server_info_pb2.NegotiationResult()
+    result.entries.add()
+    result.entries.add()
+    plans(PACKED_FAN_IN)[1].fill(result)
+    assert [(e.packed_fan_in, e.row_slice.dst_offset) for e in result.entries] == [(True, 512), (True, 512)]
+
+
+def test_only_equal_aligned_parts_of_a_row_go_packed() -> None:
+    assert fan_in_packable(Segment(0, 512, 512), 1024)
+    assert not fan_in_packable(None, 1024)  # whole rows: nothing to pack
+    assert not fan_in_packable(Segment(0, 0, 0), 1024)  # another rank writes the row
+    assert not fan_in_packable(Segment(0, 0, 1024), 1024)  # the whole row
+    assert not fan_in_packable(Segment(0, 0, 384), 1024)  # the row is not a whole number of them
+    assert not fan_in_packable(Segment(0, 256, 512), 1024)  # not at a multiple of its width
 
 
 def test_decode_heads_must_match_the_prefills() -> None:

@@ -12,12 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproto.dcp import plan_relayout
-from pdproto.dcp.runs import expand, from_rows, segments, source_rows
+from pdproto.dcp.runs import (expand, from_rows, num_rows, packed_fan_in, progression_runs, segments,
+                               source_rows)
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, remote_regions, validate_job
 from pdproto.transfer.packing import (TORCH_IMPORT_BYTES, Gatherer, copy_runs, packed_layers,
-                                      packing_saves, row_descriptors, torch_or_none)
+                                      packing_saves, row_descriptors, torch_or_none, unpack_fan_in)
 from pdproto.v1 import registration_pb2
 
 # Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
@@ -115,6 +116,39 @@ def test_jobs_are_packed_only_where_packing_at_least_halves_the_descriptors() ->
     dcp = np.array([[1, 4, 0, 1, 1024]], dtype=np.int64)  # DCP 4, rank 1: every 4th row
     assert packing_saves([Segment(page_to_page, (whole,)), Segment(dcp, (whole,))])  # any segment decides
     assert not packing_saves([Segment(np.zeros((0, 5), dtype=np.int64), (whole,))])
+
+
+@pytest.mark.parametrize("tensor", [False, True], ids=["numpy", "torch"])
+@given(page=st.integers(1, 5), factor=st.integers(2, 4), width=st.integers(1, 3), seed=st.integers(0, 99))
+def test_packed_fan_in_blocks_land_in_row_order_once_unpacked(tensor: bool, page: int, factor: int, width: int,
+                                                              seed: int) -> None:
+    """Every sender writes its slice of the request's rows through its packed runs and descriptors (the last page
+    row by row); ``unpack_fan_in`` then leaves every row as whole-row writes would, and other pages untouched."""
+    rng = np.random.default_rng(seed)
+    pages, row = rng.permutation(8)[:4], factor * width
+    tokens = int(rng.integers(len(pages) - 1, len(pages)) * page + rng.integers(1, page + 1))
+    dst_rows = (pages[np.arange(tokens) // page] * page + np.arange(tokens) % page).astype(np.int64)
+    runs = progression_runs(tokens, 0, 1, np.arange(len(pages), dtype=np.int64), page, 0, 1, pages.astype(np.int64), page)
+    want = rng.integers(1, 255, (8 * page, row), dtype=np.uint8)
+    got = np.zeros_like(want)
+    expected = got.copy()
+    expected[dst_rows] = want[dst_rows]
+    for slot in range(factor):
+        source = np.ascontiguousarray(want[dst_rows][:, slot * width:(slot + 1) * width])  # this sender's heads
+        packed, tail = packed_fan_in(runs, page, factor, slot, int(pages[-1]))
+        assert num_rows(packed) + num_rows(tail) == tokens
+        for rows, layer in ((packed, LayerSpan(0, 0, width, dst_row_bytes=width)),
+                            (tail, LayerSpan(0, 0, width, dst_row_bytes=row, dst_offset=slot * width, width=width))):
+            for s, d, n in row_descriptors(layer, rows).tolist() if rows.shape[0] else ():
+                got.reshape(-1)[d:d + n] = source.reshape(-1)[s:s + n]
+    if tensor:
+        import torch
+        held = torch.from_numpy(got)
+        unpack_fan_in(held, pages[:-1].tolist(), page, [(k * width, width) for k in range(factor)])
+        got = held.numpy()
+    else:
+        unpack_fan_in(got, pages[:-1].tolist(), page, [(k * width, width) for k in range(factor)])
+    assert np.array_equal(got, expected)
 
 
 def test_unmerged_segments_are_one_per_row() -> None:

@@ -99,6 +99,28 @@ def _check_kv_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
                         " sender of the negotiation", metadata={"room": room, "field": "addresses"})
 
 
+def _fan_in_slices(ranks: Sequence[PrefillRank]) -> dict[int, list[tuple[int, int]]]:
+    """Per decode KV entry that ``ranks`` write packed (docs/protocol.md section 3, packed fan-in), every sender's (offset, length) in its rows.
+
+    Raises ``UnsupportedVersionError`` when some of them write an entry packed and others do not
+    (prefill ranks of two releases): no order of the page's bytes would then be right.
+    """
+    packed: dict[int, set[bool]] = {}
+    slices: dict[int, set[tuple[int, int]]] = {}
+    for r in ranks:
+        for e in r.result.entries:
+            if e.HasField("row_slice") and e.row_slice.length:
+                packed.setdefault(e.dst_entry, set()).add(e.packed_fan_in)
+                slices.setdefault(e.dst_entry, set()).add((e.row_slice.dst_offset, e.row_slice.length))
+    mixed = sorted(e for e, kinds in packed.items() if len(kinds) > 1)
+    if mixed:
+        raise error_for(Reason.UNSUPPORTED_VERSION,
+                        f"prefill ranks {sorted(r.address for r in ranks)} disagree on packed fan-in for decode KV "
+                        f"entries {mixed}: some write their heads packed, others row by row (two releases?)",
+                        metadata={"entries": ",".join(map(str, mixed))})
+    return {e: sorted(slices[e]) for e, kinds in packed.items() if kinds == {True}}
+
+
 OutcomeHandler = Callable[[int, Outcome], None]
 Infos = Sequence[transfer_pb2.TransferInfo] | Callable[[PrefillRank], transfer_pb2.TransferInfo]
 Submitted = concurrent.futures.Future[transfer_pb2.TransferStatus | PdprotoError]
@@ -305,6 +327,7 @@ class DecodePeer:
                             metadata={"field": "addresses"})
         ranks = [self.connect(a) for a in addresses]
         _check_kv_shares(room, ranks)
+        _fan_in_slices(ranks)
         generation = next(self._generations) if generation is None else generation
         live = [r.index for r in ranks if not r.dummy]
         with self._lock:
@@ -380,6 +403,13 @@ class DecodePeer:
             else:
                 self._apply(rank, final[room])
         self._fail(room, Reason.DEADLINE_EXCEEDED.name, f"no terminal status of room {room} within {waited:g} s")
+
+    def fan_in(self, addresses: Sequence[str]) -> dict[int, list[tuple[int, int]]]:
+        """Per decode KV entry the ranks at ``addresses`` write packed, the row slices to put back in order once
+        a room from them succeeded (``pdproto.transfer.packing.unpack_fan_in``; docs/protocol.md section 3, packed fan-in)."""
+        with self._ranks_lock:
+            ranks = [self._ranks[a] for a in addresses if a in self._ranks]
+        return _fan_in_slices(ranks)
 
     def statuses(self, room: int) -> list[transfer_pb2.TransferStatus]:
         """The latest status of each rank ``room`` waits for (for its byte and chunk counts)."""

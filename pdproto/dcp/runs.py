@@ -142,6 +142,20 @@ def progression_runs(
     return runs
 
 
+def packed_fan_in(runs: I64, page_size: int, factor: int, slot: int, last_page: int) -> tuple[I64, I64]:
+    """(packed runs, last-page runs) of slice ``slot`` of ``factor`` equal ones: rows of ``last_page`` keep
+    their place, and row i of any other destination page p moves to row ``(p * factor + slot) * page_size
+    + i`` of the slice's width (its block of the page, docs/protocol.md section 3, packed fan-in). Runs never cross a destination page."""
+    page = runs[:, DST_START] // page_size
+    if np.any((runs[:, DST_START] + (runs[:, COUNT] - 1) * runs[:, DST_STRIDE]) // page_size != page):
+        raise ValueError("packed fan-in needs runs that each stay inside one destination page (the planner's)")
+    tail = page == last_page
+    packed = runs[~tail]
+    dst = packed[:, DST_START]
+    packed[:, DST_START] = (dst // page_size * factor + slot) * page_size + dst % page_size
+    return packed, runs[tail]
+
+
 def _rows_within(runs: I64) -> tuple[I64, I64]:
     """For every row of the runs, in run order: its run's index and its position in that run."""
     counts = runs[:, COUNT]

@@ -13,7 +13,8 @@ pair on either side:
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
 4. per KV pairing, the part of each token row this rank writes (``extras.kv_row_writes``):
    whole MLA rows from one sender, whole MHA rows at equal TP sizes, heads otherwise (from one
-   sender when each prefill rank holds every head).
+   sender when each prefill rank holds every head), packed into the decode's pages where the
+   decode asked for it (``PACKED_FAN_IN``).
 
 Rejections are ``TopologyError`` values with the reasons of those modules, plus
 TOPOLOGY_NOT_A_SENDER when the decode registered with a prefill rank that does not feed it.
@@ -47,15 +48,31 @@ class TpPlan:
     row_slices: tuple[Segment | None, ...]
     """Per KV pairing, the part of each token row this rank writes; None: the whole row;
     a zero-length segment: nothing (another sender writes the row)."""
+    packed_fan_in: tuple[bool, ...] = ()
+    """Per KV pairing, whether the row slice goes packed into the decode's pages (``fan_in_packable``)."""
 
     def fill(self, result: server_info_pb2.NegotiationResult) -> None:
         """Write the plan into a ``NegotiationResult`` (aux, state, senders, row slices)."""
         result.aux.extend(p.to_proto() for p in self.aux)
         result.state.extend(p.to_proto() for p in self.state)
         result.senders.CopyFrom(self.senders.to_proto(self.me))
-        for entry, cut in zip(result.entries, self.row_slices, strict=True):
+        packed = self.packed_fan_in or (False,) * len(self.row_slices)
+        for entry, cut, pack in zip(result.entries, self.row_slices, packed, strict=True):
             if cut is not None:
                 entry.row_slice.CopyFrom(cut.to_proto())
+                entry.packed_fan_in = pack
+
+
+PACKED_FAN_IN = "packed-fan-in"
+"""Decode capability: it puts packed fan-in pages back in row order (``pdproto.transfer.packing.unpack_fan_in``),
+so a prefill rank that writes part of every row (MHA heads of a larger attention TP) may write each
+destination page's part as one block instead of one descriptor per row (docs/protocol.md section 3, packed fan-in)."""
+
+
+def fan_in_packable(cut: Segment | None, dst_row_bytes: int) -> bool:
+    """Whether a row slice may go packed: part of the row, one of equal parts that fill it."""
+    return (cut is not None and 0 < cut.length < dst_row_bytes and dst_row_bytes % cut.length == 0
+            and cut.dst_offset % cut.length == 0)
 
 
 def _size(group: common_pb2.ParallelGroup) -> int:
@@ -136,8 +153,10 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     state = tuple(replace(p, tensors=tuple(t if writes_tensor(p.src_entry, t.src_tensor) else replace(t, segments=())
                                            for t in p.tensors)) for p in writes[own])
     row_owner = mapped[0] if tp_shards else me_tp
-    return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=state,
-                  row_slices=tuple(_row_slice(r[row_owner], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True)))
+    cuts = tuple(_row_slice(r[row_owner], s, d) for r, (s, d) in zip(rows, kv_rows, strict=True))
+    packs = PACKED_FAN_IN in reg.capabilities
+    return TpPlan(senders=senders, me=me, aux=aux if me.sends_aux else (), state=state, row_slices=cuts,
+                  packed_fan_in=tuple(packs and fan_in_packable(c, d) for c, (_, d) in zip(cuts, kv_rows, strict=True)))
 
 
 def _row_slice(segments: tuple[Segment, ...], src_row: int, dst_row: int) -> Segment | None:
@@ -150,4 +169,4 @@ def _row_slice(segments: tuple[Segment, ...], src_row: int, dst_row: int) -> Seg
     return cut
 
 
-__all__ = ["TpPlan", "plan_tp"]
+__all__ = ["PACKED_FAN_IN", "TpPlan", "fan_in_packable", "plan_tp"]

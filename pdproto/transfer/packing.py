@@ -107,6 +107,32 @@ def packing_saves(segments: Sequence[Segment]) -> bool:
     return False
 
 
+def unpack_fan_in(rows: Any, pages: Sequence[int], page_size: int, slices: Sequence[tuple[int, int]]) -> None:
+    """Put packed fan-in pages of one KV buffer back in row order, in place (the decode's half of docs/protocol.md section 3, packed fan-in).
+
+    ``rows`` is the buffer as (rows, row bytes) uint8, a numpy array or a torch tensor on any
+    device; ``pages`` the request's destination pages but its last; ``slices`` every sender's
+    (offset, length) in the row, which together cover it: slice (o, w) of row i of a page was
+    written at byte ``o * page_size + i * w`` of the page.
+    """
+    if not len(pages):
+        return
+    row_bytes = rows.shape[1]
+    index = (np.asarray(pages, dtype=np.int64)[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    shape = (len(pages), page_size, row_bytes)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(rows, torch.Tensor):
+        index = torch.as_tensor(index, device=rows.device)
+        ordered = torch.empty(shape, dtype=rows.dtype, device=rows.device)
+    else:
+        ordered = np.empty(shape, dtype=rows.dtype)
+    packed = rows[index].reshape(len(pages), page_size * row_bytes)
+    for offset, width in slices:
+        ordered[:, :, offset:offset + width] = packed[:, offset * page_size:(offset + width) * page_size].reshape(
+            len(pages), page_size, width)
+    rows[index] = ordered.reshape(len(pages) * page_size, row_bytes)
+
+
 def torch_or_none() -> Any:
     """torch if importable (fast multi-threaded gather), else None (numpy gather)."""
     try:
@@ -196,7 +222,7 @@ class Gatherer:
 
 
 __all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
-           "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none"]
+           "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none", "unpack_fan_in"]
 
 
 class StagingExtents:

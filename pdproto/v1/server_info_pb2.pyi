@@ -383,6 +383,7 @@ class EntryPairing(_message.Message):
     DST_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     ROW_SLICE_FIELD_NUMBER: _builtins.int
+    PACKED_FAN_IN_FIELD_NUMBER: _builtins.int
     src_entry: _builtins.int
     """Prefill entry index."""
     dst_entry: _builtins.int
@@ -393,6 +394,12 @@ class EntryPairing(_message.Message):
     """Bytes per token row on the decode."""
     role: _common_pb2.KvEntryRole.ValueType
     """Target or draft."""
+    packed_fan_in: _builtins.bool
+    """Set when the decode asked for it ("packed-fan-in" capability) and this rank writes its
+    row_slice packed: in every destination page of a request but its last, the slice of row i
+    lies at byte row_slice.dst_offset * page_size + i * row_slice.length of the page, and the
+    decode puts the page back in row order once every sender succeeded (docs/protocol.md section 3, packed fan-in).
+    """
     @_builtins.property
     def row_slice(self) -> _common_pb2.ByteSegment:
         """The part of each token row this prefill rank writes (MHA heads when TP sizes differ);
@@ -408,10 +415,11 @@ class EntryPairing(_message.Message):
         dst_token_bytes: _builtins.int = ...,
         role: _common_pb2.KvEntryRole.ValueType = ...,
         row_slice: _common_pb2.ByteSegment | None = ...,
+        packed_fan_in: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["row_slice", b"row_slice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_entry", b"dst_entry", "dst_token_bytes", b"dst_token_bytes", "role", b"role", "row_slice", b"row_slice", "src_entry", b"src_entry", "src_token_bytes", b"src_token_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_entry", b"dst_entry", "dst_token_bytes", b"dst_token_bytes", "packed_fan_in", b"packed_fan_in", "role", b"role", "row_slice", b"row_slice", "src_entry", b"src_entry", "src_token_bytes", b"src_token_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
