@@ -324,9 +324,10 @@ class DecodeRank:
                 except (PdprotoError, concurrent.futures.TimeoutError) as exc:
                     reason = exc.reason.name if isinstance(exc, PdprotoError) else Reason.DEADLINE_EXCEEDED.name
                     failures.append(f"{address}: abort after failure: {reason}")
-        if not failures and self.pool:
-            for entry, slices in peer.fan_in(self.addresses).items():
-                unpack_fan_in(self.pool[entry], p.placements[-1].pages[:-1], self.config.page_size, slices)
+        packed = peer.fan_in(room)
+        if packed is not None and not failures and self.pool:
+            for entry, slices in packed.slices.items():
+                unpack_fan_in(self.pool[entry], packed.pages, self.config.page_size, slices)
         peer.forget(room)
         totals = KindTotals.of(finals)
         chunks = sum(st.chunks_done for st in finals)

@@ -13,6 +13,7 @@ import concurrent.futures
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -103,3 +104,73 @@ def test_an_abort_after_forget_still_waits_for_a_submit_on_its_way() -> None:
         assert side.peer._submits == {}
     finally:
         side.close()
+
+
+HEADS, HEAD_BYTES, MHA_PAGE, MHA_LAYERS = 4, 32, 16, 2
+
+
+def _mha_args(kv: list[np.ndarray], aux: list[np.ndarray], tp: int) -> Any:
+    """KVArgs of an MHA pool of TP ``tp`` (K then V of every layer: HEADS / tp heads a row) over these arrays."""
+    args = kv_args(layers=2 * MHA_LAYERS, token_bytes=HEADS // tp * HEAD_BYTES)
+    args.page_size, args.total_kv_head_num = MHA_PAGE, HEADS
+    args.kv_item_lens = [MHA_PAGE * HEADS // tp * HEAD_BYTES] * (2 * MHA_LAYERS)
+    args.kv_data_ptrs, args.kv_data_lens = [a.ctypes.data for a in kv], [a.nbytes for a in kv]
+    args.aux_data_ptrs, args.aux_data_lens = [a.ctypes.data for a in aux], [a.nbytes for a in aux]
+    return args
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_an_mha_decode_gets_a_larger_tp_prefills_heads_packed_and_puts_them_in_row_order(engine: str) -> None:
+    """Two MHA prefill ranks (TP 2, two heads each) feed an SGLang decode rank of TP 1: each writes its heads of
+    every page but the last as one block, and the decode side puts those pages back in row order before SGLang
+    hears SUCCESS. Every row of the request holds both ranks' heads; no other row of the pool changes."""
+    from pdproto.integrations.sglang.prefill_side import PrefillSide
+
+    tokens, rows = 70, 12 * MHA_PAGE  # 5 pages, the last with 6 tokens
+    src_pages, dst_pages = [2, 7, 1, 9, 4], [10, 3, 8, 0, 6]
+    rng = np.random.default_rng(5)
+    want = rng.integers(1, 255, (2 * MHA_LAYERS, tokens, HEADS * HEAD_BYTES), dtype=np.uint8)
+    half = HEADS // 2 * HEAD_BYTES
+    settings = BackendSettings(engine=engine, rpc_timeout_s=10.0)
+    prefills, memory = [], []
+    try:
+        for r in range(2):
+            kv = [np.zeros((rows, half), np.uint8) for _ in range(2 * MHA_LAYERS)]
+            token_rows = np.asarray(src_pages)[np.arange(tokens) // MHA_PAGE] * MHA_PAGE + np.arange(tokens) % MHA_PAGE
+            for layer, pool in enumerate(kv):
+                pool[token_rows] = want[layer][:, r * half:(r + 1) * half]
+            aux = [np.zeros(n * 8, np.uint8) for n in AUX]
+            memory += [*kv, *aux]
+            prefills.append(PrefillSide(_mha_args(kv, aux, 2), layout.Ranks(attn_tp=(2, r)), is_mla_backend=False,
+                                        settings=settings, host="127.0.0.1", device="cpu", prefill_rank=r,
+                                        match_timeout_s=30.0))
+        kv = [np.zeros((rows, 2 * half), np.uint8) for _ in range(2 * MHA_LAYERS)]
+        aux = [np.zeros(n * 8, np.uint8) for n in AUX]
+        memory += [*kv, *aux]
+        _MEMORY.extend(memory)
+        outcomes: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        side = decode_side.DecodeSide(_mha_args(kv, aux, 1), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=False,
+                                      settings=settings, host="127.0.0.1", notify_port=0, device="cpu",
+                                      on_outcome=lambda room, outcome: outcomes.set_result((room, outcome, [
+                                          pool.copy() for pool in kv])))
+        try:
+            addresses = [f"127.0.0.1:{p.port}" for p in prefills]
+            assert all(side.peer.connect(a).result.entries[0].packed_fan_in for a in addresses)
+            side.submit(5, addresses, dst_pages, 1, None, 0)
+            for p in prefills:
+                p.submit(5, src_pages[:3], 3 * MHA_PAGE, False, None, None)
+                p.submit(5, src_pages[3:], tokens - 3 * MHA_PAGE, True, None, 1)
+            room, outcome, seen = outcomes.result(60)
+            assert (room, outcome.state) == (5, 4), outcome  # SUCCESS, as SGLang's poll reads it
+            packed = side.peer.fan_in(5)
+            assert packed is not None and packed.pages == tuple(dst_pages[:-1])
+            token_rows = np.asarray(dst_pages)[np.arange(tokens) // MHA_PAGE] * MHA_PAGE + np.arange(tokens) % MHA_PAGE
+            for layer, pool in enumerate(seen):
+                assert np.array_equal(pool[token_rows], want[layer]), layer
+                others = np.setdiff1d(np.arange(rows), token_rows)
+                assert not pool[others].any(), layer  # the last page's tail and every other page untouched
+        finally:
+            side.close()
+    finally:
+        for p in prefills:
+            p.close()

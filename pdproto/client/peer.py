@@ -99,6 +99,16 @@ def _check_kv_shares(room: int, ranks: Sequence[PrefillRank]) -> None:
                         " sender of the negotiation", metadata={"room": room, "field": "addresses"})
 
 
+@dataclass(frozen=True)
+class PackedFanIn:
+    """What a room's prefill ranks wrote packed (docs/protocol.md section 3, packed fan-in)."""
+
+    pages: tuple[int, ...]
+    """The room's destination pages but its last: those to put back in row order."""
+    slices: dict[int, list[tuple[int, int]]]
+    """Per decode KV entry written packed, every sender's (offset, length) in its rows."""
+
+
 def _fan_in_slices(ranks: Sequence[PrefillRank]) -> dict[int, list[tuple[int, int]]]:
     """Per decode KV entry that ``ranks`` write packed (docs/protocol.md section 3, packed fan-in), every sender's (offset, length) in its rows.
 
@@ -161,6 +171,8 @@ class DecodePeer:
         """Dropped ranks being released (deregistered, their clients closed), by address (loop only)."""
         self._submits: dict[int, dict[str, Submitted]] = {}
         """Submits by room and rank address, for the aborts that must wait for them."""
+        self._fan_ins: dict[int, PackedFanIn] = {}
+        """Rooms whose prefill ranks write heads packed (until forgotten)."""
 
     # -- ranks --------------------------------------------------------------------------
 
@@ -327,7 +339,8 @@ class DecodePeer:
                             metadata={"field": "addresses"})
         ranks = [self.connect(a) for a in addresses]
         _check_kv_shares(room, ranks)
-        _fan_in_slices(ranks)
+        slices = _fan_in_slices(ranks)
+        built = [infos(r) if callable(infos) else infos[i] for i, r in enumerate(ranks)]
         generation = next(self._generations) if generation is None else generation
         live = [r.index for r in ranks if not r.dummy]
         with self._lock:
@@ -336,9 +349,13 @@ class DecodePeer:
             for r in ranks:
                 if not r.dummy:
                     r.rooms.add(room)
+            # Before any submit goes out: the room's outcome may follow it at once.
+            self._fan_ins.pop(room, None)
+            if slices:
+                pages = next(b for r, b in zip(ranks, built, strict=True) if not r.dummy).dst_kv_pages
+                self._fan_ins[room] = PackedFanIn(tuple(pages[:-1]), slices)
         futures = self._submits[room] = {}
-        for i, r in enumerate(ranks):
-            info = infos(r) if callable(infos) else infos[i]
+        for r, info in zip(ranks, built, strict=True):
             info.room, info.generation, info.is_dummy = room, generation, r.dummy
             info.required_dst_info_num = r.senders.decode_ranks_per_prefill_rank or 1
             futures[r.address] = self.loop.submit(self._submit(r, info, timeout))
@@ -404,12 +421,11 @@ class DecodePeer:
                 self._apply(rank, final[room])
         self._fail(room, Reason.DEADLINE_EXCEEDED.name, f"no terminal status of room {room} within {waited:g} s")
 
-    def fan_in(self, addresses: Sequence[str]) -> dict[int, list[tuple[int, int]]]:
-        """Per decode KV entry the ranks at ``addresses`` write packed, the row slices to put back in order once
-        a room from them succeeded (``pdproto.transfer.packing.unpack_fan_in``; docs/protocol.md section 3, packed fan-in)."""
-        with self._ranks_lock:
-            ranks = [self._ranks[a] for a in addresses if a in self._ranks]
-        return _fan_in_slices(ranks)
+    def fan_in(self, room: int) -> PackedFanIn | None:
+        """What ``room``'s prefill ranks write packed, to put back in row order once it succeeded (before the
+        engine reads its pages; ``pdproto.transfer.packing.unpack_fan_in``); None when nothing is packed."""
+        with self._lock:
+            return self._fan_ins.get(room)
 
     def statuses(self, room: int) -> list[transfer_pb2.TransferStatus]:
         """The latest status of each rank ``room`` waits for (for its byte and chunk counts)."""
@@ -465,6 +481,7 @@ class DecodePeer:
         with self._lock:
             self._tracker.forget(room)
             self._outcomes.pop(room, None)
+            self._fan_ins.pop(room, None)
             for rank in self.ranks:
                 rank.rooms.discard(room)
 
@@ -491,4 +508,5 @@ class DecodePeer:
                       what="releasing the prefill ranks")
 
 
-__all__ = ["PROBE_S", "RELEASE_S", "RETRY_AFTER_S", "WATCH_S", "DecodePeer", "OutcomeHandler", "PrefillRank"]
+__all__ = ["PROBE_S", "RELEASE_S", "RETRY_AFTER_S", "WATCH_S", "DecodePeer", "OutcomeHandler", "PackedFanIn",
+           "PrefillRank"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,10 +27,12 @@ import numpy as np
 from pdproto import backends
 from pdproto.client import DecodePeer, PrefillRank
 from pdproto.client.peer import OutcomeHandler
+from pdproto.negotiation.fanin import Outcome
 from pdproto.errors import InvalidFieldError
 from pdproto.negotiation.registration import make_registration
-from pdproto.transfer import CredentialSlot
-from pdproto.v1 import transfer_pb2
+from pdproto.transfer import VRAM, CredentialSlot
+from pdproto.transfer.packing import unpack_fan_in
+from pdproto.v1 import common_pb2, transfer_pb2
 
 from . import layout
 from .engines import open_rank
@@ -58,9 +61,24 @@ class DecodeSide:
             raise
         self.name = backends.by_name(settings.engine).identity_of(self.registration)
         """This rank's engine identity (``TransferInfo.peer_name``)."""
+        self.kv = memory.kv
+        self._on_outcome = on_outcome
         self.peer = DecodePeer(self.registration, token=settings.token, root_cert=settings.tls_root,
-                               timeout=settings.rpc_timeout_s, on_outcome=on_outcome,
+                               timeout=settings.rpc_timeout_s, on_outcome=self._outcome,
                                read_credential=self.credential.read)
+
+    def _outcome(self, room: int, outcome: Outcome) -> None:
+        """Put packed fan-in pages back in row order before SGLang hears that the room succeeded."""
+        packed = self.peer.fan_in(room) if outcome.state == common_pb2.TRANSFER_STATE_SUCCESS else None
+        if packed is not None:
+            page = self.registration.page_size
+            for entry, slices in packed.slices.items():
+                rows = self.kv[entry].array.reshape(-1, self.registration.kv_buffers[entry].item_len // page)
+                unpack_fan_in(rows, packed.pages, page, slices)
+            if self.kv[0].kind == VRAM:
+                # This thread's stream did the reorder; SGLang's forward reads the pages on streams of its own.
+                sys.modules["torch"].cuda.synchronize(self.kv[0].device)
+        self._on_outcome(room, outcome)
 
     def submit(self, room: int, addresses: Sequence[str], kv_pages: Any, aux_index: int | None,
                state_indices: Sequence[Any] | None, prefix_len: int | None) -> int:
