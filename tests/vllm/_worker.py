@@ -138,10 +138,10 @@ def main() -> None:
 
     def connect(address: str) -> Reply:
         try:
-            connector._worker.peer.connect(address)
+            rank = connector._worker.peer.connect(address)
         except PdprotoError as exc:
             return {"reason": exc.reason.name, "message": exc.message}
-        return {"reason": ""}
+        return {"reason": "", "packed": any(e.packed_fan_in for e in rank.result.entries)}
 
     def zero() -> Reply:
         for w in words:

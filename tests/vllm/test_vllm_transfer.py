@@ -224,6 +224,21 @@ def test_mha_tp2_to_tp4_slices_heads(tmp_path: Path) -> None:
                  dst_block=16, seed=6)
 
 
+def test_mha_tp2_to_tp1_heads_go_packed_and_land_in_row_order(tmp_path: Path) -> None:
+    """MHA fan-in: each of two prefill ranks (two of the 4 KV heads each) writes its heads of every decode block
+    but the last as one block, and the decode puts the blocks back in row order before it reports the request
+    received: every row whole, nothing written outside the request."""
+    from . import _rig
+
+    model = _rig.model_dir(tmp_path / "mha", _rig.MHA_MODEL)
+    port = free_port(span=2)
+    with started([("kv_producer", 2, {"port": port, "mha_heads": 2}), ("kv_consumer", 1, {"mha_heads": 4})],
+                 model, tmp_path) as (prefills, decodes):
+        assert [decodes[0].call("connect", address=f"127.0.0.1:{port + r}")["packed"] for r in range(2)] == [True] * 2
+        transfer(prefills, decodes, tokens=90, src=[4, 11, 2, 8, 13, 6], dst=[9, 3, 14, 1, 7, 12], port=port,
+                 dst_block=16, seed=8)
+
+
 def test_dense_to_dcp4(model: str, tmp_path: Path) -> None:
     """A dense prefill to a decode of TP 4 / DCP 4: token t lands on rank t % 4 at local row t // 4."""
     port = free_port()

@@ -55,13 +55,15 @@ from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.errors import ConfigError, PdprotoError, Reason, TopologyError
 from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.negotiation.topology import PAGE_RELAYOUT
+from pdproto.negotiation.tpmap import PACKED_FAN_IN
 from pdproto.v1 import common_pb2
 
 from ..dtypes import kv_dtype
 
-CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT)
+CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT, PACKED_FAN_IN)
 """What a decode rank of this connector announces: vLLM's block sizes differ between engines and
-backends (16, 64, 128), so its blocks take rows planned per token from any prefill page size."""
+backends (16, 64, 128), so its blocks take rows planned per token from any prefill page size; and it
+puts packed fan-in blocks back in row order (``worker.DecodeWorker``)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ service and the peer run on their own event-loop threads. Nothing here imports v
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,8 +31,9 @@ from pdproto.errors import PdprotoError, Reason
 from pdproto.negotiation.fanin import Outcome
 from pdproto.negotiation.registration import make_registration
 from pdproto.negotiation.senders import target_tp_ranks
-from pdproto.transfer import CredentialSlot, TransferExecutor, at_address, create_executor
+from pdproto.transfer import VRAM, CredentialSlot, TransferExecutor, at_address, create_executor
 from pdproto.transfer.address import advertise_host
+from pdproto.transfer.packing import unpack_fan_in
 from pdproto.v1 import common_pb2, transfer_pb2
 from pdproto_server.app import ServerConfig, ServiceThread
 from pdproto_server.core import HandshakeCore
@@ -231,6 +233,7 @@ class DecodeWorker:
                  ranks: layout.Ranks, *, on_device: bool, gpu_id: int, engine_id: str, timeout_s: float) -> None:
         self.ranks = ranks
         self.executor, buffers, state = open_executor(settings, cache, kv_caches, on_device=on_device, gpu_id=gpu_id)
+        self.kv = buffers
         try:
             self.layout = layout.decode_layout(cache, ranks, notify_host=advertise_host(),
                                                notify_port=layout.notify_port(engine_id, ranks.tp[1]),
@@ -321,7 +324,9 @@ class DecodeWorker:
                 continue
             request_id, generation = known
             self._deadlines.pop(room, None)
-            if outcome.state != common_pb2.TRANSFER_STATE_SUCCESS:
+            if outcome.state == common_pb2.TRANSFER_STATE_SUCCESS:
+                self._unpack(room)
+            else:
                 log.warning("pdproto: request %s failed: %s: %s", request_id, outcome.failure_code,
                             outcome.failure_reason)
                 out.failed.add(request_id)
@@ -331,6 +336,18 @@ class DecodeWorker:
             self.peer.forget(room)
             out.received.add(request_id)
         return out
+
+    def _unpack(self, room: int) -> None:
+        """Put the pages its prefill ranks wrote packed back in row order (docs/protocol.md section 3, packed fan-in)."""
+        packed = self.peer.fan_in(room)
+        if packed is None:
+            return
+        page = self.registration.page_size
+        for entry, slices in packed.slices.items():
+            unpack_fan_in(self.kv[entry].array.reshape(-1, self.registration.kv_buffers[entry].item_len // page),
+                          packed.pages, page, slices)
+        if self.kv[0].kind == VRAM:  # the blocks must be in order before a forward reads them, on any stream
+            sys.modules["torch"].cuda.synchronize(self.kv[0].device)
 
     @property
     def pending(self) -> int:
