@@ -553,6 +553,25 @@ def _v4_stages_fill_decode_once(stages: list[tuple[SimpleNamespace, layout.Ranks
                                   for t, n in enumerate(items)], state_hits
 
 
+def test_a_deepseek_v4_pp_stage_without_a_ratio_128_layer_fills_its_share_of_a_pp1_decode() -> None:
+    # Ratios 0, 4, 4, 128 in two stages: layers 0-1 hold no ratio-128 layer, so that stage's pool has no c128_state
+    # (SGLang pairs components by index and its swa comes first); its swa pairs with the decode's by type name, and
+    # the other stage writes the C128 ring.
+    ratios = (0, 4, 4, 128)
+    stages = [(dsv4(ratios=ratios, stage=st), layout.Ranks(attn_tp=(1, 0), pp=(2, r)))
+              for r, st in enumerate(((0, 2), (2, 4)))]
+    assert [[t.value for t in a.state_types] for a, _ in stages] == [["swa"], ["swa", "c128_state"]]
+    decode = dsv4(ratios=ratios, base=0x20_0000)
+    _v4_stages_fill_decode_once(stages, decode)
+    # A stage that leaves out an entry whose layers it holds (here its own C128 ring) is refused.
+    args, ranks = stages[1]
+    for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor",
+                 "state_slice_outer_counts", "state_conv_shard_groups", "state_layer_ids"):
+        setattr(args, name, getattr(args, name)[:1])
+    refused = _pair(args, ranks, decode, layout.Ranks(attn_tp=(1, 0)))
+    assert isinstance(refused, Rejection) and refused.reason is Reason.TOPOLOGY_STATE_COUNT_MISMATCH, refused
+
+
 def test_deepseek_v4_decode_stages_of_equal_pp_number_their_layers_from_sglangs_split() -> None:
     # A decode stage's KVArgs carry no layer range; the backend passes the one SGLang's model builds
     # (Ranks.stage_layers), so each decode stage pairs with its own prefill stage by layer id.

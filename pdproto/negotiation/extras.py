@@ -288,20 +288,16 @@ def match_state(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.K
         _check_buffer(buf, j)
     if not info.state_entries:
         return ()
-    if len(info.state_entries) != len(reg.state_buffers):
-        raise TopologyError(
-            f"the prefill has {len(info.state_entries)} state entries, the decode registered"
-            f" {len(reg.state_buffers)}", reason=Reason.TOPOLOGY_STATE_COUNT_MISMATCH,
-            metadata={"prefillStateEntries": len(info.state_entries),
-                      "decodeStateEntries": len(reg.state_buffers)})
+    entries = _entry_pairs(info, reg)
     src_pp, dst_pp = info.pp.size or 1, reg.pp.size or 1
     # An MLA prefill's CP ranks count as TP ranks for a REFUSED entry (module docstring).
     cp = info.attn_cp.size or 1
     world = src_tp * cp if cp > 1 and info.attention_kind in MLA_ATTENTION_KINDS and src_tp * cp == dst_tp else src_tp
-    for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
-        _check_kinds(src, dst, e, src_tp=world, dst_tp=dst_tp)  # a refused kind is named before any size
+    for e, d in entries:
+        _check_kinds(info.state_entries[e], reg.state_buffers[d], e, src_tp=world, dst_tp=dst_tp)  # before any size
     out = []
-    for e, (src, dst) in enumerate(zip(info.state_entries, reg.state_buffers, strict=True)):
+    for e, d in entries:
+        src, dst = info.state_entries[e], reg.state_buffers[d]
         pairs = _tensor_pairs(src, dst, e, src_pp=src_pp, dst_pp=dst_pp)
         tensors = []
         for i, (t, j) in enumerate(zip(src.tensors, pairs, strict=True)):
@@ -310,8 +306,40 @@ def match_state(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.K
                              replicated=src.tp_policy == common_pb2.STATE_TP_POLICY_REPLICATED,
                              where={"stateEntry": e, "tensor": i, "decodeTensor": j})
             tensors.append(TensorMatch(i, j, t.item_len, dst.item_lens[j], layout))
-        out.append(EntryMatch(e, e, src.kind, tuple(tensors)))
+        out.append(EntryMatch(e, d, src.kind, tuple(tensors)))
     return tuple(out)
+
+
+def _entry_pairs(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvRegistration) -> list[tuple[int, int]]:
+    """(prefill, decode) state entries: by position, as many on both sides.
+
+    A prefill PP stage may have fewer: SGLang leaves out a component the stage holds no layer of
+    (DeepSeek-V4's ``c128_state`` on a stage without a ratio-128 layer). Then each of its entries pairs
+    with the next decode entry of its type name, in order, and every decode entry left over must name
+    its layers, none of them the stage's (another stage writes it).
+    """
+    n, m = len(info.state_entries), len(reg.state_buffers)
+    if n == m:
+        return [(e, e) for e in range(n)]
+    pairs: list[tuple[int, int]] = []
+    if n < m and (info.pp.size or 1) > 1:
+        names = [b.type_name for b in reg.state_buffers]
+        d = 0
+        for e, src in enumerate(info.state_entries):
+            while d < m and not (src.type_name and names[d] == src.type_name):
+                d += 1
+            if d == m:
+                break
+            pairs.append((e, d))
+            d += 1
+        held = {t.layer_id for x in info.state_entries for t in x.tensors if t.HasField("layer_id")}
+        held |= {k.layer_id for k in info.kv_entries if k.HasField("layer_id")}
+        left = [reg.state_buffers[j] for j in set(range(m)) - {d for _, d in pairs}]
+        if len(pairs) == n and all(b.layer_ids and not held & set(b.layer_ids) for b in left):
+            return pairs
+    raise TopologyError(
+        f"the prefill has {n} state entries, the decode registered {m}", reason=Reason.TOPOLOGY_STATE_COUNT_MISMATCH,
+        metadata={"prefillStateEntries": n, "decodeStateEntries": m})
 
 
 def _check_kinds(src: server_info_pb2.StateEntryInfo, dst: registration_pb2.StateBuffer, e: int, *,
