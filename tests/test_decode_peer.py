@@ -94,7 +94,8 @@ def test_prefill_ranks_that_disagree_on_packed_fan_in_refuse_the_request() -> No
     the decode: the peer refuses before submitting. Agreeing ranks give every slice of each packed entry."""
     from pdproto.client.peer import _fan_in_slices
     from pdproto.negotiation.senders import SenderSet
-    from pdproto.v1 import server_info_pb2
+    from pdproto.negotiation.tpmap import PACKED_FAN_IN
+    from pdproto.v1 import registration_pb2, server_info_pb2
 
     def rank(index: int, offset: int, packed: bool) -> PrefillRank:
         result = server_info_pb2.NegotiationResult(peer_id=f"p{index}")
@@ -103,9 +104,22 @@ def test_prefill_ranks_that_disagree_on_packed_fan_in_refuse_the_request() -> No
             e.row_slice.dst_offset, e.row_slice.length = offset, 512
         return PrefillRank(f"127.0.0.1:{index}", index, None, result, SenderSet((), 1), dummy=False)  # type: ignore[arg-type]
 
-    assert _fan_in_slices([rank(0, 0, True), rank(1, 512, True)]) == {0: [(0, 512), (512, 512)],
-                                                                     1: [(0, 512), (512, 512)]}
-    assert _fan_in_slices([rank(0, 0, False), rank(1, 512, False)]) == {}
+    asked = registration_pb2.KvRegistration(page_size=16, capabilities=[PACKED_FAN_IN])
+    for _ in range(2):
+        asked.kv_buffers.add(item_len=16 * 1024)
+    assert _fan_in_slices([rank(0, 0, True), rank(1, 512, True)], asked) == {0: [(0, 512), (512, 512)],
+                                                                            1: [(0, 512), (512, 512)]}
+    assert _fan_in_slices([rank(0, 0, False), rank(1, 512, False)], asked) == {}
     with pytest.raises(PdprotoError) as caught:
-        _fan_in_slices([rank(0, 0, True), rank(1, 512, False)])
+        _fan_in_slices([rank(0, 0, True), rank(1, 512, False)], asked)
     assert caught.value.reason is Reason.UNSUPPORTED_VERSION and caught.value.metadata["entries"] == "0,1"
+    # A prefill that says packed where the decode never asked, or whose slices would leave part of a row to
+    # chance (one half only, overlapping halves), is refused: the decode reorders nothing it cannot account for.
+    not_asked = registration_pb2.KvRegistration()
+    not_asked.CopyFrom(asked)
+    del not_asked.capabilities[:]
+    for ranks, registration in (([rank(0, 0, True), rank(1, 512, True)], not_asked), ([rank(0, 0, True)], asked),
+                                ([rank(0, 0, True), rank(1, 256, True)], asked)):
+        with pytest.raises(PdprotoError) as caught:
+            _fan_in_slices(ranks, registration)
+        assert caught.value.reason is Reason.INVALID_FIELD and caught.value.metadata["entry"] == "0", caught.value

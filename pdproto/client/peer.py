@@ -28,6 +28,7 @@ from pathlib import Path
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason, error_for
 from pdproto.negotiation.fanin import FanInTracker, Outcome
 from pdproto.negotiation.senders import SenderSet
+from pdproto.negotiation.tpmap import PACKED_FAN_IN
 from pdproto.rpc.loop import LoopThread
 from pdproto.session import TERMINAL_STATES
 from pdproto.v1 import registration_pb2, server_info_pb2, transfer_pb2
@@ -109,11 +110,15 @@ class PackedFanIn:
     """Per decode KV entry written packed, every sender's (offset, length) in its rows."""
 
 
-def _fan_in_slices(ranks: Sequence[PrefillRank]) -> dict[int, list[tuple[int, int]]]:
-    """Per decode KV entry that ``ranks`` write packed (docs/protocol.md section 3, packed fan-in), every sender's (offset, length) in its rows.
+def _fan_in_slices(ranks: Sequence[PrefillRank],
+                   registration: registration_pb2.KvRegistration) -> dict[int, list[tuple[int, int]]]:
+    """Per decode KV entry that ``ranks`` write packed (docs/protocol.md section 3, packed fan-in), every sender's
+    (offset, length) in its rows.
 
     Raises ``UnsupportedVersionError`` when some of them write an entry packed and others do not
-    (prefill ranks of two releases): no order of the page's bytes would then be right.
+    (prefill ranks of two releases): no order of the page's bytes would then be right; and
+    ``InvalidFieldError`` when they say packed where this decode did not ask for it, or their slices
+    are not equal parts that fill the entry's row: nothing the decode reorders may come from a guess.
     """
     packed: dict[int, set[bool]] = {}
     slices: dict[int, set[tuple[int, int]]] = {}
@@ -128,7 +133,20 @@ def _fan_in_slices(ranks: Sequence[PrefillRank]) -> dict[int, list[tuple[int, in
                         f"prefill ranks {sorted(r.address for r in ranks)} disagree on packed fan-in for decode KV "
                         f"entries {mixed}: some write their heads packed, others row by row (two releases?)",
                         metadata={"entries": ",".join(map(str, mixed))})
-    return {e: sorted(slices[e]) for e, kinds in packed.items() if kinds == {True}}
+    out = {e: sorted(slices[e]) for e, kinds in packed.items() if kinds == {True}}
+    for entry, cuts in out.items():
+        buffers, page = registration.kv_buffers, registration.page_size or 1
+        row = (buffers[entry].item_len or registration.kv_item_len) // page if entry < len(buffers) else 0
+        width = cuts[0][1]
+        if PACKED_FAN_IN not in registration.capabilities or not row or row % width or \
+                cuts != [(k * width, width) for k in range(row // width)]:
+            raise error_for(Reason.INVALID_FIELD,
+                            f"prefill ranks {sorted(r.address for r in ranks)} write decode KV entry {entry} packed as "
+                            f"slices {cuts} of its {row}-byte rows, which "
+                            + ("this decode did not ask for" if PACKED_FAN_IN not in registration.capabilities
+                               else "are not equal parts that fill the row"),
+                            metadata={"field": "result.entries.packed_fan_in", "entry": entry})
+    return out
 
 
 OutcomeHandler = Callable[[int, Outcome], None]
@@ -339,7 +357,7 @@ class DecodePeer:
                             metadata={"field": "addresses"})
         ranks = [self.connect(a) for a in addresses]
         _check_kv_shares(room, ranks)
-        slices = _fan_in_slices(ranks)
+        slices = _fan_in_slices(ranks, self.registration)
         built = [infos(r) if callable(infos) else infos[i] for i, r in enumerate(ranks)]
         generation = next(self._generations) if generation is None else generation
         live = [r.index for r in ranks if not r.dummy]
