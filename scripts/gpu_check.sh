@@ -58,6 +58,22 @@ assert torch.equal(out, src[torch.from_numpy(rows).cuda()])
 print("gather ok")
 EOF
 
+echo "== packed fan-in reordered on the device (unpack_fan_in on a CUDA tensor)"
+timeout 120 "$PY" - <<'EOF'
+import torch
+from pdproto.transfer.packing import unpack_fan_in
+page, row, width, pages = 64, 1024, 512, [5, 2, 7]
+want = torch.randint(0, 256, (8 * page, row), dtype=torch.uint8, device="cuda")
+rows = torch.zeros_like(want)
+for p in pages:  # two senders' 512-byte head slices of each page, each as one block (protocol.md section 3)
+    block = want[p * page:(p + 1) * page]
+    rows[p * page:(p + 1) * page] = torch.cat([block[:, :width].reshape(-1), block[:, width:].reshape(-1)]).view(page, row)
+unpack_fan_in(rows, pages, page, [(0, width), (width, width)])
+torch.cuda.synchronize()
+assert all(torch.equal(rows[p * page:(p + 1) * page], want[p * page:(p + 1) * page]) for p in pages)
+print("unpack ok")
+EOF
+
 echo "== transfer tests, VRAM on both sides"
 PDPROTO_TEST_DEVICE=cuda timeout 600 "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_transfer.py tests/test_transfer_packing.py
