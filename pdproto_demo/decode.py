@@ -28,7 +28,7 @@ from pdproto.negotiation.registration import make_registration
 from pdproto.negotiation.tpmap import PACKED_FAN_IN
 from pdproto.transfer import VRAM, Buffer, CredentialSlot, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
-from pdproto.transfer.packing import unpack_fan_in
+from pdproto.transfer.packing import unpack_buffers
 from pdproto.v1 import common_pb2, registration_pb2, transfer_pb2
 
 from . import data
@@ -325,9 +325,9 @@ class DecodeRank:
                     reason = exc.reason.name if isinstance(exc, PdprotoError) else Reason.DEADLINE_EXCEEDED.name
                     failures.append(f"{address}: abort after failure: {reason}")
         packed = peer.fan_in(room)
-        if packed is not None and not failures and self.pool:
-            for entry, slices in packed.slices.items():
-                unpack_fan_in(self.pool[entry], packed.pages, self.config.page_size, slices)
+        if packed is not None and not failures:
+            unpack_buffers(self.buffers, [rows.shape[1] for rows in self.pool], packed.pages, self.config.page_size,
+                           packed.slices)
         peer.forget(room)
         totals = KindTotals.of(finals)
         chunks = sum(st.chunks_done for st in finals)

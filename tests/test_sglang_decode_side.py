@@ -124,6 +124,28 @@ def test_an_mha_decode_gets_a_larger_tp_prefills_heads_packed_and_puts_them_in_r
     """Two MHA prefill ranks (TP 2, two heads each) feed an SGLang decode rank of TP 1: each writes its heads of
     every page but the last as one block, and the decode side puts those pages back in row order before SGLang
     hears SUCCESS. Every row of the request holds both ranks' heads; no other row of the pool changes."""
+    outcome, seen, want, token_rows = _mha_fan_in(engine)
+    assert outcome.state == 4, outcome  # SUCCESS, as SGLang's poll reads it
+    for layer, pool in enumerate(seen):
+        assert np.array_equal(pool[token_rows], want[layer]), layer
+        others = np.setdiff1d(np.arange(pool.shape[0]), token_rows)
+        assert not pool[others].any(), layer  # the last page's tail and every other page untouched
+
+
+def test_a_reorder_that_fails_fails_the_room_instead_of_reporting_it_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever goes wrong putting the pages in order (here: a fault injected into it), SGLang hears FAILED with
+    the cause at once, never SUCCESS over pages out of order and never nothing."""
+    def broken(*_: Any) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(decode_side, "unpack_buffers", broken)
+    outcome, *_ = _mha_fan_in("mooncake")
+    assert (outcome.state, outcome.failure_code) == (5, "INTERNAL") and "injected fault" in outcome.failure_reason
+
+
+def _mha_fan_in(engine: str) -> tuple[Any, list[np.ndarray], np.ndarray, np.ndarray]:
+    """One 70-token request from two MHA prefill sides of TP 2 into a decode side of TP 1: its outcome, the
+    decode's pools as they were when SGLang heard it, the rows each layer should hold, and the request's rows."""
     from pdproto.integrations.sglang.prefill_side import PrefillSide
 
     tokens, rows = 70, 12 * MHA_PAGE  # 5 pages, the last with 6 tokens
@@ -161,14 +183,10 @@ def test_an_mha_decode_gets_a_larger_tp_prefills_heads_packed_and_puts_them_in_r
                 p.submit(5, src_pages[:3], 3 * MHA_PAGE, False, None, None)
                 p.submit(5, src_pages[3:], tokens - 3 * MHA_PAGE, True, None, 1)
             room, outcome, seen = outcomes.result(60)
-            assert (room, outcome.state) == (5, 4), outcome  # SUCCESS, as SGLang's poll reads it
             packed = side.peer.fan_in(5)
-            assert packed is not None and packed.pages == tuple(dst_pages[:-1])
+            assert room == 5 and packed is not None and packed.pages == tuple(dst_pages[:-1])
             token_rows = np.asarray(dst_pages)[np.arange(tokens) // MHA_PAGE] * MHA_PAGE + np.arange(tokens) % MHA_PAGE
-            for layer, pool in enumerate(seen):
-                assert np.array_equal(pool[token_rows], want[layer]), layer
-                others = np.setdiff1d(np.arange(rows), token_rows)
-                assert not pool[others].any(), layer  # the last page's tail and every other page untouched
+            return outcome, seen, want, token_rows
         finally:
             side.close()
     finally:

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from numpy.lib.stride_tricks import as_strided
 from pdproto.dcp import runs as run_arith
 from pdproto.errors import InvalidFieldError
 
-from .base import LayerSpan, Runs, Segment
+from .base import VRAM, Buffer, LayerSpan, Runs, Segment
 
 Descs = npt.NDArray[np.int64]
 """N×3 int64: local address, peer address, length in bytes."""
@@ -133,6 +133,17 @@ def unpack_fan_in(rows: Any, pages: Sequence[int], page_size: int, slices: Seque
     rows[index] = ordered.reshape(len(pages) * page_size, row_bytes)
 
 
+def unpack_buffers(buffers: Sequence[Buffer], row_bytes: Sequence[int], pages: Sequence[int], page_size: int,
+                   slices: Mapping[int, Sequence[tuple[int, int]]]) -> None:
+    """``unpack_fan_in`` on each KV buffer named in ``slices`` (by index: its rows of ``row_bytes``), and for
+    device buffers a synchronize after it: an engine's forward may read the pages on streams of its own."""
+    for entry, cuts in slices.items():
+        unpack_fan_in(buffers[entry].array.reshape(-1, row_bytes[entry]), pages, page_size, cuts)
+    devices = {b.device for b in buffers if b.kind == VRAM}
+    for device in devices:
+        sys.modules["torch"].cuda.synchronize(device)
+
+
 def torch_or_none() -> Any:
     """torch if importable (fast multi-threaded gather), else None (numpy gather)."""
     try:
@@ -222,7 +233,8 @@ class Gatherer:
 
 
 __all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
-           "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none", "unpack_fan_in"]
+           "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none", "unpack_buffers",
+           "unpack_fan_in"]
 
 
 class StagingExtents:

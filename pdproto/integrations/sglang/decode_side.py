@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import sys
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,15 +28,17 @@ from pdproto import backends
 from pdproto.client import DecodePeer, PrefillRank
 from pdproto.client.peer import OutcomeHandler
 from pdproto.negotiation.fanin import Outcome
-from pdproto.errors import InvalidFieldError
+from pdproto.errors import InvalidFieldError, Reason
 from pdproto.negotiation.registration import make_registration
-from pdproto.transfer import VRAM, CredentialSlot
-from pdproto.transfer.packing import unpack_fan_in
+from pdproto.transfer import CredentialSlot
+from pdproto.transfer.packing import unpack_buffers
 from pdproto.v1 import common_pb2, transfer_pb2
 
 from . import layout
 from .engines import open_rank
 from .settings import BackendSettings
+
+log = logging.getLogger(__name__)
 
 
 class DecodeSide:
@@ -72,12 +74,13 @@ class DecodeSide:
         packed = self.peer.fan_in(room) if outcome.state == common_pb2.TRANSFER_STATE_SUCCESS else None
         if packed is not None:
             page = self.registration.page_size
-            for entry, slices in packed.slices.items():
-                rows = self.kv[entry].array.reshape(-1, self.registration.kv_buffers[entry].item_len // page)
-                unpack_fan_in(rows, packed.pages, page, slices)
-            if self.kv[0].kind == VRAM:
-                # This thread's stream did the reorder; SGLang's forward reads the pages on streams of its own.
-                sys.modules["torch"].cuda.synchronize(self.kv[0].device)
+            try:
+                unpack_buffers(self.kv, [b.item_len // page for b in self.registration.kv_buffers], packed.pages, page,
+                               packed.slices)
+            except Exception as exc:  # noqa: BLE001 - the room must end, failed, not wait for SGLang's timeout
+                log.exception("pdproto: room %d: reordering its packed fan-in pages failed", room)
+                outcome = Outcome(common_pb2.TRANSFER_STATE_FAILED, Reason.INTERNAL.name,
+                                  f"reordering the packed fan-in pages failed: {exc!r}")
         self._on_outcome(room, outcome)
 
     def submit(self, room: int, addresses: Sequence[str], kv_pages: Any, aux_index: int | None,

@@ -18,7 +18,6 @@ service and the peer run on their own event-loop threads. Nothing here imports v
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -31,9 +30,9 @@ from pdproto.errors import PdprotoError, Reason
 from pdproto.negotiation.fanin import Outcome
 from pdproto.negotiation.registration import make_registration
 from pdproto.negotiation.senders import target_tp_ranks
-from pdproto.transfer import VRAM, CredentialSlot, TransferExecutor, at_address, create_executor
+from pdproto.transfer import CredentialSlot, TransferExecutor, at_address, create_executor
 from pdproto.transfer.address import advertise_host
-from pdproto.transfer.packing import unpack_fan_in
+from pdproto.transfer.packing import unpack_buffers
 from pdproto.v1 import common_pb2, transfer_pb2
 from pdproto_server.app import ServerConfig, ServiceThread
 from pdproto_server.core import HandshakeCore
@@ -325,8 +324,8 @@ class DecodeWorker:
             request_id, generation = known
             self._deadlines.pop(room, None)
             if outcome.state == common_pb2.TRANSFER_STATE_SUCCESS:
-                self._unpack(room)
-            else:
+                outcome = self._unpack(room, outcome)
+            if outcome.state != common_pb2.TRANSFER_STATE_SUCCESS:
                 log.warning("pdproto: request %s failed: %s: %s", request_id, outcome.failure_code,
                             outcome.failure_reason)
                 out.failed.add(request_id)
@@ -337,17 +336,21 @@ class DecodeWorker:
             out.received.add(request_id)
         return out
 
-    def _unpack(self, room: int) -> None:
-        """Put the pages its prefill ranks wrote packed back in row order (docs/protocol.md section 3, packed fan-in)."""
+    def _unpack(self, room: int, outcome: Outcome) -> Outcome:
+        """Put the blocks its prefill ranks wrote packed back in row order (docs/protocol.md section 3, packed
+        fan-in); the room's outcome, failed if that failed."""
         packed = self.peer.fan_in(room)
         if packed is None:
-            return
+            return outcome
         page = self.registration.page_size
-        for entry, slices in packed.slices.items():
-            unpack_fan_in(self.kv[entry].array.reshape(-1, self.registration.kv_buffers[entry].item_len // page),
-                          packed.pages, page, slices)
-        if self.kv[0].kind == VRAM:  # the blocks must be in order before a forward reads them, on any stream
-            sys.modules["torch"].cuda.synchronize(self.kv[0].device)
+        try:
+            unpack_buffers(self.kv, [b.item_len // page for b in self.registration.kv_buffers], packed.pages, page,
+                           packed.slices)
+        except Exception as exc:  # noqa: BLE001 - vLLM's worker thread must not die of it; the request fails
+            log.exception("pdproto: room %d: reordering its packed fan-in blocks failed", room)
+            return Outcome(common_pb2.TRANSFER_STATE_FAILED, Reason.INTERNAL.name,
+                           f"reordering the packed fan-in blocks failed: {exc!r}")
+        return outcome
 
     @property
     def pending(self) -> int:
