@@ -405,6 +405,39 @@ def test_mxfp8_block_scales_move_between_equal_tp_and_a_tp_mismatch_is_refused_n
     assert rejection.metadata["typeName"] == "block_scale"
 
 
+def test_an_mha_window_moves_between_tp_sizes_sliced_by_head_as_sglang_slices_it() -> None:
+    # GPT-OSS without mxfp8: SWAKVPool's swa pages (64 tokens x 8/tp KV heads x 64 bytes, K then V of 2 layers).
+    # SGLang head-slices them between attention TP sizes like KV (_send_swa_state_slice); its KVArgs name
+    # the rank's heads (kv_head_num), from which the window tensors take their split.
+    def gpt_oss(tp: int) -> SimpleNamespace:
+        args = kv_args(token_bytes=8 // tp * 64, state=[component("swa", [64 * 8 // tp * 64] * 4, 0xA000_0000)])
+        args.kv_head_num, args.total_kv_head_num = 8 // tp, 8
+        return args
+
+    info = layout.server_info(gpt_oss(2), layout.Ranks(attn_tp=(2, 1)), is_mla_backend=False, host="h", port=1,
+                              backend=v1.BACKEND_MOONCAKE)
+    assert [(t.dim, t.outer_count) for t in info.state_entries[0].tensors] == [(4, 64)] * 4
+    head = 64  # bytes of one head's row in one token
+    for (p_tp, d_tp) in ((2, 1), (1, 2), (4, 2)):
+        for d_rank in range(d_tp):
+            writes: list[tuple[int, int, int]] = []  # (tensor, first decode byte of a token row, bytes), every sender
+            for p_rank in range(p_tp):
+                decision = _pair(gpt_oss(p_tp), layout.Ranks(attn_tp=(p_tp, p_rank)), gpt_oss(d_tp),
+                                 layout.Ranks(attn_tp=(d_tp, d_rank)), mla=False)
+                if isinstance(decision, Rejection):
+                    assert decision.reason is Reason.TOPOLOGY_NOT_A_SENDER, decision
+                    continue
+                assert decision.tp is not None
+                writes += [(t.dst_tensor, g.dst_offset, g.length) for e in decision.tp.state for t in e.tensors
+                           for g in t.segments]
+            # Every byte of every decode item written once: 64 token rows of 8 / d_tp heads each.
+            row = 8 // d_tp * head
+            for tensor in range(4):
+                spans = sorted((o, n) for t, o, n in writes if t == tensor)
+                covered = [b for o, n in spans for b in range(o, o + n)]
+                assert sorted(covered) == list(range(64 * row)), (p_tp, d_tp, d_rank, tensor)
+
+
 def minimax_states(tp: int) -> list[dict[str, Any]]:
     """MiniMaxSparseKVPool's components (MiniMax-M3 sparse; dense layers 0 and 2, sparse 1 and 3) as
     setup_state_kv_args appends them (utils.py:1518-1545): ``minimax_index_k`` per sparse layer one

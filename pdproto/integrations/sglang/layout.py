@@ -392,11 +392,16 @@ def _state_components(kv_args: Any, pp_size: int = 1, dsa_layers: Sequence[int |
             layers = list(dsa_layers)
         if v4 is not None and name in ("swa", "swa_ring", "c128_state") and name not in [c[0] for c in out]:
             layers = _v4_ids(name, v4, count)
+        dims, outers = column("state_dim_per_tensor", k, count), column("state_slice_outer_counts", k, count)
+        heads = int(getattr(kv_args, "kv_head_num", 0) or 0)
+        if name == "swa" and not _compressed(kv_args) and heads and all(d is None for d in dims):
+            # An MHA window page is page_size token rows of this rank's KV heads: SGLang slices it by head
+            # between attention TP sizes as it slices KV (_send_swa_state_slice, mooncake/conn.py:2435).
+            dims, outers = [heads] * count, [int(kv_args.page_size)] * count
         tensors = [
             {"ptr": p, "length": ln, "item_len": it, "dim": d, "outer": o, "groups": g, "layer": lid}
             for p, ln, it, d, o, g, lid in zip(
-                ptrs, column("state_data_lens", k, count), column("state_item_lens", k, count),
-                column("state_dim_per_tensor", k, count), column("state_slice_outer_counts", k, count),
+                ptrs, column("state_data_lens", k, count), column("state_item_lens", k, count), dims, outers,
                 column("state_conv_shard_groups", k, count), layers, strict=True)
             # A DSA layer that reuses the previous layer's top-k has a 0-row index buffer: nothing
             # moves for it and it registers nothing (SGLang's is_elided_entry, utils.py:1045-1064).
