@@ -318,6 +318,22 @@ def layer_split_rank(cp_rank: int, tail: bool) -> tuple[SimpleNamespace, layout.
     return args, layout.Ranks(attn_tp=(1, 0), attn_cp=(2, cp_rank), cp_layers=True)  # as the manager's _ranks
 
 
+def test_dsa_pp_stages_fill_a_pp1_decodes_index_tensors_by_layer_each_once() -> None:
+    # DeepSeek-V3.2 with --pp-size 2 (layers 0-2, 3-5) into a PP 1 decode: SGLang slices the decode's index
+    # list by the stage's layers (get_mla_kv_ptrs_with_pp); a stage's dsa tensors carry its KV layers' ids.
+    decode = kv_args(layers=6, state=[component("dsa", [8448] * 6, 0xB000_0000)])
+    hits = []
+    for r, start in enumerate((0, 3)):
+        stage = kv_args(layers=3, start=start, state=[component("dsa", [8448] * 3, 0xA000_0000)])
+        info = layout.server_info(stage, layout.Ranks(attn_tp=(1, 0), pp=(2, r)), is_mla_backend=True, host="h",
+                                  port=1, backend=v1.BACKEND_MOONCAKE)
+        assert [t.layer_id for t in info.state_entries[0].tensors] == [start, start + 1, start + 2]
+        decision = _pair(stage, layout.Ranks(attn_tp=(1, 0), pp=(2, r)), decode, layout.Ranks(attn_tp=(1, 0)))
+        assert isinstance(decision, Decision) and decision.tp, decision
+        hits += [(t.dst_tensor, sum(g.length for g in t.segments)) for t in decision.tp.state[0].tensors]
+    assert sorted(hits) == [(t, 8448) for t in range(6)]
+
+
 def test_a_dsa_layer_split_cp_rank_sends_its_layers_kv_and_index_paired_by_layer_id() -> None:
     # The decode (CP 1) holds every layer and hears from both CP ranks (common/conn.py:1500-1511).
     decode = kv_args(layers=5, draft=1, draft_item=PAGE * 1152,

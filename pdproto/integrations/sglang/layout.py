@@ -27,8 +27,9 @@ arguments by hand):
   ``dsa`` index tensors with the layer ids of its KV entries, and sends every page of them; the
   last CP rank also holds the draft's (``transfer_draft_cache``) and writes the state without
   layer ids (``dsa_tail``, whole on every rank), CP rank 0 the aux (``negotiation.senders``). A
-  single-stage decode numbers its ``dsa`` tensors the same way, which a prefill without the
-  split leaves unused (``negotiation.extras``).
+  single-stage decode numbers its ``dsa`` tensors the same way, and so does a prefill PP stage,
+  which pairs them with a decode of another PP size by layer; a single-stage prefill without the
+  split leaves them unnumbered (paired by position, ``negotiation.extras``).
 * KV cache sharding (``--enable-kv-cache-sharding``; ``Ranks.kv_shards``): logical page l lives on
   shard rank l % n as local page l // n, and SGLang hands each rank's sender its own local pages
   with their positions in the request (``filter_kv_indices_for_shard_rank``), which reach the
@@ -488,7 +489,9 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True):
         info.kv_entries.add(item_len=int(item_len), layer_id=layer_id, role=int(role))
     info.aux_entries.extend(v1.AuxEntryInfo(item_len=int(n)) for n in kv_args.aux_item_lens)
-    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0], ids if layer_split else (),
+    # A stage's (or a layer-split CP rank's) dsa tensors carry its layers, for a decode of another PP size.
+    stage = layer_split or ranks.pp[0] > 1
+    for name, (kind, policy), tensors in _state_components(kv_args, ranks.pp[0], ids if stage else (),
                                                            _v4_layers(kv_args, ranks, prefill=True)):
         entry = info.state_entries.add(kind=kind, type_name=name, tp_policy=policy)
         for t in tensors:
