@@ -837,6 +837,56 @@ def test_sglangs_own_mooncake_decode_registers_whole_tail_rows_and_a_pdproto_pre
         in rejection.message
 
 
+def test_mha_pp_stages_pair_k_with_k_and_v_with_v() -> None:
+    # An MHA pool lists every layer's K, then every layer's V (SGLang's get_mha_kv_ptrs_with_pp cuts each half by
+    # the stage's layers). Stage r of 2 (layers 2r, 2r+1) into a whole-model decode, pdproto's or SGLang's own:
+    # its K of layer l lands in the decode's K of layer l, its V in the decode's V (entry 4 + l), never a K.
+    decode = kv_args(layers=8, token_bytes=256)
+    sglangs = legacy_decode.registration(SimpleNamespace(**vars(decode), engine_rank=0), host="h", port=2,
+                                         session_id="h:3", attn_tp_size=1, dcp=(1, 0))
+    for r, start in enumerate((0, 2)):
+        stage, ranks = kv_args(layers=4, start=start, token_bytes=256), layout.Ranks(attn_tp=(1, 0), pp=(2, r))
+        want = [(0, start), (1, start + 1), (2, 4 + start), (3, 5 + start)]
+        ours = _pair(stage, ranks, decode, layout.Ranks(attn_tp=(1, 0)), mla=False)
+        info = layout.server_info(stage, ranks, is_mla_backend=False, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+        theirs = negotiate(info, sglangs)
+        for decision in (ours, theirs):
+            assert isinstance(decision, Decision), decision
+            assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == want
+
+
+def test_sglangs_own_single_stage_decode_pairs_by_layer_with_a_pp_stage_or_a_layer_split_cp_rank() -> None:
+    # SGLang's own decode of a plain pool sends no layer ids (build_kv_layer_ids), and its backends address its
+    # lists by layer: get_mla_kv_ptrs_with_pp slices them by a prefill stage's layers (PP, or a layer-split CP
+    # rank's prefill_start_layer). Its M1 (legacy_decode.registration is byte for byte SGLang's) reads the same way.
+    def m1(args: SimpleNamespace) -> v1.KvRegistration:
+        return legacy_decode.registration(SimpleNamespace(**vars(args), engine_rank=0), host="h", port=2,
+                                          session_id="h:3", attn_tp_size=1, dcp=(1, 0))
+
+    def decided(args: SimpleNamespace, ranks: layout.Ranks, reg: v1.KvRegistration) -> Decision:
+        info = layout.server_info(args, ranks, is_mla_backend=True, host="h", port=1, backend=v1.BACKEND_MOONCAKE)
+        decision = negotiate(info, reg)
+        assert isinstance(decision, Decision) and decision.tp, decision
+        return decision
+
+    whole_model = m1(kv_args(layers=6))
+    assert not any(b.HasField("layer_id") for b in whole_model.kv_buffers)
+    for r, start in enumerate((0, 3)):  # MLA with --pp-size 2: layers 0-2 and 3-5
+        decision = decided(kv_args(layers=3, start=start), layout.Ranks(attn_tp=(1, 0), pp=(2, r)), whole_model)
+        assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(i, start + i) for i in range(3)]
+    # GLM-5 with the DSA cache layer split over CP 2 (layers 0-1 and 2-3; layer 1 reuses layer 0's top-k, so
+    # its index buffer is empty on both sides): KV and index tensors land at their layers' positions.
+    index = [8448, 0, 8448, 8448]
+    decode = m1(kv_args(layers=4, state=[component("dsa", index, 0xB000_0000)]))
+    tensors = []
+    for r, start in enumerate((0, 2)):
+        args = kv_args(layers=2, start=start, state=[component("dsa", index[start:start + 2], 0xA000_0000)])
+        decision = decided(args, layout.Ranks(attn_tp=(1, 0), attn_cp=(2, r), cp_layers=True), decode)
+        assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(0, start), (1, start + 1)]
+        tensors += [(t.dst_tensor, sum(g.length for g in t.segments)) for t in decision.tp.state[0].tensors]
+    assert sorted(tensors) == [(0, 8448), (2, 8448), (3, 8448)]
+
+
 @pytest.mark.parametrize(("indices", "says"), [
     ([3, 0, 3, 0, 0], "is [row, start, n1, start2, n2, tail_size]"),
     ([3, 0, 3, 0, 0, 6], "ring of 6 slots, but the pool's rows hold 4"),

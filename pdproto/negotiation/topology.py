@@ -376,17 +376,35 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
 
 def _with_legacy_defaults(info: v1.PrefillServerInfo,
                           reg: v1.KvRegistration) -> v1.KvRegistration:
-    """Read an unset decode page size as the prefill's, as SGLang 0.5.23 peers mean it.
+    """Read what SGLang 0.5.23 peers leave out of a bridged registration (one without a page size) as they mean it.
 
-    Their frames never carry it (the bridge leaves it 0): the decode compared its
-    physical page size with the prefill's ``/route`` answer before registering.
+    * An unset decode page size is the prefill's: their frames never carry it (the bridge
+      leaves it 0); the decode compared its physical page size with the prefill's ``/route``
+      answer before registering.
+    * A single-stage decode of a plain pool sends no layer ids, and SGLang's own backends
+      address its lists by layer (``get_mla_kv_ptrs_with_pp`` slices them by a prefill stage's
+      layers): facing a prefill that holds only some layers (a PP stage, a layer-split CP rank),
+      its i-th target KV entry (MHA: of the K half and of the V half) and its i-th ``dsa`` index
+      tensor are layer i's. Pairing then goes by layer id, and whatever does not fit that reading
+      is refused as before (rules 13-15, 16d).
+
     Nothing else is assumed (an unset pool kind is handled by rule 7).
     """
-    if reg.page_size:
+    if reg.page_size:  # a pdproto decode: nothing left out
         return reg
+    stage = (info.pp.size or 1) > 1 or info.enable_dsa_cache_layer_split
+    by_layer = stage and (reg.pp.size or 1) == 1 and not any(b.HasField("layer_id") for b in reg.kv_buffers)
     filled = v1.KvRegistration()
     filled.CopyFrom(reg)
     filled.page_size = info.page_size
+    if by_layer:
+        n = len(filled.kv_buffers)
+        mha = info.attention_kind == v1.ATTENTION_KIND_MHA and n % 2 == 0
+        for i, buf in enumerate(filled.kv_buffers):
+            buf.layer_id = i % (n // 2) if mha else i
+        for src, dst in zip(info.state_entries, filled.state_buffers, strict=False):
+            if src.type_name == "dsa" and not dst.layer_ids:
+                dst.layer_ids.extend(range(len(dst.data_ptrs)))
     return filled
 
 

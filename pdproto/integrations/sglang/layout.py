@@ -326,8 +326,10 @@ def _num_draft(kv_args: Any) -> int:
     return int(getattr(kv_args, "num_draft_entries", 0) or 0)
 
 
-def kv_layer_ids(kv_args: Any, ranks: Ranks, *, prefill: bool) -> list[int | None]:
-    """Global layer id of every KV entry (module docstring); all None: pairing by position."""
+def kv_layer_ids(kv_args: Any, ranks: Ranks, *, prefill: bool, mha: bool = False) -> list[int | None]:
+    """Global layer id of every KV entry (module docstring); all None: pairing by position. An MHA pool
+    (``mha``) lists every layer's K, then every layer's V (a draft's after them, the same way): both
+    halves take the layers' ids, which pairing consumes in order."""
     n = len(kv_args.kv_item_lens)
     given = list(getattr(kv_args, "kv_layer_ids", None) or [])
     if given:
@@ -345,6 +347,10 @@ def kv_layer_ids(kv_args: Any, ranks: Ranks, *, prefill: bool) -> list[int | Non
         start = 0
     else:
         return [None] * n
+    targets, drafts = n - _num_draft(kv_args), _num_draft(kv_args)
+    if mha and not targets % 2 and not drafts % 2:
+        return [*[start + i for i in range(targets // 2)] * 2,
+                *[start + targets // 2 + i for i in range(drafts // 2)] * 2]
     return [start + i for i in range(n)]  # drafts follow the target layers, on the last stage
 
 
@@ -471,7 +477,7 @@ def server_info(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, host: str, 
     """The ``PrefillServerInfo`` a prefill rank publishes for the ``KVArgs`` SGLang gave its manager."""
     _refuse_compressed_kv(kv_args, ranks)
     hybrid = bool(getattr(kv_args, "is_hybrid_mla_backend", False))
-    ids = kv_layer_ids(kv_args, ranks, prefill=True)
+    ids = kv_layer_ids(kv_args, ranks, prefill=True, mha=not is_mla_backend)
     layer_split = ranks.cp_layers and ranks.attn_cp[0] > 1
     info = v1.PrefillServerInfo(
         version=v1.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR),
@@ -509,7 +515,7 @@ def decode_layout(kv_args: Any, ranks: Ranks, *, is_mla_backend: bool, notify_ho
     """The ``DecodeLayout`` of a decode rank for the ``KVArgs`` SGLang gave its manager."""
     _refuse_compressed_kv(kv_args, ranks)
     page, dcp = int(kv_args.page_size) // page_rows(kv_args), ranks.dcp[0]
-    ids = kv_layer_ids(kv_args, ranks, prefill=False)
+    ids = kv_layer_ids(kv_args, ranks, prefill=False, mha=not is_mla_backend)
     kv = tuple(KvEntry(int(item_len) // (page * (dcp if role is EntryRole.DRAFT else 1)), layer_id, role)
                for item_len, layer_id, role in zip(kv_args.kv_item_lens, ids, _roles(kv_args), strict=True))
     state = tuple(StateEntry(kind, tuple(StateTensor(int(t["item_len"]), None if t["dim"] is None else int(t["dim"]),
