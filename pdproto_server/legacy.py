@@ -23,6 +23,7 @@ import zmq
 
 from pdproto.errors import DuplicateRequestError, NotFoundError, PdprotoError, Reason, error_for
 from pdproto.legacy import LegacyBackend, LegacyKind, classify, mooncake, nixl, parse_any
+from pdproto.negotiation.topology import legacy_defaults
 from pdproto.v1 import common_pb2, handshake_service_pb2 as hs, transfer_pb2
 
 from .core import HandshakeCore
@@ -270,14 +271,7 @@ class LegacyListener:
         self.decodes.move_to_end(endpoint)
         _trim(self.decodes)
         decode.peer.add_done_callback(lambda f: f.exception())  # a refusal no TransferInfo asked for yet
-        if not reg.page_size:  # never in SGLang's frames: its decode compared it with the /route record
-            reg.page_size = self.core.info.page_size
-        entries = self.core.info.kv_entries
-        if len(entries) == len(reg.kv_buffers) and not any(b.HasField("layer_id") for b in reg.kv_buffers):
-            # Without layer ids SGLang pairs entries by position (disaggregation/utils.py:1130): say so in ids.
-            for buf, entry in zip(reg.kv_buffers, entries):
-                if entry.HasField("layer_id"):
-                    buf.layer_id = entry.layer_id
+        reg = legacy_defaults(self.core.info, reg)  # page size, layer ids, head splits: as SGLang means them
         try:
             if not self.serve:
                 raise error_for(Reason.CONFIG_INVALID, OFF.partition(": ")[2])

@@ -452,6 +452,18 @@ def test_an_mha_window_moves_between_tp_sizes_sliced_by_head_as_sglang_slices_it
                 spans = sorted((o, n) for t, o, n in writes if t == tensor)
                 covered = [b for o, n in spans for b in range(o, o + n)]
                 assert sorted(covered) == list(range(64 * row)), (p_tp, d_tp, d_rank, tensor)
+    # SGLang's own decode of TP 2 sends no split in its M1; its heads are the model's over its TP size.
+    for d_rank in range(2):
+        m1 = legacy_decode.registration(SimpleNamespace(**vars(gpt_oss(2)), engine_rank=d_rank), host="h", port=2,
+                                        session_id="h:3", attn_tp_size=2, dcp=(1, 0))
+        assert not any(b.dim_per_tensors for b in m1.state_buffers)
+        info = layout.server_info(gpt_oss(1), layout.Ranks(attn_tp=(1, 0)), is_mla_backend=False, host="h", port=1,
+                                  backend=v1.BACKEND_MOONCAKE)
+        decision = negotiate(info, m1)
+        assert isinstance(decision, Decision) and decision.tp, decision
+        for t in decision.tp.state[0].tensors:
+            assert sorted(b for g in t.segments for b in range(g.dst_offset, g.dst_offset + g.length)) == list(
+                range(64 * 4 * head)), d_rank
 
 
 def minimax_states(tp: int) -> list[dict[str, Any]]:

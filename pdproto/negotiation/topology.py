@@ -374,31 +374,43 @@ def _decide(info: v1.PrefillServerInfo, reg: v1.KvRegistration,
                     backend=backend, version=version, tp=tp)
 
 
-def _with_legacy_defaults(info: v1.PrefillServerInfo,
-                          reg: v1.KvRegistration) -> v1.KvRegistration:
-    """Read what SGLang 0.5.23 peers leave out of a bridged registration (one without a page size) as they mean it.
+def legacy_defaults(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> v1.KvRegistration:
+    """Read what an SGLang 0.5.23 decode leaves out of its registration (it has no page size) as it means it.
 
-    * An unset decode page size is the prefill's: their frames never carry it (the bridge
-      leaves it 0); the decode compared its physical page size with the prefill's ``/route``
-      answer before registering.
-    * A single-stage decode of a plain pool sends no layer ids, and SGLang's own backends
-      address its lists by layer (``get_mla_kv_ptrs_with_pp`` slices them by a prefill stage's
-      layers): facing a prefill that holds only some layers (a PP stage, a layer-split CP rank),
+    The legacy listener applies it before admission, and ``negotiate`` again (a no-op then):
+
+    * An unset decode page size is the prefill's: SGLang's frames never carry it; the decode
+      compared its physical page size with the prefill's ``/route`` answer before registering.
+    * An MHA decode sends no head split for its ``swa`` window pages, which SGLang's backends slice
+      by head between TP sizes: each rank holds ``total_kv_heads / attn_tp`` of them, as the
+      prefill's split says (rule 16e).
+    * A plain pool sends no layer ids, and SGLang pairs its entries by position
+      (``disaggregation/utils.py:1130``): with as many KV entries as the prefill, each takes the id
+      of the prefill's entry at its position. A single-stage decode facing a prefill that holds
+      only some layers (a PP stage, a layer-split CP rank) holds more, and SGLang's backends
+      address its lists by layer (``get_mla_kv_ptrs_with_pp`` cuts them by the stage's layers):
       its i-th target KV entry (MHA: of the K half and of the V half) and its i-th ``dsa`` index
-      tensor are layer i's. Pairing then goes by layer id, and whatever does not fit that reading
-      is refused as before (rules 13-15, 16d).
+      tensor are layer i's. Whatever does not fit that reading is refused as before (rules 13-15, 16d).
 
     Nothing else is assumed (an unset pool kind is handled by rule 7).
     """
-    if reg.page_size:  # a pdproto decode: nothing left out
+    if reg.page_size:  # a pdproto decode, or one read already: nothing left out
         return reg
-    stage = (info.pp.size or 1) > 1 or info.enable_dsa_cache_layer_split
-    by_layer = stage and (reg.pp.size or 1) == 1 and not any(b.HasField("layer_id") for b in reg.kv_buffers)
     filled = v1.KvRegistration()
     filled.CopyFrom(reg)
     filled.page_size = info.page_size
-    if by_layer:
-        n = len(filled.kv_buffers)
+    heads = info.total_kv_heads // (filled.attn_tp.size or 1)
+    for src, dst in zip(info.state_entries, filled.state_buffers, strict=False):
+        if src.type_name == "swa" and heads and not dst.dim_per_tensors and any(t.dim for t in src.tensors):
+            dst.dim_per_tensors.extend([heads] * len(dst.data_ptrs))
+    if any(b.HasField("layer_id") for b in filled.kv_buffers):
+        return filled
+    n = len(filled.kv_buffers)
+    if n == len(info.kv_entries):
+        for buf, entry in zip(filled.kv_buffers, info.kv_entries, strict=True):
+            if entry.HasField("layer_id"):
+                buf.layer_id = entry.layer_id
+    elif ((info.pp.size or 1) > 1 or info.enable_dsa_cache_layer_split) and (filled.pp.size or 1) == 1:
         mha = info.attention_kind == v1.ATTENTION_KIND_MHA and n % 2 == 0
         for i, buf in enumerate(filled.kv_buffers):
             buf.layer_id = i % (n // 2) if mha else i
@@ -416,7 +428,7 @@ def negotiate(info: v1.PrefillServerInfo, registration: v1.KvRegistration, *,
     Returns a ``Rejection`` for a well-formed pair that cannot be served; raises
     ``InvalidFieldError`` only for malformed input.
     """
-    registration = _with_legacy_defaults(info, registration)
+    registration = legacy_defaults(info, registration)
     _validate(info, registration)
     try:
         return _decide(info, registration, backends)
@@ -432,5 +444,6 @@ __all__ = [
     "backend_of",
     "example_registration",
     "example_server_info",
+    "legacy_defaults",
     "negotiate",
 ]
