@@ -81,7 +81,8 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
                     continue
                 inner, tail = run_arith.packed_fan_in(runs, d.dst.page_size, factor, slot, int(request.dst_pages[-1]))
                 for rows, pack in ((inner, True), (tail, False)):
-                    spans = tuple(span for i in pairings if (span := _kv_layer(source, peer, i, packed=pack)) is not None)
+                    spans = tuple(span for i in pairings
+                                  if (span := _kv_layer(source, peer, i, packed=pack)) is not None)
                     if rows.shape[0] and spans:
                         segments.append(Segment(rows, spans))
     kinds = ["kv"] * len(segments)

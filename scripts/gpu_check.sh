@@ -67,7 +67,8 @@ want = torch.randint(0, 256, (8 * page, row), dtype=torch.uint8, device="cuda")
 rows = torch.zeros_like(want)
 for p in pages:  # two senders' 512-byte head slices of each page, each as one block (protocol.md section 3)
     block = want[p * page:(p + 1) * page]
-    rows[p * page:(p + 1) * page] = torch.cat([block[:, :width].reshape(-1), block[:, width:].reshape(-1)]).view(page, row)
+    halves = [block[:, :width].reshape(-1), block[:, width:].reshape(-1)]
+    rows[p * page:(p + 1) * page] = torch.cat(halves).view(page, row)
 unpack_fan_in(rows, pages, page, [(0, width), (width, width)])
 torch.cuda.synchronize()
 assert all(torch.equal(rows[p * page:(p + 1) * page], want[p * page:(p + 1) * page]) for p in pages)

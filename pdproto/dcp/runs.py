@@ -143,9 +143,12 @@ def progression_runs(
 
 
 def packed_fan_in(runs: I64, page_size: int, factor: int, slot: int, last_page: int) -> tuple[I64, I64]:
-    """(packed runs, last-page runs) of slice ``slot`` of ``factor`` equal ones: rows of ``last_page`` keep
-    their place, and row i of any other destination page p moves to row ``(p * factor + slot) * page_size
-    + i`` of the slice's width (its block of the page, docs/protocol.md section 3, packed fan-in). Runs never cross a destination page."""
+    """(packed runs, last-page runs) of slice ``slot`` of ``factor`` equal ones.
+
+    Rows of ``last_page`` keep their place; row i of any other destination page p moves to row
+    ``(p * factor + slot) * page_size + i`` of the slice's width: its block of the page
+    (docs/protocol.md section 3, packed fan-in). Runs never cross a destination page.
+    """
     page = runs[:, DST_START] // page_size
     if np.any((runs[:, DST_START] + (runs[:, COUNT] - 1) * runs[:, DST_STRIDE]) // page_size != page):
         raise ValueError("packed fan-in needs runs that each stay inside one destination page (the planner's)")

@@ -108,7 +108,9 @@ def packing_saves(segments: Sequence[Segment]) -> bool:
 
 
 def unpack_fan_in(rows: Any, pages: Sequence[int], page_size: int, slices: Sequence[tuple[int, int]]) -> None:
-    """Put packed fan-in pages of one KV buffer back in row order, in place (the decode's half of docs/protocol.md section 3, packed fan-in).
+    """Put packed fan-in pages of one KV buffer back in row order, in place.
+
+    The decode's half of docs/protocol.md section 3, packed fan-in.
 
     ``rows`` is the buffer as (rows, row bytes) uint8, a numpy array or a torch tensor on any
     device; ``pages`` the request's destination pages but its last; ``slices`` every sender's
