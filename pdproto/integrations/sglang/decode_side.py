@@ -27,8 +27,8 @@ import numpy as np
 from pdproto import backends
 from pdproto.client import DecodePeer, PrefillRank
 from pdproto.client.peer import OutcomeHandler
-from pdproto.negotiation.fanin import Outcome
 from pdproto.errors import InvalidFieldError, Reason
+from pdproto.negotiation.fanin import Outcome
 from pdproto.negotiation.registration import make_registration
 from pdproto.transfer import CredentialSlot
 from pdproto.transfer.packing import unpack_buffers
