@@ -177,7 +177,7 @@ def test_a_mamba_state_laid_out_differently_is_refused_at_registration(model: st
             got = decode.call("connect", address=address)
             assert got["reason"] == "TOPOLOGY_STATE_KIND_MISMATCH", got
             assert differs in got["message"] and "conv SD: bfloat16(3, 288), float32(8, 32, 16)" in got["message"]
-        assert same.call("connect", address=address) == {"reason": ""}
+        assert same.call("connect", address=address)["reason"] == ""
 
 
 def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> None:
