@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pdproto import v1
+from pdproto.dcp.layers import EntryRole
 from pdproto.errors import ConfigError, InvalidFieldError, Reason, TopologyError
 from pdproto.integrations.sglang import layout, legacy_decode
 from pdproto.integrations.sglang.settings import BackendSettings
@@ -886,6 +887,15 @@ def test_sglangs_own_single_stage_decode_pairs_by_layer_with_a_pp_stage_or_a_lay
     for r, start in enumerate((0, 3)):  # MLA with --pp-size 2: layers 0-2 and 3-5
         decision = decided(kv_args(layers=3, start=start), layout.Ranks(attn_tp=(1, 0), pp=(2, r)), whole_model)
         assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(i, start + i) for i in range(3)]
+    # With an MTP draft (its entries after the target's on both sides; the frames name no roles): a one-stage
+    # prefill pairs entry for entry, and the last stage of two writes the decode's draft entry.
+    mtp = {"draft": 1, "draft_item": PAGE * 1152}
+    decision = decided(kv_args(layers=6, **mtp), layout.Ranks(attn_tp=(1, 0)), m1(kv_args(layers=6, **mtp)))
+    assert [(p.src_entry, p.dst_entry, p.role) for p in decision.pairings] == [
+        *[(i, i, EntryRole.TARGET) for i in range(6)], (6, 6, EntryRole.DRAFT)]
+    decision = decided(kv_args(layers=3, start=3, **mtp), layout.Ranks(attn_tp=(1, 0), pp=(2, 1)),
+                       m1(kv_args(layers=6, **mtp)))
+    assert [(p.src_entry, p.dst_entry) for p in decision.pairings] == [(0, 3), (1, 4), (2, 5), (3, 6)]
     # GLM-5 with the DSA cache layer split over CP 2 (layers 0-1 and 2-3; layer 1 reuses layer 0's top-k, so
     # its index buffer is empty on both sides): KV and index tensors land at their layers' positions.
     index = [8448, 0, 8448, 8448]

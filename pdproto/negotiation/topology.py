@@ -386,11 +386,13 @@ def legacy_defaults(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> v1.Kv
       prefill's split says (rule 16e).
     * A plain pool sends no layer ids, and SGLang pairs its entries by position
       (``disaggregation/utils.py:1130``): with as many KV entries as the prefill, each takes the id
-      of the prefill's entry at its position. A single-stage decode facing a prefill that holds
+      and the role (target or draft) of the prefill's entry at its position. A single-stage decode facing a prefill that holds
       only some layers (a PP stage, a layer-split CP rank) holds more, and SGLang's backends
       address its lists by layer (``get_mla_kv_ptrs_with_pp`` cuts them by the stage's layers):
       its i-th target KV entry (MHA: of the K half and of the V half) and its i-th ``dsa`` index
-      tensor are layer i's. Whatever does not fit that reading is refused as before (rules 13-15, 16d).
+      tensor are layer i's. A speculative draft's entries come last on both sides (SGLang's frames name
+      no roles): as many as the prefill's are read as drafts. Whatever does not fit that reading is
+      refused as before (rules 13-15, 16d).
 
     Nothing else is assumed (an unset pool kind is handled by rule 7).
     """
@@ -408,12 +410,17 @@ def legacy_defaults(info: v1.PrefillServerInfo, reg: v1.KvRegistration) -> v1.Kv
     n = len(filled.kv_buffers)
     if n == len(info.kv_entries):
         for buf, entry in zip(filled.kv_buffers, info.kv_entries, strict=True):
+            buf.role = entry.role
             if entry.HasField("layer_id"):
                 buf.layer_id = entry.layer_id
     elif ((info.pp.size or 1) > 1 or info.enable_dsa_cache_layer_split) and (filled.pp.size or 1) == 1:
         mha = info.attention_kind == v1.ATTENTION_KIND_MHA and n % 2 == 0
+        # A speculative draft's entries follow the target's on both sides (the last stage holds them).
+        drafts = 0 if mha else sum(e.role == v1.KV_ENTRY_ROLE_DRAFT for e in info.kv_entries)
         for i, buf in enumerate(filled.kv_buffers):
             buf.layer_id = i % (n // 2) if mha else i
+            if i >= n - drafts:
+                buf.role = v1.KV_ENTRY_ROLE_DRAFT
         for src, dst in zip(info.state_entries, filled.state_buffers, strict=False):
             if src.type_name == "dsa" and not dst.layer_ids:
                 dst.layer_ids.extend(range(len(dst.data_ptrs)))
