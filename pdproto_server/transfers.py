@@ -58,16 +58,19 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
     """
     d = peer.decision
     has_draft = any(p.role is EntryRole.DRAFT for p in d.pairings)
-    packed = d.tp.packed_fan_in or (False,) * len(d.pairings)
+    packed = d.tp.packed_fan_in
     layers = {role: tuple(layer for i, p in enumerate(d.pairings) if p.role is role and not packed[i]
                           if (layer := _kv_layer(source, peer, i)) is not None)
               for role in (EntryRole.TARGET, EntryRole.DRAFT)}
     # Packed fan-in pairings by how many slices fill a destination row and which is this rank's (the runs'
-    # remapping; normally one group: every layer's heads are cut alike).
+    # remapping; normally one group: every layer's heads are cut alike): their spans packed, and row by row
+    # for the request's last page.
     fan_in: dict[tuple[EntryRole, int, int], list[int]] = {}
     for i, (p, cut) in enumerate(zip(d.pairings, d.tp.row_slices, strict=True)):
         if packed[i] and cut is not None:
             fan_in.setdefault((p.role, p.dst_token_bytes // cut.length, cut.dst_offset // cut.length), []).append(i)
+    spans = {group: [tuple(span for i in pairings if (span := _kv_layer(source, peer, i, packed=pack)) is not None)
+                     for pack in (True, False)] for group, pairings in fan_in.items()}
     segments = []
     for chunk in chunks:
         plans = chunk_plans(d.src, d.dst, chunk, request.dst_pages, prefix_len=request.prefix_len,
@@ -76,15 +79,13 @@ def build_job(source: KvSource, peer: Peer, request: Request, chunks: Sequence[C
             runs = np.concatenate([p.target_runs if role is EntryRole.TARGET else p.draft_runs for p in plans])
             if layers[role] and runs.shape[0]:
                 segments.append(Segment(runs, layers[role]))
-            for (of, factor, slot), pairings in fan_in.items():
+            for (of, factor, slot), (packed_spans, row_spans) in spans.items():
                 if of is not role or not runs.shape[0]:
                     continue
                 inner, tail = run_arith.packed_fan_in(runs, d.dst.page_size, factor, slot, int(request.dst_pages[-1]))
-                for rows, pack in ((inner, True), (tail, False)):
-                    spans = tuple(span for i in pairings
-                                  if (span := _kv_layer(source, peer, i, packed=pack)) is not None)
-                    if rows.shape[0] and spans:
-                        segments.append(Segment(rows, spans))
+                for rows, group in ((inner, packed_spans), (tail, row_spans)):
+                    if rows.shape[0] and group:
+                        segments.append(Segment(rows, group))
     kinds = ["kv"] * len(segments)
     for kind, copies in extras:
         more = slot_segments(source, peer, copies)

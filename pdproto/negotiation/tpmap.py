@@ -48,7 +48,7 @@ class TpPlan:
     row_slices: tuple[Segment | None, ...]
     """Per KV pairing, the part of each token row this rank writes; None: the whole row;
     a zero-length segment: nothing (another sender writes the row)."""
-    packed_fan_in: tuple[bool, ...] = ()
+    packed_fan_in: tuple[bool, ...]
     """Per KV pairing, whether the row slice goes packed into the decode's pages (``fan_in_packable``)."""
 
     def fill(self, result: server_info_pb2.NegotiationResult) -> None:
@@ -56,8 +56,7 @@ class TpPlan:
         result.aux.extend(p.to_proto() for p in self.aux)
         result.state.extend(p.to_proto() for p in self.state)
         result.senders.CopyFrom(self.senders.to_proto(self.me))
-        packed = self.packed_fan_in or (False,) * len(self.row_slices)
-        for entry, cut, pack in zip(result.entries, self.row_slices, packed, strict=True):
+        for entry, cut, pack in zip(result.entries, self.row_slices, self.packed_fan_in, strict=True):
             if cut is not None:
                 entry.row_slice.CopyFrom(cut.to_proto())
                 entry.packed_fan_in = pack
