@@ -326,8 +326,7 @@ class DecodeRank:
                     failures.append(f"{address}: abort after failure: {reason}")
         packed = peer.fan_in(room)
         if packed is not None and not failures:
-            unpack_buffers(self.buffers, [rows.shape[1] for rows in self.pool], packed.pages, self.config.page_size,
-                           packed.slices)
+            unpack_buffers(self.buffers, packed.row_bytes, packed.pages, packed.page_size, packed.slices)
         peer.forget(room)
         totals = KindTotals.of(finals)
         chunks = sum(st.chunks_done for st in finals)

@@ -107,9 +107,9 @@ def test_prefill_ranks_that_disagree_on_packed_fan_in_refuse_the_request() -> No
     asked = registration_pb2.KvRegistration(page_size=16, capabilities=[PACKED_FAN_IN])
     for _ in range(2):
         asked.kv_buffers.add(item_len=16 * 1024)
-    assert _fan_in_slices([rank(0, 0, True), rank(1, 512, True)], asked) == {0: [(0, 512), (512, 512)],
-                                                                            1: [(0, 512), (512, 512)]}
-    assert _fan_in_slices([rank(0, 0, False), rank(1, 512, False)], asked) == {}
+    assert _fan_in_slices([rank(0, 0, True), rank(1, 512, True)], asked) == (
+        {0: [(0, 512), (512, 512)], 1: [(0, 512), (512, 512)]}, {0: 1024, 1: 1024})
+    assert _fan_in_slices([rank(0, 0, False), rank(1, 512, False)], asked) == ({}, {})
     with pytest.raises(PdprotoError) as caught:
         _fan_in_slices([rank(0, 0, True), rank(1, 512, False)], asked)
     assert caught.value.reason is Reason.UNSUPPORTED_VERSION and caught.value.metadata["entries"] == "0,1"

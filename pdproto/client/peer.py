@@ -106,14 +106,18 @@ class PackedFanIn:
 
     pages: tuple[int, ...]
     """The room's destination pages but its last: those to put back in row order."""
+    page_size: int
+    """Rows in one of those pages (the decode's registered page size)."""
     slices: dict[int, list[tuple[int, int]]]
     """Per decode KV entry written packed, every sender's (offset, length) in its rows."""
+    row_bytes: dict[int, int]
+    """Per such entry, the bytes of one of its rows."""
 
 
-def _fan_in_slices(ranks: Sequence[PrefillRank],
-                   registration: registration_pb2.KvRegistration) -> dict[int, list[tuple[int, int]]]:
+def _fan_in_slices(ranks: Sequence[PrefillRank], registration: registration_pb2.KvRegistration,
+                   ) -> tuple[dict[int, list[tuple[int, int]]], dict[int, int]]:
     """Per decode KV entry that ``ranks`` write packed (docs/protocol.md section 3, packed fan-in), every sender's
-    (offset, length) in its rows.
+    (offset, length) in its rows; and the bytes of each such entry's row.
 
     Raises ``UnsupportedVersionError`` when some of them write an entry packed and others do not
     (prefill ranks of two releases): no order of the page's bytes would then be right; and
@@ -134,9 +138,10 @@ def _fan_in_slices(ranks: Sequence[PrefillRank],
                         f"entries {mixed}: some write their heads packed, others row by row (two releases?)",
                         metadata={"entries": ",".join(map(str, mixed))})
     out = {e: sorted(slices[e]) for e, kinds in packed.items() if kinds == {True}}
+    rows: dict[int, int] = {}
+    buffers, page = registration.kv_buffers, registration.page_size or 1
     for entry, cuts in out.items():
-        buffers, page = registration.kv_buffers, registration.page_size or 1
-        row = (buffers[entry].item_len or registration.kv_item_len) // page if entry < len(buffers) else 0
+        row = rows[entry] = (buffers[entry].item_len or registration.kv_item_len) // page if entry < len(buffers) else 0
         width = cuts[0][1]
         if PACKED_FAN_IN not in registration.capabilities or not row or row % width or \
                 cuts != [(k * width, width) for k in range(row // width)]:
@@ -146,7 +151,7 @@ def _fan_in_slices(ranks: Sequence[PrefillRank],
                             + ("this decode did not ask for" if PACKED_FAN_IN not in registration.capabilities
                                else "are not equal parts that fill the row"),
                             metadata={"field": "result.entries.packed_fan_in", "entry": entry})
-    return out
+    return out, rows
 
 
 OutcomeHandler = Callable[[int, Outcome], None]
@@ -357,7 +362,7 @@ class DecodePeer:
                             metadata={"field": "addresses"})
         ranks = [self.connect(a) for a in addresses]
         _check_kv_shares(room, ranks)
-        slices = _fan_in_slices(ranks, self.registration)
+        slices, rows = _fan_in_slices(ranks, self.registration)
         built = [infos(r) if callable(infos) else infos[i] for i, r in enumerate(ranks)]
         generation = next(self._generations) if generation is None else generation
         live = [r.index for r in ranks if not r.dummy]
@@ -371,7 +376,7 @@ class DecodePeer:
             self._fan_ins.pop(room, None)
             if slices:
                 pages = next(b for r, b in zip(ranks, built, strict=True) if not r.dummy).dst_kv_pages
-                self._fan_ins[room] = PackedFanIn(tuple(pages[:-1]), slices)
+                self._fan_ins[room] = PackedFanIn(tuple(pages[:-1]), self.registration.page_size, slices, rows)
         futures = self._submits[room] = {}
         for r, info in zip(ranks, built, strict=True):
             info.room, info.generation, info.is_dummy = room, generation, r.dummy

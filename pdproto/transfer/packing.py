@@ -135,7 +135,7 @@ def unpack_fan_in(rows: Any, pages: Sequence[int], page_size: int, slices: Seque
     rows[index] = ordered.reshape(len(pages) * page_size, row_bytes)
 
 
-def unpack_buffers(buffers: Sequence[Buffer], row_bytes: Sequence[int], pages: Sequence[int], page_size: int,
+def unpack_buffers(buffers: Sequence[Buffer], row_bytes: Mapping[int, int], pages: Sequence[int], page_size: int,
                    slices: Mapping[int, Sequence[tuple[int, int]]]) -> None:
     """``unpack_fan_in`` on each KV buffer named in ``slices`` (by index: its rows of ``row_bytes``), and for
     device buffers a synchronize after it: an engine's forward may read the pages on streams of its own."""

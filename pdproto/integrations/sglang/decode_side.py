@@ -73,10 +73,8 @@ class DecodeSide:
         """Put packed fan-in pages back in row order before SGLang hears that the room succeeded."""
         packed = self.peer.fan_in(room) if outcome.state == common_pb2.TRANSFER_STATE_SUCCESS else None
         if packed is not None:
-            page = self.registration.page_size
             try:
-                unpack_buffers(self.kv, [b.item_len // page for b in self.registration.kv_buffers], packed.pages, page,
-                               packed.slices)
+                unpack_buffers(self.kv, packed.row_bytes, packed.pages, packed.page_size, packed.slices)
             except Exception as exc:  # noqa: BLE001 - the room must end, failed, not wait for SGLang's timeout
                 log.exception("pdproto: room %d: reordering its packed fan-in pages failed", room)
                 outcome = Outcome(common_pb2.TRANSFER_STATE_FAILED, Reason.INTERNAL.name,

@@ -342,10 +342,8 @@ class DecodeWorker:
         packed = self.peer.fan_in(room)
         if packed is None:
             return outcome
-        page = self.registration.page_size
         try:
-            unpack_buffers(self.kv, [b.item_len // page for b in self.registration.kv_buffers], packed.pages, page,
-                           packed.slices)
+            unpack_buffers(self.kv, packed.row_bytes, packed.pages, packed.page_size, packed.slices)
         except Exception as exc:  # noqa: BLE001 - vLLM's worker thread must not die of it; the request fails
             log.exception("pdproto: room %d: reordering its packed fan-in blocks failed", room)
             return Outcome(common_pb2.TRANSFER_STATE_FAILED, Reason.INTERNAL.name,
