@@ -575,6 +575,22 @@ def _project(field: str, item: Any, tp: int, rank: int) -> Any:
     return torch.cat([item[:, g * width + rank * share: g * width + (rank + 1) * share] for g in range(3)], dim=1)
 
 
+def _reference_state(pools: Pools, model: str, config_dir: str) -> list[tuple[str, Any, Any]]:
+    """(field, ``pools``' tensor, the TP-1 prefill's tensor as ``fill_prefill`` fills it) of every state entry."""
+    reference = build_pools(model, 1, config_dir, tp=1)
+    fill_prefill(reference)
+    return [(field, mine, src) for (field, mine), (_, src) in zip(_state_tensors(pools), _state_tensors(reference))]
+
+
+def fill_state_share(pools: Pools, model: str, config_dir: str, tp: int, rank: int) -> None:
+    """A plain TP prefill rank's state: in every slot, its share of the TP-1 prefill's (``check_state``'s projection)."""
+    if pools.mamba is None or tp == 1:
+        return
+    for field, mine, src in _reference_state(pools, model, config_dir):
+        for slot in range(src.shape[0]):
+            mine[slot] = _project(field, src[slot], tp, rank)
+
+
 def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tuple[int, int]], tp: int,
                 rank: int) -> list[str]:
     """Every state byte of a decode rank: each room's slot holds its share of the prefill's, zeros elsewhere.
@@ -585,10 +601,8 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
 
     if pools.mamba is None:
         return []
-    reference = build_pools(model, 1, config_dir, tp=1)
-    fill_prefill(reference)
     mismatches = []
-    for k, ((field, got), (_, src)) in enumerate(zip(_state_tensors(pools), _state_tensors(reference))):
+    for k, (field, got, src) in enumerate(_reference_state(pools, model, config_dir)):
         want = torch.zeros_like(got)
         for src_slot, dst_slot in slots.values():
             want[dst_slot] = _project(field, src[src_slot], tp, rank)
@@ -599,5 +613,5 @@ def check_state(pools: Pools, model: str, config_dir: str, slots: dict[int, tupl
 
 
 __all__ = ["AUX_SLOTS", "DSV4", "DSV41_RATIOS", "DSV41_SOURCES", "GENERIC", "LAYERS", "PAGE", "Pools", "ROW_BYTES", "SEED", "SWA_WINDOW", "build_pools",
-           "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "page_of",
-           "page_rows", "server_flags", "state_indices", "write_config"]
+           "check_index", "check_paged", "check_state", "check_tail", "fill_prefill", "fill_random", "fill_state_share",
+           "page_of", "page_rows", "server_flags", "state_indices", "write_config"]

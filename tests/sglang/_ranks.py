@@ -28,6 +28,7 @@ from tests.sglang._models import (
     check_tail,
     fill_prefill,
     fill_random,
+    fill_state_share,
     page_rows,
     server_flags,
     state_indices,
@@ -73,8 +74,8 @@ def _boot(args: argparse.Namespace, role: str, tp: int, rank: int) -> Any:
     ]  # fmt: skip
     if role == "prefill" and args.spec.cp_split:  # as tests/sglang/_prefill_group.py boots Kimi Linear's CP ranks
         argv += ["--tp-size", str(tp), "--attn-cp-size", str(tp)]
-    elif tp > 1:  # a decode's TP ranks are its DCP group, but for a KV-sharded prefill's (Spec.kv_shard)
-        argv += ["--tp-size", str(tp), *([] if args.spec.kv_shard else ["--dcp-size", str(tp)])]
+    elif tp > 1:  # a prefill's TP ranks are plain TP; a decode's its DCP group, unless Spec.decode_dcp says not
+        argv += ["--tp-size", str(tp), *(["--dcp-size", str(tp)] if role == "decode" and args.spec.decode_dcp else [])]
     server_args = prepare_server_args(argv)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
     # What the scheduler's model runner does first: gloo groups on CPU and the shared
@@ -332,6 +333,7 @@ def run_prefill(args: argparse.Namespace) -> None:
     bootstrap = start_disagg_service() if args.rank == 0 else None
     pools = build_pools(spec.model, spec.pool_pages, args.model_dir)
     fill_prefill(pools)
+    fill_state_share(pools, spec.model, args.model_dir, spec.prefill_tp, args.rank)  # a plain TP rank's state heads
     if spec.kv_shard:
         _keep_shard(pools, spec.page, shards=2, rank=args.rank)
     if spec.cp_split:
@@ -507,8 +509,9 @@ class _GatedRequest:
 def run_decode(args: argparse.Namespace) -> None:
     """One decode rank: manager, a receiver per request, metadata, then every byte checked."""
     server_args = _boot(args, "decode", tp=args.dcp, rank=args.rank)
-    if args.spec.kv_shard:
-        args.dcp = 1  # TP ranks without DCP: each rank holds every token (Spec.kv_shard)
+    args.tp = args.dcp  # the decode's TP: its state heads are split over it
+    if not args.spec.decode_dcp:
+        args.dcp = 1  # TP ranks without DCP: each rank holds every token (Spec.decode_dcp)
     from sglang.srt.disaggregation.utils import (
         KVClassType,
         TransferBackend,
@@ -783,6 +786,6 @@ def _check(args: argparse.Namespace, pools: Any, metadata: Any, indices: dict[in
                        _token_slots(dst_pages[req.room], req.tokens, spec.page * args.dcp), req.decode_prefix,
                        req.tokens)
             for req in requests if not req.abort}
-    return (mismatches + check_state(pools, spec.model, args.model_dir, slots, args.dcp, args.rank)
+    return (mismatches + check_state(pools, spec.model, args.model_dir, slots, args.tp, args.rank)
             + check_index(pools, spec.pool_pages + 1, rows) + check_paged(pools, src_pools, rows, slots)
             + check_tail(pools, src_pools, rows, slots))

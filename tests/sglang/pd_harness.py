@@ -18,9 +18,12 @@ decode of TP 2 without DCP whose every rank asks both prefill ranks for every to
 (``run(cp_split=True)``, the Kimi-Linear hybrid) two prefill CP ranks (``--attn-cp-size 2``,
 ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both sides) to a decode of TP 1: SGLang's
 sender cuts each chunk to the rank's contiguous share of the pages, CP rank 0 alone sends the
-state and aux, and each rank holds other bytes where it must not send. Every
-decode rank compares its whole KV pool, every aux buffer and every state tensor with what it
-must hold (the prefill's bytes where they belong, zeros elsewhere); both sides regenerate the
+state and aux, and each rank holds other bytes where it must not send. The Kimi-Linear hybrid also runs
+with a plain TP prefill (``run(prefill_tp=2)``: both ranks hold the MLA KV, each its half of the KDA state
+heads) into a decode of TP 1, which SGLang's pairing makes ask both, or from one prefill rank into a decode of
+TP 2 without DCP (``run(dcp=2, decode_tp_only=True)``: every decode rank holds every token's KV and its half
+of the state heads). Every decode rank compares its whole KV pool, every aux buffer and every
+state tensor with what it must hold (the prefill's bytes where they belong, zeros elsewhere); both sides regenerate the
 prefill's bytes from one seed.
 
 ``--kill`` adds a last request during which the driver kills every decode rank: the
@@ -41,6 +44,8 @@ first-send-to-Success time (GB/s over the rows that had to move).
     python -m tests.sglang.pd_harness --backend pdproto --dcp 4 --bench 32768
     python -m tests.sglang.pd_harness --prefill-backend mooncake_tcp --decode-backend pdproto --dcp 4
     python -m tests.sglang.pd_harness --prefill-backend pdproto --decode-backend mooncake_tcp --dcp 4
+    python -m tests.sglang.pd_harness --backend pdproto --model kimi --prefill-tp 2       # fan-in
+    python -m tests.sglang.pd_harness --backend pdproto --model kimi --dcp 2 --tp-only    # head slicing
 
 ``tests/sglang/test_harness.py`` runs SGLang's Mooncake 1 -> 1 and the pdproto cases.
 """
@@ -160,6 +165,12 @@ class Spec:
     cp_split: bool = False
     """Two prefill CP ranks (``--tp-size 2 --attn-cp-size 2``) whose every rank sends its contiguous share of
     each request's pages, CP rank 0 alone the state and aux (Kimi Linear), into a decode of TP 1."""
+    prefill_tp: int = 1
+    """Plain TP prefill ranks (``--tp-size``): each holds the replicated MLA KV and the aux row, and a hybrid's
+    state heads are split over them (each rank holds its share of the TP-1 prefill's state)."""
+    decode_tp_only: bool = False
+    """The decode's ranks are TP without DCP (``--tp-size N``): each holds every token's KV and its TP share of
+    a hybrid's state, as the decode of ``kv_shard`` does."""
     dump: str = ""
     """A decode rank fed by a vLLM prefill (tests/vllm/test_cross_engine.py) writes its KV pool and metadata
     buffers here for that driver to check, and builds the metadata buffers SGLang builds without speculative
@@ -175,8 +186,13 @@ class Spec:
 
     @property
     def prefill_ranks(self) -> int:
-        """Prefill processes: two TP ranks with KV cache sharding, two CP ranks, else one."""
-        return 2 if self.kv_shard or self.cp_split else 1
+        """Prefill processes: two TP ranks with KV cache sharding, two CP ranks, else ``prefill_tp``."""
+        return 2 if self.kv_shard or self.cp_split else self.prefill_tp
+
+    @property
+    def decode_dcp(self) -> bool:
+        """Whether the decode's TP ranks are its DCP group (else TP without DCP: ``kv_shard``, ``decode_tp_only``)."""
+        return not (self.kv_shard or self.decode_tp_only)
 
     @property
     def page(self) -> int:
@@ -303,8 +319,14 @@ def run(
     hostile: tuple[list[bytes], ...] = (),
     kv_shard: bool = False,
     cp_split: bool = False,
+    prefill_tp: int = 1,
+    decode_tp_only: bool = False,
 ) -> dict[str, Any]:
-    """Run one prefill rank and ``dcp`` decode ranks for ``backend`` (or one backend per side); return their reports.
+    """Run the prefill ranks (``Spec.prefill_ranks``) and ``dcp`` decode ranks for ``backend`` (or one backend
+    per side); return their reports.
+
+    ``prefill_tp`` > 1 runs that many plain TP prefill ranks; ``decode_tp_only`` makes the ``dcp`` decode ranks
+    TP without DCP (``Spec``).
 
     ``decodes`` gives the decode side a backend of its own: one decode server per (backend, DCP
     size), each asking for the requests whose ``Request.decode`` is its index (the prefill stays on
@@ -322,7 +344,7 @@ def run(
     prefill_backend = prefill_backend or backend
     decodes = decodes or ((decode_backend or backend, dcp),)
     spec = Spec(model, tuple(requests), kill, shared_engine, again, kill_prefill, instances=len(decodes),
-                kv_shard=kv_shard, cp_split=cp_split)
+                kv_shard=kv_shard, cp_split=cp_split, prefill_tp=prefill_tp, decode_tp_only=decode_tp_only)
     dcp = sum(d for _, d in decodes)
     env_overrides = env
     env = dict(
@@ -471,6 +493,8 @@ def main() -> None:
     parser.add_argument("--decode-backend", help="the decode's backend (default: --backend)")
     parser.add_argument("--instance", type=int, default=0, help="a decode rank's server (Spec.instances)")
     parser.add_argument("--dcp", type=int, default=1, help="decode TP = DCP size")
+    parser.add_argument("--tp-only", action="store_true", help="the decode's --dcp ranks are TP without DCP")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="plain TP prefill ranks")
     parser.add_argument("--model", choices=sorted(LAYERS), default="mla")
     parser.add_argument("--kill", action="store_true", help="kill the decode ranks during a last request")
     parser.add_argument("--shared-engine", action="store_true", help="start SGLang's shared Mooncake engine first")
@@ -507,7 +531,8 @@ def main() -> None:
         prefill_backend, decode_backend = args.prefill_backend or args.backend, args.decode_backend or args.backend
         report = run(prefill_backend, requests, model=args.model, kill=args.kill,
                      shared_engine=args.shared_engine, again=args.again, kill_prefill=args.kill_prefill,
-                     timeout=args.timeout, decodes=((decode_backend, args.dcp),),
+                     timeout=args.timeout, decodes=((decode_backend, args.dcp),), prefill_tp=args.prefill_tp,
+                     decode_tp_only=args.tp_only,
                      env=LEGACY if prefill_backend == "pdproto" != decode_backend else None)
         report["seconds"] = round(time.monotonic() - started, 1)
         if args.bench and report["prefill"]:
