@@ -14,7 +14,9 @@ issues 13's and 33's proof:
 * the Kimi-Linear-shaped model (MLA KV + KDA state + aux) -> decode DCP 2 (the state split
   by TP), on SGLang's shared Mooncake engine, then a decode killed mid-transfer.
 * two MLA prefill TP ranks with SGLang's KV cache sharding -> decode TP 2 (4 processes);
-* two prefill CP ranks of the Kimi-Linear hybrid, each sending its share of the pages -> decode TP 1.
+* two prefill CP ranks of the Kimi-Linear hybrid, each sending its share of the pages -> decode TP 1;
+* the Kimi-Linear hybrid from two plain prefill TP ranks -> decode TP 1 (fan-in), and from one prefill rank ->
+  decode TP 2 without DCP (head slicing), each on SGLang's Mooncake too.
 
 And issue 35's mixed fleet: a pdproto prefill serving unmodified SGLang Mooncake decodes (TP 1,
 DCP 4, the Kimi-Linear hybrid, one killed mid-transfer) beside a pdproto decode, after hostile
@@ -262,3 +264,37 @@ def test_sglang_mooncake_decodes_get_kimi_linear_kv_state_aux_then_one_is_killed
     kill = out["kill"]
     code, _, text = kill["failure_reason"].partition(": ")
     assert kill["poll"] == FAILED and code in ("PEER_GONE", "TRANSFER_FAILED") and text, kill
+
+
+HYBRID_TP = (Request(room=101, tokens=300, chunk=192),)  # two chunks, the last page partial
+KIMI_STATE = 6 * (3 * 192 * 2 + 4 * 16 * 16 * 4)
+"""Bytes of one request's KDA state at TP 1: 6 layers of conv [3, 192] bf16 and temporal [4, 16, 16] fp32."""
+
+
+@pytest.mark.parametrize("backend", ["pdproto", "mooncake_tcp"])
+def test_kimi_linear_prefill_tp2_to_decode_tp1_fan_in_moves_every_byte(backend: str) -> None:
+    """Two plain prefill TP ranks of the Kimi-Linear hybrid (both hold the MLA KV, each half the KDA state heads)
+    into a decode of TP 1, which asks both: the KV, both state halves at their heads and channels, and the aux row
+    land byte-exact. pdproto moves the KV and aux from one prefill rank, each rank's own state half."""
+    out = run(backend, HYBRID_TP, model="kimi", prefill_tp=2)
+    _assert_ranks_ok(out, 1, 1)  # mismatches: every KV, state and aux byte
+    assert out["prefill_rcs"] == [0, 0] and out["decode_rc"] == [0], out["prefill_stderr"]
+    results = [p["results"]["101"] for p in out["prefills"]]
+    assert [r["poll"] for r in results] == [SUCCESS, SUCCESS], out["prefill_stderr"]
+    if backend == "pdproto":  # SGLang's metric counts no replication for a hybrid (its harness notes)
+        kv, (first, second) = 300 * 2 * KV_ROW, (r["metric_bytes"] for r in results)
+        assert second == KIMI_STATE // 2 and first - kv - KIMI_STATE // 2 > 0, results  # rank 0: KV, half, aux
+
+
+@pytest.mark.parametrize("backend", ["pdproto", "mooncake_tcp"])
+def test_kimi_linear_prefill_tp1_to_decode_tp2_head_slicing_moves_every_byte(backend: str) -> None:
+    """One prefill rank of the Kimi-Linear hybrid into a decode of TP 2 without DCP: every decode rank gets every
+    token's MLA KV, its half of the KDA state heads (conv channels per q/k/v group) and the aux row, byte-exact."""
+    out = run(backend, HYBRID_TP, model="kimi", dcp=2, decode_tp_only=True)
+    _assert_ranks_ok(out, 2, 1)  # mismatches: every KV, state and aux byte of each rank
+    assert out["prefill_rc"] == 0 and out["decode_rc"] == [0, 0], out["decode_stderr"]
+    result = out["prefill"]["results"]["101"]
+    assert result["poll"] == SUCCESS, out["prefill_stderr"]
+    if backend == "pdproto":  # each decode rank: the KV rows, its state half and the aux row
+        aux = (result["metric_bytes"] - 2 * (300 * 2 * KV_ROW + KIMI_STATE // 2)) / 2
+        assert aux > 0 and aux.is_integer(), result
