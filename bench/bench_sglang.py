@@ -5,19 +5,24 @@ bootstrap server, manager, sender and receiver in separate prefill and decode pr
 driven in the call order of ``disaggregation/prefill.py``/``decode.py``, every byte checked
 on every decode rank. The time is the prefill's, from just before its first ``send()`` (the
 harness's finalize-bootstrap and chunk bookkeeping, the same for both) to the poll that
-reports Success (start-up and the byte check are outside it). Each row runs the two
-backends interleaved, ROUNDS times each, so that the machine's load shifts hit both alike,
-and prints the ratio pdproto / SGLang (each round's pair) min, median and max, then each
-side's median seconds and GB/s over the KV token rows (``tokens x KV layers x row``, the same
-bytes for both; a hybrid's state and the aux row ride along uncounted). A row whose ratio
+reports Success (start-up and the byte check are outside it; with two prefill ranks, the
+later of the two). Each row runs the two backends interleaved, ROUNDS times each, so that the
+machine's load shifts hit both alike, and prints the ratio pdproto / SGLang (each round's pair)
+min, median and max, then each side's median seconds and GB/s over the KV token rows that land
+(``tokens x KV layers x row``, times the decode ranks when a decode TP without DCP gives each
+rank every token; the same bytes for both; a hybrid's state and the aux row ride along uncounted). A row whose ratio
 goes above 1.0 (pdproto slower) is marked. Where SGLang's own backend fails the transfer
 (at DCP on a CPU host it sends a descriptor per token, which overflows Mooncake's TCP lane
 queue for the dense MLA model at these sizes) the row says so with its reason and shows pdproto's runs alone; any other failure
 prints FAILED with the reason and makes ``main`` return 1. The harness bounds every wait
 (TIMEOUT_S per step) and kills ranks that do not exit, so a stuck run ends.
 
-The harness is one dense prefill rank feeding one decode rank or a decode DCP group, so the
-issue's shapes with several prefill ranks or decode TP without DCP are listed as not run.
+The shapes: one prefill rank into a decode rank or a decode DCP group, the Kimi-shaped hybrid
+from two plain prefill TP ranks into a decode TP 1 (fan-in: the decode asks both, each sends its
+half of the state heads) and from one prefill rank into a decode TP 2 without DCP (head slicing);
+TP4 -> TP4 / DCP 4 (8 processes on two cores) is listed as not run.
+``PDPROTO_BENCH_SGLANG_SHAPES`` runs only some shapes: comma-separated pieces of their names,
+each naming at least one (``PDPROTO_BENCH_SGLANG_SHAPES="fan-in,head slicing"``).
 Every harness run starts its own processes (~10-20 s on two cores), so by default only the
 columns the issue turns on run: 32,768 tokens as 4 chunks and 8,192 whole;
 ``PDPROTO_BENCH_SGLANG=full`` adds 32,768 whole and 8,192 as 4 chunks.
@@ -44,11 +49,19 @@ BACKENDS = (BASELINE, "pdproto")
 
 @dataclass(frozen=True)
 class Shape:
-    """One topology the harness runs: model and decode DCP size (the prefill is one rank)."""
+    """One topology the harness runs: model, decode TP and prefill TP (plain TP ranks)."""
 
     name: str
     model: str
-    dcp: int
+    decode_tp: int
+    prefill_tp: int = 1
+    dcp: bool = True
+    """The decode's TP ranks are its DCP group (each a token shard); else TP without DCP (each every token)."""
+
+    @property
+    def landings(self) -> int:
+        """Decode ranks each KV token row lands on."""
+        return 1 if self.dcp else self.decode_tp
 
 
 SHAPES = (
@@ -56,12 +69,13 @@ SHAPES = (
     Shape("dense -> DCP 4", "mla", 4),
     Shape("hybrid TP1 -> TP1", "kimi", 1),
     Shape("hybrid TP1 -> DCP 4", "kimi", 4),
+    Shape("hybrid TP2 -> TP1 (fan-in)", "kimi", 1, prefill_tp=2),
+    Shape("hybrid TP1 -> TP2 (head slicing)", "kimi", 2, dcp=False),
 )
 NOT_RUN = (
-    ("hybrid TP2 -> TP1 (fan-in)", "the harness runs one prefill rank"),
-    ("hybrid TP1 -> TP2 (head slicing)", "the harness's decode TP is its DCP size: TP 2 also shards tokens"),
-    ("hybrid TP4 -> TP4 / DCP 4", "the harness runs one prefill rank (TP1 -> DCP 4 above is its nearest)"),
+    ("hybrid TP4 -> TP4 / DCP 4", "8 processes on two cores (TP1 -> DCP 4 and TP2 -> TP1 above are its parts)"),
 )
+WIDTH = max(len(shape.name) for shape in SHAPES)
 COLUMNS = ((32768, 8192), (8192, 8192))
 """(tokens, chunk) pairs run by default: chunk == tokens is one whole send."""
 FULL_COLUMNS = ((8192, 2048), (32768, 32768))
@@ -72,20 +86,23 @@ def _one(backend: str, shape: Shape, tokens: int, chunk: int) -> float:
     from tests.sglang.pd_harness import SUCCESS, Request, run
 
     out: dict[str, Any] = run(backend, (Request(room=1, tokens=tokens, chunk=chunk),), model=shape.model,
-                              dcp=shape.dcp, timeout=TIMEOUT_S)
-    prefill = out["prefill"]
-    if prefill is None:
-        raise RuntimeError(f"no prefill report (rc {out['prefill_rc']}): {_tail(out['prefill_stderr'])}")
-    (result,) = prefill["results"].values()
-    if result["poll"] != SUCCESS:
-        raise _TransferFailed(f"prefill poll {result['poll']}: {result.get('reason')}")
+                              dcp=shape.decode_tp, prefill_tp=shape.prefill_tp, decode_tp_only=not shape.dcp,
+                              timeout=TIMEOUT_S)
+    prefills = out.get("prefills") or [None]
+    for rank, prefill in enumerate(prefills):
+        if prefill is None:
+            raise RuntimeError(f"no report from prefill rank {rank} (rc {out['prefill_rcs']}):"
+                               f" {_tail(out['prefill_stderr'])}")
+        (result,) = prefill["results"].values()
+        if result["poll"] != SUCCESS:
+            raise _TransferFailed(f"prefill rank {rank} poll {result['poll']}: {result.get('reason')}")
     for rank, (decode, err) in enumerate(zip(out["decode"], out["decode_stderr"], strict=True)):
         if decode is None:
             raise RuntimeError(f"decode rank {rank} sent no report: {_tail(err)}")
         if decode["polls"] != [SUCCESS] or decode["mismatches"]:
             raise RuntimeError(f"decode rank {rank}: polls {decode['polls']} {decode['reasons']},"
                                f" mismatches {decode['mismatches'][:3]}")
-    return float(prefill["seconds"])
+    return max(float(prefill["seconds"]) for prefill in prefills)
 
 
 class _TransferFailed(RuntimeError):
@@ -109,7 +126,7 @@ def _row(shape: Shape, tokens: int, chunk: int) -> tuple[str, bool]:
 
     secs: dict[str, list[float]] = {b: [] for b in BACKENDS}
     mode = "whole" if chunk >= tokens else f"{-(-tokens // chunk)} x {chunk}"
-    head = f"{shape.name:<20} {tokens:>6} {mode:<9}"
+    head = f"{shape.name:<{WIDTH}} {tokens:>6} {mode:<9}"
     baseline_failed = ""
     for _ in range(ROUNDS):
         for backend in BACKENDS:
@@ -123,7 +140,7 @@ def _row(shape: Shape, tokens: int, chunk: int) -> tuple[str, bool]:
                 baseline_failed = str(exc)
             except Exception as exc:  # noqa: BLE001 - the row reports it, the bench goes on
                 return f"{head} FAILED ({backend}): {exc}", True
-    nbytes = tokens * KV_LAYERS[shape.model] * ROW_BYTES
+    nbytes = tokens * KV_LAYERS[shape.model] * ROW_BYTES * shape.landings
     pd = statistics.median(secs["pdproto"])
     pd_cols = f"{pd:>9.3f} {nbytes / pd / 1e9:>6.2f}"
     if baseline_failed:
@@ -135,11 +152,25 @@ def _row(shape: Shape, tokens: int, chunk: int) -> tuple[str, bool]:
             f" {sg:>8.3f} {nbytes / sg / 1e9:>6.2f} {pd_cols}{mark}"), False
 
 
+def _selected(pieces: str) -> tuple[Shape, ...]:
+    """The shapes whose names hold one of the comma-separated ``pieces`` (all without any); raises ValueError
+    naming a piece that matches none."""
+    wanted = [piece.strip() for piece in pieces.split(",") if piece.strip()]
+    if unknown := [piece for piece in wanted if not any(piece in shape.name for shape in SHAPES)]:
+        raise ValueError(f"no shape's name holds {unknown}; the shapes: {[shape.name for shape in SHAPES]}")
+    return tuple(shape for shape in SHAPES if not wanted or any(piece in shape.name for piece in wanted))
+
+
 def main() -> int:
     """Print the comparison table; non-zero if any run failed."""
     if importlib.util.find_spec("sglang") is None:  # the harness's ranks import it behind CPU stubs
         print("skipped: SGLang is not installed")
         return 0
+    try:
+        shapes = _selected(os.environ.get("PDPROTO_BENCH_SGLANG_SHAPES", ""))
+    except ValueError as exc:
+        print(f"PDPROTO_BENCH_SGLANG_SHAPES: {exc}")
+        return 2
     full = os.environ.get("PDPROTO_BENCH_SGLANG") == "full"
     columns = COLUMNS + FULL_COLUMNS if full else COLUMNS
     print(f"SGLang harness (tests/sglang/pd_harness.py), first send() to Success, {ROUNDS} interleaved runs per"
@@ -149,11 +180,11 @@ def main() -> int:
           f"{'' if full else ' (PDPROTO_BENCH_SGLANG=full adds 32768 whole and 8192 in 4 chunks)'}", flush=True)
     for name, why in NOT_RUN:
         print(f"not run: {name}: {why}")
-    print(f"{'shape':<20} {'tokens':>6} {'send':<9} {'min':>5} {'med':>5} {'max':>5}"
+    print(f"{'shape':<{WIDTH}} {'tokens':>6} {'send':<9} {'min':>5} {'med':>5} {'max':>5}"
           f" {'SGLang s':>8} {'GB/s':>6} {'pdproto s':>9} {'GB/s':>6}", flush=True)
     rc = 0
     began = time.perf_counter()
-    for shape in SHAPES:
+    for shape in shapes:
         for tokens, chunk in columns:
             line, failed = _row(shape, tokens, chunk)
             rc |= failed
