@@ -10,8 +10,8 @@ later of the two). Each row runs the two backends interleaved, ROUNDS times each
 machine's load shifts hit both alike, and prints the ratio pdproto / SGLang (each round's pair)
 min, median and max, then each side's median seconds and GB/s over the KV token rows that land
 (``tokens x KV layers x row``, times the decode ranks when a decode TP without DCP gives each
-rank every token; the same bytes for both; a hybrid's state and the aux row ride along uncounted). A row whose ratio
-goes above 1.0 (pdproto slower) is marked. Where SGLang's own backend fails the transfer
+rank every token; the same bytes for both; a hybrid's state and the aux row ride along
+uncounted). A row whose ratio goes above 1.0 (pdproto slower) is marked. Where SGLang's own backend fails the transfer
 (at DCP on a CPU host it sends a descriptor per token, which overflows Mooncake's TCP lane
 queue for the dense MLA model at these sizes) the row says so with its reason and shows pdproto's runs alone; any other failure
 prints FAILED with the reason and makes ``main`` return 1. The harness bounds every wait
