@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdproto.dcp import plan_relayout
-from pdproto.dcp.runs import (expand, from_rows, num_rows, packed_fan_in, progression_runs, segments,
+from pdproto.dcp.runs import (expand, extents, from_rows, num_rows, packed_fan_in, progression_runs, segments,
                                source_rows)
 from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, InvalidFieldError, Reason
 from pdproto.transfer import LayerSpan, Segment, TransferJob
@@ -67,6 +67,18 @@ def test_row_descriptors_move_exactly_the_row_pairs(rows: list[tuple[int, int, i
     assert _bytes_moved(descs) == want
     assert len(descs) <= src.size
 
+
+
+@given(run_rows.filter(lambda rows: len(rows) == 1), spans())
+def test_one_run_takes_the_same_descriptors_and_extents_as_many(rows: list[tuple[int, int, int, int, int]],
+                                                               layer: LayerSpan) -> None:
+    """A single run (a state item, an aux row) skips numpy; it must give what the general path gives."""
+    runs = _runs(rows)
+    doubled = np.concatenate([runs, runs])  # two runs: the general path, for the same rows twice
+    general = row_descriptors(layer, doubled)
+    assert row_descriptors(layer, runs).tolist() == general[:len(general) // 2].tolist()
+    src, dst = expand(runs)
+    assert extents(runs) == (int(src.min()), int(src.max()), int(dst.min()), int(dst.max()))
 
 
 def packed_descriptors(staging_addr: int, layer: LayerSpan, runs: np.ndarray) -> np.ndarray:

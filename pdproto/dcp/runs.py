@@ -61,6 +61,9 @@ def extents(runs: I64) -> tuple[int, int, int, int]:
 
     Runs must be non-empty and pass ``bad_run`` and ``overflowing_run`` (else the highest rows wrap).
     """
+    if runs.shape[0] == 1:  # a state item or aux row: plain ints beat numpy's cost per call
+        s, s_stride, d, d_stride, n = (int(v) for v in runs[0])
+        return s, s + (n - 1) * s_stride, d, d + (n - 1) * d_stride
     last = runs[:, COUNT] - 1
     return (int(runs[:, SRC_START].min()), int((runs[:, SRC_START] + last * runs[:, SRC_STRIDE]).max()),
             int(runs[:, DST_START].min()), int((runs[:, DST_START] + last * runs[:, DST_STRIDE]).max()))

@@ -43,9 +43,14 @@ def descriptors(src_addr: int, src_pitch: int, dst_addr: int, dst_pitch: int, nb
 
 def row_descriptors(layer: LayerSpan, runs: Runs) -> Descs:
     """Unpacked descriptors: one per stretch of rows adjacent on both sides (one per row when strided)."""
+    src, dst = layer.src_ptr + layer.src_offset, layer.dst_ptr + layer.dst_offset
+    if runs.shape[0] == 1:
+        # A state item or aux row is one run: a job holds dozens, and numpy's cost per call was most of its CPU.
+        s, s_stride, d, d_stride, n = (int(v) for v in runs[0])
+        if n == 1 or (layer.whole_rows and s_stride == d_stride == 1):
+            return np.array([[src + s * layer.row_bytes, dst + d * layer.dst_pitch, n * layer.nbytes]], dtype=np.int64)
     segs = run_arith.segments(runs, merge=layer.whole_rows)
-    return descriptors(layer.src_ptr + layer.src_offset, layer.row_bytes,
-                       layer.dst_ptr + layer.dst_offset, layer.dst_pitch, layer.nbytes, segs)
+    return descriptors(src, layer.row_bytes, dst, layer.dst_pitch, layer.nbytes, segs)
 
 
 def packed_layers(staging_addrs: Sequence[int], layers: Sequence[LayerSpan], runs: Runs) -> list[Descs]:

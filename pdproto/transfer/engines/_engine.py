@@ -320,7 +320,7 @@ class EngineExecutor(JobPaths, Settling, PeerCalls[PeerState]):
         want = job.pack and bool(units)
         widest = max((seg.num_rows * layer.nbytes for seg, layer in units), default=0)
         # Packing needs staging on the same side (host or device) as every source layer.
-        fits = (staging is not None and widest <= staging.length
+        fits = (want and staging is not None and widest <= staging.length
                 and all(self._kind_of(layer.src_ptr)[0] == staging.kind for _, layer in units))
         extent = None
         total = 0
