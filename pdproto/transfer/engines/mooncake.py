@@ -7,6 +7,12 @@ A stock TCP transport fails a batch of 4,096 descriptors with "lane
 queue-full". So batches stay at 2,048, and at most that many descriptors are
 queued per job.
 
+``get_batch_transfer_status`` spins a core until the batch is done, and on a host with
+few cores that spin takes CPU from the engine's own threads (and, on one host, the
+decode's). So a wait first sleeps through half the time the batch would take at the
+fastest rate the executor has seen on a large batch, then spins for the rest
+(``NAP_SHARE``; no sleep before the first large batch has set a rate).
+
 Mooncake's calls block in native code for as long as a peer does not answer: a
 frozen decode holds a batch until the TCP transport's progress timeout (30 s by
 default) and then a probe for up to 60 s more; a session that accepts connections
@@ -59,6 +65,10 @@ INIT_TRIES = 4
 """Engine starts tried when the port it drew is taken (each draws a new one)."""
 MAX_PENDING_PROBES = 16
 """Probes that may wait on silent sessions at once; past that, registrations are refused at once."""
+NAP_SHARE = 0.5
+"""Of a batch's time at the fastest rate seen, the share its wait sleeps before Mooncake's spinning wait."""
+RATE_BYTES = 4 << 20
+"""Batches this large or larger set the rate (smaller ones are mostly per-descriptor cost)."""
 
 
 class Probe(enum.Enum):
@@ -116,6 +126,7 @@ class MooncakeExecutor(EngineExecutor):
                          inline_bytes=inline_bytes)
         self.connect_timeout_s = connect_timeout_s
         self._probing = 0
+        self._rate = 0.0  # bytes/s: the fastest large batch yet, from its submit to its wait's end
         self.adopted = engine is not None
         """The engine belongs to someone else in this process (``engine`` was given)."""
         if engine is not None:
@@ -237,16 +248,26 @@ class MooncakeExecutor(EngineExecutor):
         return None
 
     def _submit(self, peer: PeerState, descs: Descs, kind: MemoryKind, device: int) -> Any:
-        bid = self._engine.batch_transfer_async_write(
-            peer.remote, descs[:, 0].tolist(), descs[:, 1].tolist(), descs[:, 2].tolist())
+        began = time.monotonic()
+        sizes = descs[:, 2].tolist()
+        bid = self._engine.batch_transfer_async_write(peer.remote, descs[:, 0].tolist(), descs[:, 1].tolist(), sizes)
         if bid is None or bid <= 0:
             raise self._failure(peer, "Mooncake refused the batch", bid)
-        return bid
+        return bid, began, sum(sizes)
 
     def _wait(self, peer: PeerState, handle: Any) -> None:
-        rc = self._engine.get_batch_transfer_status([handle])
+        bid, began, nbytes = handle
+        if self._rate:
+            nap = min(began + NAP_SHARE * nbytes / self._rate, peer.deadline or math.inf) - time.monotonic()
+            if nap > 0.0005:
+                time.sleep(nap)
+        rc = self._engine.get_batch_transfer_status([bid])
         if rc != 0:
             raise self._failure(peer, "Mooncake batch failed", rc)
+        if nbytes >= RATE_BYTES:
+            rate = nbytes / max(time.monotonic() - began, 1e-6)
+            with self._lock:  # peers' workers finish batches concurrently
+                self._rate = max(self._rate, rate)
 
     def _failure(self, peer: PeerState, message: str, rc: object) -> PdprotoError:
         """Map a bare engine rc to a reason: PEER_GONE only when a probe says the peer does not answer.
