@@ -9,9 +9,10 @@ queued per job.
 
 ``get_batch_transfer_status`` spins a core until the batch is done, and on a host with
 few cores that spin takes CPU from the engine's own threads (and, on one host, the
-decode's). So a wait first sleeps through half the time the batch would take at the
-fastest rate the executor has seen on a large batch, then spins for the rest
-(``NAP_SHARE``; no sleep before the first large batch has set a rate).
+decode's). So the wait of a batch that no earlier batch of its peer was ahead of first
+sleeps through half the time it would take at the fastest rate such a batch of 4 MiB or
+more has had, then spins for the rest (``NAP_SHARE``; no sleep before the first one has
+set a rate). A batch queued behind its peer's others is waited for as before.
 
 Mooncake's calls block in native code for as long as a peer does not answer: a
 frozen decode holds a batch until the TCP transport's progress timeout (30 s by
@@ -257,15 +258,21 @@ class MooncakeExecutor(EngineExecutor):
 
     def _wait(self, peer: PeerState, handle: Any) -> None:
         bid, began, nbytes = handle
-        if self._rate:
-            nap = min(began + NAP_SHARE * nbytes / self._rate, peer.deadline or math.inf) - time.monotonic()
-            if nap > 0.0005:
-                time.sleep(nap)
-        rc = self._engine.get_batch_transfer_status([bid])
+        # Only a batch submitted after the peer's last wait ended ran from its submit on: one queued
+        # behind the peer's earlier batches would nap past its own end, and read as a slow rate.
+        alone = began >= peer.extra.get("waited", 0.0)
+        try:
+            if alone and self._rate:
+                nap = min(began + NAP_SHARE * nbytes / self._rate, peer.deadline or math.inf) - time.monotonic()
+                if nap > 0.0005:
+                    time.sleep(nap)
+            rc = self._engine.get_batch_transfer_status([bid])
+        finally:
+            peer.extra["waited"] = time.monotonic()
         if rc != 0:
             raise self._failure(peer, "Mooncake batch failed", rc)
-        if nbytes >= RATE_BYTES:
-            rate = nbytes / max(time.monotonic() - began, 1e-6)
+        if alone and nbytes >= RATE_BYTES:
+            rate = nbytes / max(peer.extra["waited"] - began, 1e-6)
             with self._lock:  # peers' workers finish batches concurrently
                 self._rate = max(self._rate, rate)
 
