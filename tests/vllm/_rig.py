@@ -88,13 +88,18 @@ def model_dir(root: Path, config: dict[str, Any] = MODEL) -> str:
     return str(root)
 
 
+def model_config(model: str) -> ModelConfig:
+    """vLLM's config of the model directory ``model`` (inspects its architecture once per machine)."""
+    return ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_LEN)
+
+
 def vllm_config(model: str, role: str, *, tp: int = 1, dcp: int = 1, block_size: int = 16, port: int = 0,
                 engine: str = "mooncake", policy: str = "fail", extra: dict[str, Any] | None = None,
                 engine_id: str | None = None) -> VllmConfig:
     """A vLLM config with PdprotoConnector in ``role`` (validated by vLLM as it is built)."""
     settings: dict[str, Any] = {"engine": engine, **({"port": port} if port else {}), **(extra or {})}
     return VllmConfig(
-        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_LEN),
+        model_config=model_config(model),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_LEN, max_num_seqs=16, max_model_len=MAX_LEN,

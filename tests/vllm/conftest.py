@@ -20,5 +20,4 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     with tempfile.TemporaryDirectory() as root:
         for name, config in (("mla", _rig.MODEL), ("mha", _rig.MHA_MODEL)):
-            _rig.ModelConfig(model=_rig.model_dir(Path(root) / name, config), skip_tokenizer_init=True,
-                             dtype="bfloat16", max_model_len=_rig.MAX_LEN)
+            _rig.model_config(_rig.model_dir(Path(root) / name, config))
