@@ -42,6 +42,7 @@ from pdproto.transfer import (
     create_executor,
     encode_notification,
 )
+from pdproto.transfer.engines import mooncake
 from pdproto.transfer.engines._engine import EngineExecutor
 from pdproto.transfer.engines._paths import INLINE_BYTES
 from pdproto.v1 import registration_pb2
@@ -527,3 +528,67 @@ def test_a_byte_range_of_each_row_moves_alone(pair: Pair, pack: bool, split: str
         want[(dst_rows * dst_pitch + dst_off)[:, None] + cols] = \
             host.reshape(-1)[(src_rows * src_pitch + src_off)[:, None] + cols]
         assert np.array_equal(got[layer], want), f"layer {layer} differs"
+
+
+class _RecordingEngine:
+    """A Mooncake engine that records the batches it is given and the waits asked of it."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+        self.batches: dict[int, list[tuple[int, int, int]]] = {}
+        self.checked: list[int] = []
+        self.waited: list[list[int]] = []
+
+    def batch_transfer_async_write(self, session: str, src: list[int], dst: list[int], sizes: list[int]) -> int:
+        bid = int(self.engine.batch_transfer_async_write(session, src, dst, sizes))  # type: ignore[attr-defined]
+        self.batches[bid] = list(zip(src, dst, sizes, strict=True))
+        return bid
+
+    def transfer_check_status(self, bid: int) -> int:
+        self.checked.append(bid)
+        return int(self.engine.transfer_check_status(bid))  # type: ignore[attr-defined]
+
+    def get_batch_transfer_status(self, bids: list[int]) -> int:
+        self.waited.append(list(bids))
+        return int(self.engine.get_batch_transfer_status(bids))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("mode", ["inline", "per_row"])
+def test_mooncake_says_a_batch_is_done_only_after_the_whole_batch_wait(pairs: dict[str, Pair], mode: str,
+                                                                       tmp_path: object,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The wait sleeps on a one-descriptor sentinel, a hint only: every batch must still pass
+    # Mooncake's own whole-batch wait before the job returns, and the sentinel rewrites bytes
+    # of its own batch's last descriptor, nothing else.
+    if "mooncake" not in pairs:
+        pairs["mooncake"] = Pair("mooncake")
+    pair = pairs["mooncake"]
+    pre, peer = pair.pre, pair.peer
+    ex = pre.ex
+    assert isinstance(ex, EngineExecutor)
+    runs, src_rows, dst_rows = _chunk(seed=3, rows=DST_ROWS // 2)
+    monkeypatch.setattr(mooncake, "SENTINEL_FROM", 64 << 10)  # this job's batches are smaller than the default
+    recorder = _RecordingEngine(ex._engine)  # type: ignore[attr-defined]
+    ex._engine = recorder  # type: ignore[attr-defined]
+    try:
+        peer.call("fill", value=0)
+        res = ex.execute("d0", pre.job(peer, runs, pack=_use(ex, mode)))
+    finally:
+        ex._engine = recorder.engine  # type: ignore[attr-defined]
+        _use(ex, "default")
+    assert _path(res) == mode
+    sentinels = {bid for bid in recorder.batches if bid in recorder.checked}
+    assert sentinels, "a batch of SENTINEL_FROM bytes or more is waited for through a sentinel"
+    waited = {bid for bids in recorder.waited for bid in bids}
+    order = list(recorder.batches)
+    for bid in order:
+        if bid in sentinels:
+            (sent,) = recorder.batches[bid]
+            src, dst, size = recorder.batches[order[order.index(bid) - 1]][-1]
+            assert sent == (src, dst, min(size, mooncake.SENTINEL_BYTES))
+        else:
+            assert bid in waited, "every batch passes Mooncake's whole-batch wait"
+    _check(pre, peer, str(tmp_path), src_rows, dst_rows)

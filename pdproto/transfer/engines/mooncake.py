@@ -1,18 +1,20 @@
 """Mooncake executor: ``mooncake.engine.TransferEngine`` in P2P handshake mode (TCP or RDMA).
 
-Writes go out as async batches of at most ``max_batch`` descriptors, and
-``get_batch_transfer_status`` waits on them. (``transfer_check_status`` looks
-only at a batch's first descriptor, so it cannot tell that a batch is done.)
-A stock TCP transport fails a batch of 4,096 descriptors with "lane
-queue-full". So batches stay at 2,048, and at most that many descriptors are
-queued per job.
+Writes go out as async batches of at most ``max_batch`` descriptors. A stock TCP transport
+fails a batch of 4,096 descriptors with "lane queue-full". So batches stay at 2,048, and at
+most that many descriptors are queued per job.
 
-``get_batch_transfer_status`` spins a core until the batch is done, and on a host with
-few cores that spin takes CPU from the engine's own threads (and, on one host, the
-decode's). So the wait of a batch that no earlier batch of its peer was ahead of first
-sleeps through half the time it would take at the fastest rate such a batch of 4 MiB or
-more has had, then spins for the rest (``NAP_SHARE``; no sleep before the first one has
-set a rate). A batch queued behind its peer's others is waited for as before.
+Mooncake's one wait that covers a whole batch, ``get_batch_transfer_status``, spins a core
+until the batch is done; on a host with few cores that spin takes the CPU the engine's own
+threads (and, on one host, the decode's) need, and a batch of scattered pages took twice
+as long. ``transfer_check_status`` does not spin, but it looks only at a batch's first
+descriptor (and frees the batch once that one is done). So each batch is followed by a
+*sentinel*: a batch of one descriptor that writes the first bytes of the batch's last
+descriptor again (the same source bytes to the same place, so the write changes nothing).
+The wait sleeps between checks of the sentinel, which the engine finishes after the batch
+in practice, and then asks ``get_batch_transfer_status``, which alone says whether the
+batch is done: if the sentinel ever finishes first, that call spins for the rest, and no
+byte is reported before it landed.
 
 Mooncake's calls block in native code for as long as a peer does not answer: a
 frozen decode holds a batch until the TCP transport's progress timeout (30 s by
@@ -66,10 +68,12 @@ INIT_TRIES = 4
 """Engine starts tried when the port it drew is taken (each draws a new one)."""
 MAX_PENDING_PROBES = 16
 """Probes that may wait on silent sessions at once; past that, registrations are refused at once."""
-NAP_SHARE = 0.5
-"""Of a batch's time at the fastest rate seen, the share its wait sleeps before Mooncake's spinning wait."""
-RATE_BYTES = 4 << 20
-"""Batches this large or larger set the rate (smaller ones are mostly per-descriptor cost)."""
+SENTINEL_BYTES = 4096
+"""Most bytes a batch's sentinel writes again."""
+SENTINEL_FROM = 1 << 20
+"""Batches this large get a sentinel; a smaller one is done sooner than a sleep between checks."""
+CHECK_S = 0.0005
+"""Sleep between checks of a sentinel."""
 
 
 class Probe(enum.Enum):
@@ -127,7 +131,6 @@ class MooncakeExecutor(EngineExecutor):
                          inline_bytes=inline_bytes)
         self.connect_timeout_s = connect_timeout_s
         self._probing = 0
-        self._rate = 0.0  # bytes/s: the fastest large batch yet, from its submit to its wait's end
         self.adopted = engine is not None
         """The engine belongs to someone else in this process (``engine`` was given)."""
         if engine is not None:
@@ -249,32 +252,28 @@ class MooncakeExecutor(EngineExecutor):
         return None
 
     def _submit(self, peer: PeerState, descs: Descs, kind: MemoryKind, device: int) -> Any:
-        began = time.monotonic()
-        sizes = descs[:, 2].tolist()
-        bid = self._engine.batch_transfer_async_write(peer.remote, descs[:, 0].tolist(), descs[:, 1].tolist(), sizes)
+        bid = self._engine.batch_transfer_async_write(peer.remote, descs[:, 0].tolist(), descs[:, 1].tolist(),
+                                                      descs[:, 2].tolist())
         if bid is None or bid <= 0:
             raise self._failure(peer, "Mooncake refused the batch", bid)
-        return bid, began, sum(sizes)
+        if int(descs[:, 2].sum()) < SENTINEL_FROM:
+            return bid, None
+        src, dst, size = (int(v) for v in descs[-1])
+        sentinel = self._engine.batch_transfer_async_write(peer.remote, [src], [dst], [min(size, SENTINEL_BYTES)])
+        return bid, sentinel if sentinel and sentinel > 0 else None
 
     def _wait(self, peer: PeerState, handle: Any) -> None:
-        bid, began, nbytes = handle
-        # Only a batch submitted after the peer's last wait ended ran from its submit on: one queued
-        # behind the peer's earlier batches would nap past its own end, and read as a slow rate.
-        alone = began >= peer.extra.get("waited", 0.0)
-        try:
-            if alone and self._rate:
-                nap = min(began + NAP_SHARE * nbytes / self._rate, peer.deadline or math.inf) - time.monotonic()
-                if nap > 0.0005:
-                    time.sleep(nap)
-            rc = self._engine.get_batch_transfer_status([bid])
-        finally:
-            peer.extra["waited"] = time.monotonic()
+        bid, sentinel = handle
+        batches = [bid]
+        if sentinel is not None:
+            # 1: done and freed by the check; -1: failed and freed; -2: timed out, still held.
+            while (state := self._engine.transfer_check_status(sentinel)) == 0 and time.monotonic() < peer.deadline:
+                time.sleep(CHECK_S)
+            if state not in (1, -1):
+                batches.append(sentinel)  # so that the wait below frees it
+        rc = self._engine.get_batch_transfer_status(batches)
         if rc != 0:
             raise self._failure(peer, "Mooncake batch failed", rc)
-        if alone and nbytes >= RATE_BYTES:
-            rate = nbytes / max(peer.extra["waited"] - began, 1e-6)
-            with self._lock:  # peers' workers finish batches concurrently
-                self._rate = max(self._rate, rate)
 
     def _failure(self, peer: PeerState, message: str, rc: object) -> PdprotoError:
         """Map a bare engine rc to a reason: PEER_GONE only when a probe says the peer does not answer.
