@@ -68,6 +68,15 @@ def test_row_descriptors_move_exactly_the_row_pairs(rows: list[tuple[int, int, i
     assert len(descs) <= src.size
 
 
+@given(run_rows, st.lists(spans(), min_size=2, max_size=4))
+def test_layers_sharing_a_cut_get_what_each_would_alone(rows: list[tuple[int, int, int, int, int]],
+                                                         layers: list[LayerSpan]) -> None:
+    """A job's layers of one segment share the runs' segments: whole rows and byte ranges alike."""
+    runs = _runs(rows)
+    cut: dict[tuple[int, bool], object] = {}
+    for layer in layers:
+        assert row_descriptors(layer, runs, cut).tolist() == row_descriptors(layer, runs).tolist()
+
 
 @given(run_rows.filter(lambda rows: len(rows) == 1), spans())
 def test_one_run_takes_the_same_descriptors_and_extents_as_many(rows: list[tuple[int, int, int, int, int]],

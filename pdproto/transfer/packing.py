@@ -41,15 +41,25 @@ def descriptors(src_addr: int, src_pitch: int, dst_addr: int, dst_pitch: int, nb
     return out
 
 
-def row_descriptors(layer: LayerSpan, runs: Runs) -> Descs:
-    """Unpacked descriptors: one per stretch of rows adjacent on both sides (one per row when strided)."""
+def row_descriptors(layer: LayerSpan, runs: Runs, cut: dict[tuple[int, bool], Any] | None = None) -> Descs:
+    """Unpacked descriptors: one per stretch of rows adjacent on both sides (one per row when strided).
+
+    ``cut`` keeps the runs' segments for the next layer of the same runs (keyed by the runs'
+    ``id``: the caller keeps them alive): cutting them per layer was most of a job's CPU
+    before its submit.
+    """
     src, dst = layer.src_ptr + layer.src_offset, layer.dst_ptr + layer.dst_offset
     if runs.shape[0] == 1:
         # A state item or aux row is one run: a job holds dozens, and numpy's cost per call was most of its CPU.
         s, s_stride, d, d_stride, n = (int(v) for v in runs[0])
         if n == 1 or (layer.whole_rows and s_stride == d_stride == 1):
             return np.array([[src + s * layer.row_bytes, dst + d * layer.dst_pitch, n * layer.nbytes]], dtype=np.int64)
-    segs = run_arith.segments(runs, merge=layer.whole_rows)
+    key = (id(runs), layer.whole_rows)
+    segs = None if cut is None else cut.get(key)
+    if segs is None:
+        segs = run_arith.segments(runs, merge=layer.whole_rows)
+        if cut is not None:
+            cut[key] = segs
     return descriptors(src, layer.row_bytes, dst, layer.dst_pitch, layer.nbytes, segs)
 
 

@@ -145,7 +145,8 @@ class JobPaths:
         Consecutive units from the same kind of memory go out as one batch (split only at the
         engine's batch limit), so a job costs one submit and one wait, not one per layer.
         """
-        parts = [row_descriptors(layer, seg.runs) for seg, layer in units]
+        cut: dict[tuple[int, bool], Any] = {}
+        parts = [row_descriptors(layer, seg.runs, cut) for seg, layer in units]
         kinds = [self._kind_of(layer.src_ptr) for _, layer in units]
         with self._inflight(peer) as inflight:
             first = 0
