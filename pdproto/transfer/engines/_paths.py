@@ -104,13 +104,18 @@ class JobPaths:
         """Most descriptors queued at once per job; engines with a bounded queue lower it."""
         return 1 << 40
 
+    def _queued(self, descs: Descs) -> int:
+        """Descriptors a ``_submit`` of ``descs`` queues in the engine (more where the engine adds its own)."""
+        return len(descs)
+
     def _push(self, peer: PeerState, inflight: Inflight, descs: Descs, mem: tuple[MemoryKind, int],
               lo: int = 0, hi: int = 0) -> None:
         """Submit ``descs`` in engine-sized batches, first waiting out what would overflow the queue."""
         cap = self._max_inflight_descs()
         for i in range(0, len(descs), self.max_batch):
             chunk = descs[i:i + self.max_batch]
-            while inflight and sum(e[3] for e in inflight) + len(chunk) > cap:
+            queued = self._queued(chunk)
+            while inflight and sum(e[3] for e in inflight) + queued > cap:
                 self._finish(peer, inflight.popleft()[0])
             # The caller was told DEADLINE_EXCEEDED at the deadline: a slow peer's job that
             # comes back from a wait after it must not write the pages of layers still to go.
@@ -121,7 +126,7 @@ class JobPaths:
             handle = self._submit(peer, chunk, mem[0], mem[1])
             with self._lock:
                 self._handles += 1
-            inflight.append((handle, lo, hi, len(chunk)))
+            inflight.append((handle, lo, hi, queued))
 
     @contextlib.contextmanager
     def _inflight(self, peer: PeerState) -> Iterator[Inflight]:

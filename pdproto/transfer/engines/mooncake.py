@@ -1,8 +1,8 @@
 """Mooncake executor: ``mooncake.engine.TransferEngine`` in P2P handshake mode (TCP or RDMA).
 
-Writes go out as async batches of at most ``max_batch`` descriptors. A stock TCP transport
-fails a batch of 4,096 descriptors with "lane queue-full". So batches stay at 2,048, and at
-most that many descriptors are queued per job.
+Writes go out as async batches. A stock TCP transport fails a batch of 4,096 descriptors
+with "lane queue-full" (and 2,100 at times), so at most ``QUEUE_DESCS`` (2,048) descriptors,
+sentinels (below) included, are queued per job.
 
 Mooncake's one wait that covers a whole batch, ``get_batch_transfer_status``, spins a core
 until the batch is done; on a host with few cores that spin takes the CPU the engine's own
@@ -68,6 +68,8 @@ INIT_TRIES = 4
 """Engine starts tried when the port it drew is taken (each draws a new one)."""
 MAX_PENDING_PROBES = 16
 """Probes that may wait on silent sessions at once; past that, registrations are refused at once."""
+QUEUE_DESCS = 2048
+"""Most descriptors, sentinels included, a job queues in the engine at once."""
 SENTINEL_BYTES = 4096
 """Most bytes a batch's sentinel writes again."""
 SENTINEL_FROM = 1 << 20
@@ -107,7 +109,7 @@ class MooncakeExecutor(EngineExecutor):
     """Transfers through one Mooncake ``TransferEngine`` (one per process is the norm)."""
 
     backend = "mooncake"
-    max_batch = 2048
+    max_batch = QUEUE_DESCS - 1  # and its sentinel
 
     def __init__(self, *, host: str | None = None, protocol: str = "tcp", device_name: str = "",
                  staging_bytes: int = 0, device: str = "cpu", transfer_timeout_s: float = 30.0,
@@ -256,7 +258,7 @@ class MooncakeExecutor(EngineExecutor):
                                                       descs[:, 2].tolist())
         if bid is None or bid <= 0:
             raise self._failure(peer, "Mooncake refused the batch", bid)
-        if int(descs[:, 2].sum()) < SENTINEL_FROM:
+        if self._queued(descs) == len(descs):
             return bid, None
         src, dst, size = (int(v) for v in descs[-1])
         sentinel = self._engine.batch_transfer_async_write(peer.remote, [src], [dst], [min(size, SENTINEL_BYTES)])
@@ -289,7 +291,10 @@ class MooncakeExecutor(EngineExecutor):
         return error_for(Reason.TRANSFER_FAILED, message, metadata=metadata)
 
     def _max_inflight_descs(self) -> int:
-        return self.max_batch
+        return self.max_batch + 1  # a full batch and its sentinel
+
+    def _queued(self, descs: Descs) -> int:
+        return len(descs) + int(int(descs[:, 2].sum()) >= SENTINEL_FROM)
 
     def _close_engine(self) -> None:
         # Dropping the last reference stops the engine's threads and closes its sockets; an
