@@ -214,8 +214,9 @@ def slow(rig: Rig, report: dict[str, Any]) -> None:
 
     Four units (segments) of 512 rows, one descriptor each, and one descriptor (and its sentinel)
     in flight at a time (``max_batch`` 1; the real cap, 2,047 and a sentinel, is reached the
-    same way by a job of scattered rows): each unit is submitted once the one before completed. Unit 0 waits on the
-    frozen decode past the deadline; the decode then thaws and unit 0 completes.
+    same way by a job of scattered rows): each unit is submitted once the one before
+    completed. Unit 0 waits on the frozen decode past the deadline; the decode then thaws and
+    unit 0 completes.
     """
     a = rig.add("A")
     report["warm"] = _warm(rig, "A")

@@ -556,16 +556,13 @@ class _RecordingEngine:
         return getattr(self.engine, name)
 
 
+@pytest.mark.parametrize("pair", ["mooncake"], indirect=True)
 @pytest.mark.parametrize("mode", ["inline", "per_row"])
-def test_mooncake_says_a_batch_is_done_only_after_the_whole_batch_wait(pairs: dict[str, Pair], mode: str,
-                                                                       tmp_path: object,
+def test_mooncake_says_a_batch_is_done_only_after_the_whole_batch_wait(pair: Pair, mode: str, tmp_path: object,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # The wait sleeps on a one-descriptor sentinel, a hint only: every batch must still pass
     # Mooncake's own whole-batch wait before the job returns, and the sentinel rewrites bytes
     # of its own batch's last descriptor, nothing else.
-    if "mooncake" not in pairs:
-        pairs["mooncake"] = Pair("mooncake")
-    pair = pairs["mooncake"]
     pre, peer = pair.pre, pair.peer
     ex = pre.ex
     assert isinstance(ex, EngineExecutor)
@@ -578,7 +575,6 @@ def test_mooncake_says_a_batch_is_done_only_after_the_whole_batch_wait(pairs: di
         res = ex.execute("d0", pre.job(peer, runs, pack=_use(ex, mode)))
     finally:
         ex._engine = recorder.engine  # type: ignore[attr-defined]
-        _use(ex, "default")
     assert _path(res) == mode
     sentinels = {bid for bid in recorder.batches if bid in recorder.checked}
     assert sentinels, "a batch of SENTINEL_FROM bytes or more is waited for through a sentinel"

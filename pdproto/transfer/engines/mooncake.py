@@ -8,8 +8,8 @@ Mooncake's one wait that covers a whole batch, ``get_batch_transfer_status``, sp
 until the batch is done; on a host with few cores that spin takes the CPU the engine's own
 threads (and, on one host, the decode's) need, and a batch of scattered pages took twice
 as long. ``transfer_check_status`` does not spin, but it looks only at a batch's first
-descriptor (and frees the batch once that one is done). So each batch is followed by a
-*sentinel*: a batch of one descriptor that writes the first bytes of the batch's last
+descriptor (and frees the batch once that one is done). So each batch of ``SENTINEL_FROM``
+bytes or more is followed by a *sentinel*: a batch of one descriptor that writes the first bytes of the batch's last
 descriptor again (the same source bytes to the same place, so the write changes nothing).
 The wait sleeps between checks of the sentinel, which the engine finishes after the batch
 in practice, and then asks ``get_batch_transfer_status``, which alone says whether the
@@ -76,6 +76,11 @@ SENTINEL_FROM = 1 << 20
 """Batches this large get a sentinel; a smaller one is done sooner than a sleep between checks."""
 CHECK_S = 0.0005
 """Sleep between checks of a sentinel."""
+
+
+def _gets_sentinel(descs: Descs) -> bool:
+    """Whether a batch of ``descs`` is followed by a sentinel (``SENTINEL_FROM`` bytes or more)."""
+    return int(descs[:, 2].sum()) >= SENTINEL_FROM
 
 
 class Probe(enum.Enum):
@@ -258,7 +263,7 @@ class MooncakeExecutor(EngineExecutor):
                                                       descs[:, 2].tolist())
         if bid is None or bid <= 0:
             raise self._failure(peer, "Mooncake refused the batch", bid)
-        if self._queued(descs) == len(descs):
+        if not _gets_sentinel(descs):
             return bid, None
         src, dst, size = (int(v) for v in descs[-1])
         sentinel = self._engine.batch_transfer_async_write(peer.remote, [src], [dst], [min(size, SENTINEL_BYTES)])
@@ -294,7 +299,7 @@ class MooncakeExecutor(EngineExecutor):
         return self.max_batch + 1  # a full batch and its sentinel
 
     def _queued(self, descs: Descs) -> int:
-        return len(descs) + int(int(descs[:, 2].sum()) >= SENTINEL_FROM)
+        return len(descs) + int(_gets_sentinel(descs))
 
     def _close_engine(self) -> None:
         # Dropping the last reference stops the engine's threads and closes its sockets; an
