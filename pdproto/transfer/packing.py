@@ -90,19 +90,6 @@ def packed_layers(staging_addrs: Sequence[int], layers: Sequence[LayerSpan], run
     return out
 
 
-def packed_units(units: Sequence[tuple[Segment, LayerSpan]], staging_addrs: Sequence[int]) -> list[Descs]:
-    """``packed_layers`` of every unit, unit i packed at ``staging_addrs[i]``; cut once per segment."""
-    out: list[Descs] = []
-    start = 0
-    while start < len(units):
-        seg, end = units[start][0], start + 1
-        while end < len(units) and units[end][0] is seg:
-            end += 1
-        out.extend(packed_layers(staging_addrs[start:end], [layer for _, layer in units[start:end]], seg.runs))
-        start = end
-    return out
-
-
 def packing_saves(segments: Sequence[Segment]) -> bool:
     """True when packing at least halves some layer's descriptors: its rows land in longer stretches
     than they leave in (DCP and page-size relayouts, a source cut to fewer heads).
@@ -250,7 +237,7 @@ class Gatherer:
 
 
 __all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
-           "packed_layers", "packed_units", "packing_saves", "row_descriptors", "torch_or_none", "unpack_buffers",
+           "packed_layers", "packing_saves", "row_descriptors", "torch_or_none", "unpack_buffers",
            "unpack_fan_in"]
 
 

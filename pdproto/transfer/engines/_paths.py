@@ -23,7 +23,7 @@ from pdproto.dcp.runs import source_rows
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
 
 from ..base import Buffer, LayerSpan, MemoryKind, Runs, Segment
-from ..packing import Descs, Gatherer, packed_units, row_descriptors
+from ..packing import Descs, Gatherer, packed_layers, row_descriptors
 
 if TYPE_CHECKING:
     from ._engine import PeerState
@@ -62,7 +62,7 @@ class _Cuts:
             if self._descs[i] is None:
                 seg = self.units[i][0]
                 mine = [k for k, (s, _) in enumerate(self.units) if s is seg]
-                cut = packed_units([self.units[k] for k in mine], [self.starts[k] for k in mine])
+                cut = packed_layers([self.starts[k] for k in mine], [self.units[k][1] for k in mine], seg.runs)
                 for k, d in zip(mine, cut, strict=True):
                     self._descs[k] = d
         parts = [d for d in self._descs[a:b] if d is not None]
