@@ -34,11 +34,12 @@ MAX_PEERS, MAX_FINISHED, KEEP_S = 4, 40, 2.0
 GROWTH_LIMIT = 32 << 20
 """Resident growth allowed per phase: allocator slack, not what was kept (1,000 kept requests were about 1 GB)."""
 REQUESTS, BATCH, INFO_PAGES = 1000, 50, 1 << 16
-WARMUP = 300
-"""Requests before the first reading. The server's resident memory climbs over its first several hundred
+WARMUP = 1000
+"""Requests before the first reading. The server's resident memory climbs over its first 800-900
 requests of this size, then stays flat: the allocator's heaps reaching their working size (about half
 the climb goes with ``MALLOC_ARENA_MAX=1``). Read after one batch, that climb alone measured 7-34 MiB
-from run to run. A server keeping each request's 64 KB would still grow 64 MiB over the measured 1,000."""
+from run to run; after 1,000 the measured 1,000 grow a few MiB. A server keeping each request's 64 KB
+would still grow 64 MiB over them."""
 CYCLES = 30
 FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 """glibc otherwise raises its mmap threshold after the first big free and keeps later ones in
