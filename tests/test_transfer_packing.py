@@ -18,7 +18,8 @@ from pdproto.errors import DestinationOutOfBoundsError, EngineUnavailableError, 
 from pdproto.transfer import LayerSpan, Segment, TransferJob
 from pdproto.transfer.base import check_bounds, decode_notification, encode_notification, remote_regions, validate_job
 from pdproto.transfer.packing import (TORCH_IMPORT_BYTES, Gatherer, copy_runs, packed_layers,
-                                      packing_saves, row_descriptors, torch_or_none, unpack_fan_in)
+                                      packing_saves, row_descriptors, row_layers, torch_or_none,
+                                      unpack_fan_in)
 from pdproto.v1 import registration_pb2
 
 # Runs as the planner may emit them (strides >= 1, counts >= 1), in any order.
@@ -68,14 +69,16 @@ def test_row_descriptors_move_exactly_the_row_pairs(rows: list[tuple[int, int, i
     assert len(descs) <= src.size
 
 
-@given(run_rows, st.lists(spans(), min_size=2, max_size=4))
+@given(run_rows, st.lists(st.one_of(spans(), st.integers(1, 9).map(lambda pitch: LayerSpan(1000, 100_000, pitch))),
+                          min_size=2, max_size=4))
 def test_layers_sharing_a_cut_get_what_each_would_alone(rows: list[tuple[int, int, int, int, int]],
                                                          layers: list[LayerSpan]) -> None:
-    """A job's layers of one segment share the runs' segments: whole rows and byte ranges alike."""
+    """A segment's layers share the runs' cut (``row_layers``): whole rows and byte ranges alike."""
     runs = _runs(rows)
-    cut: dict[tuple[int, bool], object] = {}
-    for layer in layers:
-        assert row_descriptors(layer, runs, cut).tolist() == row_descriptors(layer, runs).tolist()
+    together = row_layers(layers, runs)
+    assert len(together) == len(layers)
+    for layer, descs in zip(layers, together, strict=True):
+        assert descs.tolist() == row_descriptors(layer, runs).tolist()
 
 
 @given(run_rows.filter(lambda rows: len(rows) == 1), spans())

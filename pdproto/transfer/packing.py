@@ -41,12 +41,11 @@ def descriptors(src_addr: int, src_pitch: int, dst_addr: int, dst_pitch: int, nb
     return out
 
 
-def row_descriptors(layer: LayerSpan, runs: Runs, cut: dict[tuple[int, bool], Any] | None = None) -> Descs:
+def row_descriptors(layer: LayerSpan, runs: Runs, cut: dict[bool, Any] | None = None) -> Descs:
     """Unpacked descriptors: one per stretch of rows adjacent on both sides (one per row when strided).
 
-    ``cut`` keeps the runs' segments for the next layer of the same runs (keyed by the runs'
-    ``id``: the caller keeps them alive): cutting them per layer was most of a job's CPU
-    before its submit.
+    ``cut``: the runs' segments by merge rule (whole rows or not), shared by the layers of
+    one segment (``row_layers``).
     """
     src, dst = layer.src_ptr + layer.src_offset, layer.dst_ptr + layer.dst_offset
     if runs.shape[0] == 1:
@@ -54,13 +53,19 @@ def row_descriptors(layer: LayerSpan, runs: Runs, cut: dict[tuple[int, bool], An
         s, s_stride, d, d_stride, n = (int(v) for v in runs[0])
         if n == 1 or (layer.whole_rows and s_stride == d_stride == 1):
             return np.array([[src + s * layer.row_bytes, dst + d * layer.dst_pitch, n * layer.nbytes]], dtype=np.int64)
-    key = (id(runs), layer.whole_rows)
-    segs = None if cut is None else cut.get(key)
+    segs = None if cut is None else cut.get(layer.whole_rows)
     if segs is None:
         segs = run_arith.segments(runs, merge=layer.whole_rows)
         if cut is not None:
-            cut[key] = segs
+            cut[layer.whole_rows] = segs
     return descriptors(src, layer.row_bytes, dst, layer.dst_pitch, layer.nbytes, segs)
+
+
+def row_layers(layers: Sequence[LayerSpan], runs: Runs) -> list[Descs]:
+    """``row_descriptors`` of every layer of one segment, the runs cut once per merge rule rather than
+    once per layer: per layer, the cut was most of a job's CPU before its submit."""
+    cut: dict[bool, Any] = {}
+    return [row_descriptors(layer, runs, cut) for layer in layers]
 
 
 def packed_layers(staging_addrs: Sequence[int], layers: Sequence[LayerSpan], runs: Runs) -> list[Descs]:
@@ -237,7 +242,7 @@ class Gatherer:
 
 
 __all__ = ["TORCH_IMPORT_BYTES", "Descs", "Gatherer", "StagingExtents", "copy_runs", "descriptors",
-           "packed_layers", "packing_saves", "row_descriptors", "torch_or_none", "unpack_buffers",
+           "packed_layers", "packing_saves", "row_descriptors", "row_layers", "torch_or_none", "unpack_buffers",
            "unpack_fan_in"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,7 @@ from pdproto.dcp.runs import source_rows
 from pdproto.errors import DeadlineExceededError, PdprotoError, Reason
 
 from ..base import Buffer, LayerSpan, MemoryKind, Runs, Segment
-from ..packing import Descs, Gatherer, packed_layers, row_descriptors
+from ..packing import Descs, Gatherer, packed_layers, row_layers
 
 if TYPE_CHECKING:
     from ._engine import PeerState
@@ -150,8 +151,10 @@ class JobPaths:
         Consecutive units from the same kind of memory go out as one batch (split only at the
         engine's batch limit), so a job costs one submit and one wait, not one per layer.
         """
-        cut: dict[tuple[int, bool], Any] = {}
-        parts = [row_descriptors(layer, seg.runs, cut) for seg, layer in units]
+        parts: list[Descs] = []
+        for _, same in itertools.groupby(units, key=lambda unit: id(unit[0])):  # a segment's layers, together
+            group = list(same)
+            parts += row_layers([layer for _, layer in group], group[0][0].runs)
         kinds = [self._kind_of(layer.src_ptr) for _, layer in units]
         with self._inflight(peer) as inflight:
             first = 0
