@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -39,6 +38,15 @@ INLINE_BYTES = 4 << 20
 Mooncake TCP or NIXL UCX, for 4 to 32 layers; at 8 MiB a 4-layer job was (docs/transfer.md, "Small chunks")."""
 
 
+def _segment_spans(units: Units) -> list[tuple[int, int]]:
+    """Unit ranges [a, b) of one segment each: ``TransferJob.units`` lists a segment's layers together."""
+    spans: list[tuple[int, int]] = []
+    for i in range(1, len(units) + 1):
+        if i == len(units) or units[i][0] is not units[i - 1][0]:
+            spans.append((spans[-1][1] if spans else 0, i))
+    return spans
+
+
 class _Cuts:
     """A job's gather indexes and descriptors, each made once per segment when first needed.
 
@@ -50,6 +58,7 @@ class _Cuts:
         self.units, self.starts = units, starts
         self._index: dict[int, Runs] = {}
         self._descs: list[Descs | None] = [None] * len(units)
+        self._span = [span for span in _segment_spans(units) for _ in range(*span)]
 
     def index(self, seg: Segment) -> Runs:
         """The segment's gather index (``source_rows``), shared by its layers."""
@@ -61,11 +70,10 @@ class _Cuts:
         """Descriptors of units [a, b), as one array; each segment's units are cut together."""
         for i in range(a, b):
             if self._descs[i] is None:
-                seg = self.units[i][0]
-                mine = [k for k, (s, _) in enumerate(self.units) if s is seg]
-                cut = packed_layers([self.starts[k] for k in mine], [self.units[k][1] for k in mine], seg.runs)
-                for k, d in zip(mine, cut, strict=True):
-                    self._descs[k] = d
+                first, end = self._span[i]
+                self._descs[first:end] = packed_layers(self.starts[first:end],
+                                                       [layer for _, layer in self.units[first:end]],
+                                                       self.units[first][0].runs)
         parts = [d for d in self._descs[a:b] if d is not None]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -152,9 +160,8 @@ class JobPaths:
         engine's batch limit), so a job costs one submit and one wait, not one per layer.
         """
         parts: list[Descs] = []
-        for _, same in itertools.groupby(units, key=lambda unit: id(unit[0])):  # a segment's layers, together
-            group = list(same)
-            parts += row_layers([layer for _, layer in group], group[0][0].runs)
+        for a, b in _segment_spans(units):
+            parts += row_layers([layer for _, layer in units[a:b]], units[a][0].runs)
         kinds = [self._kind_of(layer.src_ptr) for _, layer in units]
         with self._inflight(peer) as inflight:
             first = 0
