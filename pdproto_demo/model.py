@@ -15,9 +15,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
+import numpy.typing as npt
 
 from pdproto.dcp.layers import stage_layer_range
 from pdproto.errors import ConfigError, Reason
@@ -40,9 +41,13 @@ _TYPE_NAMES = {common_pb2.STATE_KIND_RECURRENT: "mamba", common_pb2.STATE_KIND_S
 
 def _bytes_of(seed: int, n: int) -> U8:
     """``n`` deterministic bytes of one seed (a bijective mix of every byte index)."""
-    idx = np.arange(n, dtype=np.uint32)
+    return _bytes_at(seed, np.arange(n, dtype=np.uint32))
+
+
+def _bytes_at(seed: int, at: npt.NDArray[Any]) -> U8:
+    """The bytes of ``_bytes_of(seed, n)`` at the indices ``at``, without the rest of them."""
     with np.errstate(over="ignore"):
-        out: U8 = _mix(idx * np.uint32(0x9E3779B9) ^ np.uint32(seed & 0xFFFFFFFF)).astype(np.uint8)
+        out: U8 = _mix(at.astype(np.uint32) * np.uint32(0x9E3779B9) ^ np.uint32(seed & 0xFFFFFFFF)).astype(np.uint8)
     return out
 
 
@@ -233,9 +238,8 @@ class ModelShape:
         ``page``-th of its window for a sliding-window tensor: the monolithic item, projected."""
         layout, _ = [t for _, layouts in self.entries() for t in layouts][tensor]
         tensor += self.start_layer  # numbered across the model: a stage's DSA index has one tensor per layer
-        whole = _bytes_of(room * 0x85EBCA77 + tensor * 0xC2B2AE35 + page * 0x9E3779B1 + 1, self._tensor(layout, 1)[0])
-        out: U8 = whole[local_bytes(layout, tp, rank)]
-        return out
+        # A rank's bytes only: mixing the whole item costs each TP rank its tp-fold share.
+        return _bytes_at(room * 0x85EBCA77 + tensor * 0xC2B2AE35 + page * 0x9E3779B1 + 1, local_bytes(layout, tp, rank))
 
     def state_writes(self, room: int, tensor: int, tp: int, rank: int, items: Sequence[int]) -> list[tuple[int, U8]]:
         """(item, bytes) of ``room``'s state ``tensor`` on a rank: the i-th of the ``items`` a side lists
