@@ -2,12 +2,14 @@
 
 Per backend and model one cluster of ranks on 127.0.0.1 serves every topology of that model; each prompt
 goes in several chunks (with a decode prefix on long ones), and each decode rank compares its whole KV pool,
-aux and state slots with what a monolithic run would hold. One table row per (backend, topology, prompt).
+aux and state slots with what a monolithic run would hold. One table row per (backend, topology, prompt):
+the median of `--repeat` requests of it, each one checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -59,8 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kda-heads", type=int, default=32, help="Kimi case: KDA heads before TP")
     parser.add_argument("--kda-head-dim", type=int, default=128,
                         help="Kimi case: KDA head dimension (a temporal state is heads x dim x dim fp32)")
+    parser.add_argument("--repeat", type=_positive, default=3,
+                        help="requests per row, each one checked; the row shows their median time and the slowest")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline per request in seconds")
     parser.add_argument("--corrupt-one-byte", action="store_true", help=argparse.SUPPRESS)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _progress(label: str) -> Callable[[int, int], None]:
@@ -76,17 +87,31 @@ def _progress(label: str) -> Callable[[int, int], None]:
     return show
 
 
-def _row(backend: str, topo: str, r: RequestResult) -> str:
+def _median_row(runs: list[RequestResult]) -> tuple[RequestResult, float]:
+    """One table row from a prompt's requests: the median one (failed if any failed) and the slowest time.
+
+    A single request of a tenth of a second moves by a factor of two on a loaded host, so one
+    sample per row would not say how time grows with tokens.
+    """
+    ordered = sorted(runs, key=lambda r: r.seconds)
+    row = dataclasses.replace(ordered[(len(ordered) - 1) // 2], ok=all(r.ok for r in runs),
+                              failures=[f for r in runs for f in r.failures],
+                              mismatches=[m for r in runs for m in r.mismatches])
+    return row, ordered[-1].seconds
+
+
+def _row(backend: str, topo: str, r: RequestResult, slowest: float) -> str:
     total = r.bytes + r.aux_bytes + r.state_bytes
     gbs = total / r.seconds / 1e9 if r.seconds > 0 else 0.0
     verdict = "ok" if r.ok else "FAIL"
     return (f"{backend:<9}{topo:<14}{r.tokens:>7}{r.prefix:>7}{r.chunks:>7}{r.bytes:>13,}{r.aux_bytes:>7,}"
             f"{r.state_bytes:>12,}{r.descriptors:>7}{r.aux_descriptors:>6}{r.state_descriptors:>6}"
-            f"{r.seconds:>9.3f}{gbs:>8.2f}{r.checked:>14,}  {verdict}")
+            f"{r.seconds:>9.3f}{slowest:>8.3f}{gbs:>8.2f}{r.checked:>14,}  {verdict}")
 
 
 HEADER = (f"{'backend':<9}{'topology':<14}{'tokens':>7}{'prefix':>7}{'chunks':>7}{'KV bytes':>13}{'aux':>7}"
-          f"{'state':>12}{'d.KV':>7}{'d.aux':>6}{'d.st':>6}{'seconds':>9}{'GB/s':>8}{'verified':>14}  result")
+          f"{'state':>12}{'d.KV':>7}{'d.aux':>6}{'d.st':>6}{'seconds':>9}{'max s':>8}{'GB/s':>8}{'verified':>14}"
+          "  result")
 
 
 def _run_cluster(backend: str, args: argparse.Namespace, prompts: list[int], topos: list[str],
@@ -117,10 +142,13 @@ def _run_cluster(backend: str, args: argparse.Namespace, prompts: list[int], top
             for i, tokens in enumerate(prompts):
                 label = f"{backend} {tname} {tokens} tokens ({i + 1}/{len(prompts)})"
                 print(f"  {label}", file=sys.stderr, flush=True)
-                res = cluster.run_request(tokens, prefix_for(tokens), corrupt=corrupt,
-                                          timeout=args.timeout, progress=_progress(label))
-                corrupt = False
-                print(_row(backend, tname, res), flush=True)
+                runs = []
+                for _ in range(args.repeat):
+                    runs.append(cluster.run_request(tokens, prefix_for(tokens), corrupt=corrupt,
+                                                    timeout=args.timeout, progress=_progress(label)))
+                    corrupt = False
+                res, slowest = _median_row(runs)
+                print(_row(backend, tname, res, slowest), flush=True)
                 if not res.ok:
                     failures.append(f"{backend} {tname} {tokens}: {res.failures or res.mismatches}")
     except ChildError as exc:

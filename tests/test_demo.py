@@ -20,11 +20,11 @@ def _run(*extra: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(300)
 def test_demo_passes_and_checks_every_byte() -> None:
     """Every topology passes; every row of the table is ok and bytes were verified."""
-    proc = _run()
+    proc = _run("--repeat", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("local ")]
-    assert len(rows) == 6  # 3 topologies x 2 prompts
+    assert len(rows) == 6  # 3 topologies x 2 prompts, one row for a prompt's two requests
     assert all(line.endswith("ok") for line in rows)
     assert {"dense-dcp4", "dcp2-dcp4", "kimi-tp4-dcp4"} == {line.split()[1] for line in rows}
     # Bytes and descriptors per kind: KV only for MLA, KV + aux + state for the Kimi-shaped case.
@@ -33,12 +33,29 @@ def test_demo_passes_and_checks_every_byte() -> None:
         assert kv > 0 and d_kv > 0
         kimi = line.split()[1] == "kimi-tp4-dcp4"
         assert (aux > 0 and state > 0 and d_aux > 0 and d_state > 0) == kimi
+        median, slowest = (float(x) for x in line.split()[11:13])
+        assert 0 < median <= slowest
+
+
+def test_a_row_is_the_median_request_and_fails_with_any_of_its_requests() -> None:
+    """A row's time is its requests' median, the slowest beside it; one failed request fails the row."""
+    from pdproto_demo.cluster import RequestResult
+    from pdproto_demo.run import _median_row
+
+    runs = [RequestResult(room=r, tokens=65, prefix=0, chunks=2, ok=True, seconds=s, bytes=599_040)
+            for r, s in ((1, 0.30), (2, 0.10), (3, 0.20))]
+    row, slowest = _median_row(runs)
+    assert (row.room, row.seconds, slowest, row.ok, row.bytes) == (3, 0.20, 0.30, True, 599_040)
+    runs[1].ok, runs[1].failures = False, ["d-0: TRANSFER_FAILED: gone"]
+    row, _ = _median_row(runs)
+    assert not row.ok and row.failures == ["d-0: TRANSFER_FAILED: gone"]
+    assert _median_row(runs[:2])[0].seconds == 0.10  # of two, the faster: a row never shows the slowest twice
 
 
 @pytest.mark.timeout(300)
 def test_demo_fails_on_one_corrupted_byte() -> None:
     """One flipped source byte makes the demo report the mismatch and exit non-zero."""
-    proc = _run("--corrupt-one-byte", "--topologies", "dense-dcp4")
+    proc = _run("--corrupt-one-byte", "--topologies", "dense-dcp4")  # the first of a row's three requests
     assert proc.returncode != 0
     assert "FAIL" in proc.stdout
     assert "MISMATCH" in proc.stderr
