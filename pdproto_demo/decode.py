@@ -25,7 +25,7 @@ from pdproto.client import DecodePeer, PrefillRank
 from pdproto.errors import PdprotoError, Reason, error_for
 from pdproto.negotiation.fanin import KindTotals
 from pdproto.negotiation.registration import make_registration
-from pdproto.negotiation.tpmap import PACKED_FAN_IN
+from pdproto.negotiation.tpmap import PACKED_FAN_IN, SPLIT_KV
 from pdproto.transfer import VRAM, Buffer, CredentialSlot, Notification, TransferExecutor, create_executor
 from pdproto.transfer.notice import decode_chunk_notice
 from pdproto.transfer.packing import unpack_buffers
@@ -60,6 +60,8 @@ class DecodeConfig(RankConfig):
     """Address the engine advertises to prefills (empty: ``PDPROTO_ADVERTISE_HOST``, else a routable one)."""
     packed_fan_in: bool = True
     """Ask for MHA heads packed per page (``PACKED_FAN_IN``), and put them back in row order once a request succeeded."""
+    split_kv: bool = True
+    """Let an MLA fan-in's prefill ranks write the KV entries in turn (``SPLIT_KV``); False: as a decode before it."""
 
 
 @dataclass
@@ -142,7 +144,8 @@ class DecodeRank:
             tp=c.tp_size, rank=c.tp_rank, page_size=c.page_size, dcp_size=c.dcp_size, dcp_rank=c.dcp_rank,
             layer_ids=c.layer_ids, kv_cache_dtype=c.kv_dtype, model_id=c.model_id,
             notify_host="127.0.0.1", notify_port=self.notify_port,
-            capabilities=("dcp-relayout", "packed", *((PACKED_FAN_IN,) if c.packed_fan_in else ())),
+            capabilities=("dcp-relayout", "packed", *((PACKED_FAN_IN,) if c.packed_fan_in else ()),
+                          *((SPLIT_KV,) if c.split_kv else ())),
             gpu_id=self.buffers[0].device, minor=minor)
         reg = make_registration(layout, self.executor.endpoint(), self.buffers, aux=self.aux, state=self.state)
         if bound:

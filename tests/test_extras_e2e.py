@@ -110,14 +110,32 @@ def test_mha_fan_in_goes_packed_per_page_when_the_decode_reorders_it(backend: st
 
 
 def test_state_only_peer_writes_state_and_nothing_else() -> None:
-    # Hybrid MLA, prefill TP 2 -> decode TP 1: rank 0 sends KV, state and aux; rank 1 only state.
-    with cluster("mooncake", 2, 1) as (c, _):
+    # Hybrid MLA, prefill TP 2 -> decode TP 1, for a decode that does not let the ranks share the KV out
+    # (SPLIT_KV): rank 0 sends KV, state and aux; rank 1 only state.
+    with cluster("mooncake", 2, 1, decode={"split_kv": False}) as (c, _):
         replies = c.connect(Topology(1, 1, 2, 1))
         assert replies[0]["dummies"] == [False, False] and replies[0]["required"] == [2, 2]
         ok(c.run_request(257, 0))
         first, second = moved(c)
         assert first["kv_bytes"] > 0 and first["aux_bytes"] > 0 and first["state_bytes"] > 0
         assert second["kv_bytes"] == 0 and second["aux_bytes"] == 0 and second["state_bytes"] > 0
+
+
+@pytest.mark.parametrize(("backend", "model"), [("mooncake", "mla"), ("nixl", "mla"), ("mooncake", "hybrid")])
+def test_mla_fan_in_ranks_write_the_kv_entries_in_turn(backend: str, model: str) -> None:
+    """Prefill TP 2 -> decode TP 1 for a decode that asks for SPLIT_KV: each prefill rank writes half the MLA
+    entries (the hybrid's two MLA layers: one each) and no rank is a dummy; every byte checked, decode
+    prefixes and chunks included. The same requests to a decode that does not ask: rank 0 writes every entry."""
+    kv: dict[bool, list[int]] = {}
+    for split in (True, False):
+        with cluster(backend, 2, 1, model=model, decode={"split_kv": split}) as (c, _):
+            replies = c.connect(Topology(1, 1, 2, 1))
+            assert replies[0]["dummies"] == [False, not split and model == "mla"]
+            for tokens, prefix in ((63, 0), (257, 0), (300, 32)):
+                ok(c.run_request(tokens, prefix))
+            kv[split] = [int(s["kv_bytes"]) for s in moved(c)]
+    assert kv[True][0] == kv[True][1] > 0 and kv[False][1] == 0
+    assert sum(kv[True]) == sum(kv[False])
 
 
 def test_a_failing_prefill_rank_fails_the_request_with_its_reason() -> None:

@@ -553,13 +553,18 @@ def test_deepseek_v4_compressed_kv_moves_whole_pages_as_rows_and_its_state_is_re
     assert isinstance(decision, Decision), decision
     assert [p.src_token_bytes for p in decision.pairings] == DSV4_KV
     assert written(decision)[1] == [149760] * 4 + [65536] * 2 + [16384] * 2 + [524288]
-    # Prefill TP 2 -> decode TP 1 (MLA fan-in, SGLang: replicated): one prefill rank writes the pages, the
-    # window, the compressor rings and the C128 ring; the other writes nothing.
+    # Prefill TP 2 -> decode TP 1 (MLA fan-in, SGLang: replicated): the two prefill ranks write the KV entries in
+    # turn (the decode asks for split-kv); the first also the window, the compressor rings and the C128 ring.
     moved = []
     for p_rank in range(2):
         rows, state, _ = written(_pair(dsv4(), layout.Ranks(attn_tp=(2, p_rank)), dsv4(), layout.Ranks(attn_tp=(1, 0))))
         moved.append((rows, sum(state)))
-    assert sorted(moved) == [([0] * 5, 0), (DSV4_KV, 4 * 149760 + 2 * 65536 + 2 * 16384 + 524288)], moved
+    assert moved == [(_turn(DSV4_KV, 0), 4 * 149760 + 2 * 65536 + 2 * 16384 + 524288), (_turn(DSV4_KV, 1), 0)], moved
+
+
+def _turn(row_bytes: list[int], sender: int, senders: int = 2) -> list[int]:
+    """The rows ``sender`` writes of KV entries that ``senders`` fan-in ranks write in turn (split-kv)."""
+    return [n if j % senders == sender else 0 for j, n in enumerate(row_bytes)]
 
 
 DSV4_PP = (0, 4, 128, 4, 128, 0)
@@ -699,13 +704,14 @@ def test_deepseek_v4_unified_kv_ring_rows_are_a_replicated_window_and_lists_of_u
         ("swa", v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
         ("swa_ring", v1.STATE_KIND_SLIDING_WINDOW, v1.STATE_TP_POLICY_REPLICATED),
         ("c128_state", v1.STATE_KIND_PAGED, v1.STATE_TP_POLICY_REPLICATED)]
-    # Prefill TP 2 -> decode TP 1 (MLA): one prefill rank writes every ring row, nope and rope; the other nothing.
+    # Prefill TP 2 -> decode TP 1 (MLA): the two prefill ranks write the KV entries in turn (split-kv); the first
+    # every ring row, nope and rope.
     moved = []
     for p_rank in range(2):
         moved.append(written(_pair(dsv4(unified=True), layout.Ranks(attn_tp=(2, p_rank)), dsv4(unified=True),
                                    layout.Ranks(attn_tp=(1, 0))))[:2])
-    assert sorted(moved) == [([0] * 8, [0] * 13), (DSV4_UNIFIED_KV, [65536] * 2 + [16384] * 2 + [512] * 4
-                                                   + [128] * 4 + [524288])], moved
+    assert moved == [(_turn(DSV4_UNIFIED_KV, 0), [65536] * 2 + [16384] * 2 + [512] * 4 + [128] * 4 + [524288]),
+                     (_turn(DSV4_UNIFIED_KV, 1), [0] * 13)], moved
     # A 300-token prompt: SGLang's rows of positions 172..299 in the request row's ring of 128, row 5 on the
     # prefill and 9 on the decode (prefill.py:1652-1663); the i-th row lands at the i-th, in every tensor.
     def rows(row: int) -> list[int]:

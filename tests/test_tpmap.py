@@ -6,7 +6,7 @@ import pytest
 
 from pdproto.errors import Reason, TopologyError
 from pdproto.negotiation.shards import Segment
-from pdproto.negotiation.tpmap import PACKED_FAN_IN, TpPlan, fan_in_packable, plan_tp
+from pdproto.negotiation.tpmap import PACKED_FAN_IN, SPLIT_KV, TpPlan, fan_in_packable, plan_tp
 from pdproto.v1 import common_pb2, registration_pb2, server_info_pb2
 from tests._tp_model import KimiShape
 
@@ -43,6 +43,31 @@ def test_hybrid_mla_fan_in_kv_and_aux_from_one_rank_state_from_both() -> None:
     assert first.row_slices == (None,) and second.row_slices == (Segment(0, 0, 0),)
     assert len(first.aux) == 1 and second.aux == ()
     assert all(t.segments for t in second.state[0].tensors)
+
+
+def test_mla_fan_in_senders_write_the_kv_pairings_in_turn_for_a_decode_that_asks() -> None:
+    """Prefill TP 4 -> decode TP 2 rank 1 (senders 2 and 3), three MLA pairings: with ``SPLIT_KV`` rank 2 writes
+    pairings 0 and 2, rank 3 pairing 1, and both answer the same sender set; a decode that did not ask for it (an
+    older one, or SGLang's own frames, which mark rank 3 a dummy) gets every pairing from rank 2."""
+    rows = [(MLA_ROW, MLA_ROW)] * 3
+    reg = decode(2, 1, state=False)
+    reg.capabilities.append(SPLIT_KV)
+    first, second = (plan_tp(prefill(4, r, kind=common_pb2.ATTENTION_KIND_MLA, state=False), reg, kv_rows=rows)
+                     for r in (2, 3))
+    nothing = Segment(0, 0, 0)
+    assert first.row_slices == (None, nothing, None) and second.row_slices == (nothing, None, nothing)
+    assert first.senders == second.senders and first.senders.required_responses == 2
+    assert (first.me.sends_kv, first.me.sends_aux, second.me.sends_kv, second.me.sends_aux) == (True, True, True, False)
+    older = [plan_tp(prefill(4, r, kind=common_pb2.ATTENTION_KIND_MLA, state=False), decode(2, 1, state=False),
+                     kv_rows=rows) for r in (2, 3)]
+    assert [p.row_slices for p in older] == [(None, None, None), (nothing, nothing, nothing)]
+    assert older[1].me.dummy and older[0].senders.required_responses == 1
+    # One MLA pairing (the Kimi-shaped hybrid's stage) between two senders: the second writes state only.
+    reg = decode(2, 1)
+    reg.capabilities.append(SPLIT_KV)
+    hybrid = [plan_tp(prefill(4, r), reg, kv_rows=[(MLA_ROW, MLA_ROW)]) for r in (2, 3)]
+    assert [p.row_slices for p in hybrid] == [(None,), (nothing,)]
+    assert not hybrid[1].me.sends_kv and hybrid[1].me.sends_state
 
 
 def test_a_prefill_rank_outside_the_decode_ranks_senders_is_rejected() -> None:
@@ -143,8 +168,8 @@ def test_cp_ranks_that_split_pages_each_write_kv_and_rank_0_alone_state_and_aux(
 
 
 def test_kv_shard_tp_ranks_of_an_mla_prefill_each_write_kv_to_every_decode_rank() -> None:
-    def shard(rank: int) -> server_info_pb2.PrefillServerInfo:
-        info = prefill(2, rank)
+    def shard(rank: int, tp: int = 2) -> server_info_pb2.PrefillServerInfo:
+        info = prefill(tp, rank)
         info.enable_kv_cache_sharding = True
         return info
 
@@ -155,6 +180,10 @@ def test_kv_shard_tp_ranks_of_an_mla_prefill_each_write_kv_to_every_decode_rank(
         # Every rank whole rows of its pages; aux and state from the rank the TP mapping names.
         assert [(p.me.tp_rank, p.me.sends_kv, p.me.sends_aux) for p in plans] == [(0, True, d == 0), (1, True, d == 1)]
         assert plans[0].row_slices == plans[1].row_slices == (None,)
+    # A fan-in of sharded ranks: each writes whole rows of its own pages, so SPLIT_KV has nothing to hand out.
+    reg = decode(2, 0)
+    reg.capabilities.append(SPLIT_KV)
+    assert all(plan_tp(shard(r, 4), reg, kv_rows=[(MLA_ROW, MLA_ROW)] * 2).row_slices == (None, None) for r in range(4))
     # Without sharding decode rank 1 hears from prefill rank 1 only.
     with pytest.raises(TopologyError) as caught:
         plan_tp(prefill(2, 0), decode(2, 1), kv_rows=[(MLA_ROW, MLA_ROW)])

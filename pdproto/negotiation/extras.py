@@ -398,7 +398,8 @@ def kv_row_writes(*, mla: bool, total_heads: int, src_row_bytes: int, dst_row_by
                   senders: Sequence[int]) -> dict[int, tuple[Segment, ...]]:
     """Per prefill TP rank in ``senders``, the part of each KV token row it writes.
 
-    MLA rows are whole on every prefill rank: the first sender writes them. MHA rows with
+    MLA rows are whole on every prefill rank: the first sender writes them (``tpmap.plan_tp`` hands the
+    pairings out in turn where the decode asked for ``SPLIT_KV``). MHA rows with
     equal TP sizes copy whole; with different sizes each sender writes the heads the decode
     rank holds of its own, and ``total_heads`` (the model's KV heads) must be known. MHA rows
     that hold every head on each prefill rank (SGLang's CP-TP group sharing, attention TP 1

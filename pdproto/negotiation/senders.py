@@ -23,7 +23,9 @@ A decode rank needs data from one prefill rank or from several (SGLang
   aux still come from the sender TP mapping above names.
 
 Within one stage's TP group the senders split the work: the KV of an MLA pool is whole on
-every prefill rank, so only the first sender writes it; MHA senders write their heads; state
+every prefill rank, so only the first sender writes it, or, for a decode that asks for it
+(``pdproto.negotiation.tpmap.SPLIT_KV``), the senders write its entries in turn (a stage with
+fewer MLA entries than senders leaves the last ones without KV); MHA senders write their heads; state
 is written by every sender that holds part of it (a tensor replicated across TP by one only,
 ``pdproto.negotiation.shards.assign_writes``); the aux slot once per destination, by the first sender of
 the last stage in the set (the stage that computed the first output token). A sender that

@@ -12,7 +12,8 @@ pair on either side:
 3. state matches and the bytes of each item this rank writes (``extras.state_writes``),
    under the prefill's state TP (which must be its attention TP) and the decode's attention TP;
 4. per KV pairing, the part of each token row this rank writes (``extras.kv_row_writes``):
-   whole MLA rows from one sender, whole MHA rows at equal TP sizes, heads otherwise (from one
+   whole MLA rows from one sender (from the senders in turn, one pairing each, where the decode
+   asked for it: ``SPLIT_KV``), whole MHA rows at equal TP sizes, heads otherwise (from one
    sender when each prefill rank holds every head), packed into the decode's pages where the
    decode asked for it (``PACKED_FAN_IN``).
 
@@ -66,6 +67,18 @@ PACKED_FAN_IN = "packed-fan-in"
 """Decode capability: it puts packed fan-in pages back in row order (``pdproto.transfer.packing.unpack_fan_in``),
 so a prefill rank that writes part of every row (MHA heads of a larger attention TP) may write each
 destination page's part as one block instead of one descriptor per row (docs/protocol.md section 3, packed fan-in)."""
+
+
+SPLIT_KV = "split-kv"
+"""Decode capability: it takes each KV pairing from the sender its negotiation names, so the prefill ranks of an
+MLA fan-in, which each hold every row, write the pairings in turn (pairing j from the j-th sender, modulo their
+number) instead of the first sender writing them all: each of k senders moves about 1/k of the KV, side by side."""
+
+
+def _split_whole_rows(rows: Sequence[dict[int, tuple[Segment, ...]]],
+                     senders: Sequence[int]) -> list[dict[int, tuple[Segment, ...]]]:
+    """Rows every sender holds whole, ``kv_row_writes`` giving them to the first: pairing j to ``senders[j % k]``."""
+    return [{t: r[senders[0]] if t == senders[j % len(senders)] else () for t in r} for j, r in enumerate(rows)]
 
 
 def fan_in_packable(cut: Segment | None, dst_row_bytes: int) -> bool:
@@ -127,6 +140,8 @@ def plan_tp(info: server_info_pb2.PrefillServerInfo, reg: registration_pb2.KvReg
     rows = [kv_row_writes(mla=mla, total_heads=heads or reg.total_kv_heads, src_row_bytes=s,
                           dst_row_bytes=d, src_tp=p_tp, dst_tp=d_tp, dst_rank=d_rank, senders=mapped)
             for s, d in kv_rows]
+    if mla and len(mapped) > 1 and not tp_shards and SPLIT_KV in reg.capabilities:
+        rows = _split_whole_rows(rows, mapped)
     kv_writers = {t for r in rows for t, segs in r.items() if segs}
     state_writers = {t for t, plan in writes.items() if any(p.writes for p in plan)}
     senders = sender_set(prefill_tp=p_tp, prefill_pp=p_pp, prefill_cp=p_cp, decode_tp=d_tp,
@@ -168,4 +183,4 @@ def _row_slice(segments: tuple[Segment, ...], src_row: int, dst_row: int) -> Seg
     return cut
 
 
-__all__ = ["PACKED_FAN_IN", "TpPlan", "fan_in_packable", "plan_tp"]
+__all__ = ["PACKED_FAN_IN", "SPLIT_KV", "TpPlan", "fan_in_packable", "plan_tp"]

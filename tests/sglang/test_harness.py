@@ -275,15 +275,16 @@ KIMI_STATE = 6 * (3 * 192 * 2 + 4 * 16 * 16 * 4)
 def test_kimi_linear_prefill_tp2_to_decode_tp1_fan_in_moves_every_byte(backend: str) -> None:
     """Two plain prefill TP ranks of the Kimi-Linear hybrid (both hold the MLA KV, each half the KDA state heads)
     into a decode of TP 1, which asks both: the KV, both state halves at their heads and channels, and the aux row
-    land byte-exact. pdproto moves the KV and aux from one prefill rank, each rank's own state half."""
+    land byte-exact. pdproto's prefill ranks write one of the two MLA layers each (its decode asks for SPLIT_KV),
+    each its own state half, and the aux from rank 0."""
     out = run(backend, HYBRID_TP, model="kimi", prefill_tp=2)
     _assert_ranks_ok(out, 1, 1)  # mismatches: every KV, state and aux byte
     assert out["prefill_rcs"] == [0, 0] and out["decode_rc"] == [0], out["prefill_stderr"]
     results = [p["results"]["101"] for p in out["prefills"]]
     assert [r["poll"] for r in results] == [SUCCESS, SUCCESS], out["prefill_stderr"]
     if backend == "pdproto":  # SGLang's metric counts no replication for a hybrid (its harness notes)
-        kv, (first, second) = 300 * 2 * KV_ROW, (r["metric_bytes"] for r in results)
-        assert second == KIMI_STATE // 2 and first - kv - KIMI_STATE // 2 > 0, results  # rank 0: KV, half, aux
+        layer, (first, second) = 300 * KV_ROW, (r["metric_bytes"] for r in results)
+        assert second == layer + KIMI_STATE // 2 and first - layer - KIMI_STATE // 2 > 0, results  # rank 0: aux too
 
 
 @pytest.mark.parametrize("backend", ["pdproto", "mooncake_tcp"])

@@ -190,8 +190,8 @@ def test_block_size_mismatch_with_decode_prefix(model: str, tmp_path: Path) -> N
 
 
 def test_mla_tp2_prefill_to_tp1_decode(model: str, tmp_path: Path) -> None:
-    """An MLA prefill of TP 2 (each rank holds the whole latent cache): the decode registers with both, one
-    writes, the other is a dummy; both hand their blocks back."""
+    """An MLA prefill of TP 2 (each rank holds the whole latent cache): the decode registers with both and, as
+    it asks for SPLIT_KV, each writes its share of the layers; both hand their blocks back."""
     port = free_port(span=2)
     with started([("kv_producer", 2, {"port": port}), ("kv_consumer", 1, {})], model, tmp_path) as (prefills, decode):
         transfer(prefills, decode, tokens=120, src=[9, 10, 11, 12, 13, 14, 15, 16], dst=[2, 4, 6, 8, 10, 12, 14, 16],

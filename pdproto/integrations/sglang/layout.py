@@ -106,7 +106,7 @@ from pdproto.dcp.layers import EntryRole
 from pdproto.errors import ConfigError, InvalidFieldError, Reason, TopologyError
 from pdproto.negotiation.registration import AuxEntry, DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.negotiation.topology import PAGE_RELAYOUT
-from pdproto.negotiation.tpmap import PACKED_FAN_IN
+from pdproto.negotiation.tpmap import PACKED_FAN_IN, SPLIT_KV
 from pdproto.v1 import common_pb2
 
 from ..dtypes import kv_dtype
@@ -152,11 +152,12 @@ V4_PP_RATIOS = frozenset({0, 4, 128})
 """DeepSeek-V4 compression ratios whose entries pdproto numbers by layer (``_v4_layers``), as SGLang's PP slicing
 does; V4.1's ratios 1 and 2 (entries of kv_source layers) pair by position, between single-stage servers."""
 
-CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT, PACKED_FAN_IN)
+CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT, PACKED_FAN_IN, SPLIT_KV)
 """What a decode rank of this backend announces: its pages take rows planned per token, so a prefill of
 another page size (a vLLM prefill's block of 16) may feed it (SGLang's own bootstrap check still keeps
-two SGLang servers to one ``--page-size``); and it puts packed fan-in pages back in row order
-(``decode_side``)."""
+two SGLang servers to one ``--page-size``); it puts packed fan-in pages back in row order
+(``decode_side``); and it waits for every prefill rank its negotiation names, so an MLA fan-in's ranks
+may each write part of the KV."""
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,16 @@ from pdproto import PROTOCOL_MAJOR, PROTOCOL_MINOR, v1
 from pdproto.errors import ConfigError, PdprotoError, Reason, TopologyError
 from pdproto.negotiation.registration import DecodeLayout, KvEntry, Region, StateEntry, StateTensor
 from pdproto.negotiation.topology import PAGE_RELAYOUT
-from pdproto.negotiation.tpmap import PACKED_FAN_IN
+from pdproto.negotiation.tpmap import PACKED_FAN_IN, SPLIT_KV
 from pdproto.v1 import common_pb2
 
 from ..dtypes import kv_dtype
 
-CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT, PACKED_FAN_IN)
+CAPABILITIES = ("dcp-relayout", "packed", PAGE_RELAYOUT, PACKED_FAN_IN, SPLIT_KV)
 """What a decode rank of this connector announces: vLLM's block sizes differ between engines and
-backends (16, 64, 128), so its blocks take rows planned per token from any prefill page size; and it
-puts packed fan-in blocks back in row order (``worker.DecodeWorker``)."""
+backends (16, 64, 128), so its blocks take rows planned per token from any prefill page size; it
+puts packed fan-in blocks back in row order (``worker.DecodeWorker``); and it waits for every prefill
+rank its negotiation names, so an MLA fan-in's ranks may each write part of the KV."""
 
 
 @dataclass(frozen=True)
